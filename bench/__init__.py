@@ -1,0 +1,1 @@
+"""Benchmarks and the cost model: interconnect benchmark, tick replay, speed prediction."""

@@ -1,0 +1,1 @@
+"""Checkpoint tools: HF <-> Megatron-layout conversion, stage/TP sharding, GGUF import, verify."""

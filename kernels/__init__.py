@@ -1,0 +1,1 @@
+"""Kernels used by the runtime; each ships with a plain torch reference."""

@@ -1,0 +1,1 @@
+"""Command-line tools: one module per `spd` subcommand."""

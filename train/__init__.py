@@ -1,0 +1,1 @@
+"""Training the speculation module (PDM): offline data, decontamination, draft vocabulary, distillation."""
