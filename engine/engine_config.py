@@ -1,0 +1,110 @@
+"""The run configuration: one explicit, validated object every rank builds its part from.
+
+Model sources: an engine checkpoint directory, or `random:<preset>` (seeded random weights of a
+named shape; every rank builds the same tensors independently, so no weights travel). PDM
+sources: a PDM checkpoint directory, or `random` (an untrained head; output stays lossless).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.anchors import AnchorPlan
+from engine.config import ModelConfig, tiny_config
+from engine.topology import Topology
+
+MODES = ("spd", "pp", "ar")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _shape(arch, vocab, hidden, inter, layers, heads, kv, head_dim, tie, **kw) -> ModelConfig:
+    return ModelConfig(arch=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
+                       num_heads=heads, num_kv_heads=kv, head_dim=head_dim, tie_embeddings=tie,
+                       max_position=8192, eos_token_ids=(2,), **kw)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny-llama": tiny_config("llama"),
+    "tiny-qwen2": tiny_config("qwen2"),
+    "tiny-qwen3": tiny_config("qwen3"),
+    "smollm2-135m": _shape("llama", 49152, 576, 1536, 30, 9, 3, 64, True, rope_theta=100000.0),
+    "llama-3.2-1b": _shape("llama", 128256, 2048, 8192, 16, 32, 8, 64, True, rope_theta=500000.0),
+    "qwen3-4b": _shape("qwen3", 151936, 2560, 9728, 36, 32, 8, 128, True, qk_norm=True, rope_theta=1e6),
+    "llama-3.1-8b": _shape("llama", 128256, 4096, 14336, 32, 32, 8, 128, False, rope_theta=500000.0),
+}
+
+
+def random_preset(spec: str) -> ModelConfig | None:
+    """The config of a `random:<preset>` model source, None for a checkpoint path."""
+    if not spec.startswith("random:"):
+        return None
+    name = spec.split(":", 1)[1]
+    if name not in PRESETS:
+        raise ValueError(f"unknown random model preset {name!r}; choose from {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # engine checkpoint dir or random:<preset>
+    cfg: ModelConfig
+    topology: Topology
+    mode: str = "spd"
+    pdm: str = "random"  # PDM checkpoint dir or "random"
+    pdm_layers: int = 1
+    anchors: tuple[int, ...] | None = None
+    backend: str = "gloo"
+    device: str = "cpu"
+    dtype: str = "float32"
+    capacity: int = 2048
+    prefill_chunk: int = 128
+    timeout_s: float = 60.0
+    threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
+        if self.topology.num_layers != self.cfg.num_layers:
+            raise ValueError(f"stage layers {list(self.topology.stage_layers)} sum to {self.topology.num_layers}, "
+                             f"the model has {self.cfg.num_layers} layers")
+        if self.mode == "ar" and self.topology.n != 1:
+            raise ValueError("--mode ar runs the whole model on one rank: use --stages 1")
+        if self.capacity < 2 or self.capacity > self.cfg.max_position:
+            raise ValueError(f"KV capacity {self.capacity} must be in [2, max_position={self.cfg.max_position}]")
+        if self.prefill_chunk < 1 or self.timeout_s <= 0:
+            raise ValueError("prefill chunk must be >= 1 and the timeout positive")
+        if random_preset(self.model) is None and not Path(self.model).is_dir():
+            raise ValueError(f"model checkpoint not found: {self.model}")
+        if self.pdm != "random" and not Path(self.pdm).is_dir():
+            raise ValueError(f"PDM checkpoint not found: {self.pdm}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def world_size(self) -> int:
+        if self.mode == "spd":
+            return self.topology.world_size
+        return self.topology.n  # pp: n stage ranks (head on the last); ar: one rank
+
+    def plan(self) -> AnchorPlan:
+        return AnchorPlan.build(self.topology.bounds, self.anchors)
+
+    def threads_per_rank(self, ranks_on_host: int | None = None) -> int:
+        if self.threads is not None:
+            return self.threads
+        ranks = ranks_on_host or self.world_size
+        return max(1, (os.cpu_count() or 1) // ranks)
+
+    def replace(self, **kw) -> "EngineConfig":
+        return dataclasses.replace(self, **kw)

@@ -1,0 +1,44 @@
+"""The fixed integer header every pipeline message carries (DESIGN 3.4).
+
+`(kind, position, epoch, token)` travels as its own small int64 tensor, never inside a bf16
+payload (integers above 256 are not exact there). For a prefill chunk, `position` is the
+chunk's first position and `token` its token count; for a stats reply, `token` is the
+number of float64 values that follow.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+HEADER_LEN = 4
+
+
+class Kind(IntEnum):
+    TOKEN = 1  # one token at `position`; stage 0 reads the id from the header
+    PREFILL = 2  # chunk of `token` tokens starting at `position`
+    END = 3  # end of request: stages reply with their stats and idle
+    SHUTDOWN = 4  # stop the worker loop
+    STATS = 5  # a stage's per-request timing, float64 payload
+
+
+@dataclass(frozen=True)
+class Header:
+    kind: Kind
+    position: int = 0
+    epoch: int = 0
+    token: int = 0
+
+    def to_tensor(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.empty(HEADER_LEN, dtype=torch.int64) if out is None else out
+        out[0], out[1], out[2], out[3] = int(self.kind), self.position, self.epoch, self.token
+        return out
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "Header":
+        kind, position, epoch, token = (int(x) for x in t.tolist())
+        try:
+            return cls(Kind(kind), position, epoch, token)
+        except ValueError:
+            raise RuntimeError(f"corrupt message header {t.tolist()}") from None

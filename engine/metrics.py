@@ -1,0 +1,71 @@
+"""Run metrics, defined once (DESIGN 3.8) and used by generate, eval and bench.
+
+tokens N includes the first token (from the prefill logits) and a final EOS, never an
+unverified draft; decode tokens = N - 1; ticks counts decode ticks including fill and refill;
+alpha = accepted / verified drafts; EAL = n * decode tokens / ticks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    n: int
+    ticks: int = 0
+    verified: int = 0
+    accepted: int = 0
+    rejections: int = 0  # rejections followed by at least one more committed token
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    # per-tick breakdown, summed over the run (seconds); stage entries come from the stages
+    driver: dict[str, float] = field(default_factory=dict)
+    stages: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def decode_tokens(self) -> int:
+        return max(0, len(self.tokens) - 1)
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.verified if self.verified else 0.0
+
+    @property
+    def eal(self) -> float:
+        return self.n * self.decode_tokens / self.ticks if self.ticks else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def breakdown_ms_per_tick(self) -> dict[str, float]:
+        """Per-tick means in milliseconds: driver parts, each stage's compute, and driver slack."""
+        if not self.ticks:
+            return {}
+        per = {f"driver_{k}_ms": 1e3 * v / self.ticks for k, v in self.driver.items()}
+        stage_ms = []
+        for i, s in enumerate(self.stages):
+            msgs = max(1.0, s.get("messages", 1.0))
+            ms = 1e3 * s.get("compute_s", 0.0) / msgs
+            stage_ms.append(ms)
+            per[f"stage{i}_compute_ms"] = ms
+            per[f"stage{i}_wait_ms"] = 1e3 * s.get("wait_s", 0.0) / msgs
+        if stage_ms:
+            driver_work = sum(per.get(f"driver_{k}_ms", 0.0) for k in ("pdm", "verify", "send"))
+            per["driver_slack_ms"] = max(stage_ms) - driver_work
+        return per
+
+    def to_json(self) -> dict:
+        return {
+            "tokens": len(self.tokens), "decode_tokens": self.decode_tokens, "ticks": self.ticks,
+            "verified": self.verified, "accepted": self.accepted, "rejections": self.rejections,
+            "alpha": self.alpha, "eal": self.eal, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
+            "decode_tok_s": self.decode_tok_s, "breakdown_ms_per_tick": self.breakdown_ms_per_tick(),
+        }
+
+
+def pooled_eal(results: list[GenerationResult]) -> float:
+    """n * sum(N-1) / sum(ticks) over a prompt set."""
+    ticks = sum(r.ticks for r in results)
+    return results[0].n * sum(r.decode_tokens for r in results) / ticks if ticks else 0.0

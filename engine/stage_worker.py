@@ -1,0 +1,97 @@
+"""Stage worker: receive a token (or prefill chunk), run layers [a, b), send the output downstream
+and the anchor states to the driver.
+
+Rollback is lazy (DESIGN 3.4): a message at position `q` writes its K/V at slot `q`, so whatever
+a stale token left there is overwritten; there is no control message, collective or barrier.
+Every processed message produces exactly one message to the driver when this stage produces
+anchors or is the last stage; the driver counts on that to drain its links at the end.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.anchors import AnchorPlan
+from engine.messages import Header, Kind
+from engine.model import StageModel
+from engine.topology import Topology
+from engine.transport import Transport
+
+
+class StageWorker:
+    def __init__(self, stage: int, topo: Topology, plan: AnchorPlan, model: StageModel, transport: Transport,
+                 capacity: int, chunk: int, timeout: float) -> None:
+        self.stage, self.topo, self.model, self.t = stage, topo, model, transport
+        self.capacity, self.timeout = capacity, timeout
+        self.prev = topo.driver_rank if stage == 0 else topo.stage_rank(stage - 1)
+        self.next = topo.stage_rank(stage + 1) if stage + 1 < topo.n else None
+        self.driver = topo.driver_rank
+        self.anchor_ids = plan.anchors_of_stage(stage)
+        self.anchor_layers = [plan.anchor_layer(a) for a in self.anchor_ids]
+        self.capture = frozenset(self.anchor_layers)
+        self.reports = bool(self.anchor_ids) or self.next is None
+        p = next(model.parameters())
+        H = model.cfg.hidden_size
+        self.cache = model.new_cache(1, capacity)
+        self.h_in = torch.empty(chunk, H, device=p.device, dtype=p.dtype)  # [chunk, H] received hidden
+        self.ids_in = torch.empty(chunk, dtype=torch.long, device=p.device)  # [chunk] stage 0 prefill ids
+        self.tok = torch.empty(1, 1, dtype=torch.long, device=p.device)
+        self.in_request = False
+        self.stats = torch.zeros(3, dtype=torch.float64)  # compute seconds, messages, receive-wait seconds
+
+    def serve(self) -> None:
+        """Loop until SHUTDOWN."""
+        while self.step():
+            pass
+
+    def step(self) -> bool:
+        """Handle one message; False after SHUTDOWN."""
+        timeout = self.timeout if self.in_request else None  # no timeout while idle between requests
+        t0 = time.perf_counter()
+        hdr = self.t.recv_header(self.prev, timeout, tick=int(self.stats[1]))
+        if hdr.kind in (Kind.TOKEN, Kind.PREFILL):
+            self.in_request = True
+            self._compute(hdr, t0)
+            return True
+        if self.next is not None:
+            self.t.send(self.next, hdr)
+        if hdr.kind == Kind.END:
+            self.t.send(self.driver, Header(Kind.STATS, token=self.stats.numel()), [self.stats.clone()])
+            self.t.flush()
+            self.stats.zero_()
+            self.in_request = False
+            return True
+        assert hdr.kind == Kind.SHUTDOWN, hdr
+        self.t.flush()
+        return False
+
+    @torch.no_grad()
+    def _compute(self, hdr: Header, t0: float) -> None:
+        T = 1 if hdr.kind == Kind.TOKEN else hdr.token
+        pos = hdr.position
+        if pos + T > self.capacity or T > self.h_in.shape[0]:
+            raise RuntimeError(f"stage {self.stage}: message {hdr} exceeds KV capacity {self.capacity} "
+                               f"or prefill chunk {self.h_in.shape[0]}")
+        if self.stage == 0:
+            if hdr.kind == Kind.TOKEN:
+                ids = self.tok.fill_(hdr.token)
+            else:
+                ids = self.t.recv_into(self.prev, self.ids_in[:T], self.timeout, int(self.stats[1]))[None]
+            t1 = time.perf_counter()
+            h = self.model.embed(ids)  # [1, T, H]
+        else:
+            h = self.t.recv_into(self.prev, self.h_in[:T], self.timeout, int(self.stats[1]))[None]
+            t1 = time.perf_counter()
+        out, caps = self.model.forward_layers(h, self.cache, pos, capture=self.capture)
+        t2 = time.perf_counter()
+        self.stats += torch.tensor([t2 - t1, 1.0, t1 - t0], dtype=torch.float64)
+        if self.next is not None:
+            self.t.send(self.next, hdr, [out[0]])
+        if self.reports:
+            payloads = []
+            if self.anchor_ids:  # [T, k, H], anchors in ascending order
+                payloads.append(torch.stack([caps[layer][0] for layer in self.anchor_layers], dim=1))
+            if self.next is None:
+                payloads.append(out[0])  # [T, H] exit hidden state
+            self.t.send(self.driver, hdr, payloads)
