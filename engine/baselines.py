@@ -1,0 +1,81 @@
+"""Baselines in the same engine: plain pipeline-parallel autoregressive decoding (`pp`) and
+autoregressive decoding on one rank (`ar`, which is `pp` with one stage).
+
+Same stage worker, same kernels and shapes as SPD; the last stage holds the final norm + head
+and replies with the argmax token id; rank 0 runs stage 0 inline and waits for that reply
+before the next token enters, so one token goes through all stages at a time.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from engine.greedy import check_request, prefill_chunks
+from engine.messages import Header, Kind
+from engine.metrics import GenerationResult
+from engine.stage_worker import StageWorker
+from engine.topology import Topology
+from engine.transport import Transport
+
+
+class PipelineDriver:
+    def __init__(self, topo: Topology, stage0: StageWorker, transport: Transport, capacity: int, chunk: int,
+                 timeout: float) -> None:
+        assert topo.colocate and stage0.stage == 0
+        self.topo, self.stage0, self.t = topo, stage0, transport
+        self.capacity, self.chunk, self.timeout = capacity, chunk, timeout
+        self.last = topo.stage_rank(topo.n - 1)
+        self.vocab = stage0.model.cfg.vocab_size
+
+    def _send(self, hdr: Header, payloads: Sequence[torch.Tensor] = ()) -> None:
+        self.t.send(self.topo.stage_rank(0), hdr, payloads)
+        self.stage0.step()  # stage 0 runs inline on this rank
+
+    def _reply(self, tick: int) -> int:
+        return self.t.recv_header(self.last, self.timeout, tick).token
+
+    @torch.no_grad()
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int] = (),
+                 draft_policy=None, on_token: Callable[[int], None] | None = None) -> GenerationResult:
+        check_request(prompt, max_new_tokens, self.capacity, self.vocab)
+        res = GenerationResult(tokens=[], n=self.topo.n)
+        t0 = time.perf_counter()
+        ids = torch.tensor(prompt, dtype=torch.long)
+        chunks = prefill_chunks(len(prompt), self.chunk)
+        for start, count in chunks:
+            self._send(Header(Kind.PREFILL, start, 0, count), [ids[start:start + count]])
+        token = [self._reply(0) for _ in chunks][-1]
+        res.prefill_s = time.perf_counter() - t0
+        eos = set(eos_ids)
+        t1 = time.perf_counter()
+        pos = len(prompt)
+        while True:
+            res.tokens.append(token)
+            if on_token is not None:
+                on_token(token)
+            if token in eos or len(res.tokens) >= max_new_tokens:
+                break
+            res.ticks += 1
+            self._send(Header(Kind.TOKEN, pos, 0, token))
+            token = self._reply(res.ticks)
+            pos += 1
+        res.decode_s = time.perf_counter() - t1
+        res.stages = self._finish()
+        return res
+
+    def _finish(self) -> list[dict[str, float]]:
+        self._send(Header(Kind.END))
+        stats = []
+        for s in range(self.topo.n):
+            rank = self.topo.stage_rank(s)
+            hdr = self.t.recv_header(rank, self.timeout)
+            assert hdr.kind == Kind.STATS, hdr
+            vals = self.t.recv_into(rank, torch.empty(hdr.token, dtype=torch.float64), self.timeout)
+            stats.append({"compute_s": float(vals[0]), "messages": float(vals[1]), "wait_s": float(vals[2])})
+        return stats
+
+    def shutdown(self) -> None:
+        self._send(Header(Kind.SHUTDOWN))
+        self.t.flush()

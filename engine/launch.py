@@ -1,0 +1,121 @@
+"""Distributed launch: one process per rank over torch.distributed (gloo on CPU, NCCL on GPU).
+
+`launch(ecfg)` is a context manager yielding the driver-side runtime on rank 0.
+- Started by `torchrun` (RANK/WORLD_SIZE set; single node or multi-node rendezvous): every
+  process enters; ranks other than 0 serve their stage and exit when the driver shuts down.
+- Started plainly: rank 0 is this process and the other ranks are spawned children. There is no
+  elastic agent killing survivors, so a dead rank is detected by the others themselves: a
+  receive inside a request fails on a closed connection or times out, and the rank exits
+  with an error naming (rank, peer, tick).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from engine.engine_config import EngineConfig
+from engine.roles import build_rank
+from engine.transport import DistTransport, TransportError
+
+# Test hook: "RANK:MESSAGES" makes that rank SIGKILL itself after handling MESSAGES messages,
+# the same as `kill -9` from outside, to check that no surviving rank hangs.
+FAULT_ENV = "SPD_FAULT_KILL_RANK"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(ecfg: EngineConfig, rank: int, world: int, init_method: str) -> DistTransport:
+    torch.set_num_threads(ecfg.threads_per_rank())
+    timeout = datetime.timedelta(seconds=max(60.0, ecfg.timeout_s))
+    dist.init_process_group(ecfg.backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+    return DistTransport(rank, world, ecfg.device)
+
+
+def _serve(ecfg: EngineConfig, rank: int, transport: DistTransport) -> None:
+    _, worker = build_rank(ecfg, rank, transport)
+    assert worker is not None
+    fault = os.environ.get(FAULT_ENV, "")
+    if fault and int(fault.split(":")[0]) == rank:
+        limit = int(fault.split(":")[1])
+        for _ in range(limit):
+            worker.step()
+        os.kill(os.getpid(), signal.SIGKILL)
+    worker.serve()
+
+
+def _child_main(rank: int, world: int, ecfg: EngineConfig, init_method: str) -> None:
+    try:
+        transport = _init(ecfg, rank, world, init_method)
+        _serve(ecfg, rank, transport)
+        dist.destroy_process_group()
+    except (TransportError, RuntimeError, ValueError) as err:
+        print(f"spd: rank {rank} failed: {err}", file=sys.stderr, flush=True)
+        os._exit(1)  # skip process-group teardown, which may wait on the dead peer
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+@contextlib.contextmanager
+def launch(ecfg: EngineConfig) -> Iterator[object]:
+    world = ecfg.world_size
+    if under_torchrun():
+        rank, got = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if got != world:
+            raise ValueError(f"torchrun started {got} processes; mode {ecfg.mode} with n={ecfg.topology.n} "
+                             f"needs world size {world}")
+        transport = _init(ecfg, rank, world, "env://")
+        if rank != 0:
+            try:
+                _serve(ecfg, rank, transport)
+            except (TransportError, RuntimeError) as err:
+                print(f"spd: rank {rank} failed: {err}", file=sys.stderr, flush=True)
+                os._exit(1)
+            dist.destroy_process_group()
+            sys.exit(0)
+        yield from _drive(ecfg, transport, [])
+        return
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    children = [ctx.Process(target=_child_main, args=(r, world, ecfg, init_method), daemon=True)
+                for r in range(1, world)]
+    for p in children:
+        p.start()
+    transport = _init(ecfg, 0, world, init_method)
+    yield from _drive(ecfg, transport, children)
+
+
+def _drive(ecfg: EngineConfig, transport: DistTransport, children: list) -> Iterator[object]:
+    driver, _ = build_rank(ecfg, 0, transport)
+    ok = False
+    try:
+        yield driver
+        driver.shutdown()
+        ok = True
+    finally:
+        # Also on error: closing our connections makes every surviving rank's receive fail
+        # at once with an error naming us, instead of waiting for its timeout.
+        dist.destroy_process_group()
+        for p in children:
+            p.join(timeout=ecfg.timeout_s if ok else 5.0)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5.0)
+    if ok:
+        bad = [(r + 1, p.exitcode) for r, p in enumerate(children) if p.exitcode != 0]
+        if bad:
+            raise RuntimeError(f"ranks exited with errors: {bad}")

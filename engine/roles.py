@@ -1,0 +1,49 @@
+"""What each rank runs, for every mode: the driver side on rank 0, stage workers elsewhere.
+
+Used alike by the distributed launcher (one rank per process) and the reference executor
+(ranks as threads over the in-process transport), so both run the same objects.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from engine.baselines import PipelineDriver
+from engine.build import build_driver_head, build_pdm, build_stage_model
+from engine.driver import Driver
+from engine.engine_config import EngineConfig
+from engine.stage_worker import StageWorker
+from engine.topology import Topology
+from engine.transport import Transport, loopback_pair
+
+
+def rank_topology(ecfg: EngineConfig) -> Topology:
+    """SPD uses the configured placement; pp and ar always run stage 0 on rank 0."""
+    if ecfg.mode == "spd":
+        return ecfg.topology
+    return dataclasses.replace(ecfg.topology, colocate=True)
+
+
+def build_rank(ecfg: EngineConfig, rank: int, transport: Transport, pdm=None
+               ) -> tuple[Driver | PipelineDriver | None, StageWorker | None]:
+    """(driver-side runtime or None, stage worker to serve or None) for this rank."""
+    topo = rank_topology(ecfg)
+    spd = ecfg.mode == "spd"
+    plan = ecfg.plan() if spd else None
+    stage = topo.stage_of_rank(rank)
+    worker, driver_transport = None, transport
+    if stage is not None:
+        last = stage == topo.n - 1
+        model = build_stage_model(ecfg, topo.layers_of(stage), embedding=stage == 0, head=last and not spd)
+        if rank == topo.driver_rank:
+            driver_transport, transport = loopback_pair(transport)
+        worker = StageWorker(stage, topo, plan, model, transport, ecfg.capacity, ecfg.prefill_chunk,
+                             ecfg.timeout_s)
+    if rank != topo.driver_rank:
+        return None, worker
+    if not spd:
+        return PipelineDriver(topo, worker, driver_transport, ecfg.capacity, ecfg.prefill_chunk,
+                              ecfg.timeout_s), None
+    pdm = pdm if pdm is not None else build_pdm(ecfg)
+    driver = Driver(topo, plan, build_driver_head(ecfg), pdm, driver_transport, ecfg.capacity,
+                    ecfg.prefill_chunk, ecfg.timeout_s, local_stage0=worker)
+    return driver, None
