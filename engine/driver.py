@@ -64,6 +64,9 @@ class Driver:
         self.sent = 0
         self.consumed = [0] * self.n
         self.timers = {"pdm": 0.0, "verify": 0.0, "wait": 0.0, "send": 0.0}
+        # Optional (newest position, fill, draft logits [Vd]) callback: evaluation by fill state,
+        # and the check that training simulates exactly what the driver computes.
+        self.draft_observer: Callable[[int, int, torch.Tensor], None] | None = None
 
     # ---- transport helpers ----
     def _send_stage0(self, hdr: Header, payloads: Sequence[torch.Tensor] = ()) -> None:
@@ -186,6 +189,8 @@ class Driver:
                                            torch.tensor(types, device=self.device))  # [R, H]
             h = self.pdm.forward_rows(rows[None], self.pdm_cache, pdm_len)
             draft = greedy_draft(self.pdm, h[0, -1])
+            if self.draft_observer is not None:
+                self.draft_observer(inflight[-1].pos, L, self.pdm.draft_logits(h[0, -1]))
             if policy is not None:
                 draft = policy(inflight[-1].pos + 1, draft)
             pdm_len += int(pending)  # crop back: keep only the pending full-depth row

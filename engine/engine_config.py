@@ -65,8 +65,11 @@ class EngineConfig:
     timeout_s: float = 60.0
     threads: int | None = None
     seed: int = 0
+    stage_ms: tuple[float, ...] | None = None  # synthetic per-stage decode step time (sleep-padded)
 
     def __post_init__(self) -> None:
+        if self.stage_ms is not None and (len(self.stage_ms) != self.topology.n or min(self.stage_ms) < 0):
+            raise ValueError(f"stage_ms needs {self.topology.n} non-negative values, got {self.stage_ms}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.dtype not in DTYPES:

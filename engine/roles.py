@@ -36,8 +36,9 @@ def build_rank(ecfg: EngineConfig, rank: int, transport: Transport, pdm=None
         model = build_stage_model(ecfg, topo.layers_of(stage), embedding=stage == 0, head=last and not spd)
         if rank == topo.driver_rank:
             driver_transport, transport = loopback_pair(transport)
+        min_step = ecfg.stage_ms[stage] / 1e3 if ecfg.stage_ms else 0.0
         worker = StageWorker(stage, topo, plan, model, transport, ecfg.capacity, ecfg.prefill_chunk,
-                             ecfg.timeout_s)
+                             ecfg.timeout_s, min_step_s=min_step)
     if rank != topo.driver_rank:
         return None, worker
     if not spd:

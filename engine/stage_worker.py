@@ -21,12 +21,13 @@ from engine.transport import Transport
 
 class StageWorker:
     def __init__(self, stage: int, topo: Topology, plan: AnchorPlan | None, model: StageModel, transport: Transport,
-                 capacity: int, chunk: int, timeout: float) -> None:
+                 capacity: int, chunk: int, timeout: float, min_step_s: float = 0.0) -> None:
         """plan None: a plain pipeline-parallel stage (no anchors). A last stage that holds the
         head replies to the driver with the argmax token id in the header instead of its hidden
         state (the `pp` and `ar` baselines)."""
         self.stage, self.topo, self.model, self.t = stage, topo, model, transport
         self.capacity, self.timeout = capacity, timeout
+        self.min_step_s = min_step_s  # synthetic stage time (benchmarks, bubble tests): pad compute to this
         self.prev = topo.driver_rank if stage == 0 else topo.stage_rank(stage - 1)
         self.next = topo.stage_rank(stage + 1) if stage + 1 < topo.n else None
         self.driver = topo.driver_rank
@@ -87,6 +88,8 @@ class StageWorker:
             h = self.t.recv_into(self.prev, self.h_in[:T], self.timeout, int(self.stats[1]))[None]
             t1 = time.perf_counter()
         out, caps = self.model.forward_layers(h, self.cache, pos, capture=self.capture)
+        if self.min_step_s > 0 and hdr.kind == Kind.TOKEN:
+            time.sleep(max(0.0, self.min_step_s - (time.perf_counter() - t1)))
         t2 = time.perf_counter()
         self.stats += torch.tensor([t2 - t1, 1.0, t1 - t0], dtype=torch.float64)
         if self.next is not None:

@@ -1,0 +1,89 @@
+"""`spd train`: distil a PDM head from the frozen target (DESIGN 3.7), resumable.
+
+Batches alternate between self-distilled sequences (the target's own answers; generated first
+with --self-distill N) and the offline corpus text. The result is a PDM directory under
+OUT/pdm that `spd generate --spec` and `spd eval --spec` take.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections.abc import Iterator
+
+import torch
+
+from engine.topology import Topology
+from tools.common import model_config, resolve_model
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="built-in name, checkpoint, HF dir or GGUF")
+    p.add_argument("--corpus", required=True, help="corpus directory from `spd data`")
+    p.add_argument("--out", required=True, help="run directory (resumes if it holds state.pt)")
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--stage-layers", default=None)
+    p.add_argument("--anchors", default=None, help="explicit anchors, e.g. 0,8,23,29")
+    p.add_argument("--pdm-layers", type=int, default=1)
+    p.add_argument("--draft-vocab", default=None, help="JSON from `spd draft-vocab`")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--target-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--self-distill", type=int, default=0, help="generate answers for N corpus prompts first")
+    p.add_argument("--gen-tokens", type=int, default=192, help="max answer length for --self-distill")
+    p.add_argument("--threads", type=int, default=None)
+
+
+def batches(corpus, seq_len: int, batch: int, seed: int) -> Iterator[torch.Tensor]:
+    """Endless [batch, seq_len] batches alternating self-distilled and offline sequences."""
+    def stream(kinds):
+        for epoch in itertools.count():
+            yield from corpus.sequences(seq_len, kinds=kinds, seed=seed + epoch)
+
+    has_gen = any(g["split"] == "train" for g in corpus.manifest["generated"])
+    streams = [stream(("generated",)), stream(("prompt", "text", "conversation"))] if has_gen else \
+        [stream(None)]
+    for i in itertools.count():
+        s = streams[i % len(streams)]
+        yield torch.tensor(list(itertools.islice(s, batch)), dtype=torch.long)
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.checkpoint import load_stage_model
+    from train.corpus import Corpus
+    from train.distill import TrainConfig, Trainer
+    from train.draft_vocab import load_draft_vocab
+    from train.self_distill import self_distill
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine_dir, tok_dir = resolve_model(args.model)
+    cfg = model_config(engine_dir)
+    topo = Topology.build(cfg.num_layers, n=None if args.stage_layers else args.stages, stage_layers=args.stage_layers)
+    corpus = Corpus(args.corpus)
+    if corpus.vocab_size != cfg.vocab_size:
+        raise ValueError(f"corpus was tokenized for a vocabulary of {corpus.vocab_size}, the model has {cfg.vocab_size}")
+    dtype = getattr(torch, args.target_dtype)
+    target = load_stage_model(engine_dir, range(cfg.num_layers), True, True, dtype=dtype).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    done = sum(s["samples"] for s in corpus.manifest["sources"] if s["name"] == "self-distilled")
+    if args.self_distill > done:  # resuming with the same command must not generate again
+        eos = corpus.manifest["tokenizer"]["eos_ids"]
+        self_distill(corpus, target, args.self_distill - done, args.gen_tokens, eos, seed=args.seed, log=log)
+    dv = tuple(load_draft_vocab(args.draft_vocab)) if args.draft_vocab else None
+    anchors = tuple(int(x) for x in args.anchors.split(",")) if args.anchors else None
+    tcfg = TrainConfig(out=args.out, stage_layers=tuple(topo.stage_layers), anchors=anchors,
+                       pdm_layers=args.pdm_layers, seq_len=args.seq_len, batch=args.batch, steps=args.steps,
+                       lr=args.lr, target_dtype=args.target_dtype, device=args.device, seed=args.seed,
+                       save_every=args.save_every)
+    trainer = Trainer(target, tcfg, batches(corpus, args.seq_len, args.batch, args.seed), dv, log=log)
+    trainer.run()
+    print(f"{args.out}/pdm")
+    return 0

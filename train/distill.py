@@ -1,0 +1,161 @@
+"""PDM training: knowledge distillation from the frozen target over the exact pipeline simulation.
+
+Each step: a batch of token sequences goes through the frozen target once (anchors + teacher
+logits); a fill `f` is drawn (half the batches `f = n`, the rest `f ~ U{1..n-1}`); the PDM runs
+the simulation of train/pipeline_sim.py and the loss is KL(target || PDM) on next-token
+distributions restricted to the draft vocabulary. Logged: loss and top-1 agreement with the
+target's argmax per fill. Checkpoints (`state.pt` + an exported PDM dir) make runs resumable.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.anchors import AnchorPlan
+from engine.model import StageModel
+from engine.pdm import PDM, PDMConfig, save_pdm
+from train.pipeline_sim import simulated_hidden, target_anchors
+
+
+@dataclass
+class TrainConfig:
+    out: str
+    stage_layers: tuple[int, ...]
+    anchors: tuple[int, ...] | None = None
+    pdm_layers: int = 1
+    seq_len: int = 256
+    batch: int = 4
+    steps: int = 1000
+    lr: float = 5e-4
+    warmup: int = 30
+    grad_clip: float = 1.0
+    full_fill_frac: float = 0.5
+    target_dtype: str = "bfloat16"
+    device: str = "cpu"
+    seed: int = 0
+    save_every: int = 50
+    init_layer: int = -1  # target layer copied into each PDM layer (-1: the last)
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 2 or self.batch < 1 or self.steps < 1 or self.lr <= 0:
+            raise ValueError("seq_len >= 2, batch >= 1, steps >= 1 and lr > 0 are required")
+        if not 0 <= self.full_fill_frac <= 1:
+            raise ValueError(f"full_fill_frac must be in [0, 1], got {self.full_fill_frac}")
+
+
+def draw_fill(n: int, full_frac: float, rng: random.Random) -> int:
+    if n == 1 or rng.random() < full_frac:
+        return n
+    return rng.randint(1, n - 1)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to 10%."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def new_pdm(target: StageModel, cfg: TrainConfig, draft_vocab: tuple[int, ...] | None) -> PDM:
+    """Projections = identity on the deepest anchor, layers from a target layer, head from the target."""
+    bounds = [0]
+    for c in cfg.stage_layers:
+        bounds.append(bounds[-1] + c)
+    plan = AnchorPlan.build(bounds, cfg.anchors)
+    pcfg = PDMConfig(tuple(cfg.stage_layers), plan.anchors, cfg.pdm_layers, draft_vocab, target.cfg.fingerprint())
+    pdm = PDM(target.cfg, pcfg)
+    layer = target.decoder.layers[str(cfg.init_layer % target.cfg.num_layers)]
+    return pdm.init_from_target(layer, target.decoder.final_layernorm.weight.float(), target.output_weight().float())
+
+
+def distill_loss(pdm: PDM, target: StageModel, tokens: torch.Tensor, f: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [B, S] -> (KL loss, top-1 agreement with the target's full-vocabulary argmax)."""
+    anchors, h = target_anchors(target, pdm.plan, tokens)  # [B, S, m, H], [B, S, H]
+    with torch.no_grad():
+        t_logits = target.logits(h)  # [B, S, V] fp32
+        t_top = t_logits.argmax(-1)
+        p_log = F.log_softmax(t_logits[..., pdm.draft_ids], dim=-1)  # restricted to the draft vocabulary
+    q_log = F.log_softmax(pdm.draft_logits(simulated_hidden(pdm, anchors.float(), f)), dim=-1)  # [B, S, Vd]
+    loss = F.kl_div(q_log, p_log, log_target=True, reduction="none").sum(-1).mean()
+    agree = (pdm.draft_ids[q_log.argmax(-1)] == t_top).float().mean()
+    return loss, agree
+
+
+class Trainer:
+    def __init__(self, target: StageModel, cfg: TrainConfig, batches: Iterator[torch.Tensor],
+                 draft_vocab: tuple[int, ...] | None = None, log=print) -> None:
+        self.target, self.cfg, self.batches, self.log = target, cfg, batches, log
+        self.out = Path(cfg.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.seed)
+        self.pdm = new_pdm(target, cfg, draft_vocab).to(cfg.device).train()
+        params = [p for p in self.pdm.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.rng = random.Random(cfg.seed)
+        self.step = 0
+        self.history: list[dict] = []
+        self._resume()
+
+    def _resume(self) -> None:
+        state_path = self.out / "state.pt"
+        if not state_path.is_file():
+            return
+        st = torch.load(state_path, weights_only=False)
+        if st["config"]["stage_layers"] != list(self.cfg.stage_layers):
+            raise ValueError(f"{state_path} belongs to a run with stage layers {st['config']['stage_layers']}")
+        self.pdm.load_state_dict(st["pdm"])
+        self.opt.load_state_dict(st["opt"])
+        self.rng.setstate(st["rng"])
+        self.step, self.history = st["step"], st["history"]
+        for _ in range(self.step):  # replay the data stream to where the run stopped
+            next(self.batches)
+        self.log(f"resumed from step {self.step}")
+
+    def save(self) -> None:
+        cfg = asdict(self.cfg)
+        cfg["stage_layers"] = list(self.cfg.stage_layers)
+        st = {"pdm": self.pdm.state_dict(), "opt": self.opt.state_dict(), "rng": self.rng.getstate(),
+              "step": self.step, "history": self.history, "config": cfg}
+        tmp = self.out / "state.pt.tmp"
+        torch.save(st, tmp)
+        tmp.replace(self.out / "state.pt")
+        save_pdm(self.pdm, self.out / "pdm", extra={"train": {"step": self.step, "config": cfg}})
+        (self.out / "history.json").write_text(json.dumps(self.history, indent=1))
+
+    def run(self) -> PDM:
+        n = len(self.cfg.stage_layers)
+        window: dict[int, list[float]] = {}
+        t0 = time.time()
+        tokens_seen = self.step * self.cfg.batch * self.cfg.seq_len
+        while self.step < self.cfg.steps:
+            tokens = next(self.batches).to(self.cfg.device)
+            f = draw_fill(n, self.cfg.full_fill_frac, self.rng)
+            for g in self.opt.param_groups:
+                g["lr"] = lr_at(self.step, self.cfg)
+            loss, agree = distill_loss(self.pdm, self.target, tokens, f)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.pdm.parameters(), self.cfg.grad_clip)
+            self.opt.step()
+            self.step += 1
+            tokens_seen += tokens.numel()
+            window.setdefault(f, []).append(float(agree))
+            self.history.append({"step": self.step, "fill": f, "loss": float(loss), "agree": float(agree),
+                                 "tokens": tokens_seen})
+            if self.step % 10 == 0 or self.step == self.cfg.steps:
+                per_fill = " ".join(f"f{k}={sum(v) / len(v):.3f}" for k, v in sorted(window.items()))
+                self.log(f"step {self.step}/{self.cfg.steps} loss {float(loss):.3f} top1 {per_fill} "
+                         f"tokens {tokens_seen / 1e6:.3f}M {time.time() - t0:.0f}s")
+                window.clear()
+            if self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps:
+                self.save()
+        return self.pdm.eval()
