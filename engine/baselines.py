@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.greedy import check_request, prefill_chunks
-from engine.messages import Header, Kind
+from engine.messages import Header, Kind, sampling_payload
+from engine.sampling import SamplingParams
 from engine.metrics import GenerationResult
 from engine.stage_worker import StageWorker
 from engine.topology import Topology
@@ -38,9 +39,14 @@ class PipelineDriver:
 
     @torch.no_grad()
     def generate(self, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int] = (),
-                 draft_policy=None, on_token: Callable[[int], None] | None = None) -> GenerationResult:
+                 draft_policy=None, on_token: Callable[[int], None] | None = None,
+                 sampling: SamplingParams = SamplingParams()) -> GenerationResult:
         check_request(prompt, max_new_tokens, self.capacity, self.vocab)
+        if sampling.seed >= 1 << 63:
+            raise ValueError("the pp/ar baselines take seeds below 2**63")
         res = GenerationResult(tokens=[], n=self.topo.n)
+        cfg = sampling_payload(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
+        self._send(Header(Kind.CONFIG), [cfg])
         t0 = time.perf_counter()
         ids = torch.tensor(prompt, dtype=torch.long)
         chunks = prefill_chunks(len(prompt), self.chunk)

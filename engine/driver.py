@@ -21,14 +21,18 @@ from engine.greedy import check_request, prefill_chunks
 from engine.messages import Header, Kind
 from engine.metrics import GenerationResult
 from engine.model import StageModel
-from engine.pdm import PDM, greedy_draft
+from engine.pdm import PDM, draft_probs_full, greedy_draft
+from engine.sampling import SamplingParams, keyed_generator, sample, target_probs
+from engine.verify import verify_sampled
 from engine.stage_worker import StageWorker
 from engine.topology import Topology
 from engine.transport import Transport
 
 # (position, PDM draft) -> token to send. Lets benchmarks and tests steer acceptance
-# (synthetic alpha, forced rejections) without touching the verification path.
-DraftPolicy = Callable[[int, int], int]
+# (synthetic alpha, forced rejections) without touching the verification path. At T > 0 the
+# policy maps (position, PDM draft distribution q [V]) -> the distribution to sample from.
+DraftPolicy = Callable[[int, object], object]
+GREEDY = SamplingParams()
 
 
 @dataclass
@@ -133,15 +137,17 @@ class Driver:
     # ---- generation ----
     @torch.no_grad()
     def generate(self, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int] = (),
-                 draft_policy: DraftPolicy | None = None, on_token: Callable[[int], None] | None = None
-                 ) -> GenerationResult:
+                 draft_policy: DraftPolicy | None = None, on_token: Callable[[int], None] | None = None,
+                 sampling: SamplingParams = GREEDY) -> GenerationResult:
         check_request(prompt, max_new_tokens, self.capacity, self.head.cfg.vocab_size)
+        self.sampling = sampling
+        self.q_store: dict[int, torch.Tensor] = {}  # position -> q [V] its current draft was sampled from
         self.epoch += 1  # fresh epoch per request: nothing of an earlier request can match
         self.tick, self.sent, self.consumed = 0, 0, [0] * self.n
         self.timers = dict.fromkeys(self.timers, 0.0)
         res = GenerationResult(tokens=[], n=self.n)
         t0 = time.perf_counter()
-        first = int(self._prefill(prompt).argmax())  # host sync: the id is needed to continue
+        first = self._sample_target(self._prefill(prompt), len(prompt))
         res.prefill_s = time.perf_counter() - t0
         eos = set(eos_ids)
         self._commit(res, first, on_token)
@@ -188,11 +194,7 @@ class Driver:
             rows = self.pdm.rows_from_ring(self.ring, torch.tensor(slots, device=self.device),
                                            torch.tensor(types, device=self.device))  # [R, H]
             h = self.pdm.forward_rows(rows[None], self.pdm_cache, pdm_len)
-            draft = greedy_draft(self.pdm, h[0, -1])
-            if self.draft_observer is not None:
-                self.draft_observer(inflight[-1].pos, L, self.pdm.draft_logits(h[0, -1]))
-            if policy is not None:
-                draft = policy(inflight[-1].pos + 1, draft)
+            draft = self._draft(h[0, -1], inflight[-1].pos, L, policy)
             pdm_len += int(pending)  # crop back: keep only the pending full-depth row
             pending = False
             timers["pdm"] += time.perf_counter() - tp
@@ -202,14 +204,13 @@ class Driver:
             oldest = inflight.popleft()
             self._recv_stage(self.n - 1, Kind.TOKEN, oldest.pos, self._slot(oldest.pos))
             tv = time.perf_counter()
-            target = int(self.head.logits(self.exit_buf[0]).argmax())  # host sync: verification decides control flow
+            proposed = inflight[0].token if inflight else draft
+            accepted, target = self._verify(self.head.logits(self.exit_buf[0]), oldest.pos + 1, proposed)
             timers["verify"] += time.perf_counter() - tv
             pending = True
-            proposed = inflight[0].token if inflight else draft
             res.verified += 1
             if rejected_last:
                 res.rejections += 1
-            accepted = target == proposed
             res.accepted += int(accepted)
             self._commit(res, target, on_token)
             if target in eos or len(res.tokens) >= max_new:
@@ -219,6 +220,44 @@ class Driver:
                 self.epoch += 1  # flush: everything in flight is stale now
                 inflight.clear()
             entry = InFlight(inflight[-1].pos + 1, draft) if inflight else InFlight(oldest.pos + 1, target)
+
+    # ---- drafting and verification (T = 0: argmax; T > 0: speculative sampling, DESIGN 3.6) ----
+    def _sample_target(self, logits: torch.Tensor, pos: int) -> int:
+        """A plain draw from the target distribution p for the token at `pos` (the first token)."""
+        if self.sampling.greedy:
+            return int(logits.argmax())  # host sync: the id is needed to continue
+        return sample(target_probs(logits, self.sampling), keyed_generator(self.sampling.seed, pos, "target"))
+
+    def _draft(self, h_last: torch.Tensor, newest: int, fill: int, policy: DraftPolicy | None) -> int:
+        """The draft for position newest + 1 from the PDM's last hidden state [H]."""
+        pos = newest + 1
+        if self.draft_observer is not None:
+            self.draft_observer(newest, fill, self.pdm.draft_logits(h_last))
+        if self.sampling.greedy:
+            draft = greedy_draft(self.pdm, h_last)
+            return policy(pos, draft) if policy is not None else draft
+        q = draft_probs_full(self.pdm, target_probs(self.pdm.draft_logits(h_last), self.sampling))  # [V]
+        if policy is not None:
+            q = policy(pos, q)
+        self._record_q(pos, q)
+        return sample(q, keyed_generator(self.sampling.seed, pos, "draft"))
+
+    def _record_q(self, pos: int, q: torch.Tensor) -> None:
+        """Keep the exact q the current draft at `pos` came from; a re-draft after a flush replaces it."""
+        self.q_store[pos] = q
+
+    def _verify(self, logits: torch.Tensor, pos: int, proposed: int) -> tuple[bool, int]:
+        """(accepted, committed token) for the token proposed at `pos`, from the target logits [V]."""
+        if self.sampling.greedy:
+            target = int(logits.argmax())  # host sync: verification decides control flow
+            return target == proposed, target
+        seed = self.sampling.seed
+        p = target_probs(logits, self.sampling)
+        q = self.q_store.pop(pos)
+        for stale in [k for k in self.q_store if k < pos]:
+            del self.q_store[stale]
+        return verify_sampled(p, q, proposed, keyed_generator(seed, pos, "accept"),
+                              keyed_generator(seed, pos, "residual"))
 
     def _finish_request(self) -> list[dict[str, float]]:
         """END down the pipe, drain what the stages still send, collect their stats."""

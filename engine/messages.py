@@ -21,6 +21,7 @@ class Kind(IntEnum):
     END = 3  # end of request: stages reply with their stats and idle
     SHUTDOWN = 4  # stop the worker loop
     STATS = 5  # a stage's per-request timing, float64 payload
+    CONFIG = 6  # per-request sampling parameters for a head stage, int64 payload (see sampling_payload)
 
 
 @dataclass(frozen=True)
@@ -42,3 +43,14 @@ class Header:
             return cls(Kind(kind), position, epoch, token)
         except ValueError:
             raise RuntimeError(f"corrupt message header {t.tolist()}") from None
+
+
+def sampling_payload(temperature: float, top_k: int, top_p: float, seed: int) -> torch.Tensor:
+    """Sampling parameters as an exact int64 [4] payload (floats travel as their bit patterns)."""
+    bits = torch.tensor([temperature, top_p], dtype=torch.float64).view(torch.int64)
+    return torch.tensor([int(bits[0]), top_k, int(bits[1]), seed], dtype=torch.int64)
+
+
+def parse_sampling_payload(t: torch.Tensor) -> tuple[float, int, float, int]:
+    floats = torch.stack([t[0], t[2]]).view(torch.float64).tolist()
+    return floats[0], int(t[1]), floats[1], int(t[3])

@@ -97,7 +97,8 @@ class PDM(nn.Module):
 
     def rows_from_ring(self, ring: torch.Tensor, slots: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
         """ring [S, m, H], slots/types [R] -> rows [R, H] (the driver's per-tick path)."""
-        return anchor_rows(ring, slots, types, self.packed_projection()).to(ring.dtype)
+        # check_indices=False: the driver builds slots/types itself, and the check would sync the host
+        return anchor_rows(ring, slots, types, self.packed_projection(), check_indices=False)
 
     def rows_of_type(self, anchors: torch.Tensor, a: int) -> torch.Tensor:
         """anchors [..., >= a+1, H] (anchor states 0..) -> rows [..., H] of type a (differentiable)."""

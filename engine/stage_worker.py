@@ -13,7 +13,8 @@ import time
 import torch
 
 from engine.anchors import AnchorPlan
-from engine.messages import Header, Kind
+from engine.messages import Header, Kind, parse_sampling_payload
+from engine.sampling import SamplingParams, keyed_generator, sample, target_probs
 from engine.model import StageModel
 from engine.topology import Topology
 from engine.transport import Transport
@@ -42,6 +43,8 @@ class StageWorker:
         self.ids_in = torch.empty(chunk, dtype=torch.long, device=p.device)  # [chunk] stage 0 prefill ids
         self.tok = torch.empty(1, 1, dtype=torch.long, device=p.device)
         self.in_request = False
+        self.sampling = SamplingParams()  # used only by a head stage (pp / ar baselines)
+        self.cfg_in = torch.empty(4, dtype=torch.int64)
         self.stats = torch.zeros(3, dtype=torch.float64)  # compute seconds, messages, receive-wait seconds
 
     def serve(self) -> None:
@@ -57,6 +60,13 @@ class StageWorker:
         if hdr.kind in (Kind.TOKEN, Kind.PREFILL):
             self.in_request = True
             self._compute(hdr, t0)
+            return True
+        if hdr.kind == Kind.CONFIG:
+            self.t.recv_into(self.prev, self.cfg_in, self.timeout)
+            temperature, top_k, top_p, seed = parse_sampling_payload(self.cfg_in)
+            self.sampling = SamplingParams(temperature, top_k, top_p, seed)
+            if self.next is not None:
+                self.t.send(self.next, hdr, [self.cfg_in.clone()])
             return True
         if self.next is not None:
             self.t.send(self.next, hdr)
@@ -95,7 +105,7 @@ class StageWorker:
         if self.next is not None:
             self.t.send(self.next, hdr, [out[0]])
         if self.model.has_head:
-            token = int(self.model.logits(out[0, -1]).argmax())  # host sync: the id goes in the header
+            token = self._next_token(self.model.logits(out[0, -1]), pos + T)
             self.t.send(self.driver, Header(hdr.kind, hdr.position, hdr.epoch, token))
         elif self.reports:
             payloads = []
@@ -104,3 +114,10 @@ class StageWorker:
             if self.next is None:
                 payloads.append(out[0])  # [T, H] exit hidden state
             self.t.send(self.driver, hdr, payloads)
+
+    def _next_token(self, logits: torch.Tensor, pos: int) -> int:
+        """The head stage's token for position `pos` (argmax, or a keyed draw from p)."""
+        if self.sampling.greedy:
+            return int(logits.argmax())  # host sync: the id goes in the header
+        probs = target_probs(logits, self.sampling)
+        return sample(probs, keyed_generator(self.sampling.seed, pos, "target"))
