@@ -12,6 +12,7 @@ $(STAMP): setup.cfg pyproject.toml requirements-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -r requirements-cpu.txt -e '.[test]'
+	$(BIN)/python -m pip install -q --no-deps megatron-core==0.16.1
 	touch $(STAMP)
 
 demo: install
