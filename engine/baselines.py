@@ -16,7 +16,7 @@ from engine.greedy import check_request, prefill_chunks
 from engine.messages import Header, Kind, sampling_payload
 from engine.sampling import SamplingParams
 from engine.metrics import GenerationResult
-from engine.stage_worker import StageWorker
+from engine.stage_worker import StageWorker, receive_stats
 from engine.topology import Topology
 from engine.transport import Transport
 
@@ -73,14 +73,7 @@ class PipelineDriver:
 
     def _finish(self) -> list[dict[str, float]]:
         self._send(Header(Kind.END))
-        stats = []
-        for s in range(self.topo.n):
-            rank = self.topo.stage_rank(s)
-            hdr = self.t.recv_header(rank, self.timeout)
-            assert hdr.kind == Kind.STATS, hdr
-            vals = self.t.recv_into(rank, torch.empty(hdr.token, dtype=torch.float64), self.timeout)
-            stats.append({"compute_s": float(vals[0]), "messages": float(vals[1]), "wait_s": float(vals[2])})
-        return stats
+        return [receive_stats(self.t, self.topo.stage_rank(s), self.timeout) for s in range(self.topo.n)]
 
     def shutdown(self) -> None:
         self._send(Header(Kind.SHUTDOWN))

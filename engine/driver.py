@@ -24,7 +24,7 @@ from engine.model import StageModel
 from engine.pdm import PDM, draft_probs_full, greedy_draft
 from engine.sampling import SamplingParams, keyed_generator, sample, target_probs
 from engine.verify import verify_sampled
-from engine.stage_worker import StageWorker
+from engine.stage_worker import StageWorker, receive_stats
 from engine.topology import Topology
 from engine.transport import Transport
 
@@ -43,7 +43,8 @@ class InFlight:
 
 class Driver:
     def __init__(self, topo: Topology, plan: AnchorPlan, head: StageModel, pdm: PDM, transport: Transport,
-                 capacity: int, chunk: int, timeout: float, local_stage0: StageWorker | None = None) -> None:
+                 capacity: int, chunk: int, timeout: float, local_stage0: StageWorker | None = None,
+                 trace: bool = False) -> None:
         assert head.has_embedding and head.has_head
         self.topo, self.plan, self.head, self.pdm, self.t = topo, plan, head, pdm, transport
         self.capacity, self.chunk, self.timeout = capacity, chunk, timeout
@@ -71,6 +72,7 @@ class Driver:
         # Optional (newest position, fill, draft logits [Vd]) callback: evaluation by fill state,
         # and the check that training simulates exactly what the driver computes.
         self.draft_observer: Callable[[int, int, torch.Tensor], None] | None = None
+        self.trace: list[tuple[int, str, float, float]] | None = [] if trace else None  # (tick, what, t0, t1)
 
     # ---- transport helpers ----
     def _send_stage0(self, hdr: Header, payloads: Sequence[torch.Tensor] = ()) -> None:
@@ -80,7 +82,7 @@ class Driver:
             self.sent += 1
         if self.local_stage0 is not None:  # co-located: stage 0 runs inline, in series with the driver
             self.local_stage0.step()
-        self.timers["send"] += time.perf_counter() - t0
+        self._account("send", t0)
 
     def _recv_stage(self, s: int, kind: Kind, pos: int, ring_slot: int | None) -> Header:
         """Receive stage s's messages until the current-epoch one for `pos`; stale ones are dropped.
@@ -106,8 +108,14 @@ class Driver:
             if s == self.n - 1:
                 self.t.recv_into(rank, self.exit_buf[:T], self.timeout, self.tick)
             if wanted:
-                self.timers["wait"] += time.perf_counter() - t0
+                self._account("wait", t0)
                 return hdr
+
+    def _account(self, what: str, t0: float) -> None:
+        t1 = time.perf_counter()
+        self.timers[what] += t1 - t0
+        if self.trace is not None:
+            self.trace.append((self.tick, what, t0, t1))
 
     def _slot(self, pos: int) -> int:
         return pos % self.num_slots
@@ -145,6 +153,8 @@ class Driver:
         self.epoch += 1  # fresh epoch per request: nothing of an earlier request can match
         self.tick, self.sent, self.consumed = 0, 0, [0] * self.n
         self.timers = dict.fromkeys(self.timers, 0.0)
+        if self.trace is not None:
+            self.trace.clear()
         res = GenerationResult(tokens=[], n=self.n)
         t0 = time.perf_counter()
         first = self._sample_target(self._prefill(prompt), len(prompt))
@@ -158,6 +168,8 @@ class Driver:
         res.ticks = self.tick
         res.driver = dict(self.timers)
         res.stages = self._finish_request()
+        if self.trace is not None:
+            res.trace = {"driver": list(self.trace), "stages": [st.pop("trace") for st in res.stages]}
         return res
 
     def _commit(self, res: GenerationResult, token: int, on_token) -> None:
@@ -171,7 +183,6 @@ class Driver:
         entry = InFlight(P, first)
         pdm_len, pending = P, False
         rejected_last = False
-        timers = self.timers
         while True:
             self.tick += 1
             self._send_stage0(Header(Kind.TOKEN, entry.pos, self.epoch, entry.token))
@@ -197,7 +208,7 @@ class Driver:
             draft = self._draft(h[0, -1], inflight[-1].pos, L, policy)
             pdm_len += int(pending)  # crop back: keep only the pending full-depth row
             pending = False
-            timers["pdm"] += time.perf_counter() - tp
+            self._account("pdm", tp)
             if L < self.n:  # filling: no token leaves the pipeline this tick
                 entry = InFlight(inflight[-1].pos + 1, draft)
                 continue
@@ -206,7 +217,7 @@ class Driver:
             tv = time.perf_counter()
             proposed = inflight[0].token if inflight else draft
             accepted, target = self._verify(self.head.logits(self.exit_buf[0]), oldest.pos + 1, proposed)
-            timers["verify"] += time.perf_counter() - tv
+            self._account("verify", tv)
             pending = True
             res.verified += 1
             if rejected_last:
@@ -274,10 +285,7 @@ class Driver:
                     if s == self.n - 1:
                         self.t.recv_into(rank, self.exit_buf[:T], self.timeout, self.tick)
                     self.consumed[s] += 1
-            hdr = self.t.recv_header(rank, self.timeout, self.tick)
-            assert hdr.kind == Kind.STATS, hdr
-            vals = self.t.recv_into(rank, torch.empty(hdr.token, dtype=torch.float64), self.timeout, self.tick)
-            stats.append({"compute_s": float(vals[0]), "messages": float(vals[1]), "wait_s": float(vals[2])})
+            stats.append(receive_stats(self.t, rank, self.timeout))
         return stats
 
     def shutdown(self) -> None:

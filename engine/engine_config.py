@@ -66,6 +66,7 @@ class EngineConfig:
     threads: int | None = None
     seed: int = 0
     stage_ms: tuple[float, ...] | None = None  # synthetic per-stage decode step time (sleep-padded)
+    trace: bool = False  # record per-tick timestamps on every rank (timeline plots)
 
     def __post_init__(self) -> None:
         if self.stage_ms is not None and (len(self.stage_ms) != self.topology.n or min(self.stage_ms) < 0):

@@ -22,6 +22,7 @@ class GenerationResult:
     # per-tick breakdown, summed over the run (seconds); stage entries come from the stages
     driver: dict[str, float] = field(default_factory=dict)
     stages: list[dict[str, float]] = field(default_factory=list)
+    trace: dict | None = None  # per-tick timestamps (perf_counter, comparable across ranks of one host)
 
     @property
     def decode_tokens(self) -> int:
@@ -64,8 +65,3 @@ class GenerationResult:
             "decode_tok_s": self.decode_tok_s, "breakdown_ms_per_tick": self.breakdown_ms_per_tick(),
         }
 
-
-def pooled_eal(results: list[GenerationResult]) -> float:
-    """n * sum(N-1) / sum(ticks) over a prompt set."""
-    ticks = sum(r.ticks for r in results)
-    return results[0].n * sum(r.decode_tokens for r in results) / ticks if ticks else 0.0

@@ -22,7 +22,7 @@ from engine.transport import Transport
 
 class StageWorker:
     def __init__(self, stage: int, topo: Topology, plan: AnchorPlan | None, model: StageModel, transport: Transport,
-                 capacity: int, chunk: int, timeout: float, min_step_s: float = 0.0) -> None:
+                 capacity: int, chunk: int, timeout: float, min_step_s: float = 0.0, trace: bool = False) -> None:
         """plan None: a plain pipeline-parallel stage (no anchors). A last stage that holds the
         head replies to the driver with the argmax token id in the header instead of its hidden
         state (the `pp` and `ar` baselines)."""
@@ -46,6 +46,7 @@ class StageWorker:
         self.sampling = SamplingParams()  # used only by a head stage (pp / ar baselines)
         self.cfg_in = torch.empty(4, dtype=torch.int64)
         self.stats = torch.zeros(3, dtype=torch.float64)  # compute seconds, messages, receive-wait seconds
+        self.trace: list[float] | None = [] if trace else None  # (recv start, compute start, compute end)*
 
     def serve(self) -> None:
         """Loop until SHUTDOWN."""
@@ -71,9 +72,12 @@ class StageWorker:
         if self.next is not None:
             self.t.send(self.next, hdr)
         if hdr.kind == Kind.END:
-            self.t.send(self.driver, Header(Kind.STATS, token=self.stats.numel()), [self.stats.clone()])
+            payload = torch.cat([self.stats, torch.tensor(self.trace or [], dtype=torch.float64)])
+            self.t.send(self.driver, Header(Kind.STATS, token=payload.numel()), [payload])
             self.t.flush()
             self.stats.zero_()
+            if self.trace is not None:
+                self.trace.clear()
             self.in_request = False
             return True
         assert hdr.kind == Kind.SHUTDOWN, hdr
@@ -102,6 +106,8 @@ class StageWorker:
             time.sleep(max(0.0, self.min_step_s - (time.perf_counter() - t1)))
         t2 = time.perf_counter()
         self.stats += torch.tensor([t2 - t1, 1.0, t1 - t0], dtype=torch.float64)
+        if self.trace is not None and hdr.kind == Kind.TOKEN:
+            self.trace += [t0, t1, t2]
         if self.next is not None:
             self.t.send(self.next, hdr, [out[0]])
         if self.model.has_head:
@@ -121,3 +127,12 @@ class StageWorker:
             return int(logits.argmax())  # host sync: the id goes in the header
         probs = target_probs(logits, self.sampling)
         return sample(probs, keyed_generator(self.sampling.seed, pos, "target"))
+
+
+def receive_stats(t: Transport, rank: int, timeout: float) -> dict:
+    """A stage's STATS reply: per-request compute/wait seconds, message count, optional trace."""
+    hdr = t.recv_header(rank, timeout)
+    assert hdr.kind == Kind.STATS, hdr
+    vals = t.recv_into(rank, torch.empty(hdr.token, dtype=torch.float64), timeout).tolist()
+    trace = [tuple(vals[i:i + 3]) for i in range(3, len(vals), 3)]
+    return {"compute_s": vals[0], "messages": vals[1], "wait_s": vals[2], "trace": trace}

@@ -23,9 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quiet", action="store_true", help="do not stream text")
 
 
-def encode_prompts(texts: list[str], tok, chat: bool) -> list[list[int]]:
+def encode_prompts(texts: list[str], tok, chat: bool, vocab_size: int) -> list[list[int]]:
     if tok is None:  # random-weight models have no tokenizer: map bytes into the vocabulary
-        return [[b % 256 + 3 for b in t.encode()] for t in texts]
+        return [[3 + b % (vocab_size - 3) for b in t.encode()] for t in texts]
     return [tok.chat_ids(t) if chat else tok.encode(t) for t in texts]
 
 
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     texts = load_prompts(args)
     ecfg, tok_dir = engine_config(args)
     tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
-    prompts = encode_prompts(texts, tok, args.chat)
+    prompts = encode_prompts(texts, tok, args.chat, ecfg.cfg.vocab_size)
     eos = tok.eos_ids if tok is not None else ecfg.cfg.eos_token_ids
     for ids in prompts:
         if len(ids) + args.max_new_tokens > ecfg.capacity:

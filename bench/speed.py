@@ -1,0 +1,118 @@
+"""Same-run speed benchmark: ar, pp and spd (driver on its own rank and co-located) on the
+same prompts and machine, one launch per configuration, medians over repeats.
+
+Every configuration must produce the ar baseline's tokens (T=0): the benchmark doubles as a
+losslessness check. A synthetic-acceptance option replaces the PDM's draft with the reference
+token with probability alpha (seeded), so speed can be measured at a known alpha on random
+weights of any shape; results carry `synthetic_alpha` so they are never mistaken for a real head.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from engine.engine_config import EngineConfig
+from engine.launch import launch
+from engine.metrics import GenerationResult
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    name: str  # ar | pp | spd | spd-colocate
+    ecfg: EngineConfig
+
+
+def synthetic_policy(reference: list[int], prompt_len: int, alpha: float, seed: int):
+    """Draft policy: the reference token with probability alpha, else a wrong token (seeded per position)."""
+    def policy(pos: int, draft: int) -> int:
+        i = pos - prompt_len
+        if i >= len(reference):
+            return draft
+        good = random.Random(seed * 1_000_003 + pos).random() < alpha
+        return reference[i] if good else (reference[i] + 1) % 2**31
+    return policy
+
+
+def summarize(runs: list[list[GenerationResult]], n: int) -> dict:
+    """Pool each repeat over its prompts; report medians and spread over repeats."""
+    per_repeat = []
+    for results in runs:
+        dec_tokens = sum(r.decode_tokens for r in results)
+        dec_s = sum(r.decode_s for r in results)
+        ticks = sum(r.ticks for r in results)
+        per_repeat.append({
+            "decode_tok_s": dec_tokens / dec_s if dec_s else 0.0,
+            "prefill_s": sum(r.prefill_s for r in results),
+            "tick_ms": 1e3 * dec_s / ticks if ticks else 0.0,
+        })
+    first = runs[0]
+    verified = sum(r.verified for r in first)
+    out = {
+        "repeats": len(runs),
+        "tokens": sum(len(r.tokens) for r in first),
+        "ticks": sum(r.ticks for r in first),
+        "alpha": sum(r.accepted for r in first) / verified if verified else None,
+        "eal": n * sum(r.decode_tokens for r in first) / max(1, sum(r.ticks for r in first)),
+    }
+    for key in ("decode_tok_s", "prefill_s", "tick_ms"):
+        vals = [p[key] for p in per_repeat]
+        out[key] = statistics.median(vals)
+        out[key + "_min"], out[key + "_max"] = min(vals), max(vals)
+    breakdowns = [r.breakdown_ms_per_tick() for results in runs for r in results if r.ticks]
+    keys = sorted({k for b in breakdowns for k in b})
+    out["breakdown_ms_per_tick"] = {k: statistics.median(b[k] for b in breakdowns if k in b) for k in keys}
+    return out
+
+
+def run_case(case: BenchCase, prompts: Sequence[list[int]], max_new: int, eos: Sequence[int], repeats: int,
+             reference: list[list[int]] | None, synthetic_alpha: float | None, seed: int,
+             progress: Progress) -> tuple[dict, list[list[int]], dict | None]:
+    """(summary, tokens per prompt, one traced result's trace or None) for one configuration."""
+    policies = [None] * len(prompts)
+    if synthetic_alpha is not None and case.ecfg.mode == "spd":
+        assert reference is not None, "synthetic acceptance needs the reference tokens"
+        policies = [synthetic_policy(ref, len(p), synthetic_alpha, seed) for ref, p in zip(reference, prompts)]
+    runs: list[list[GenerationResult]] = []
+    trace = None
+    with launch(case.ecfg) as rt:
+        rt.generate(prompts[0], min(8, max_new), eos)  # warm-up: first-call allocations, page faults
+        for rep in range(repeats):
+            progress(f"{case.name}: repeat {rep + 1}/{repeats}")
+            runs.append([rt.generate(p, max_new, eos, draft_policy=pol) for p, pol in zip(prompts, policies)])
+        if case.ecfg.trace:
+            trace = runs[-1][0].trace
+    summary = summarize(runs, case.ecfg.topology.n)
+    if case.ecfg.mode != "spd":
+        summary["eal"] = None  # EAL is a property of speculation; pp and ar commit one token per pass
+    summary.update(name=case.name, mode=case.ecfg.mode, n=case.ecfg.topology.n,
+                   colocate=case.ecfg.topology.colocate, world_size=case.ecfg.world_size,
+                   threads_per_rank=case.ecfg.threads_per_rank(), synthetic_alpha=synthetic_alpha)
+    return summary, [r.tokens for r in runs[0]], trace
+
+
+def bench(cases: list[BenchCase], prompts: Sequence[list[int]], max_new: int, eos: Sequence[int], repeats: int,
+          synthetic_alpha: float | None = None, seed: int = 0, progress: Progress = lambda m: None) -> dict:
+    """Run every case (the first must be `ar`); speedups are against ar and pp of this run."""
+    assert cases and cases[0].ecfg.mode == "ar", "the ar baseline runs first: it is the reference"
+    rows, traces, reference, mismatches = [], {}, None, []
+    for case in cases:
+        summary, tokens, trace = run_case(case, prompts, max_new, eos, repeats, reference, synthetic_alpha,
+                                          seed, progress)
+        if reference is None:
+            reference = tokens
+        elif tokens != reference:
+            mismatches.append(case.name)
+        summary["lossless"] = tokens == reference
+        rows.append(summary)
+        if trace is not None:
+            traces[case.name] = trace
+    base = {r["mode"]: r["decode_tok_s"] for r in rows if r["mode"] in ("ar", "pp")}
+    for r in rows:
+        r["speedup_vs_ar"] = r["decode_tok_s"] / base["ar"] if base.get("ar") else None
+        r["speedup_vs_pp"] = r["decode_tok_s"] / base["pp"] if base.get("pp") else None
+    return {"rows": rows, "mismatches": mismatches, "traces": traces, "synthetic_alpha": synthetic_alpha,
+            "prompts": len(prompts), "max_new_tokens": max_new, "repeats": repeats}

@@ -1,0 +1,91 @@
+"""`spd bench`: ar, pp and spd (separate driver and co-located) in one run, same prompts and
+machine; decode tok/s medians over repeats, speedups against both baselines, per-tick
+breakdown, JSON and a PNG timeline of a few spd ticks.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from bench.speed import BenchCase, bench
+from bench.stats import format_table
+from tools.common import add_engine_arguments, engine_config, load_prompts
+
+COLUMNS = [("name", "config", ""), ("world_size", "ranks", ""), ("decode_tok_s", "tok/s", ".2f"),
+           ("decode_tok_s_min", "min", ".2f"), ("decode_tok_s_max", "max", ".2f"),
+           ("speedup_vs_ar", "x ar", ".2f"), ("speedup_vs_pp", "x pp", ".2f"), ("tick_ms", "ms/tick", ".2f"),
+           ("prefill_s", "prefill s", ".2f"), ("tokens", "tokens", ""), ("ticks", "ticks", ""),
+           ("alpha", "alpha", ".3f"), ("eal", "EAL", ".2f"), ("lossless", "lossless", "")]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    p.add_argument("--prompt", action="append")
+    p.add_argument("--prompts-file")
+    p.add_argument("--chat", action="store_true")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--configs", default="ar,pp,spd,spd-colocate", help="subset of ar,pp,spd,spd-colocate")
+    p.add_argument("--synthetic-alpha", type=float, default=None,
+                   help="replace drafts: reference token with this probability (labelled synthetic)")
+    p.add_argument("--json-out", help="write the full report here")
+    p.add_argument("--timeline", help="PNG timeline of a few spd ticks")
+
+
+def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    bad = set(names) - {"ar", "pp", "spd", "spd-colocate"}
+    if bad:
+        raise ValueError(f"unknown bench configs {sorted(bad)}")
+    topo = ecfg.topology
+    one = dataclasses.replace(topo, stage_layers=(topo.num_layers,), colocate=False)
+    out = [BenchCase("ar", ecfg.replace(mode="ar", topology=one))]
+    if "pp" in names:
+        out.append(BenchCase("pp", ecfg.replace(mode="pp")))
+    if "spd" in names:
+        out.append(BenchCase("spd", ecfg.replace(mode="spd", topology=dataclasses.replace(topo, colocate=False),
+                                                 trace=bool(args.timeline))))
+    if "spd-colocate" in names:
+        out.append(BenchCase("spd-colocate", ecfg.replace(mode="spd", topology=dataclasses.replace(topo, colocate=True))))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.tokenizer import Tokenizer
+    from tools.generate import encode_prompts
+
+    if args.synthetic_alpha is not None and not 0 <= args.synthetic_alpha <= 1:
+        raise ValueError(f"--synthetic-alpha must be in [0, 1], got {args.synthetic_alpha}")
+    if args.repeats < 1:
+        raise ValueError("--repeats must be >= 1")
+    args.mode = "spd"
+    ecfg, tok_dir = engine_config(args)
+    tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
+    prompts = encode_prompts(load_prompts(args), tok, args.chat, ecfg.cfg.vocab_size)
+    eos = tok.eos_ids if tok is not None else ecfg.cfg.eos_token_ids
+    progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    report = bench(cases(args, ecfg), prompts, args.max_new_tokens, eos, args.repeats, args.synthetic_alpha,
+                   args.seed, progress)
+    report["model"], report["head"] = ecfg.model, ecfg.pdm
+    label = f" (SYNTHETIC acceptance alpha={args.synthetic_alpha})" if args.synthetic_alpha is not None else ""
+    print(f"model {ecfg.model}, head {ecfg.pdm}, n={ecfg.topology.n}, {len(prompts)} prompts x "
+          f"{args.max_new_tokens} tokens, {args.repeats} repeats{label}")
+    print(format_table(report["rows"], COLUMNS))
+    spd = next((r for r in report["rows"] if r["name"] == "spd"), None)
+    if spd:
+        print("spd per-tick breakdown (ms, medians): " +
+              ", ".join(f"{k}={v:.2f}" for k, v in spd["breakdown_ms_per_tick"].items()))
+    if args.timeline and "spd" in report["traces"]:
+        from bench.timeline import plot_timeline
+
+        if plot_timeline(report["traces"]["spd"], args.timeline, f"spd n={ecfg.topology.n}{label}"):
+            print(f"timeline: {args.timeline}")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(report, f, indent=1)
+    if report["mismatches"]:
+        print(f"LOSSLESS CHECK FAILED for {report['mismatches']}", file=sys.stderr)
+        return 1
+    return 0
