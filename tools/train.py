@@ -36,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--self-distill", type=int, default=0, help="generate answers for N corpus prompts first")
     p.add_argument("--gen-tokens", type=int, default=192, help="max answer length for --self-distill")
+    p.add_argument("--gen-batch", type=int, default=32, help="prompts per batched greedy decode")
     p.add_argument("--threads", type=int, default=None)
 
 
@@ -76,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     done = sum(s["samples"] for s in corpus.manifest["sources"] if s["name"] == "self-distilled")
     if args.self_distill > done:  # resuming with the same command must not generate again
         eos = corpus.manifest["tokenizer"]["eos_ids"]
-        self_distill(corpus, target, args.self_distill - done, args.gen_tokens, eos, seed=args.seed, log=log)
+        self_distill(corpus, target, args.self_distill - done, args.gen_tokens, eos, batch=args.gen_batch,
+                     seed=args.seed, log=log)
     dv = tuple(load_draft_vocab(args.draft_vocab)) if args.draft_vocab else None
     anchors = tuple(int(x) for x in args.anchors.split(",")) if args.anchors else None
     tcfg = TrainConfig(out=args.out, stage_layers=tuple(topo.stage_layers), anchors=anchors,

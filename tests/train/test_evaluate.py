@@ -1,0 +1,191 @@
+"""`spd eval` and train/evaluate.py: prompt sets, pooled metrics, the three executors agreeing,
+the lossless check failing loudly, and the CLI's errors and JSON output."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import train.evaluate as ev
+from engine.engine_config import PRESETS, EngineConfig
+from engine.topology import Topology
+from tools.cli import main
+from train.fast_eval import Acceptance
+
+ARGS_TINY = ["--model", "random:tiny-llama", "--capacity", "256", "--prefill-chunk", "16"]
+TEXTS = {"mt_bench": ["Tell me a story.", "Why is the sky blue?", "hello"],
+         "humaneval": ["def add(a, b):", "def f(x): return x"],
+         "gsm8k": ["2 + 2 = ?", "Tom has 3 apples."]}
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "eval"
+    d.mkdir()
+    for name, texts in TEXTS.items():
+        lines = [json.dumps({"question_id": 100 + i, "turns": [t, "a second turn, never used"]})
+                 for i, t in enumerate(texts)]
+        (d / f"{name}.jsonl").write_text("\n".join(lines) + "\n\n")
+    return d
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---- prompt sets and settings ----
+
+def test_load_dataset_takes_first_turns_in_order_with_limit(data_dir):
+    got = ev.load_dataset(data_dir, "mt_bench")
+    assert [p.text for p in got] == TEXTS["mt_bench"]
+    assert [p.question_id for p in got] == [100, 101, 102] and [p.index for p in got] == [0, 1, 2]
+    assert [p.text for p in ev.load_dataset(data_dir, "mt_bench", limit=2)] == TEXTS["mt_bench"][:2]
+
+
+def test_load_dataset_errors_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="prompt set not found"):
+        ev.load_dataset(tmp_path, "gsm8k")
+    (tmp_path / "gsm8k.jsonl").write_text('{"turns": ["ok"]}\n{not json\n')
+    with pytest.raises(ValueError, match=r"gsm8k.jsonl:2: not JSON"):
+        ev.load_dataset(tmp_path, "gsm8k")
+    (tmp_path / "gsm8k.jsonl").write_text('{"prompt": "no turns"}\n')
+    with pytest.raises(ValueError, match="EAGLE format"):
+        ev.load_dataset(tmp_path, "gsm8k")
+
+
+def test_default_data_dir_is_next_to_the_repository():
+    d = ev.default_data_dir()
+    repo = Path(ev.__file__).resolve().parents[1]
+    assert d is None or (d == repo.parent / "shared" / "data" / "eval" and d.is_dir())
+
+
+def test_settings_reject_sampling_and_bad_values():
+    with pytest.raises(ValueError, match="sampling evaluation .* needs the executor with sampling support"):
+        ev.check_settings(ev.EvalSettings(temperature=0.7))
+    for bad in (ev.EvalSettings(temperature=-1), ev.EvalSettings(executor="gpu"), ev.EvalSettings(max_new_tokens=0),
+                ev.EvalSettings(limit=0)):
+        with pytest.raises(ValueError):
+            ev.check_settings(bad)
+    ev.check_settings(ev.EvalSettings())
+
+
+def test_encode_prompt_without_tokenizer_stays_in_the_vocabulary():
+    ids = ev.encode_prompt("héllo wörld " * 10, None, 96)
+    assert ids and all(3 <= i < 96 for i in ids)
+
+
+# ---- pooled metrics ----
+
+def record(dataset: str, acc: Acceptance, lossless=None) -> ev.PromptRecord:
+    return ev.PromptRecord(dataset, 0, None, 5, acc, 1.0, lossless, 0)
+
+
+def test_summary_pools_over_prompts_and_splits_by_fill():
+    a = Acceptance(4, tokens=11, ticks=16, verified=10, accepted=8, rejections=1,
+                   verified_by_fill={1: 2, 2: 1, 3: 1, 4: 6}, accepted_by_fill={1: 1, 2: 1, 3: 1, 4: 5})
+    b = Acceptance(4, tokens=3, ticks=5, verified=2, accepted=1, rejections=0,
+                   verified_by_fill={1: 1, 2: 1}, accepted_by_fill={1: 1, 2: 0})
+    c = Acceptance(4, tokens=1)  # ended with the prefill token: no ticks, nothing verified
+    s = ev.summarize([record("x", a), record("x", b), record("y", c, False)], 4)
+    assert (s.prompts, s.tokens, s.ticks, s.verified, s.accepted, s.failures) == (3, 15, 21, 12, 9, 1)
+    assert s.eal == pytest.approx(4 * (10 + 2 + 0) / 21)  # pooled, not a mean of per-prompt EALs
+    assert s.alpha == pytest.approx(9 / 12)
+    assert s.alpha_full == pytest.approx(5 / 6) and s.alpha_refill == pytest.approx(4 / 6)
+    empty = ev.summarize([record("y", c)], 4)
+    assert empty.alpha is None and empty.eal is None and empty.alpha_full is None
+
+
+def test_table_has_a_row_per_dataset_and_overall():
+    a = Acceptance(2, tokens=3, ticks=3, verified=2, accepted=1, verified_by_fill={1: 1, 2: 1},
+                   accepted_by_fill={1: 0, 2: 1})
+    rep = ev.EvalReport(n=2, records=[record("gsm8k", a), record("mt_bench", a)])
+    lines = ev.format_table(rep).splitlines()
+    assert [ln.split()[0] for ln in lines] == ["dataset", "gsm8k", "mt_bench", "overall"]
+    assert lines[-1].split()[1:6] == ["2", "6", "6", "0.500", "1.333"]
+
+
+# ---- executors agree ----
+
+def tiny_ecfg(n: int, **kw) -> EngineConfig:
+    cfg = PRESETS["tiny-qwen2"]
+    return EngineConfig(model="random:tiny-qwen2", cfg=cfg, topology=Topology.build(cfg.num_layers, n),
+                        capacity=256, prefill_chunk=16, timeout_s=30.0, **kw)
+
+
+def run_eval(ecfg: EngineConfig, data_dir: Path, executor: str, max_new: int = 24) -> ev.EvalReport:
+    settings = ev.EvalSettings(max_new, 0.0, executor)
+    prompts = [(p, ev.encode_prompt(p.text, None, ecfg.cfg.vocab_size))
+               for name in ev.DATASETS for p in ev.load_dataset(data_dir, name)]
+    with ev.open_runner(ecfg, settings) as runner:
+        return ev.evaluate(runner, prompts, ecfg.topology.n, settings, ecfg.cfg.eos_token_ids)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_fast_and_reference_executors_give_identical_records(data_dir, n, one_thread):
+    ecfg = tiny_ecfg(n, pdm_layers=2)
+    fast, ref = run_eval(ecfg, data_dir, "fast"), run_eval(ecfg, data_dir, "reference")
+    assert len(fast.records) == len(ref.records) == 7
+    assert [r.acceptance for r in fast.records] == [r.acceptance for r in ref.records]
+    assert all(r.lossless is True for r in ref.records) and all(r.lossless is None for r in fast.records)
+    assert fast.summary().to_json()["eal"] == ref.summary().to_json()["eal"]
+
+
+@pytest.mark.multiproc
+def test_dist_executor_matches_fast(data_dir, tmp_path):
+    ecfg = tiny_ecfg(2, threads=1)
+    fast, dist = run_eval(ecfg, data_dir, "fast", 12), run_eval(ecfg, data_dir, "dist", 12)
+    assert [r.acceptance for r in fast.records] == [r.acceptance for r in dist.records]
+    assert all(r.lossless is True for r in dist.records)
+
+
+# ---- CLI ----
+
+def test_cli_writes_table_and_json(data_dir, tmp_path, capsys, one_thread):
+    out = tmp_path / "eval.json"
+    rc = main(["eval", *ARGS_TINY, "--stages", "2", "--data-dir", str(data_dir), "--limit", "2",
+               "--max-new-tokens", "16", "--json", str(out)])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert "overall" in captured.out and "alpha@full" in captured.out
+    assert "[6/6] gsm8k#1" in captured.err  # progress on stderr, one line per prompt
+    rep = json.loads(out.read_text())
+    assert rep["n"] == 2 and rep["executor"] == "fast" and set(rep["datasets"]) == set(ev.DATASETS)
+    recs = rep["records"]
+    assert len(recs) == 6 and all(1 <= r["tokens"] <= 16 for r in recs)
+    assert rep["overall"]["ticks"] == sum(r["ticks"] for r in recs) > 0
+    verified = sum(sum(r["verified_by_fill"].values()) for r in recs)
+    assert verified == rep["overall"]["verified"] == sum(r["tokens"] - 1 for r in recs)
+
+
+def test_cli_user_errors(data_dir, capsys):
+    assert main(["eval", *ARGS_TINY, "--data-dir", str(data_dir), "--temperature", "0.8"]) == 2
+    assert "needs the executor with sampling support" in capsys.readouterr().err
+    assert main(["eval", *ARGS_TINY, "--data-dir", str(data_dir), "--datasets", "mmlu"]) == 2
+    assert "unknown dataset" in capsys.readouterr().err
+    assert main(["eval", *ARGS_TINY, "--data-dir", str(data_dir / "missing")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    assert main(["eval", *ARGS_TINY, "--data-dir", str(data_dir), "--max-new-tokens", "250"]) == 2
+    assert "exceeds --capacity" in capsys.readouterr().err
+
+
+def test_cli_reports_an_output_mismatch_as_failure(data_dir, monkeypatch, capsys, one_thread):
+    """With the runtime executors every output is checked against greedy decoding: break the
+    oracle and the run must fail with exit code 1 and name the prompt."""
+    real = ev.greedy_generate
+
+    def broken(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out[:-1] + [(out[-1] + 1) % 96]
+
+    monkeypatch.setattr(ev, "greedy_generate", broken)
+    rc = main(["eval", *ARGS_TINY, "--stages", "2", "--data-dir", str(data_dir), "--datasets", "gsm8k",
+               "--limit", "1", "--max-new-tokens", "8", "--executor", "reference"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "OUTPUT DIFFERS FROM GREEDY" in err and "FAIL: gsm8k#0" in err

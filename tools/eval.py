@@ -1,0 +1,98 @@
+"""`spd eval`: acceptance (alpha, EAL) of a PDM head on prompt sets, per dataset and overall.
+
+Prompts: `<data-dir>/{mt_bench,humaneval,gsm8k}.jsonl` (EAGLE format, first turn, chat template
+applied). `--executor fast` (default) computes the exact T=0 counts from one greedy decode and
+one teacher-forced pass per prompt; `reference` and `dist` run the SPD runtime and check every
+output against greedy decoding (exit code 1 on any mismatch). Progress goes to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from train.evaluate import DATASETS, EXECUTORS, EvalSettings, check_settings, default_data_dir
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tools.common import add_engine_arguments
+
+    add_engine_arguments(p)
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--data-dir", default=None,
+                   help=f"directory with {', '.join(d + '.jsonl' for d in DATASETS)} "
+                        f"(default: ../shared/data/eval next to the repository, if present)")
+    g.add_argument("--datasets", default=",".join(DATASETS), help="comma-separated subset of the prompt sets")
+    g.add_argument("--limit", type=int, default=None, help="prompts per dataset (default: all)")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="only 0 (greedy) is supported so far")
+    g.add_argument("--executor", choices=EXECUTORS, default="fast",
+                   help="fast: exact teacher-forced replay; reference: the runtime in one process; "
+                        "dist: one process per rank")
+    g.add_argument("--json", default=None, metavar="OUT", help="write summaries and per-prompt records here")
+
+
+def _data_dir(arg: str | None) -> Path:
+    if arg is not None:
+        d = Path(arg)
+        if not d.is_dir():
+            raise ValueError(f"--data-dir {d} is not a directory")
+        return d
+    d = default_data_dir()
+    if d is None:
+        raise ValueError("no --data-dir given and no ../shared/data/eval next to the repository")
+    return d
+
+
+def _datasets(arg: str) -> list[str]:
+    names = [x.strip() for x in arg.split(",") if x.strip()]
+    bad = [x for x in names if x not in DATASETS]
+    if bad or not names:
+        raise ValueError(f"unknown dataset(s) {bad or arg!r}; choose from {', '.join(DATASETS)}")
+    return names
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine.tokenizer import Tokenizer
+    from tools.common import engine_config
+    from train.evaluate import encode_prompt, evaluate, format_table, load_dataset, open_runner
+
+    settings = EvalSettings(args.max_new_tokens, args.temperature, args.executor, args.limit)
+    check_settings(settings)  # before any model is loaded
+    data_dir, names = _data_dir(args.data_dir), _datasets(args.datasets)
+    prompts = [p for name in names for p in load_dataset(data_dir, name, args.limit)]
+    ecfg, tok_dir = engine_config(args)
+    tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
+    eos = tok.eos_ids if tok is not None else ecfg.cfg.eos_token_ids
+    encoded = [(p, encode_prompt(p.text, tok, ecfg.cfg.vocab_size)) for p in prompts]
+    for p, ids in encoded:
+        if len(ids) + settings.max_new_tokens > ecfg.capacity:
+            raise ValueError(f"{p.dataset}#{p.index}: prompt ({len(ids)} tokens) + --max-new-tokens "
+                             f"{settings.max_new_tokens} exceeds --capacity {ecfg.capacity}")
+    if args.threads and args.executor != "dist":  # dist ranks set their own threads
+        torch.set_num_threads(args.threads)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    n = ecfg.topology.n
+    log(f"spd eval: {len(encoded)} prompts from {data_dir}, n={n} {list(ecfg.topology.stage_layers)}, "
+        f"head {ecfg.pdm}, executor {args.executor}")
+    t0 = time.perf_counter()
+    with open_runner(ecfg, settings) as runner:
+        report = evaluate(runner, encoded, n, settings, eos, progress=log)
+    wall = time.perf_counter() - t0
+    print(format_table(report))
+    footer = f"n={n}, {settings.max_new_tokens} max new tokens, executor {args.executor}, {wall:.1f}s"
+    if args.executor == "fast":  # where the runtime's other shapes could flip a draft's argmax
+        footer += f", {report.summary().near_ties} consulted drafts within 1e-4 of a tie"
+    print(footer)
+    if args.json:
+        meta = {"model": args.model, "spec": ecfg.pdm, "n": n, "stage_layers": list(ecfg.topology.stage_layers),
+                "executor": args.executor, "max_new_tokens": settings.max_new_tokens,
+                "temperature": settings.temperature, "data_dir": str(data_dir), "wall_s": wall}
+        Path(args.json).write_text(json.dumps(report.to_json(meta), indent=1))
+    for r in report.failures:
+        print(f"FAIL: {r.dataset}#{r.index}: SPD output differs from greedy decoding", file=sys.stderr)
+    return 1 if report.failures else 0

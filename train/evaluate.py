@@ -1,0 +1,322 @@
+"""Acceptance evaluation of a PDM head on prompt sets: alpha and EAL (DESIGN 3.8), by fill state.
+
+Three executors give the same T=0 counts:
+- `fast`: train/fast_eval.py (one greedy decode + one teacher-forced pass per prompt);
+- `reference`: the runtime in one process (engine/reference.py);
+- `dist`: the runtime over torch.distributed, one process per rank (engine/launch.py).
+The runtime executors also check every output against `greedy_generate`; a mismatch is a
+failure. Drafts are grouped by the fill of the tick that made them: fill == n is the full
+pipeline, fill < n the start of a request and the refill after a rejection.
+
+Sampling evaluation (T > 0) would plug in as another runner with the same `run` signature,
+checking the output distribution instead of token equality; `check_settings` rejects it
+until the runtime samples.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from engine.build import build_pdm, build_stage_model
+from engine.engine_config import EngineConfig
+from engine.greedy import greedy_generate
+from train.fast_eval import Acceptance, fast_generate
+
+DATASETS = ("mt_bench", "humaneval", "gsm8k")
+EXECUTORS = ("fast", "reference", "dist")
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    executor: str = "fast"
+    limit: int | None = None  # prompts per dataset; None = all
+
+
+def check_settings(s: EvalSettings) -> None:
+    if s.executor not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS}, got {s.executor!r}")
+    if s.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {s.max_new_tokens}")
+    if s.limit is not None and s.limit < 1:
+        raise ValueError(f"limit must be >= 1 prompt per dataset, got {s.limit}")
+    if s.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {s.temperature}")
+    if s.temperature > 0:
+        raise ValueError("sampling evaluation (temperature > 0) needs the executor with sampling support, "
+                         "which is not available yet; evaluate at temperature 0")
+
+
+# ---- prompt sets ----
+
+def default_data_dir() -> Path | None:
+    """../shared/data/eval next to the repository root, if it exists."""
+    d = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "eval"
+    return d if d.is_dir() else None
+
+
+@dataclass(frozen=True)
+class Prompt:
+    dataset: str
+    index: int  # line order within the dataset file
+    question_id: object
+    text: str
+
+
+def load_dataset(data_dir: Path, name: str, limit: int | None = None) -> list[Prompt]:
+    """First user turn of each record of `<data_dir>/<name>.jsonl` (EAGLE format: `turns`)."""
+    path = Path(data_dir) / f"{name}.jsonl"
+    if not path.is_file():
+        raise ValueError(f"prompt set not found: {path}")
+    out: list[Prompt] = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{i + 1}: not JSON: {err}") from None
+        turns = rec.get("turns") if isinstance(rec, dict) else None
+        if not turns or not isinstance(turns[0], str):
+            raise ValueError(f"{path}:{i + 1}: no 'turns' list with a first user turn (EAGLE format)")
+        out.append(Prompt(name, len(out), rec.get("question_id"), turns[0]))
+        if limit is not None and len(out) >= limit:
+            break
+    if not out:
+        raise ValueError(f"{path} holds no prompts")
+    return out
+
+
+def encode_prompt(text: str, tok, vocab_size: int) -> list[int]:
+    """Chat-template ids with a tokenizer; without one (random-weight models) bytes mapped into the vocabulary."""
+    if tok is not None:
+        return tok.chat_ids(text)
+    return [3 + b % (vocab_size - 3) for b in text.encode()]
+
+
+# ---- runners: one request -> tokens and acceptance counts ----
+
+@dataclass
+class Outcome:
+    tokens: list[int]
+    acceptance: Acceptance
+    lossless: bool | None  # runtime executors: output == greedy_generate; fast: None (greedy by construction)
+    near_ties: int | None = None  # fast path: consulted drafts decided by a near tie
+
+
+def full_target(ecfg: EngineConfig):
+    """The whole target (embedding, every layer, head) with the weights the stages get."""
+    return build_stage_model(ecfg, range(ecfg.cfg.num_layers), embedding=True, head=True)
+
+
+def runtime_acceptance(driver, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int]
+                       ) -> tuple[list[int], Acceptance]:
+    """Run one request on a Driver and group its verified drafts by the fill that made them.
+
+    The last draft made for a position is the one verified (a flush re-drafts the positions
+    behind a correction), so drafts and fills are recorded by position, last one wins.
+    """
+    fills: dict[int, int] = {}
+    drafts: dict[int, int] = {}
+
+    def record(position: int, draft: int) -> int:
+        drafts[position] = draft
+        return draft
+
+    driver.draft_observer = lambda newest, fill, _logits: fills.__setitem__(newest + 1, fill)
+    try:
+        res = driver.generate(prompt, max_new_tokens, eos_ids, draft_policy=record)
+    finally:
+        driver.draft_observer = None
+    acc = Acceptance(n=res.n, tokens=len(res.tokens), ticks=res.ticks, rejections=res.rejections)
+    P = len(prompt)
+    for i in range(1, len(res.tokens)):
+        acc.count(fills[P + i], drafts[P + i] == res.tokens[i])
+    assert (acc.verified, acc.accepted) == (res.verified, res.accepted), "per-fill counts disagree with the driver"
+    return res.tokens, acc
+
+
+class FastRunner:
+    def __init__(self, ecfg: EngineConfig) -> None:
+        self.target, self.pdm, self.chunk = full_target(ecfg), build_pdm(ecfg), ecfg.prefill_chunk
+
+    def run(self, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int]) -> Outcome:
+        fr = fast_generate(self.target, self.pdm, prompt, max_new_tokens, eos_ids, chunk=self.chunk)
+        return Outcome(fr.tokens, fr.acceptance, None, fr.near_ties())
+
+
+class RuntimeRunner:
+    """A launched runtime (reference or dist) plus the full target for the lossless check."""
+
+    def __init__(self, driver, ecfg: EngineConfig) -> None:
+        self.driver, self.target, self.chunk = driver, full_target(ecfg), ecfg.prefill_chunk
+
+    def run(self, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int]) -> Outcome:
+        tokens, acc = runtime_acceptance(self.driver, prompt, max_new_tokens, eos_ids)
+        want = greedy_generate(self.target, prompt, max_new_tokens, eos_ids=eos_ids, chunk=self.chunk)
+        return Outcome(tokens, acc, tokens == want)
+
+
+@contextlib.contextmanager
+def open_runner(ecfg: EngineConfig, settings: EvalSettings) -> Iterator[FastRunner | RuntimeRunner]:
+    check_settings(settings)
+    if ecfg.mode != "spd":
+        raise ValueError(f"evaluation measures SPD acceptance: mode must be spd, got {ecfg.mode!r}")
+    if settings.executor == "fast":
+        yield FastRunner(ecfg)
+    elif settings.executor == "reference":
+        from engine.reference import ReferenceExecutor
+
+        with ReferenceExecutor(ecfg) as ex:
+            yield RuntimeRunner(ex.driver, ecfg)
+    else:
+        from engine.launch import launch
+
+        with launch(ecfg) as driver:
+            yield RuntimeRunner(driver, ecfg)
+
+
+# ---- records and summaries ----
+
+@dataclass
+class PromptRecord:
+    dataset: str
+    index: int
+    question_id: object
+    prompt_tokens: int
+    acceptance: Acceptance
+    seconds: float
+    lossless: bool | None
+    near_ties: int | None
+
+    def to_json(self) -> dict:
+        a = self.acceptance
+        d = {k: v for k, v in asdict(self).items() if k != "acceptance"}
+        d.update(tokens=a.tokens, ticks=a.ticks, verified=a.verified, accepted=a.accepted,
+                 rejections=a.rejections, alpha=a.accepted / a.verified if a.verified else None,
+                 eal=a.n * (a.tokens - 1) / a.ticks if a.ticks else None,
+                 verified_by_fill=a.verified_by_fill, accepted_by_fill=a.accepted_by_fill)
+        return d
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+@dataclass
+class Summary:
+    n: int
+    prompts: int = 0
+    tokens: int = 0
+    ticks: int = 0
+    verified: int = 0
+    accepted: int = 0
+    rejections: int = 0
+    verified_full: int = 0
+    accepted_full: int = 0
+    seconds: float = 0.0
+    failures: int = 0
+    near_ties: int = 0
+
+    def add(self, r: PromptRecord) -> None:
+        a = r.acceptance
+        self.prompts += 1
+        self.tokens += a.tokens
+        self.ticks += a.ticks
+        self.verified += a.verified
+        self.accepted += a.accepted
+        self.rejections += a.rejections
+        self.verified_full += a.verified_by_fill.get(self.n, 0)
+        self.accepted_full += a.accepted_by_fill.get(self.n, 0)
+        self.seconds += r.seconds
+        self.failures += int(r.lossless is False)
+        self.near_ties += r.near_ties or 0
+
+    @property
+    def alpha(self) -> float | None:
+        return _ratio(self.accepted, self.verified)
+
+    @property
+    def eal(self) -> float | None:
+        """Pooled: n * sum(N - 1) / sum(ticks)."""
+        return _ratio(self.n * (self.tokens - self.prompts), self.ticks)
+
+    @property
+    def alpha_full(self) -> float | None:
+        return _ratio(self.accepted_full, self.verified_full)
+
+    @property
+    def alpha_refill(self) -> float | None:
+        return _ratio(self.accepted - self.accepted_full, self.verified - self.verified_full)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "alpha": self.alpha, "eal": self.eal, "alpha_full": self.alpha_full,
+                "alpha_refill": self.alpha_refill}
+
+
+def summarize(records: Sequence[PromptRecord], n: int) -> Summary:
+    s = Summary(n=n)
+    for r in records:
+        s.add(r)
+    return s
+
+
+# ---- the run ----
+
+@dataclass
+class EvalReport:
+    n: int
+    records: list[PromptRecord] = field(default_factory=list)
+
+    def datasets(self) -> list[str]:
+        return list(dict.fromkeys(r.dataset for r in self.records))
+
+    def summary(self, dataset: str | None = None) -> Summary:
+        return summarize([r for r in self.records if dataset is None or r.dataset == dataset], self.n)
+
+    @property
+    def failures(self) -> list[PromptRecord]:
+        return [r for r in self.records if r.lossless is False]
+
+    def to_json(self, meta: dict) -> dict:
+        return {**meta, "datasets": {d: self.summary(d).to_json() for d in self.datasets()},
+                "overall": self.summary().to_json(), "records": [r.to_json() for r in self.records]}
+
+
+def evaluate(runner, prompts: Sequence[tuple[Prompt, list[int]]], n: int, settings: EvalSettings,
+             eos_ids: Sequence[int], progress: Callable[[str], None] = lambda _: None) -> EvalReport:
+    """Run every (prompt, ids) through `runner`; progress gets one line per prompt."""
+    report = EvalReport(n=n)
+    for k, (p, ids) in enumerate(prompts):
+        t0 = time.perf_counter()
+        out = runner.run(ids, settings.max_new_tokens, eos_ids)
+        rec = PromptRecord(p.dataset, p.index, p.question_id, len(ids), out.acceptance,
+                           time.perf_counter() - t0, out.lossless, out.near_ties)
+        report.records.append(rec)
+        a = out.acceptance
+        flag = "" if out.lossless is not False else "  OUTPUT DIFFERS FROM GREEDY"
+        progress(f"[{k + 1}/{len(prompts)}] {p.dataset}#{p.index}: {a.tokens} tokens, {a.ticks} ticks, "
+                 f"alpha {_fmt(_ratio(a.accepted, a.verified))}, {rec.seconds:.1f}s{flag}")
+    return report
+
+
+def _fmt(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def format_table(report: EvalReport) -> str:
+    """One row per dataset and one overall; alpha@full / alpha@refill split drafts by fill."""
+    head = ("dataset", "prompts", "tokens", "ticks", "alpha", "EAL", "alpha@full", "alpha@refill", "fail")
+    rows = [(d, report.summary(d)) for d in report.datasets()] + [("overall", report.summary())]
+    lines = [f"{head[0]:<12}" + "".join(f"{h:>13}" for h in head[1:])]
+    for name, s in rows:
+        cells = (s.prompts, s.tokens, s.ticks, _fmt(s.alpha), _fmt(s.eal), _fmt(s.alpha_full),
+                 _fmt(s.alpha_refill), s.failures)
+        lines.append(f"{name:<12}" + "".join(f"{c:>13}" for c in cells))
+    return "\n".join(lines)
+

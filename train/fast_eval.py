@@ -1,0 +1,166 @@
+"""Exact fast path for T=0 acceptance: the driver's counts without running the pipeline.
+
+At T=0 a verified draft is compared with the greedy reference token, and a draft can only be
+verified when every in-flight token before it is correct (a wrong one is verified first and
+flushes the pipeline). So one greedy decode (tokens `y`, N of them), one teacher-forced target
+pass over prompt + y and, per fill `f = 1..n`, the simulated PDM draft for every position
+(train/pipeline_sim.py) decide everything: `replay` plays the driver's tick loop
+(engine/driver.py `_decode`) with booleans instead of tokens and returns the counts the driver
+would report (ticks, verified, accepted, rejections), plus verified / accepted drafts grouped by
+the fill at which each verified draft was made (fill < n: right after the start or a rejection,
+while the pipeline refills; fill == n: full pipeline).
+
+Indices below are token indices: y[0] is the first generated token (from the prefill logits),
+at position P = len(prompt). `replay` is pure logic (no torch).
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.greedy import DEFAULT_PREFILL_CHUNK, greedy_generate
+from engine.model import StageModel
+from engine.pdm import PDM
+from train.pipeline_sim import simulated_hidden, target_anchors
+
+# (fill, newest index t) -> whether the draft made then for index t + 1 equals y[t + 1].
+DraftCorrect = Callable[[int, int], bool]
+# (position, PDM draft) -> token sent, as engine.driver.DraftPolicy; must be a pure function here.
+DraftPolicy = Callable[[int, int], int]
+
+
+@dataclass
+class Acceptance:
+    """One request's counters, defined as engine/metrics.py defines them, plus counts per fill."""
+
+    n: int
+    tokens: int  # N, the first token and a final EOS included
+    ticks: int = 0
+    verified: int = 0
+    accepted: int = 0
+    rejections: int = 0  # rejections followed by at least one more committed token
+    verified_by_fill: dict[int, int] = field(default_factory=dict)  # fill of the verified draft -> count
+    accepted_by_fill: dict[int, int] = field(default_factory=dict)
+
+    def count(self, fill: int, accepted: bool) -> None:
+        self.verified += 1
+        self.accepted += int(accepted)
+        self.verified_by_fill[fill] = self.verified_by_fill.get(fill, 0) + 1
+        self.accepted_by_fill[fill] = self.accepted_by_fill.get(fill, 0) + int(accepted)
+
+
+@dataclass
+class _InFlight:
+    index: int
+    ok: bool  # the token equals y[index]
+    fill: int  # fill of the tick that drafted it (0: the first token or a correction, never verified)
+
+
+def replay(N: int, n: int, correct: DraftCorrect) -> Acceptance:
+    """The driver's tick loop on correctness bits; `correct` is asked only for t <= N - 2 with
+    every in-flight token correct (otherwise the draft is never verified and its value is moot)."""
+    if N < 1 or n < 1:
+        raise ValueError(f"need N >= 1 generated tokens and n >= 1 stages, got N={N}, n={n}")
+    acc = Acceptance(n=n, tokens=N)
+    if N == 1:  # the prefill token ended the request (EOS or max_new_tokens == 1): no decode tick
+        return acc
+    inflight: deque[_InFlight] = deque()
+    entry = _InFlight(0, True, 0)
+    committed, rejected_last = 1, False
+    while True:
+        acc.ticks += 1
+        inflight.append(entry)
+        L, t = len(inflight), entry.index
+        chain_ok = all(x.ok for x in inflight)
+        draft = _InFlight(t + 1, chain_ok and t + 1 <= N - 1 and correct(L, t), L)
+        if L < n:  # filling: no token leaves the pipeline this tick
+            entry = draft
+            continue
+        oldest = inflight.popleft()
+        assert oldest.ok and oldest.index == committed - 1, "the token leaving the pipeline is committed"
+        proposed = inflight[0] if inflight else draft
+        if rejected_last:
+            acc.rejections += 1
+        acc.count(proposed.fill, proposed.ok)
+        committed += 1  # the target's token at index oldest + 1: the draft or the correction
+        if committed == N:  # the reference stopped here (EOS or max_new_tokens)
+            return acc
+        rejected_last = not proposed.ok and n > 1
+        if not proposed.ok:
+            inflight.clear()  # flush
+        entry = draft if inflight else _InFlight(oldest.index + 1, True, 0)
+
+
+@dataclass
+class DraftTable:
+    """Teacher-forced drafts: row f - 1, column t = the draft (target id) for index t + 1 made at a
+    tick whose newest token is y[t] with fill f; margin = top-1 minus top-2 draft logit."""
+
+    drafts: torch.Tensor  # [n, N-1] int64
+    margins: torch.Tensor  # [n, N-1] fp32
+
+
+@torch.no_grad()
+def draft_table(target: StageModel, pdm: PDM, prompt: Sequence[int], y: Sequence[int]) -> DraftTable:
+    """One target pass over prompt + y[:-1], then the pipeline simulation at every fill."""
+    n, P, N = pdm.plan.n, len(prompt), len(y)
+    device = next(target.parameters()).device
+    dtype = next(pdm.parameters()).dtype
+    tokens = torch.tensor([*prompt, *y[:-1]], dtype=torch.long, device=device)[None]  # [1, S], S = P+N-1
+    anchors, _ = target_anchors(target, pdm.plan, tokens)  # [1, S, m, H]
+    anchors = anchors.to(dtype)
+    drafts = torch.zeros(n, N - 1, dtype=torch.long, device=device)
+    margins = torch.full((n, N - 1), float("inf"), device=device)
+    k = min(2, pdm.draft_ids.numel())
+    for f in range(1, n + 1):
+        h = simulated_hidden(pdm, anchors, f)[0, P:]  # [N-1, H]: newest token y[t] at position P + t
+        top = pdm.draft_logits(h).topk(k, dim=-1)  # values/indices [N-1, k]
+        drafts[f - 1] = pdm.draft_ids[top.indices[:, 0]]
+        if k == 2:
+            margins[f - 1] = top.values[:, 0] - top.values[:, 1]
+    return DraftTable(drafts.cpu(), margins.float().cpu())
+
+
+@dataclass
+class FastRun:
+    tokens: list[int]  # the greedy reference output = what SPD commits at T=0
+    acceptance: Acceptance
+    table: DraftTable | None  # None when the request ended with the prefill token
+    consulted: frozenset[tuple[int, int]]  # (fill, t) of the drafts whose correctness was asked
+
+    def near_ties(self, tol: float = 1e-4) -> int:
+        """Consulted drafts whose top-2 draft logits are within `tol`: where the runtime's other
+        shapes (last-bit differences) could flip the argmax. Counted, not hidden."""
+        if self.table is None:
+            return 0
+        return sum(1 for f, t in self.consulted if float(self.table.margins[f - 1, t]) < tol)
+
+
+@torch.no_grad()
+def fast_generate(target: StageModel, pdm: PDM, prompt: Sequence[int], max_new_tokens: int,
+                  eos_ids: Sequence[int] = (), chunk: int = DEFAULT_PREFILL_CHUNK,
+                  draft_policy: DraftPolicy | None = None) -> FastRun:
+    """SPD's T=0 counters for one request, from one greedy decode and one teacher-forced pass.
+
+    `chunk` is the prefill chunk of the runtime being modelled (the reference decode then runs
+    the same shapes as the pipelined prefill, so its first token is bit-identical).
+    """
+    y = greedy_generate(target, prompt, max_new_tokens, eos_ids=eos_ids, chunk=chunk)
+    N, P = len(y), len(prompt)
+    if N == 1:
+        return FastRun(y, replay(1, pdm.plan.n, lambda f, t: False), None, frozenset())
+    table = draft_table(target, pdm, prompt, y)
+    drafts = table.drafts.tolist()
+    consulted: set[tuple[int, int]] = set()
+
+    def correct(f: int, t: int) -> bool:
+        consulted.add((f, t))
+        d = drafts[f - 1][t]
+        if draft_policy is not None:
+            d = draft_policy(P + t + 1, d)
+        return d == y[t + 1]
+
+    return FastRun(y, replay(N, pdm.plan.n, correct), table, frozenset(consulted))
