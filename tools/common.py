@@ -92,7 +92,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd") 
     g.add_argument("--mode", choices=["spd", "pp", "ar"], default=default_mode)
     g.add_argument("--colocate", action="store_true", help="driver on the same rank as stage 0 (world size n)")
     g.add_argument("--pdm-layers", type=int, default=1, help="K for an untrained head")
-    g.add_argument("--capacity", type=int, default=2048, help="KV cache positions per request")
+    g.add_argument("--capacity", type=int, default=None,
+                   help="KV cache positions per request (default min(2048, the model's max positions))")
     g.add_argument("--prefill-chunk", type=int, default=128)
     g.add_argument("--timeout", type=float, default=60.0, help="receive timeout inside a request (s)")
     g.add_argument("--threads", type=int, default=None, help="torch threads per rank (default cores // ranks)")
@@ -112,7 +113,7 @@ def engine_config(args: argparse.Namespace) -> tuple[EngineConfig, Path | None]:
     backend = args.backend or ("nccl" if str(args.device).startswith("cuda") else "gloo")
     ecfg = EngineConfig(model=engine_spec, cfg=cfg, topology=topo, mode=args.mode, pdm=spec,
                         pdm_layers=args.pdm_layers, backend=backend, device=args.device, dtype=args.dtype,
-                        capacity=args.capacity, prefill_chunk=args.prefill_chunk, timeout_s=args.timeout,
+                        capacity=args.capacity or min(2048, cfg.max_position), prefill_chunk=args.prefill_chunk, timeout_s=args.timeout,
                         threads=args.threads, seed=args.seed)
     return ecfg, tok_dir
 

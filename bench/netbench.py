@@ -1,0 +1,474 @@
+"""Interconnect benchmark: rank context with receive timeouts, a local launcher, and the
+P2P, all-reduce and fan-in measurements behind `spd netbench`.
+
+Definitions (also written into every JSON report):
+- P2P latency: one-way time = half the round trip of a ping-pong with `bytes` in each
+  direction, receives posted before the matching send (as a pipeline stage does); for sizes
+  up to 64 KiB also "idle": both ends idle for a gap first, so each message wakes its peer.
+- bandwidth = bytes / p50 one-way time (GB/s = 1e9 B/s).
+- all-reduce latency: per iteration, the slowest member rank's time for one blocking
+  all-reduce of `bytes` (float32) over the first `ranks` ranks.
+- fan-in: rank 0 posts a 4-byte "go" to every other rank, each answers with a [k, H] payload
+  at once; time = rank 0's time from the first go to the last payload.
+- jitter = p99 - p50.
+Every receive and collective waits at most `timeout_s`; a dead or stuck peer turns into an
+error on every rank, never a hang. Gloo (CPU) is tested; the NCCL path is written but has
+not been run on a multi-GPU machine.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from bench.stats import bandwidth_gbps, summarize_us
+
+SCHEMA = "spd-netbench/1"
+IDLE_MAX_BYTES = 1 << 16  # idle (cold) ping-pong for the small messages a pipeline tick sends
+NCCL_NOTE = "NCCL path untested: it has not been run on a multi-GPU machine yet"
+TIME_DEFINITIONS = {
+    "p2p": "one-way latency = half a ping-pong round trip (bytes each way, receives pre-posted); "
+           "bw_GBps = bytes / p50_us; post_us = p50 time to post one send (post_mean_us: its mean); "
+           "stream_us = time per message of a back-to-back stream (1 / message rate); "
+           "idle_*: the same ping-pong with both ends idle for idle_gap_ms first (every message wakes "
+           "an idle peer, as in a pipeline tick)",
+    "allreduce": "per iteration, the slowest member's time for one blocking float32 all-reduce",
+    "fanin": "rank 0: first go message posted -> last [k,H] payload received; bw_GBps = all payload bytes / p50_us",
+    "jitter": "p99_us - p50_us",
+}
+
+
+class PeerError(RuntimeError):
+    """A receive, send or collective failed or timed out: a peer is dead, stuck or gone."""
+
+
+class RunFailed(RuntimeError):
+    """A launched run ended with an error on at least one rank."""
+
+
+@dataclass
+class DistContext:
+    """One rank's view of the process group; every wait is bounded by `timeout_s`."""
+
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+    timeout_s: float
+    node_rank: int = 0
+
+    @property
+    def _td(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.timeout_s)
+
+    def isend(self, buf: torch.Tensor, dst: int) -> dist.Work:
+        return dist.isend(buf, dst)
+
+    def irecv(self, buf: torch.Tensor, src: int) -> dist.Work:
+        return dist.irecv(buf, src)
+
+    def wait(self, work: dist.Work, what: str) -> None:
+        """Wait for a P2P or collective op; any failure names the rank and the operation."""
+        try:
+            done = work.wait(timeout=self._td)
+        except Exception as err:  # gloo/NCCL raise RuntimeError subclasses with transport text
+            raise PeerError(f"{what} failed after at most {self.timeout_s:g}s: {err}") from err
+        if done is False:
+            raise PeerError(f"{what} timed out after {self.timeout_s:g}s")
+
+    def barrier(self, what: str = "barrier") -> None:
+        # A bounded barrier: an all-reduce waited with our timeout (dist.barrier has none on NCCL).
+        flag = torch.zeros(1, device=self.device)
+        self.wait(dist.all_reduce(flag, async_op=True), what)
+
+    def sync(self) -> None:
+        """Make host timers meaningful: wait for queued device work (no-op on CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+# ---------------------------------------------------------------- process group set-up
+
+def resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"unknown backend {backend!r}; choose auto, gloo or nccl")
+    return backend
+
+
+def init_context(rank: int, world_size: int, backend: str, timeout_s: float, init_method: str,
+                 local_rank: int = 0, node_rank: int = 0) -> DistContext:
+    if backend == "nccl":
+        # Make wait(timeout) block the host and honour the timeout (untested path, see NCCL_NOTE).
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return DistContext(rank, world_size, backend, device, timeout_s, node_rank)
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+RankFn = Callable[[DistContext, Any], Any]
+
+
+def run_torchrun_rank(target: RankFn, payload: Any, backend: str, timeout_s: float) -> Any:
+    """Run this process as one torchrun worker; returns rank 0's result (None elsewhere).
+    On error the message is printed with the rank and the process exits non-zero."""
+    rank = int(os.environ["RANK"])
+    try:
+        ctx = init_context(rank, int(os.environ["WORLD_SIZE"]), resolve_backend(backend), timeout_s,
+                           "env://", int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("GROUP_RANK", 0)))
+        result = target(ctx, payload)
+        _finish(ctx)
+        return result
+    except Exception as err:  # report on this rank, then leave without touching the broken group
+        print(f"rank {rank}: error: {err}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def _finish(ctx: DistContext) -> None:
+    """End a successful run together: nobody closes its connections while a peer still uses
+    them (a gloo peer that sees a connection drop mid-teardown can abort)."""
+    ctx.barrier("final barrier")
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float,
+           target: RankFn, payload: Any, out_dir: str, nice: int) -> None:
+    torch.set_num_threads(1)  # ranks share the host's cores; one intra-op thread each
+    code = 0
+    try:
+        if nice:
+            os.nice(nice)  # negative: wake ahead of unrelated jobs on a shared host
+        ctx = init_context(rank, world_size, backend, timeout_s, init_method, local_rank=rank)
+        result = target(ctx, payload)
+        _finish(ctx)
+        if rank == 0:
+            with open(os.path.join(out_dir, "rank0.json"), "w") as f:
+                json.dump(result, f)
+    except Exception as err:  # every failure ends this rank with a message naming it
+        print(f"rank {rank}: error: {err}", file=sys.stderr, flush=True)
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:  # for the launcher's summary
+            f.write(str(err))
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip process-group teardown, which can block on a dead peer
+
+
+def launch_local(target: RankFn, payload: Any, nproc: int, backend: str, timeout_s: float,
+                 deadline_s: float, nice: int = 0) -> Any:
+    """Start `nproc` ranks on this host, run `target(ctx, payload)` on each, return rank 0's
+    result. Raises RunFailed listing every rank's exit status if any rank failed. `nice` is
+    added to each rank's scheduling niceness (negative values need privileges)."""
+    if nproc < 2:
+        raise ValueError(f"need at least 2 ranks, got --nproc {nproc}")
+    backend = resolve_backend(backend)
+    if backend == "nccl" and torch.cuda.device_count() < nproc:
+        raise ValueError(f"nccl needs one GPU per rank: {nproc} ranks, {torch.cuda.device_count()} GPUs")
+    mp = torch.multiprocessing.get_context("forkserver")
+    mp.set_forkserver_preload(["torch", "torch.distributed"])  # import torch once, fork ranks from it
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    with tempfile.TemporaryDirectory(prefix="spd-netbench-") as tmp:
+        procs = [mp.Process(target=_child, args=(r, nproc, init_method, backend, timeout_s, target,
+                                                payload, tmp, nice)) for r in range(nproc)]
+        for p in procs:
+            p.start()
+        end = time.monotonic() + deadline_s
+        for p in procs:
+            p.join(max(0.0, end - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in hung:  # safety net only: ranks time out by themselves long before this
+            procs[r].terminate()
+            procs[r].join(5)
+        codes = [p.exitcode for p in procs]
+        if hung or any(c != 0 for c in codes):
+            lines = [f"rank {r}: " + ("hung, terminated" if r in hung else f"exit code {c}")
+                     + _read_error(tmp, r) for r, c in enumerate(codes)]
+            raise RunFailed(f"run failed on {sum(c != 0 for c in codes)} of {nproc} ranks:\n  " + "\n  ".join(lines))
+        with open(os.path.join(tmp, "rank0.json")) as f:
+            return json.load(f)
+
+
+def _read_error(out_dir: str, rank: int) -> str:
+    path = os.path.join(out_dir, f"rank{rank}.err")
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        return ": " + f.read().strip().splitlines()[0][:300] if os.path.getsize(path) else ""
+
+
+# ---------------------------------------------------------------- measurements
+
+@dataclass
+class NetbenchConfig:
+    """What to measure. Sizes in bytes; every rank receives the same config."""
+
+    tests: tuple[str, ...] = ("p2p", "allreduce", "fanin")
+    sizes: tuple[int, ...] = (4, 64, 1024, 16384, 262144, 4 << 20, 64 << 20)
+    pairs: tuple[tuple[int, int], ...] | None = None  # None: (0,r) for all r and (r,r+1)
+    iters: int = 100
+    warmup: int = 10
+    allreduce_bytes: tuple[int, ...] = (4, 8192)
+    hidden: int = 4096
+    dtype_bytes: int = 2
+    fanin_rows: tuple[int, ...] = (1, 4)
+    replay: list = field(default_factory=list)  # tick_replay.ReplayConfig scenarios
+    idle_gap_ms: float = 2.0  # idle ping-pong (sizes up to IDLE_MAX_BYTES): peers idle this long first
+    timeout_s: float = 30.0
+
+
+def default_pairs(world_size: int) -> list[tuple[int, int]]:
+    """Driver <-> every stage, then neighbouring stages: the links SPD uses."""
+    pairs = [(0, r) for r in range(1, world_size)]
+    pairs += [(r, r + 1) for r in range(1, world_size - 1)]
+    return pairs
+
+
+def iters_for(cfg: NetbenchConfig, nbytes: int) -> tuple[int, int]:
+    """(warmup, timed) iterations: fewer for messages above 1 MiB so a size takes bounded time.
+    Deterministic, so both ends of a pair agree without negotiating."""
+    scale = min(1.0, (1 << 20) / nbytes)
+    return max(1, int(cfg.warmup * scale)), max(5, int(cfg.iters * scale))
+
+
+def _pingpong(ctx: DistContext, peer: int, nbytes: int, warmup: int, iters: int, initiator: bool,
+              gap_s: float = 0.0):
+    """Round trips (and the initiator's send-post times), receives pre-posted on both ends. With
+    gap_s > 0 the initiator idles before each round trip, so every message wakes an idle peer."""
+    send = torch.zeros(nbytes, dtype=torch.uint8, device=ctx.device)
+    recv = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
+    what = f"p2p {nbytes}B with rank {peer}"
+    rtts, posts = [], []
+    if initiator:
+        for i in range(warmup + iters):
+            if gap_s:
+                time.sleep(gap_s)
+            ctx.sync()
+            t0 = time.perf_counter()
+            r = ctx.irecv(recv, peer)
+            s = ctx.isend(send, peer)
+            t1 = time.perf_counter()
+            ctx.wait(r, what)
+            ctx.sync()
+            t2 = time.perf_counter()
+            ctx.wait(s, what)
+            if i >= warmup:
+                rtts.append(t2 - t0)
+                posts.append(t1 - t0)
+        return rtts, posts
+    r = ctx.irecv(recv, peer)
+    for i in range(warmup + iters):
+        ctx.wait(r, what)
+        s = ctx.isend(send, peer)
+        if i + 1 < warmup + iters:
+            r = ctx.irecv(recv, peer)  # pre-post the next receive before waiting on the send
+        ctx.wait(s, what)
+    return None
+
+
+def _stream(ctx: DistContext, peer: int, nbytes: int, iters: int, receiver: bool, window: int = 8):
+    """Back-to-back messages peer -> receiver, `window` sends in flight. The receiver returns the
+    time per message at saturation (1 / message rate): a host's cost to take in one message."""
+    what = f"p2p stream {nbytes}B with rank {peer}"
+    count = max(iters, 3)
+    if receiver:
+        bufs = [torch.empty(nbytes, dtype=torch.uint8, device=ctx.device) for _ in range(2)]
+        r = ctx.irecv(bufs[0], peer)
+        stamps = []
+        for i in range(count):
+            ctx.wait(r, what)
+            if i + 1 < count:
+                r = ctx.irecv(bufs[(i + 1) % 2], peer)
+            ctx.sync()
+            stamps.append(time.perf_counter())
+        return (stamps[-1] - stamps[0]) / (count - 1)
+    payload = torch.zeros(nbytes, dtype=torch.uint8, device=ctx.device)
+    inflight = deque()
+    for _ in range(count):
+        inflight.append(ctx.isend(payload, peer))
+        if len(inflight) > window:
+            ctx.wait(inflight.popleft(), what)
+    while inflight:
+        ctx.wait(inflight.popleft(), what)
+    return None
+
+
+def p2p_bench(ctx: DistContext, cfg: NetbenchConfig) -> list[dict]:
+    rows = []
+    pairs = cfg.pairs if cfg.pairs is not None else default_pairs(ctx.world_size)
+    for a, b in pairs:
+        for nbytes in cfg.sizes:
+            warmup, iters = iters_for(cfg, nbytes)
+            if ctx.rank in (a, b):
+                peer = b if ctx.rank == a else a
+                res = _pingpong(ctx, peer, nbytes, warmup, iters, ctx.rank == a)
+                idle = None
+                if cfg.idle_gap_ms > 0 and nbytes <= IDLE_MAX_BYTES:
+                    idle = _pingpong(ctx, peer, nbytes, 2, iters, ctx.rank == a, cfg.idle_gap_ms / 1e3)
+                stream = _stream(ctx, peer, nbytes, iters, ctx.rank == a)
+                if res is not None:
+                    rows.append(_p2p_row(a, b, nbytes, res, idle, stream))
+            ctx.barrier(f"barrier after p2p {a}-{b} {nbytes}B")
+    return rows
+
+
+def _p2p_row(a: int, b: int, nbytes: int, hot, idle, stream: float) -> dict:
+    rtts, posts = hot
+    row = {"src": a, "dst": b, "bytes": nbytes, **summarize_us([t / 2 for t in rtts])}
+    row["bw_GBps"] = bandwidth_gbps(nbytes, row["p50_us"])
+    post = summarize_us(posts)
+    row["post_us"], row["post_mean_us"] = post["p50_us"], post["mean_us"]  # sender busy time
+    if idle is not None:
+        one_way, idle_post = summarize_us([t / 2 for t in idle[0]]), summarize_us(idle[1])
+        row.update(idle_p50_us=one_way["p50_us"], idle_mean_us=one_way["mean_us"], idle_p99_us=one_way["p99_us"],
+                   idle_post_mean_us=idle_post["mean_us"])
+    row["stream_us"] = stream * 1e6
+    return row
+
+
+def allreduce_group_sizes(world_size: int) -> list[int]:
+    sizes, g = [], 2
+    while g < world_size:
+        sizes.append(g)
+        g *= 2
+    return sizes + [world_size]
+
+
+def allreduce_bench(ctx: DistContext, cfg: NetbenchConfig) -> list[dict]:
+    """Per-iteration times on this rank, keyed for rank 0 to take the max over members."""
+    out = []
+    for g in allreduce_group_sizes(ctx.world_size):
+        group = dist.new_group(list(range(g))) if g < ctx.world_size else None
+        for nbytes in cfg.allreduce_bytes:
+            warmup, iters = iters_for(cfg, nbytes)
+            if ctx.rank < g:
+                buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=ctx.device)
+                times = []
+                for i in range(warmup + iters):
+                    ctx.sync()
+                    t0 = time.perf_counter()
+                    ctx.wait(dist.all_reduce(buf, group=group, async_op=True), f"all-reduce {nbytes}B over {g} ranks")
+                    ctx.sync()
+                    if i >= warmup:
+                        times.append(time.perf_counter() - t0)
+                out.append({"ranks": g, "bytes": nbytes, "times": times})
+            ctx.barrier(f"barrier after all-reduce over {g} ranks")
+    return out
+
+
+def fanin_bench(ctx: DistContext, cfg: NetbenchConfig) -> list[dict]:
+    rows = []
+    senders = list(range(1, ctx.world_size))
+    for k in cfg.fanin_rows:
+        nbytes = k * cfg.hidden * cfg.dtype_bytes
+        warmup, iters = iters_for(cfg, nbytes)
+        go = torch.zeros(4, dtype=torch.uint8, device=ctx.device)
+        what = f"fan-in [{k},{cfg.hidden}]"
+        if ctx.rank == 0:
+            bufs = [torch.empty(nbytes, dtype=torch.uint8, device=ctx.device) for _ in senders]
+            times = []
+            for i in range(warmup + iters):
+                ctx.sync()
+                t0 = time.perf_counter()
+                recvs = [ctx.irecv(buf, s) for buf, s in zip(bufs, senders)]
+                sends = [ctx.isend(go, s) for s in senders]
+                for w in recvs:
+                    ctx.wait(w, what)
+                ctx.sync()
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
+                for w in sends:
+                    ctx.wait(w, what)
+            row = {"senders": len(senders), "rows": k, "hidden": cfg.hidden, "bytes": nbytes, **summarize_us(times)}
+            row["bw_GBps"] = bandwidth_gbps(nbytes * len(senders), row["p50_us"])
+            rows.append(row)
+        else:
+            payload = torch.zeros(nbytes, dtype=torch.uint8, device=ctx.device)
+            for _ in range(warmup + iters):
+                ctx.wait(ctx.irecv(go, 0), what)
+                ctx.wait(ctx.isend(payload, 0), what)
+        ctx.barrier(f"barrier after {what}")
+    return rows
+
+
+def netbench_rank(ctx: DistContext, cfg: NetbenchConfig) -> dict | None:
+    """Everything one rank does for `spd netbench`; rank 0 returns the assembled report."""
+    from bench.tick_replay import run_scenarios  # late import: tick_replay builds on this module
+
+    local: dict[str, Any] = {"rank": ctx.rank, "host": socket.gethostname(), "node_rank": ctx.node_rank}
+    ctx.barrier("start barrier")
+    if "p2p" in cfg.tests:
+        local["p2p"] = p2p_bench(ctx, cfg)
+    if "allreduce" in cfg.tests:
+        local["allreduce"] = allreduce_bench(ctx, cfg)
+    if "fanin" in cfg.tests and ctx.world_size > 1:
+        local["fanin"] = fanin_bench(ctx, cfg)
+    if "replay" in cfg.tests:
+        local["replay"] = run_scenarios(ctx, cfg.replay)
+    gathered = [None] * ctx.world_size if ctx.rank == 0 else None
+    try:
+        dist.gather_object(local, gathered, dst=0)
+    except Exception as err:  # gather uses the group timeout; name it like our own waits
+        raise PeerError(f"gathering results on rank 0 failed: {err}") from err
+    return assemble_report(ctx, cfg, gathered) if ctx.rank == 0 else None
+
+
+def assemble_report(ctx: DistContext, cfg: NetbenchConfig, per_rank: list[dict]) -> dict:
+    report: dict[str, Any] = {
+        "schema": SCHEMA,
+        "backend": ctx.backend,
+        "device": ctx.device.type,
+        "world_size": ctx.world_size,
+        "ranks": [{k: r[k] for k in ("rank", "host", "node_rank")} for r in per_rank],
+        "nccl_tested": False,
+        "note": NCCL_NOTE if ctx.backend == "nccl" else "gloo backend (CPU)",
+        "definitions": TIME_DEFINITIONS,
+        "config": {k: v for k, v in asdict(cfg).items() if k != "replay"},
+        "p2p": [row for r in per_rank for row in r.get("p2p", [])],
+        "fanin": [row for r in per_rank for row in r.get("fanin", [])],
+    }
+    if any("allreduce" in r for r in per_rank):
+        report["allreduce"] = _merge_allreduce(per_rank)
+    if any("replay" in r for r in per_rank):
+        from bench.tick_replay import merge_replay
+
+        report["tick_replay"] = merge_replay([r["replay"] for r in per_rank])
+    return report
+
+
+def _merge_allreduce(per_rank: list[dict]) -> list[dict]:
+    by_key: dict[tuple[int, int], list[list[float]]] = {}
+    for r in per_rank:
+        for entry in r.get("allreduce", []):
+            by_key.setdefault((entry["ranks"], entry["bytes"]), []).append(entry["times"])
+    rows = []
+    for (g, nbytes), lists in sorted(by_key.items()):
+        assert len(lists) == g, "every member of the group reports its times"
+        slowest = [max(ts) for ts in zip(*lists)]
+        rows.append({"ranks": g, "bytes": nbytes, **summarize_us(slowest)})
+    return rows

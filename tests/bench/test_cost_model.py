@@ -1,0 +1,206 @@
+"""Cost model: hand-computed critical paths, the refill rule, partitions, input parsing, and
+`spd plan` on a case whose every number is worked out below."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.cost_model import (AlphaCurve, LinkModel, Profile, SpdCase, balanced_partition, eal_from_alpha,
+                              simulate_spd, spd_cycles)
+
+
+def sep_case(**kw) -> SpdCase:
+    base = dict(stage_ms=(3.0, 2.0), pdm_ms=0.5, verify_ms=0.2, alpha=1.0, colocate=False, hop_token_ms=0.1,
+                hop_act_ms=(0.2,), hop_anchor_ms=(0.3,), hop_exit_ms=0.4)
+    base.update(kw)
+    return SpdCase(**base)
+
+
+def test_stage_bound_tick():
+    case = sep_case()
+    cycles = spd_cycles(case)
+    assert cycles["stage 0 compute"] == pytest.approx(3.0)
+    assert cycles["stage 1 compute"] == pytest.approx(2.0)
+    assert cycles["driver: PDM + verify"] == pytest.approx(0.5 + 0.2)
+    # token 0.1 + stages 3 + 2 + activation 0.2 + exit 0.4 + verify 0.2, over n = 2 ticks
+    assert cycles["verify loop (token through all stages, verify, next token)"] == pytest.approx(5.9 / 2)
+    # token 0.1 + stage 0 3.0 + anchors 0.3 + PDM 0.5 + verify 0.2, over p + 2 = 2 ticks
+    assert cycles["anchor loop via stage 0"] == pytest.approx(4.1 / 2)
+    sim = simulate_spd(case, decode_tokens=2000)
+    assert sim["ticks"] == 2000 + 1  # (N-1) + (n-1) with no rejection
+    assert sim["tick_ms"] == pytest.approx(3.0, rel=2e-3)  # the slowest stage, plus a one-off fill
+    # posting costs 0.05 ms per message: stage 0 posts its output and its anchors every tick
+    posted = sep_case(post_ms=0.05)
+    assert spd_cycles(posted)["stage 0 compute"] == pytest.approx(3.1)
+    assert simulate_spd(posted, 2000)["tick_ms"] == pytest.approx(3.1, rel=2e-3)
+
+
+def test_verify_loop_bound_tick():
+    # balanced 2 ms stages, slow links and a 1 ms verify: verification in series with stage 0's input
+    case = sep_case(stage_ms=(2.0, 2.0), verify_ms=1.0, hop_token_ms=0.5, hop_act_ms=(0.5,), hop_anchor_ms=(0.5,),
+                    hop_exit_ms=0.5)
+    cycles = spd_cycles(case)
+    critical = max(cycles, key=cycles.get)
+    assert critical.startswith("verify loop")
+    assert cycles[critical] == pytest.approx((0.5 + 4.0 + 0.5 + 0.5 + 1.0) / 2)  # 3.25 > 2 ms stages
+    assert simulate_spd(case, 2000)["tick_ms"] == pytest.approx(3.25, rel=2e-3)
+
+
+def test_colocated_driver_adds_its_work_to_stage_0():
+    case = SpdCase(stage_ms=(1.0, 3.0), pdm_ms=1.0, verify_ms=0.5, alpha=1.0, colocate=True, hop_token_ms=0.0,
+                   hop_act_ms=(0.2,), hop_anchor_ms=(0.3,), hop_exit_ms=0.3, post_ms=0.05, recv_ms=0.05)
+    cycles = spd_cycles(case)
+    assert cycles["rank 0: stage 0 + driver (PDM + verify)"] == pytest.approx(1.0 + 0.05 + 0.05 + 1.0 + 0.5)
+    # stage 1 reads its input, computes, posts one message (the last stage sends only to the driver)
+    assert cycles["stage 1 compute"] == pytest.approx(0.05 + 3.0 + 0.05)
+    assert simulate_spd(case, 2000)["tick_ms"] == pytest.approx(3.1, rel=2e-3)
+
+
+def test_rejections_refill_the_pipeline_by_hand():
+    # alpha = 0: every verification rejects. n = 2, 1 ms stages, zero hops, PDM 0.25, verify 0.25.
+    # tick 1: x_P at stage 0 [0,1], stage 1 [1,2]; driver: PDM -> 0.25, nothing to verify, sends d.
+    # tick 2: stage 0 [1,2], stage 1 [2,3]; driver waits stage 0's anchors (1), PDM -> 1.25,
+    #         verifies x_P's exit (arrived 2) -> 2.25: reject, the correction enters next.
+    # tick 3: stage 0 [2.25,3.25]; refill: no anchors needed, no verify: PDM -> 2.5, sends d'.
+    # tick 4: stage 0 [3.25,4.25], stage 1 [4.25,5.25]; driver waits the correction's anchors (3.25),
+    #         PDM -> 3.5, verifies the correction's exit (4.25) -> 4.5: reject, ends the run (N-1 = 2).
+    case = sep_case(stage_ms=(1.0, 1.0), pdm_ms=0.25, verify_ms=0.25, alpha=0.0, hop_token_ms=0.0,
+                    hop_act_ms=(0.0,), hop_anchor_ms=(0.0,), hop_exit_ms=0.0)
+    sim = simulate_spd(case, decode_tokens=2)
+    assert sim["ticks"] == 2 + (2 - 1) * (1 + 1)  # (N-1) + (n-1)(1+R); the final rejection costs no refill
+    assert sim["time_ms"] == pytest.approx(4.5)
+    n4 = simulate_spd(sep_case(stage_ms=(1.0,) * 4, hop_act_ms=(0.2,) * 3, hop_anchor_ms=(0.3,) * 3, alpha=0.0), 10)
+    assert n4["ticks"] == 10 + 3 * (1 + 9)
+
+
+def test_eal_formula():
+    assert eal_from_alpha(8, 1.0) == 8
+    assert eal_from_alpha(4, 0.8) == pytest.approx(4 / (1 + 3 * 0.2))
+    assert eal_from_alpha(4, 0.0) == pytest.approx(1.0)
+
+
+def test_balanced_partition_moves_layers_off_the_driver_stage():
+    # 8 layers of 1 ms, 2 ms of driver work on stage 0: [3, 5] gives max(3 + 2, 5) = 5
+    assert balanced_partition((1.0,) * 8, 2, [2.0, 0.0]) == [3, 5]
+    # no extra work: the most even split of uneven layers
+    assert balanced_partition((4.0, 1.0, 1.0, 1.0, 1.0), 2, [0.0, 0.0]) == [1, 4]
+
+
+def test_link_model_from_netbench_interpolates():
+    report = {"schema": "spd-netbench/1", "p2p": [
+        {"src": 0, "dst": 1, "bytes": 100, "mean_us": 10.0, "p50_us": 9.0, "post_us": 2.0, "post_mean_us": 5.0},
+        {"src": 0, "dst": 1, "bytes": 1100, "mean_us": 30.0, "p50_us": 20.0, "post_us": 4.0, "post_mean_us": 7.0},
+        {"src": 1, "dst": 2, "bytes": 100, "mean_us": 20.0, "p50_us": 9.0, "post_us": 2.0, "post_mean_us": 5.0},
+        {"src": 1, "dst": 2, "bytes": 1100, "mean_us": 40.0, "p50_us": 20.0, "post_us": 4.0, "post_mean_us": 7.0}],
+        "allreduce": [{"ranks": 2, "bytes": 8, "mean_us": 50.0}, {"ranks": 8, "bytes": 8, "mean_us": 110.0}]}
+    link = LinkModel.from_netbench(report, "test")
+    assert link.hop_ms(100) == pytest.approx(0.015)  # mean of 10 and 20 us
+    assert link.hop_ms(600) == pytest.approx(0.025)  # half way from 15 to 35 us
+    assert link.hop_ms(2100) == pytest.approx(0.055)  # beyond the largest size: last segment's slope
+    assert link.post_ms == pytest.approx(0.006) and link.read_ms == pytest.approx(0.003)  # mean / p50 posts
+    notes: list[str] = []
+    assert link.allreduce_ms(4, 8, notes) == pytest.approx(0.080)  # log2 4 is half way from 2 to 8 ranks
+    assert notes == []
+    assert link.allreduce_ms(16, 8, notes) == pytest.approx(0.110 * 4 / 3)  # log2 scaling, flagged
+    assert "extrapolated" in notes[0]
+    with pytest.raises(ValueError, match="spd-netbench/1"):
+        LinkModel.from_netbench({"schema": "other"}, "bad")
+    # with idle (cold) measurements, hops and send posts come from them; larger sizes use hot ones
+    report["p2p"][0].update(idle_mean_us=50.0, idle_post_mean_us=9.0)
+    report["p2p"][2].update(idle_mean_us=70.0, idle_post_mean_us=9.0)
+    cold = LinkModel.from_netbench(report, "cold")
+    assert cold.hop_ms(100) == pytest.approx(0.060) and cold.hop_ms(1100) == pytest.approx(0.035)
+    assert cold.post_ms == pytest.approx((9 + 7 + 9 + 7) / 4 / 1e3)
+    assert LinkModel.from_netbench(report, "hot", "mean_us").hop_ms(100) == pytest.approx(0.015)
+
+
+def test_alpha_curve_and_profile_validation():
+    curve = AlphaCurve({2: 0.9, 8: 0.6})
+    notes: list[str] = []
+    assert curve(4, notes) == pytest.approx(0.8)
+    assert curve(16, notes) == pytest.approx(0.6) and "held" in notes[0]
+    assert AlphaCurve.from_eval_json({"results": [{"n": 4, "alpha": 0.7}, {"n": 4, "alpha": 0.9}]})(4, []) \
+        == pytest.approx(0.8)
+    with pytest.raises(ValueError, match="unknown keys"):
+        Profile.from_dict({"layer_ms": 1.0, "num_layers": 2, "pdm_ms": 1, "verify_ms": 1, "hidden_size": 8, "x": 1})
+    with pytest.raises(ValueError, match="stage_ms\\[2\\]"):
+        Profile.from_dict({"layer_ms": [1, 1], "pdm_ms": 1, "verify_ms": 1, "hidden_size": 8, "stage_ms": {"2": [1]}})
+
+
+def _write_plan_inputs(tmp_path) -> tuple[str, str]:
+    # 4 layers of 1 ms, PDM 0.5 ms, verify 0.2 ms, H = 64 in 2-byte dtype, one anchor row:
+    # messages are token 32 B, activation / anchors 32 + 128 = 160 B, exit 32 + 256 = 288 B.
+    profile = {"schema": "spd-profile/1", "name": "hand", "num_layers": 4, "layer_ms": 1.0, "pdm_ms": 0.5,
+               "verify_ms": 0.2, "hidden_size": 64, "dtype_bytes": 2, "anchors_per_stage": 1}
+    p2p = [{"src": 0, "dst": 1, "bytes": b, "mean_us": 100.0, "p50_us": 100.0, "post_us": 10.0, "post_mean_us": 10.0}
+           for b in (32, 160, 288)]
+    allreduce = [{"ranks": 2, "bytes": 8, "mean_us": 40.0}, {"ranks": 2, "bytes": 128, "mean_us": 50.0}]
+    (tmp_path / "profile.json").write_text(json.dumps(profile))
+    (tmp_path / "net.json").write_text(json.dumps({"schema": "spd-netbench/1", "p2p": p2p, "allreduce": allreduce}))
+    return str(tmp_path / "profile.json"), str(tmp_path / "net.json")
+
+
+def test_spd_plan_hand_computed(tmp_path, capsys):
+    from tools.cli import main
+
+    profile, net = _write_plan_inputs(tmp_path)
+    out = str(tmp_path / "plan.json")
+    assert main(["plan", "--profile", profile, "--net", net, "--alpha", "1.0", "--n", "2", "--sim-tokens", "2000",
+                 "--json", out]) == 0
+    result = json.loads(open(out).read())
+    rows = {(r["method"], r["layout"]): r for r in result["rows"]}
+    # AR: 4 layers x 1 ms + verify 0.2
+    assert result["ar_token_ms"] == pytest.approx(4.2)
+    # PP on 2 devices: 4 ms of layers + verify 0.2 + activation hop 0.1 + token hop back 0.1
+    assert rows[("pp", "-")]["token_ms"] == pytest.approx(4.4)
+    # TP on 2 devices: 4 x 0.5 ms shards + 2 x 4 all-reduces of 128 B (0.05) + head 0.2 / 2 + argmax 8 B (0.04)
+    assert rows[("tp", "one node")]["token_ms"] == pytest.approx(2.0 + 0.4 + 0.1 + 0.04)
+    # SPD, separate driver, [2, 2] layers; post = read = 0.01 ms per message. Cycles per tick:
+    #   stage 0: read + 2 + 2 posts = 2.03; stage 1: read + 2 + 1 post = 2.02;
+    #   driver: post + 2 reads + 0.5 + 0.2 = 0.73
+    #   verify loop: (token 0.1 + 2 stage reads 0.02 + 4 + activation 0.1 + exit 0.1 + driver read 0.01
+    #                 + verify 0.2) / 2 = 2.265
+    sep = rows[("spd", "sep")]
+    assert sep["critical"].startswith("verify loop") and sep["steady_tick_ms"] == pytest.approx(2.265)
+    assert sep["eal"] == 2.0 and sep["tick_ms"] == pytest.approx(2.265, rel=2e-3)
+    assert sep["tok_s"] == pytest.approx(1e3 / 2.265, rel=2e-3) and sep["devices"] == 3
+    # SPD co-located: rank 0 does stage 0 (2) + post + 1 read + PDM + verify = 2.72 per tick
+    col = rows[("spd", "coloc")]
+    assert col["steady_tick_ms"] == pytest.approx(2.72) and col["devices"] == 2
+    assert col["speedup_vs_ar"] == pytest.approx(4.2 / 2.72, rel=2e-3)
+    # on 2 devices TP (2.54 ms) beats co-located SPD (2.72 ms) and PP (4.4 ms); SPD needs a 3rd device
+    assert result["best_by_devices"]["2"]["method"] == "tp"
+    assert result["best_by_devices"]["3"]["method"] == "spd"
+    printed = capsys.readouterr().out
+    assert "recommendation:" in printed and "on the same n devices, TP is fastest for n = 2" in printed
+
+
+def test_spd_plan_errors(tmp_path, capsys):
+    from tools.cli import main
+
+    profile, net = _write_plan_inputs(tmp_path)
+    assert main(["plan", "--profile", profile, "--alpha", "0.8"]) == 2
+    assert "--net" in capsys.readouterr().err
+    assert main(["plan", "--profile", profile, "--net", net, "--alpha", "1.5"]) == 2
+    assert "alpha" in capsys.readouterr().err
+    assert main(["plan", "--reference", "llama-3.1-8b-h200", "--assume-link", "5,400,10", "--alpha", "0.8",
+                 "--n", "8", "--sim-tokens", "200"]) == 0
+    assert "ASSUMPTION" in capsys.readouterr().out  # assumed links and ideal TP shards are flagged
+
+
+def test_hybrid_tp_inside_spd_across(tmp_path):
+    from tools.cli import main
+
+    profile, net = _write_plan_inputs(tmp_path)
+    out = str(tmp_path / "plan.json")
+    assert main(["plan", "--profile", profile, "--net", net, "--alpha", "2:0.9,4:0.5", "--n", "4",
+                 "--sim-tokens", "200", "--json", out]) == 0
+    rows = [r for r in json.loads(open(out).read())["rows"] if r["method"] == "tp2xspd"]
+    assert {r["layout"] for r in rows} == {"sep", "coloc"}
+    for r in rows:
+        # 2-way TP groups as 2 SPD stages: each stage holds 2 layers as 0.5 ms shards plus two
+        # 128 B all-reduces (0.05 ms) per layer: 2 x 0.5 + 2 x 2 x 0.05 = 1.2 ms
+        assert r["spd_stages"] == 2 and r["stage_ms"] == pytest.approx([1.2, 1.2])
+        assert r["alpha"] == 0.9  # the acceptance of a 2-stage pipeline, not of n = 4
+        assert r["devices"] == (4 if r["layout"] == "coloc" else 5)

@@ -1,0 +1,155 @@
+"""`spd netbench`: statistics, report invariants, two torchrun agents as two nodes, and a dead
+rank ending the run with an error on every rank (gloo, small sizes)."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.stats import bandwidth_gbps, parse_bytes, percentile, summarize_us
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_percentiles_are_ordered_and_interpolated():
+    xs = [5.0, 1.0, 3.0, 2.0, 4.0]
+    assert percentile(xs, 0) == 1.0 and percentile(xs, 100) == 5.0
+    assert percentile(xs, 50) == 3.0
+    assert percentile(xs, 90) == pytest.approx(4.6)  # position 0.9 * 4 = 3.6 between 4 and 5
+    s = summarize_us([x * 1e-6 for x in xs])
+    assert s["p50_us"] <= s["p90_us"] <= s["p99_us"] <= s["max_us"]
+    assert s["jitter_us"] == pytest.approx(s["p99_us"] - s["p50_us"])
+    assert s["mean_us"] == pytest.approx(3.0)
+
+
+def test_byte_sizes_parse():
+    assert parse_bytes("4") == 4 and parse_bytes("8K") == 8192 and parse_bytes("64M") == 64 << 20
+    with pytest.raises(ValueError, match="byte size"):
+        parse_bytes("lots")
+
+
+def _check_report(report: dict, world: int) -> None:
+    assert report["schema"] == "spd-netbench/1" and report["world_size"] == world
+    assert report["backend"] == "gloo" and report["nccl_tested"] is False
+    for kind in ("p2p", "allreduce", "fanin"):
+        assert report[kind], f"no {kind} rows"
+        for row in report[kind]:
+            assert 0 < row["min_us"] <= row["p50_us"] <= row["p90_us"] <= row["p99_us"] <= row["max_us"]
+            assert row["jitter_us"] == pytest.approx(row["p99_us"] - row["p50_us"])
+    for row in report["p2p"]:
+        assert row["bw_GBps"] == pytest.approx(bandwidth_gbps(row["bytes"], row["p50_us"]))
+        assert row["bw_GBps"] == pytest.approx(row["bytes"] / (row["p50_us"] * 1e-6) / 1e9)
+        if row["bytes"] <= 65536:  # idle (cold) ping-pong for the small sizes a tick sends
+            assert 0 < row["idle_p50_us"] <= row["idle_p99_us"]
+        else:
+            assert "idle_p50_us" not in row
+    for row in report["fanin"]:
+        assert row["senders"] == world - 1
+        assert row["bw_GBps"] == pytest.approx(row["bytes"] * row["senders"] / (row["p50_us"] * 1e-6) / 1e9)
+
+
+@pytest.mark.multiproc
+def test_local_run_report_invariants(tmp_path, capfd):
+    from tools.cli import main
+
+    # 256K is above the idle ping-pong's 64 KiB limit
+    rc = main(["netbench", "--nproc", "3", "--sizes", "4,1K,256K", "--iters", "20", "--warmup", "2",
+               "--allreduce-bytes", "4,1K", "--hidden", "256", "--fanin-rows", "1,2", "--timeout", "20",
+               "--out-dir", str(tmp_path)])
+    out = capfd.readouterr()
+    assert rc == 0, out.err
+    report = json.loads((tmp_path / "netbench.json").read_text())
+    _check_report(report, 3)
+    pairs = {(r["src"], r["dst"]) for r in report["p2p"]}
+    assert pairs == {(0, 1), (0, 2), (1, 2)}  # driver <-> each stage, then neighbouring stages
+    assert {r["bytes"] for r in report["p2p"]} == {4, 1024, 262144}
+    assert {(r["ranks"], r["bytes"]) for r in report["allreduce"]} == {(2, 4), (2, 1024), (3, 4), (3, 1024)}
+    with open(tmp_path / "netbench.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(report["p2p"]) + len(report["allreduce"]) + len(report["fanin"])
+    assert "P2P ping-pong" in out.out and "bw(GB/s)" in out.out
+    assert (tmp_path / "netbench.png").stat().st_size > 1000  # matplotlib is a test dependency
+
+
+def test_user_errors_are_reported_cleanly(capsys):
+    from tools.cli import main
+
+    assert main(["netbench", "--nproc", "2", "--pairs", "0-5"]) == 2
+    assert "pair '0-5'" in capsys.readouterr().err
+    assert main(["netbench", "--nproc", "2", "--tests", "replay", "--stage-ms", "1,1,1"]) == 2
+    assert "need 4 ranks" in capsys.readouterr().err
+    assert main(["netbench", "--nproc", "3", "--tests", "p2p,bogus"]) == 2
+    assert "unknown tests ['bogus']" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.multiproc
+def test_two_torchrun_agents_as_two_nodes(tmp_path):
+    port = str(_free_port())
+    agents = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port,
+               "-m", "tools.cli", "netbench", "--backend", "gloo", "--sizes", "4,1K", "--iters", "10",
+               "--warmup", "2", "--allreduce-bytes", "4", "--hidden", "64", "--fanin-rows", "1",
+               "--timeout", "20", "--no-png", "--out-dir", str(tmp_path / f"node{node}")]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        agents.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       env=env))
+    outs = [a.communicate(timeout=150) for a in agents]
+    for a, (_, err) in zip(agents, outs):
+        assert a.returncode == 0, err[-3000:]
+    report = json.loads((tmp_path / "node0" / "netbench.json").read_text())  # rank 0 lives on node 0
+    assert not (tmp_path / "node1").exists()  # only rank 0 writes
+    _check_report(report, 2)
+    assert sorted(r["node_rank"] for r in report["ranks"]) == [0, 1]
+    assert [(r["src"], r["dst"]) for r in report["p2p"]] == [(0, 1), (0, 1)]
+
+
+def _faulty_run(fault: str, timeout: str) -> tuple[int, float]:
+    from tools.cli import main
+
+    t0 = time.monotonic()
+    rc = main(["netbench", "--nproc", "3", "--tests", "replay", "--stage-ms", "2,2", "--tokens", "400",
+               "--hidden", "64", "--fault-rank", "2", "--fault-tick", "5", "--fault", fault, "--timeout", timeout,
+               "--out-dir", ""])
+    return rc, time.monotonic() - t0
+
+
+@pytest.mark.multiproc
+def test_dead_rank_ends_the_run_with_an_error_on_every_rank(capfd):
+    rc, elapsed = _faulty_run("exit", "4")
+    err = capfd.readouterr().err
+    assert rc == 1, err
+    assert "run failed on 3 of 3 ranks" in err
+    assert "rank 2: exit code 17" in err  # the injected fault
+    # each survivor ends with its own error, naming the operation that found the dead peer
+    assert "rank 0: exit code 1: driver: receive from stage" in err
+    assert "rank 1: exit code 1: stage 0: " in err
+    assert "hung" not in err
+    assert elapsed < 60, f"took {elapsed:.0f}s: ranks should fail within a few timeouts"
+
+
+@pytest.mark.multiproc
+def test_silent_rank_ends_the_run_by_timeouts(capfd):
+    # rank 2 (the last stage) stays alive but stops talking: the driver's receive times out after
+    # 2 s, then the others see their peer gone; the silent rank itself fails when it wakes up.
+    rc, elapsed = _faulty_run("stall", "2")
+    err = capfd.readouterr().err
+    assert rc == 1, err
+    assert "rank 0: exit code 1: driver: receive from stage 1 (rank 2) failed after at most 2s" in err
+    assert "rank 1: exit code 1" in err and "rank 2: exit code 1" in err
+    assert "hung" not in err
+    assert 2 <= elapsed < 60

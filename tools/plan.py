@@ -1,0 +1,227 @@
+"""`spd plan`: predict SPD tick time, tokens/s and speedup against TP, PP and TP x SPD hybrids
+from a compute profile, netbench link measurements and an acceptance alpha; or, with
+`--validate`, check the model against tick replays with sleeping stages on this host.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from statistics import median
+
+from bench.cost_model import (REFERENCE_PROFILES, AlphaCurve, LinkModel, Links, Profile, plan, predict_replay,
+                              recommendation)
+from bench.stats import format_table
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_argument_group("compute (schema spd-profile/1, docs/benchmarks.md)")
+    src.add_argument("--profile", help="profile JSON: layer_ms, pdm_ms, verify_ms, hidden_size, ...")
+    src.add_argument("--reference", choices=sorted(REFERENCE_PROFILES), help="a built-in H200 profile (DESIGN 6)")
+    net = p.add_argument_group("links (netbench JSON, or explicit assumptions flagged in the output)")
+    net.add_argument("--net", help="netbench JSON for links inside a node (or all links)")
+    net.add_argument("--net-inter", help="netbench JSON for links between nodes")
+    net.add_argument("--gpus-per-node", type=int, help="devices per node (needed with --net-inter)")
+    net.add_argument("--assume-link", help="LAT_US,GBPS[,ALLREDUCE_US] instead of --net (an assumption)")
+    net.add_argument("--assume-inter", help="LAT_US,GBPS[,ALLREDUCE_US] instead of --net-inter (an assumption)")
+    net.add_argument("--latency-stat", default="idle_mean_us",
+                     choices=("idle_mean_us", "idle_p50_us", "mean_us", "p50_us", "p90_us"),
+                     help="netbench statistic used as hop time (default: mean one-way time to an idle peer)")
+    acc = p.add_argument_group("acceptance")
+    acc.add_argument("--alpha", help="one alpha (0.8) or per n (2:0.9,4:0.85,8:0.8)")
+    acc.add_argument("--alpha-json", help="eval JSON with alpha_by_n or results[{n, alpha}]")
+    p.add_argument("--n", default="2-16", help="stage counts, e.g. 2-16 or 2,4,8")
+    p.add_argument("--sim-tokens", type=int, default=1000, help="decode tokens simulated per configuration")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--details", action="store_true", help="print every configuration, not just the best per n")
+    p.add_argument("--json", help="write the full result here")
+    val = p.add_argument_group("validation (--validate)")
+    val.add_argument("--validate", action="store_true", help="run tick replays here and compare with the model")
+    val.add_argument("--tolerance", type=float, default=0.15, help="allowed relative tick-time error")
+    val.add_argument("--repeats", type=int, default=3, help="rounds of every replay scenario (medians are compared)")
+    val.add_argument("--timeout", type=float, default=30.0, help="receive timeout of the replay ranks")
+    val.add_argument("--nice", type=int, default=0,
+                     help="niceness added to every rank, e.g. -10 on a busy shared host (needs privileges)")
+
+
+def _load_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _assumed(text: str, name: str) -> LinkModel:
+    try:
+        parts = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{name} must be LAT_US,GBPS[,ALLREDUCE_US], got {text!r}") from None
+    if len(parts) not in (2, 3) or parts[0] < 0 or parts[1] <= 0:
+        raise ValueError(f"{name} must be LAT_US,GBPS[,ALLREDUCE_US] with positive bandwidth, got {text!r}")
+    label = f"{parts[0]:g} us, {parts[1]:g} GB/s" + (f", all-reduce {parts[2]:g} us" if len(parts) == 3 else "")
+    return LinkModel.assume(label, parts[0], parts[1], parts[2] if len(parts) == 3 else None)
+
+
+def _links(args: argparse.Namespace) -> Links:
+    if args.net:
+        intra = LinkModel.from_netbench(_load_json(args.net), args.net, args.latency_stat)
+    elif args.assume_link:
+        intra = _assumed(args.assume_link, "--assume-link")
+    else:
+        raise ValueError("give link numbers: --net NETBENCH.json (measured) or --assume-link LAT_US,GBPS")
+    inter = None
+    if args.net_inter:
+        inter = LinkModel.from_netbench(_load_json(args.net_inter), args.net_inter, args.latency_stat)
+    elif args.assume_inter:
+        inter = _assumed(args.assume_inter, "--assume-inter")
+    if inter is not None and not args.gpus_per_node:
+        raise ValueError("--net-inter / --assume-inter need --gpus-per-node")
+    return Links(intra, inter, args.gpus_per_node)
+
+
+def _alpha(args: argparse.Namespace) -> AlphaCurve:
+    if args.alpha_json:
+        return AlphaCurve.from_eval_json(_load_json(args.alpha_json))
+    if not args.alpha:
+        raise ValueError("give --alpha or --alpha-json")
+    try:
+        if ":" not in args.alpha:
+            return AlphaCurve({0: float(args.alpha)})
+        return AlphaCurve({int(k): float(v) for k, v in (item.split(":") for item in args.alpha.split(","))})
+    except ValueError as err:
+        raise ValueError(f"--alpha: {err}") from None
+
+
+def _ns(text: str) -> list[int]:
+    try:
+        if "-" in text:
+            lo, hi = (int(x) for x in text.split("-"))
+            ns = list(range(lo, hi + 1))
+        else:
+            ns = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--n must look like 2-16 or 2,4,8, got {text!r}") from None
+    if not ns or min(ns) < 2:
+        raise ValueError("--n values must be >= 2")
+    return ns
+
+
+def _summary_rows(result: dict) -> list[dict]:
+    rows = []
+    for n in sorted({r["n"] for r in result["rows"]}):
+        at = [r for r in result["rows"] if r["n"] == n]
+        best = lambda pred: max((r for r in at if pred(r)), key=lambda r: r["tok_s"], default=None)  # noqa: E731
+        sep = best(lambda r: r["method"] == "spd" and r["layout"] == "sep")
+        col = best(lambda r: r["method"] == "spd" and r["layout"] == "coloc")
+        hyb = best(lambda r: r["method"].endswith("xspd") and r["layout"] == "coloc")
+        pp = best(lambda r: r["method"] == "pp")
+        tp = best(lambda r: r["method"] == "tp")
+        same = max((r for r in at if r["devices"] == n), key=lambda r: r["tok_s"])
+        rows.append({"n": n, "ar": result["ar_tok_s"], "pp": pp["tok_s"], "tp": tp["tok_s"],
+                     "coloc": col["tok_s"], "coloc_tick": col["tick_ms"], "coloc_crit": col["critical"].split(" (")[0],
+                     "eal": col["eal"], "sep": sep["tok_s"],
+                     "hyb": f"{hyb['tok_s']:.1f} (tp{hyb['tp']})" if hyb else "-",
+                     "winner": same["method"] + ("" if same["method"] in ("pp", "tp") else f" {same['layout']}")})
+    return rows
+
+
+def _print_plan(result: dict, details: bool) -> None:
+    links = result["links"]
+    inter = f"; between nodes: {links['inter']}, {links['gpus_per_node']} devices per node" if links["inter"] else ""
+    print(f"# spd plan: {result['profile']}; links: {links['intra']}{inter}")
+    print("# decode tok/s; AR = one device; SPD coloc / PP / TP / hybrid on n devices, SPD sep on n+1")
+    print(format_table(_summary_rows(result), [
+        ("n", "n", ""), ("ar", "AR", ".1f"), ("pp", "PP", ".1f"), ("tp", "TP", ".1f"),
+        ("coloc", "SPD coloc", ".1f"), ("coloc_tick", "tick(ms)", ".3f"), ("eal", "EAL", ".2f"),
+        ("coloc_crit", "critical path", ""), ("sep", "SPD sep(n+1)", ".1f"), ("hyb", "TPxSPD", ""),
+        ("winner", "best on n devices", "")]))
+    if details:
+        rows = [{**r, "layers": ",".join(map(str, r.get("stage_layers") or [])) or "-"} for r in result["rows"]]
+        print()
+        print(format_table(rows, [
+            ("n", "n", ""), ("method", "method", ""), ("layout", "layout", ""), ("partition", "split", ""),
+            ("layers", "stage layers", ""), ("devices", "devices", ""), ("tick_ms", "tick(ms)", ".3f"),
+            ("eal", "EAL", ".2f"), ("token_ms", "ms/token", ".3f"), ("tok_s", "tok/s", ".1f"),
+            ("speedup_vs_ar", "vs AR", ".2f"), ("driver_slack_ms", "slack(ms)", ".3f"),
+            ("critical", "critical path", "")]))
+    print("\nrecommendation:")
+    for line in result["recommendation"]:
+        print(f"  - {line}")
+    if result["notes"]:
+        print("notes:")
+        for line in result["notes"]:
+            print(f"  - {line}")
+
+
+def _validate(args: argparse.Namespace) -> int:
+    """Rounds of: a netbench P2P run at the replay's message sizes, then every replay scenario,
+    in one launch. Each round's replays are predicted from that round's netbench numbers (or
+    from --net for all rounds); medians over rounds are compared."""
+    from bench.netbench import NetbenchConfig, launch_local, netbench_rank
+    from bench.tick_replay import VALIDATION_SCENARIOS, validation_message_sizes
+
+    world = max(sc.ranks_needed() for sc in VALIDATION_SCENARIOS)
+    count = len(VALIDATION_SCENARIOS)
+    given = _load_json(args.net) if args.net else None
+    tests = ("replay",) if given else ("p2p", "replay")
+    cfg = NetbenchConfig(tests=tests, sizes=validation_message_sizes(), pairs=((0, 1), (0, 2), (1, 2)), iters=200,
+                         warmup=20, replay=list(VALIDATION_SCENARIOS), timeout_s=args.timeout)
+    rounds = []
+    load_before = os.getloadavg()[0]
+    for k in range(args.repeats):
+        print(f"# round {k + 1}/{args.repeats}: " + ("" if given else "netbench P2P, then ")
+              + f"{count} tick replays on {world} ranks ...", flush=True)
+        report = launch_local(netbench_rank, cfg, world, "gloo", args.timeout, 1200, args.nice)
+        net = given or {key: v for key, v in report.items() if key != "tick_replay"}
+        rounds.append((LinkModel.from_netbench(net, args.net or "netbench", args.latency_stat), net,
+                       report["tick_replay"]))
+    rows = []
+    for i in range(count):  # medians over the rounds damp other jobs' load spikes on a shared host
+        runs = [(link, replays[i]) for link, _, replays in rounds]
+        r = runs[0][1]
+        measured = median(x["tick_ms"] for _, x in runs)
+        nominal = median(predict_replay(x, link, profiled=False)["tick_ms"] for link, x in runs)
+        profiled = median(predict_replay(x, link, profiled=True)["tick_ms"] for link, x in runs)
+        link = runs[0][0]
+        error = profiled / measured - 1
+        rows.append({"n": r["n"], "layout": "coloc" if r["colocate"] else "sep",
+                     "stages": ",".join(f"{c:g}" for c in r["stage_ms"]), "pdm": r["pdm_ms"], "verify": r["verify_ms"],
+                     "alpha": r["alpha"], "ticks": r["ticks"], "measured": measured,
+                     "nominal": nominal, "nominal_err": 100 * (nominal / measured - 1),
+                     "profiled": profiled, "profiled_err": 100 * error,
+                     "critical": predict_replay(r, link, profiled=True)["critical"].split(" (")[0],
+                     "ok": "yes" if abs(error) <= args.tolerance else "NO"})
+    print(f"# tick ms, median of {args.repeats} rounds: measured by the replay; predicted from the separate")
+    print("# netbench link numbers with the configured compute (nominal) or the compute durations the")
+    print("# stages measured (profiled, what a profile of real stages gives)")
+    print(format_table(rows, [
+        ("n", "n", ""), ("layout", "layout", ""), ("stages", "stage ms", ""), ("pdm", "pdm", ".2f"),
+        ("verify", "verify", ".2f"), ("alpha", "alpha", ".2f"), ("ticks", "ticks", ""),
+        ("measured", "measured", ".3f"), ("nominal", "nominal", ".3f"), ("nominal_err", "err%", "+.1f"),
+        ("profiled", "profiled", ".3f"), ("profiled_err", "err%", "+.1f"), ("critical", "critical path", ""),
+        ("ok", f"within {100 * args.tolerance:g}%", "")]))
+    bad = sum(r["ok"] != "yes" for r in rows)
+    host = f"{os.cpu_count()} cores, load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+    print(f"\n{len(rows) - bad} of {len(rows)} scenarios within {100 * args.tolerance:g}% (profiled compute); "
+          f"host: {host}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "host": host,
+                       "rounds": [{"netbench": net, "replays": rep} for _, net, rep in rounds]}, f, indent=1)
+    return 1 if bad else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.validate:
+        return _validate(args)
+    if bool(args.profile) == bool(args.reference):
+        raise ValueError("give exactly one of --profile PROFILE.json and --reference NAME")
+    if args.profile:
+        profile = Profile.from_dict(_load_json(args.profile))
+    else:
+        profile = Profile.from_dict({**REFERENCE_PROFILES[args.reference], "name": args.reference})
+    result = plan(profile, _links(args), _alpha(args), _ns(args.n), args.sim_tokens, args.seed)
+    result["recommendation"] = recommendation(result)
+    _print_plan(result, args.details)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
