@@ -1,9 +1,11 @@
 """`spd eval`: acceptance (alpha, EAL) of a PDM head on prompt sets, per dataset and overall.
 
 Prompts: `<data-dir>/{mt_bench,humaneval,gsm8k}.jsonl` (EAGLE format, first turn, chat template
-applied). `--executor fast` (default) computes the exact T=0 counts from one greedy decode and
-one teacher-forced pass per prompt; `reference` and `dist` run the SPD runtime and check every
-output against greedy decoding (exit code 1 on any mismatch). Progress goes to stderr.
+applied). `--executor fast` (default at T=0) computes the exact T=0 counts from one greedy decode
+and one teacher-forced pass per prompt; `reference` and `dist` run the SPD runtime and at T=0
+check every output against greedy decoding (exit code 1 on any mismatch). At T>0 (`--temperature`,
+`--top-k`, `--top-p`, `--sampling-seed`) the runtime samples (`reference` by default) and the
+seed of every request is recorded instead. Progress goes to stderr.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from train.evaluate import DATASETS, EXECUTORS, EvalSettings, check_settings, default_data_dir
+from train.evaluate import DATASETS, EXECUTORS, EvalSettings, check_settings, default_data_dir, default_executor
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,10 +29,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--datasets", default=",".join(DATASETS), help="comma-separated subset of the prompt sets")
     g.add_argument("--limit", type=int, default=None, help="prompts per dataset (default: all)")
     g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0, help="only 0 (greedy) is supported so far")
-    g.add_argument("--executor", choices=EXECUTORS, default="fast",
-                   help="fast: exact teacher-forced replay; reference: the runtime in one process; "
-                        "dist: one process per rank")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampling")
+    g.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus mass in (0, 1] (1 = off)")
+    g.add_argument("--sampling-seed", type=int, default=0,
+                   help="sampling: request k of the run draws with seed + k (--seed seeds untrained heads)")
+    g.add_argument("--executor", choices=EXECUTORS, default=None,
+                   help="fast (default at T=0): exact teacher-forced replay, T=0 only; reference (default "
+                        "at T>0): the runtime in one process; dist: one process per rank")
     g.add_argument("--json", default=None, metavar="OUT", help="write summaries and per-prompt records here")
 
 
@@ -61,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
     from tools.common import engine_config
     from train.evaluate import encode_prompt, evaluate, format_table, load_dataset, open_runner
 
-    settings = EvalSettings(args.max_new_tokens, args.temperature, args.executor, args.limit)
+    executor = args.executor or default_executor(args.temperature)
+    settings = EvalSettings(args.max_new_tokens, args.temperature, executor, args.limit, args.top_k, args.top_p,
+                            args.sampling_seed)
     check_settings(settings)  # before any model is loaded
     data_dir, names = _data_dir(args.data_dir), _datasets(args.datasets)
     prompts = [p for name in names for p in load_dataset(data_dir, name, args.limit)]
@@ -78,20 +86,24 @@ def run(args: argparse.Namespace) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     n = ecfg.topology.n
     log(f"spd eval: {len(encoded)} prompts from {data_dir}, n={n} {list(ecfg.topology.stage_layers)}, "
-        f"head {ecfg.pdm}, executor {args.executor}")
+        f"head {ecfg.pdm}, executor {executor}")
     t0 = time.perf_counter()
     with open_runner(ecfg, settings) as runner:
         report = evaluate(runner, encoded, n, settings, eos, progress=log)
     wall = time.perf_counter() - t0
     print(format_table(report))
-    footer = f"n={n}, {settings.max_new_tokens} max new tokens, executor {args.executor}, {wall:.1f}s"
-    if args.executor == "fast":  # where the runtime's other shapes could flip a draft's argmax
+    footer = f"n={n}, {settings.max_new_tokens} max new tokens, executor {executor}, {wall:.1f}s"
+    if settings.temperature > 0:  # samples: reproducible from the seeds, not comparable token by token
+        footer += (f", sampling T={settings.temperature} top-k {settings.top_k} top-p {settings.top_p} "
+                   f"seeds {settings.seed}+k (not checked against greedy)")
+    if executor == "fast":  # where the runtime's other shapes could flip a draft's argmax
         footer += f", {report.summary().near_ties} consulted drafts within 1e-4 of a tie"
     print(footer)
     if args.json:
         meta = {"model": args.model, "spec": ecfg.pdm, "n": n, "stage_layers": list(ecfg.topology.stage_layers),
-                "executor": args.executor, "max_new_tokens": settings.max_new_tokens,
-                "temperature": settings.temperature, "data_dir": str(data_dir), "wall_s": wall}
+                "executor": executor, "max_new_tokens": settings.max_new_tokens,
+                "temperature": settings.temperature, "top_k": settings.top_k, "top_p": settings.top_p,
+                "seed": settings.seed, "data_dir": str(data_dir), "wall_s": wall}
         Path(args.json).write_text(json.dumps(report.to_json(meta), indent=1))
     for r in report.failures:
         print(f"FAIL: {r.dataset}#{r.index}: SPD output differs from greedy decoding", file=sys.stderr)

@@ -2,13 +2,24 @@
 
 Starts its own ranks (one process each), or runs under `torchrun` (single or multi-node) when
 RANK/WORLD_SIZE are set. With --json, per-run stats follow the text as one JSON line per prompt.
+
+Sampling: the model's generation_config.json (next to its tokenizer) gives the defaults, read the
+way HF `generate` reads it (no `do_sample`: greedy; filters it leaves out take HF's defaults,
+top-k 50 and top-p 1); --temperature, --top-k, --top-p and --sampling-seed override it. Without
+that file the default is greedy and unset filters are off. Draws are keyed by
+(seed, position, purpose), so a seed repeats its text for one configuration (mode, n, head),
+whether the ranks are threads or processes; another configuration draws other, equally exact
+samples (SPD's drafts depend on n and the head, and ar / pp draw without drafts).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import asdict
+from pathlib import Path
 
+from engine.sampling import SamplingParams
 from tools.common import add_engine_arguments, engine_config, load_prompts
 
 
@@ -21,6 +32,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--json", action="store_true", help="print per-run stats as JSON lines")
     g.add_argument("--quiet", action="store_true", help="do not stream text")
+    s = p.add_argument_group("sampling", "defaults: the model's generation_config.json read as HF does (no "
+                             "do_sample: greedy; unset filters: top-k 50, top-p 1), else greedy")
+    s.add_argument("--temperature", type=float, default=None, help="0 = greedy; > 0 samples")
+    s.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
+    s.add_argument("--top-p", type=float, default=None, help="keep the smallest head with mass > p, in (0, 1]")
+    s.add_argument("--sampling-seed", type=int, default=None,
+                   help="seed of the keyed random draws (--seed seeds random weights and untrained heads)")
+
+
+def sampling_overrides(args: argparse.Namespace) -> dict:
+    """The sampling flags given on the command line (None = not given)."""
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.sampling_seed)
+
+
+def sampling_params(overrides: dict, tok_dir: Path | None) -> SamplingParams:
+    """generation_config.json in tok_dir (if any) read as HF does, then the explicit flags on top."""
+    path = Path(tok_dir) / "generation_config.json" if tok_dir is not None else None
+    if path is None or not path.is_file():
+        return SamplingParams(**{k: v for k, v in overrides.items() if v is not None})
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not JSON: {err}") from None
+    return SamplingParams.from_generation_config(config, **overrides)
 
 
 def encode_prompts(texts: list[str], tok, chat: bool, vocab_size: int) -> list[list[int]]:
@@ -35,8 +70,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    sampling_params(sampling_overrides(args), None)  # bad flags fail before any model is loaded
     texts = load_prompts(args)
     ecfg, tok_dir = engine_config(args)
+    sampling = sampling_params(sampling_overrides(args), tok_dir)
+    if ecfg.mode != "spd" and sampling.seed >= 1 << 63:
+        raise ValueError(f"--sampling-seed must be below 2**63 with --mode {ecfg.mode}, got {sampling.seed}")
     tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
     prompts = encode_prompts(texts, tok, args.chat, ecfg.cfg.vocab_size)
     eos = tok.eos_ids if tok is not None else ecfg.cfg.eos_token_ids
@@ -53,12 +92,13 @@ def run(args: argparse.Namespace) -> int:
                 print(f"[{i + 1}/{len(prompts)}]", file=sys.stderr, flush=True)
             detok = IncrementalDetokenizer(tok) if tok is not None and not args.quiet else None
             on_token = (lambda t, d=detok: print(d.push(t), end="", flush=True)) if detok else None
-            res = runtime.generate(ids, args.max_new_tokens, eos, on_token=on_token)
+            res = runtime.generate(ids, args.max_new_tokens, eos, on_token=on_token, sampling=sampling)
             if detok is not None:
                 print(detok.flush(), flush=True)
             elif not args.quiet:
                 print(res.tokens, flush=True)
             if args.json:
                 print(json.dumps({"prompt": i, "mode": ecfg.mode, "n": ecfg.topology.n,
-                                  "colocate": ecfg.topology.colocate, **res.to_json()}), flush=True)
+                                  "colocate": ecfg.topology.colocate, "sampling": asdict(sampling),
+                                  **res.to_json()}), flush=True)
     return 0

@@ -4,13 +4,14 @@ Three executors give the same T=0 counts:
 - `fast`: train/fast_eval.py (one greedy decode + one teacher-forced pass per prompt);
 - `reference`: the runtime in one process (engine/reference.py);
 - `dist`: the runtime over torch.distributed, one process per rank (engine/launch.py).
-The runtime executors also check every output against `greedy_generate`; a mismatch is a
-failure. Drafts are grouped by the fill of the tick that made them: fill == n is the full
+At T=0 the runtime executors also check every output against `greedy_generate`; a mismatch
+is a failure. Drafts are grouped by the fill of the tick that made them: fill == n is the full
 pipeline, fill < n the start of a request and the refill after a rejection.
 
-Sampling evaluation (T > 0) would plug in as another runner with the same `run` signature,
-checking the output distribution instead of token equality; `check_settings` rejects it
-until the runtime samples.
+At T>0 (sampling) only the runtime executors apply: the fast path replays greedy decoding.
+Outputs are random draws from the target distribution, so nothing is compared token by token;
+request k of a run uses seed `seed + k` (keyed draws: a rerun with the same seed repeats every
+output, on either runtime executor), and the records carry it.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from pathlib import Path
 from engine.build import build_pdm, build_stage_model
 from engine.engine_config import EngineConfig
 from engine.greedy import greedy_generate
+from engine.sampling import SamplingParams
 from train.fast_eval import Acceptance, fast_generate
 
 DATASETS = ("mt_bench", "humaneval", "gsm8k")
@@ -36,6 +38,18 @@ class EvalSettings:
     temperature: float = 0.0
     executor: str = "fast"
     limit: int | None = None  # prompts per dataset; None = all
+    top_k: int = 0  # sampling filters (T > 0 only); 0 / 1.0 = off
+    top_p: float = 1.0
+    seed: int = 0  # request k of a run samples with seed + k
+
+    def sampling(self, request: int = 0) -> SamplingParams:
+        """The sampling parameters of the run's request number `request` (greedy at T=0)."""
+        return SamplingParams(self.temperature, self.top_k, self.top_p, (self.seed + request) % (1 << 64))
+
+
+def default_executor(temperature: float) -> str:
+    """fast at T=0 (exact replay of greedy decoding); the reference runtime at T>0."""
+    return "fast" if temperature == 0 else "reference"
 
 
 def check_settings(s: EvalSettings) -> None:
@@ -45,11 +59,10 @@ def check_settings(s: EvalSettings) -> None:
         raise ValueError(f"max_new_tokens must be >= 1, got {s.max_new_tokens}")
     if s.limit is not None and s.limit < 1:
         raise ValueError(f"limit must be >= 1 prompt per dataset, got {s.limit}")
-    if s.temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {s.temperature}")
-    if s.temperature > 0:
-        raise ValueError("sampling evaluation (temperature > 0) needs the executor with sampling support, "
-                         "which is not available yet; evaluate at temperature 0")
+    s.sampling()  # temperature, top_k, top_p and seed: SamplingParams names a bad value
+    if s.temperature > 0 and s.executor == "fast":
+        raise ValueError("sampling evaluation (temperature > 0) needs the executor with sampling support: "
+                         "use --executor reference or dist (the fast path replays greedy decoding only)")
 
 
 # ---- prompt sets ----
@@ -105,8 +118,9 @@ def encode_prompt(text: str, tok, vocab_size: int) -> list[int]:
 class Outcome:
     tokens: list[int]
     acceptance: Acceptance
-    lossless: bool | None  # runtime executors: output == greedy_generate; fast: None (greedy by construction)
+    lossless: bool | None  # runtime executors at T=0: output == greedy_generate; else None (not checked)
     near_ties: int | None = None  # fast path: consulted drafts decided by a near tie
+    seed: int | None = None  # T>0: the seed of this request's draws
 
 
 def full_target(ecfg: EngineConfig):
@@ -114,29 +128,39 @@ def full_target(ecfg: EngineConfig):
     return build_stage_model(ecfg, range(ecfg.cfg.num_layers), embedding=True, head=True)
 
 
-def runtime_acceptance(driver, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int]
-                       ) -> tuple[list[int], Acceptance]:
+def runtime_acceptance(driver, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
+                       sampling: SamplingParams = SamplingParams()) -> tuple[list[int], Acceptance]:
     """Run one request on a Driver and group its verified drafts by the fill that made them.
 
     The last draft made for a position is the one verified (a flush re-drafts the positions
-    behind a correction), so drafts and fills are recorded by position, last one wins.
+    behind a correction), so fills are recorded by position, last one wins. Each committed
+    position after the first is verified exactly once; its verdict is read from the driver's
+    `_verify` (at T>0 a rejected draft cannot be told from its correction by the tokens alone).
     """
     fills: dict[int, int] = {}
-    drafts: dict[int, int] = {}
+    verdicts: dict[int, bool] = {}
+    previous = vars(driver).get("_verify")  # an instance override (tests) stays in place
+    verify = driver._verify
 
-    def record(position: int, draft: int) -> int:
-        drafts[position] = draft
-        return draft
+    def record(logits, position: int, proposed: int) -> tuple[bool, int]:
+        accepted, token = verify(logits, position, proposed)
+        verdicts[position] = accepted
+        return accepted, token
 
     driver.draft_observer = lambda newest, fill, _logits: fills.__setitem__(newest + 1, fill)
+    driver._verify = record
     try:
-        res = driver.generate(prompt, max_new_tokens, eos_ids, draft_policy=record)
+        res = driver.generate(prompt, max_new_tokens, eos_ids, sampling=sampling)
     finally:
         driver.draft_observer = None
+        if previous is None:
+            del driver._verify
+        else:
+            driver._verify = previous
     acc = Acceptance(n=res.n, tokens=len(res.tokens), ticks=res.ticks, rejections=res.rejections)
     P = len(prompt)
     for i in range(1, len(res.tokens)):
-        acc.count(fills[P + i], drafts[P + i] == res.tokens[i])
+        acc.count(fills[P + i], verdicts[P + i])
     assert (acc.verified, acc.accepted) == (res.verified, res.accepted), "per-fill counts disagree with the driver"
     return res.tokens, acc
 
@@ -145,19 +169,25 @@ class FastRunner:
     def __init__(self, ecfg: EngineConfig) -> None:
         self.target, self.pdm, self.chunk = full_target(ecfg), build_pdm(ecfg), ecfg.prefill_chunk
 
-    def run(self, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int]) -> Outcome:
+    def run(self, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], request: int = 0
+            ) -> Outcome:
         fr = fast_generate(self.target, self.pdm, prompt, max_new_tokens, eos_ids, chunk=self.chunk)
         return Outcome(fr.tokens, fr.acceptance, None, fr.near_ties())
 
 
 class RuntimeRunner:
-    """A launched runtime (reference or dist) plus the full target for the lossless check."""
+    """A launched runtime (reference or dist); at T=0 plus the full target for the lossless check."""
 
-    def __init__(self, driver, ecfg: EngineConfig) -> None:
-        self.driver, self.target, self.chunk = driver, full_target(ecfg), ecfg.prefill_chunk
+    def __init__(self, driver, ecfg: EngineConfig, settings: EvalSettings = EvalSettings()) -> None:
+        self.driver, self.chunk, self.settings = driver, ecfg.prefill_chunk, settings
+        self.target = full_target(ecfg) if settings.temperature == 0 else None
 
-    def run(self, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int]) -> Outcome:
-        tokens, acc = runtime_acceptance(self.driver, prompt, max_new_tokens, eos_ids)
+    def run(self, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], request: int = 0
+            ) -> Outcome:
+        sampling = self.settings.sampling(request)
+        tokens, acc = runtime_acceptance(self.driver, prompt, max_new_tokens, eos_ids, sampling)
+        if not sampling.greedy:  # a random draw: nothing to compare token by token
+            return Outcome(tokens, acc, None, seed=sampling.seed)
         want = greedy_generate(self.target, prompt, max_new_tokens, eos_ids=eos_ids, chunk=self.chunk)
         return Outcome(tokens, acc, tokens == want)
 
@@ -173,12 +203,12 @@ def open_runner(ecfg: EngineConfig, settings: EvalSettings) -> Iterator[FastRunn
         from engine.reference import ReferenceExecutor
 
         with ReferenceExecutor(ecfg) as ex:
-            yield RuntimeRunner(ex.driver, ecfg)
+            yield RuntimeRunner(ex.driver, ecfg, settings)
     else:
         from engine.launch import launch
 
         with launch(ecfg) as driver:
-            yield RuntimeRunner(driver, ecfg)
+            yield RuntimeRunner(driver, ecfg, settings)
 
 
 # ---- records and summaries ----
@@ -193,6 +223,7 @@ class PromptRecord:
     seconds: float
     lossless: bool | None
     near_ties: int | None
+    seed: int | None = None  # T>0: the seed of this request's draws
 
     def to_json(self) -> dict:
         a = self.acceptance
@@ -284,8 +315,13 @@ class EvalReport:
         return [r for r in self.records if r.lossless is False]
 
     def to_json(self, meta: dict) -> dict:
-        return {**meta, "datasets": {d: self.summary(d).to_json() for d in self.datasets()},
-                "overall": self.summary().to_json(), "records": [r.to_json() for r in self.records]}
+        """Summaries and records; `alpha_by_n` ({"4": alpha}, pooled over all prompts) is what
+        `spd plan --alpha-json` reads."""
+        overall = self.summary()
+        alpha_by_n = {str(self.n): overall.alpha} if overall.alpha is not None else {}
+        return {**meta, "alpha_by_n": alpha_by_n,
+                "datasets": {d: self.summary(d).to_json() for d in self.datasets()},
+                "overall": overall.to_json(), "records": [r.to_json() for r in self.records]}
 
 
 def evaluate(runner, prompts: Sequence[tuple[Prompt, list[int]]], n: int, settings: EvalSettings,
@@ -294,9 +330,9 @@ def evaluate(runner, prompts: Sequence[tuple[Prompt, list[int]]], n: int, settin
     report = EvalReport(n=n)
     for k, (p, ids) in enumerate(prompts):
         t0 = time.perf_counter()
-        out = runner.run(ids, settings.max_new_tokens, eos_ids)
+        out = runner.run(ids, settings.max_new_tokens, eos_ids, request=k)
         rec = PromptRecord(p.dataset, p.index, p.question_id, len(ids), out.acceptance,
-                           time.perf_counter() - t0, out.lossless, out.near_ties)
+                           time.perf_counter() - t0, out.lossless, out.near_ties, out.seed)
         report.records.append(rec)
         a = out.acceptance
         flag = "" if out.lossless is not False else "  OUTPUT DIFFERS FROM GREEDY"

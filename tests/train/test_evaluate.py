@@ -164,7 +164,7 @@ def test_cli_writes_table_and_json(data_dir, tmp_path, capsys, one_thread):
 
 
 def test_cli_user_errors(data_dir, capsys):
-    assert main(["eval", *ARGS_TINY, "--data-dir", str(data_dir), "--temperature", "0.8"]) == 2
+    assert main(["eval", *ARGS_TINY, "--data-dir", str(data_dir), "--temperature", "0.8", "--executor", "fast"]) == 2
     assert "needs the executor with sampling support" in capsys.readouterr().err
     assert main(["eval", *ARGS_TINY, "--data-dir", str(data_dir), "--datasets", "mmlu"]) == 2
     assert "unknown dataset" in capsys.readouterr().err

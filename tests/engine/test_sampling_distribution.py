@@ -1,0 +1,373 @@
+"""Lossless sampling, measured: at T>0 the tokens SPD commits are distributed exactly as plain
+autoregressive sampling from the target (DESIGN 3.6), whatever the draft distribution.
+
+A target with a 6-token vocabulary makes the joint distribution of the first three generated
+tokens (6^3 = 216 cells) exactly computable: 1 + 6 + 36 forwards of the full model, each turned
+into p by `target_probs` with the run's sampling parameters. SPD samples come from the reference
+executor (the driver and stage workers of a distributed run, ranks as threads), one request per
+seed on one executor: requests are independent given their seed, because every draw is keyed by
+(seed, position, purpose). They are compared with the exact distribution by total variation and a
+chi-square goodness-of-fit test at level TEST_LEVEL (tests/stats.py).
+
+Draft distributions are plugged in through the driver's draft policy, which at T>0 returns the
+distribution q the draft is sampled from:
+- poor: most of q's mass on (last in-flight token + 1) mod 6, far from p: many rejections;
+- good: 0.85 p(. | in-flight context) + 0.15 uniform: few rejections.
+Both depend on the in-flight context, so a position re-drafted after a flush gets a different q.
+The context is read by spying on the tokens the driver sends into stage 0.
+
+The test must fail for broken verifiers, so it is also run with two on the driver instance:
+- accept-always: `_verify` commits every draft (blatant);
+- stale q: `_record_q` keeps the first q recorded for a position (setdefault), so a draft made
+  again after a flush is verified against the q of the dropped draft (subtle).
+
+Power: the chi-square test detects every total-variation shift of size `tv` with noncentrality
+at least 4 N tv^2, but its critical value grows with the number of cells, so with near-uniform p
+over 216 cells no test on 20,000 draws sees every 0.02 shift. The full-size setups therefore
+sample with filters that leave 2 tokens per step (8 cells with mass): top-k 2, and top-k 3 then
+top-p 0.7 (top-p drops the third token at every reachable step). There `worst_case_shift` at 0.02
+is detected with probability >= 0.9; the unfiltered setup reports the shift it detects with that
+power.
+
+The full-size runs (>= 20,000 requests each, several minutes on two cores) are marked slow; the
+default run keeps a 3,000-request check, which still fails the accept-always verifier.
+"""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+from engine.engine_config import EngineConfig
+from engine.greedy import prefill
+from engine.messages import Kind
+from engine.reference import ReferenceExecutor
+from engine.sampling import SamplingParams, target_probs
+from helpers import full_model, one_thread, tiny_cfg, tiny_engine_config  # noqa: F401
+from stats import TEST_LEVEL, chi_square_pvalue, rejection_rate, tv_distance, worst_case_shift
+
+V = 6
+NEW = 3  # the first three generated tokens: the prefill token and two verified drafts
+PROMPT = (1, 4, 3, 5)
+CELLS = V ** NEW
+SHIFT = 0.02  # total variation the full-size test must detect with probability >= 0.9
+POWER = 0.9
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One sampling experiment: pipeline depth, sampling parameters (seed set per request), draft."""
+
+    name: str
+    n: int
+    params: SamplingParams
+    draft: str  # "poor" | "good"
+
+    def engine_config(self) -> EngineConfig:
+        # A random:<preset> source builds its weights from the config's shape (engine/build.py),
+        # so a 6-token vocabulary needs no preset of its own. One layer per stage keeps it cheap.
+        cfg = tiny_cfg("llama", vocab_size=V, num_layers=self.n)
+        return tiny_engine_config("llama", self.n, cfg=cfg, capacity=16, prefill_chunk=16, threads=1)
+
+
+POOR_TOPK = Setup("poor-topk2", 2, SamplingParams(temperature=1.0, top_k=2), "poor")
+GOOD_TOPP = Setup("good-topk3-topp", 3, SamplingParams(temperature=1.0, top_k=3, top_p=0.7), "good")
+POOR_FULL = Setup("poor-unfiltered", 2, SamplingParams(temperature=0.5), "poor")
+
+
+# ---- the exact distribution ----
+
+Conditionals = dict[tuple[int, ...], torch.Tensor]  # generated prefix -> p [V] (fp32) of the next token
+
+
+@torch.no_grad()
+def conditionals(setup: Setup) -> Conditionals:
+    """p(next | prompt + prefix) for every generated prefix of length < NEW, from the full target."""
+    ecfg = setup.engine_config()
+    model = full_model(ecfg)
+    out: Conditionals = {}
+    for length in range(NEW):
+        for prefix in np.ndindex(*(V,) * length):
+            ids = list(PROMPT) + list(prefix)
+            h = prefill(model, model.new_cache(1, len(ids)), ids, ecfg.prefill_chunk)  # [H]
+            out[tuple(int(t) for t in prefix)] = target_probs(model.logits(h), setup.params)
+    return out
+
+
+def exact_joint(cond: Conditionals) -> np.ndarray:
+    """P(first NEW tokens = cell) for all V**NEW cells (index a*V*V + b*V + c), float64."""
+    joint = np.zeros(CELLS)
+    for cell in range(CELLS):
+        tokens = np.unravel_index(cell, (V,) * NEW)
+        prob = 1.0
+        for i, t in enumerate(tokens):
+            prob *= float(cond[tuple(int(x) for x in tokens[:i])][t])
+        joint[cell] = prob
+    return joint / joint.sum()  # each p sums to 1 up to fp32 rounding
+
+
+# ---- draft distributions ----
+
+class ContextSpy:
+    """Records the token the driver sends into stage 0 at each position (last one wins: a flush
+    re-sends the positions after a correction), i.e. the in-flight context of the next draft."""
+
+    def __init__(self, driver, prompt_len: int) -> None:
+        self.P, self.tokens = prompt_len, {}
+        send = driver._send_stage0
+
+        def spy(hdr, payloads=()):
+            if hdr.kind == Kind.TOKEN:
+                self.tokens[hdr.position] = hdr.token
+            return send(hdr, payloads)
+
+        driver._send_stage0 = spy
+
+    def before(self, pos: int) -> tuple[int, ...]:
+        """The generated tokens in front of position `pos`."""
+        return tuple(self.tokens[p] for p in range(self.P, pos))
+
+
+@dataclass
+class DraftPolicy:
+    """q for the draft at `pos` from its in-flight context; counts re-drafts with a changed q."""
+
+    kind: str
+    cond: Conditionals
+    spy: ContextSpy
+    seen: dict[int, torch.Tensor] = field(default_factory=dict)  # this request: pos -> first q
+    redrafts: int = 0
+    changed: int = 0
+
+    def reset(self) -> None:
+        self.seen.clear()
+        self.spy.tokens.clear()
+
+    def q(self, context: tuple[int, ...]) -> torch.Tensor:
+        uniform = torch.full((V,), 1.0 / V)
+        if self.kind == "poor":
+            q = 0.3 * uniform
+            q[(context[-1] + 1) % V] += 0.7
+            return q
+        if context in self.cond:  # good: close to p
+            return 0.85 * self.cond[context] + 0.15 * uniform
+        return uniform  # drafts past the third token are never verified
+
+    def __call__(self, pos: int, pdm_q: torch.Tensor) -> torch.Tensor:
+        q = self.q(self.spy.before(pos)).to(pdm_q)
+        if pos in self.seen:
+            self.redrafts += 1
+            self.changed += int(not torch.equal(self.seen[pos], q))
+        else:
+            self.seen[pos] = q
+        return q
+
+
+# ---- broken verifiers ----
+
+def accept_always(driver) -> None:
+    driver._verify = lambda logits, pos, proposed: (True, proposed)
+
+
+def stale_q(driver) -> None:
+    driver._record_q = lambda pos, q: driver.q_store.setdefault(pos, q)
+
+
+BROKEN: dict[str, Callable] = {"accept-always": accept_always, "stale-q": stale_q}
+
+
+# ---- sampling runs ----
+
+@dataclass
+class Draws:
+    counts: np.ndarray  # [CELLS]
+    outputs: list[tuple[int, ...]]  # per seed, in seed order
+    verified: int
+    accepted: int
+    redrafts: int
+    changed: int
+    seconds: float
+
+    @staticmethod
+    def merge(parts: Sequence["Draws"]) -> "Draws":
+        return Draws(sum(p.counts for p in parts), [o for p in parts for o in p.outputs],
+                     *(sum(getattr(p, f) for p in parts) for f in ("verified", "accepted", "redrafts", "changed")),
+                     max(p.seconds for p in parts))
+
+
+def draw(setup: Setup, seeds: Sequence[int], broken: str | None = None) -> Draws:
+    """One SPD request per seed on one reference executor; counts of the first NEW tokens."""
+    torch.set_num_threads(1)
+    cond = conditionals(setup) if setup.draft == "good" else {}
+    counts = np.zeros(CELLS, dtype=np.int64)
+    outputs, verified, accepted = [], 0, 0
+    t0 = time.perf_counter()
+    with ReferenceExecutor(setup.engine_config()) as ex:
+        policy = DraftPolicy(setup.draft, cond, ContextSpy(ex.driver, len(PROMPT)))
+        if broken is not None:
+            BROKEN[broken](ex.driver)
+        for seed in seeds:
+            policy.reset()
+            params = dataclasses.replace(setup.params, seed=seed)
+            res = ex.generate(list(PROMPT), NEW, (), draft_policy=policy, sampling=params)
+            assert len(res.tokens) == NEW
+            counts[np.ravel_multi_index(res.tokens, (V,) * NEW)] += 1
+            outputs.append(tuple(res.tokens))
+            verified, accepted = verified + res.verified, accepted + res.accepted
+    return Draws(counts, outputs, verified, accepted, policy.redrafts, policy.changed, time.perf_counter() - t0)
+
+
+def draw_parallel(setup: Setup, seeds: Sequence[int], broken: str | None = None, workers: int = 2) -> Draws:
+    """`draw` over `workers` processes, each with its own executor and a contiguous share of seeds."""
+    seeds = list(seeds)
+    shares = [seeds[i * len(seeds) // workers:(i + 1) * len(seeds) // workers] for i in range(workers)]
+    with mp.get_context("spawn").Pool(workers) as pool:
+        parts = pool.starmap(draw, [(setup, share, broken) for share in shares])
+    return Draws.merge(parts)
+
+
+# ---- the statistics ----
+
+@dataclass
+class Verdict:
+    tv: float
+    tv_bound: float  # 1 - TEST_LEVEL quantile of the TV of exact multinomial samples of the same size
+    pvalue: float
+
+    @property
+    def passes(self) -> bool:
+        return self.pvalue > TEST_LEVEL and self.tv < self.tv_bound
+
+
+def tv_quantile(joint: np.ndarray, samples: int, trials: int = 2000, seed: int = 0) -> float:
+    rng = np.random.default_rng(seed)
+    tvs = [tv_distance(rng.multinomial(samples, joint), joint) for _ in range(trials)]  # joint sums to 1
+    return float(np.quantile(tvs, 1 - TEST_LEVEL))
+
+
+def judge(draws: Draws, joint: np.ndarray) -> Verdict:
+    N = int(draws.counts.sum())
+    return Verdict(tv_distance(draws.counts, joint), tv_quantile(joint, N), chi_square_pvalue(draws.counts, joint))
+
+
+def power(joint: np.ndarray, samples: int, shift: float = SHIFT, trials: int = 1000) -> float:
+    """P(the chi-square test at TEST_LEVEL rejects `samples` draws from the hardest `shift`-TV change)."""
+    return rejection_rate(joint, worst_case_shift(joint, shift), samples, trials, level=TEST_LEVEL)
+
+
+def report(label: str, draws: Draws, verdict: Verdict) -> None:
+    N = len(draws.outputs)
+    print(f"\n{label}: N={N} alpha={draws.accepted / max(1, draws.verified):.3f} redrafts={draws.redrafts} "
+          f"(q changed {draws.changed}) TV={verdict.tv:.4f} (bound {verdict.tv_bound:.4f}) "
+          f"p={verdict.pvalue:.3g} {draws.seconds:.0f}s ({1e3 * draws.seconds / N:.1f} ms/request)")
+
+
+# ---- default run ----
+
+SMALL = 3000
+SMALL_SHIFT = 0.06  # the small run detects this total-variation shift with probability >= 0.9
+STALE_PREFIX = 500
+BLATANT_PREFIX = 200
+
+
+def test_exact_distribution_is_a_distribution_and_filters_apply():
+    cond = conditionals(POOR_TOPK)
+    assert all(float(p.sum()) == pytest.approx(1.0, abs=1e-6) and int((p > 0).sum()) == 2 for p in cond.values())
+    assert (exact_joint(cond) > 0).sum() == 2 ** NEW  # top-k 2: two tokens per step
+    assert (exact_joint(conditionals(POOR_FULL)) > 0).sum() == CELLS
+    no_top_p = dataclasses.replace(GOOD_TOPP, params=dataclasses.replace(GOOD_TOPP.params, top_p=1.0))
+    assert (exact_joint(conditionals(no_top_p)) > 0).sum() == 3 ** NEW  # top-k 3 alone
+    assert (exact_joint(conditionals(GOOD_TOPP)) > 0).sum() == 2 ** NEW  # top-p cuts every reachable step
+
+
+def test_spd_samples_the_target_distribution_small(one_thread):
+    """3,000 requests with the poor draft pass. The same check fails the accept-always verifier on
+    the first 200 seeds (a count in a cell of probability 0, so every superset of those seeds fails
+    too) and the stale-q verifier on the first 500 seeds."""
+    joint = exact_joint(conditionals(POOR_TOPK))
+    good = draw(POOR_TOPK, range(SMALL))
+    verdict = judge(good, joint)
+    report(f"{POOR_TOPK.name} correct", good, verdict)
+    assert verdict.passes, verdict
+    assert good.accepted < 0.7 * good.verified  # a poor draft: many rejections ...
+    assert good.changed > 0.2 * SMALL  # ... and positions re-drafted after a flush with another q
+    detect = power(joint, SMALL, SMALL_SHIFT)
+    print(f"power against a {SMALL_SHIFT} TV shift at N={SMALL}: {detect:.3f}")
+    assert detect >= POWER
+
+    blatant = draw(POOR_TOPK, range(BLATANT_PREFIX), broken="accept-always")
+    report(f"{POOR_TOPK.name} accept-always", blatant, judge(blatant, joint))
+    assert chi_square_pvalue(blatant.counts, joint) == 0.0  # a cell of probability 0 was hit
+
+    stale = draw(POOR_TOPK, range(STALE_PREFIX), broken="stale-q")
+    verdict = judge(stale, joint)
+    report(f"{POOR_TOPK.name} stale-q", stale, verdict)
+    assert stale.outputs != good.outputs[:STALE_PREFIX]  # the override really changes outputs
+    assert verdict.pvalue < TEST_LEVEL and not verdict.passes
+
+
+# ---- full size (slow) ----
+
+FULL = 24000  # >= 20,000 requests; 24,000 puts the power against a 0.02 shift over 8 cells near 0.95
+FULL_UNFILTERED = 20000
+
+
+@pytest.fixture(scope="module")
+def full_runs() -> dict[tuple[str, str | None], Draws]:
+    """Full-size draws shared by the tests of this module (the correct poor-draft run serves two)."""
+    return {}
+
+
+def full_draws(cache: dict, setup: Setup, broken: str | None = None) -> Draws:
+    key = (setup.name, broken)
+    if key not in cache:
+        cache[key] = draw_parallel(setup, range(FULL_UNFILTERED if setup is POOR_FULL else FULL), broken)
+    return cache[key]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setup", [POOR_TOPK, GOOD_TOPP], ids=lambda s: s.name)
+def test_spd_samples_the_target_distribution(setup, full_runs):
+    joint = exact_joint(conditionals(setup))
+    draws = full_draws(full_runs, setup)
+    verdict = judge(draws, joint)
+    detect = power(joint, FULL)
+    report(f"{setup.name} correct", draws, verdict)
+    print(f"power against a {SHIFT} TV shift at N={FULL}: {detect:.3f}")
+    assert verdict.passes, verdict
+    assert detect >= POWER
+    alpha = draws.accepted / draws.verified
+    assert alpha < 0.7 if setup.draft == "poor" else alpha > 0.8
+    assert draws.changed > 0.05 * FULL  # re-drafts after a flush, with another q
+
+
+@pytest.mark.slow
+def test_stale_q_verifier_fails(full_runs):
+    joint = exact_joint(conditionals(POOR_TOPK))
+    good = full_draws(full_runs, POOR_TOPK)
+    bad = full_draws(full_runs, POOR_TOPK, "stale-q")
+    verdict = judge(bad, joint)
+    report(f"{POOR_TOPK.name} stale-q", bad, verdict)
+    changed = sum(a != b for a, b in zip(good.outputs, bad.outputs))
+    print(f"outputs changed by the stale-q verifier: {changed} of {FULL}")
+    assert changed > 0 and verdict.pvalue < TEST_LEVEL and not verdict.passes
+
+
+@pytest.mark.slow
+def test_unfiltered_sampling(full_runs):
+    """No top-k / top-p: all 216 cells have mass. Reports the power against a 0.02 shift at this N
+    (low: see the module docstring) and checks the shift detected with probability >= 0.9."""
+    joint = exact_joint(conditionals(POOR_FULL))
+    draws = full_draws(full_runs, POOR_FULL)
+    verdict = judge(draws, joint)
+    report(f"{POOR_FULL.name} correct", draws, verdict)
+    shifts = {s: power(joint, FULL_UNFILTERED, s, trials=300) for s in (SHIFT, 0.03, 0.04)}
+    print("power by TV shift: " + ", ".join(f"{s}: {p:.2f}" for s, p in shifts.items()))
+    assert verdict.passes, verdict
+    assert shifts[0.04] >= POWER
