@@ -226,7 +226,7 @@ class Driver:
             self._commit(res, target, on_token)
             if target in eos or len(res.tokens) >= max_new:
                 return
-            rejected_last = not accepted and self.n > 1
+            rejected_last = not accepted
             if not accepted:
                 self.epoch += 1  # flush: everything in flight is stale now
                 inflight.clear()

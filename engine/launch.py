@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import traceback
 from collections.abc import Iterator
 
 import torch
@@ -66,6 +67,15 @@ def _child_main(rank: int, world: int, ecfg: EngineConfig, init_method: str) -> 
         os._exit(1)  # skip process-group teardown, which may wait on the dead peer
 
 
+def check_head(ecfg: EngineConfig) -> None:
+    """A PDM head made for another model or another stage split is a user error: say so up front."""
+    if ecfg.mode == "spd" and ecfg.pdm != "random":
+        from engine.pdm import check_pdm_matches, read_pdm_config
+
+        pcfg, _ = read_pdm_config(ecfg.pdm)
+        check_pdm_matches(pcfg, ecfg.cfg, tuple(ecfg.topology.stage_layers))
+
+
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -89,6 +99,7 @@ def launch(ecfg: EngineConfig) -> Iterator[object]:
             sys.exit(0)
         yield from _drive(ecfg, transport, [])
         return
+    check_head(ecfg)  # fail fast, before any rank is spawned
     init_method = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
     children = [ctx.Process(target=_child_main, args=(r, world, ecfg, init_method), daemon=True)
@@ -100,12 +111,18 @@ def launch(ecfg: EngineConfig) -> Iterator[object]:
 
 
 def _drive(ecfg: EngineConfig, transport: DistTransport, children: list) -> Iterator[object]:
-    driver, _ = build_rank(ecfg, 0, transport)
     ok = False
     try:
+        driver, _ = build_rank(ecfg, 0, transport)
         yield driver
         driver.shutdown()
         ok = True
+    except BaseException as err:
+        # Work objects (queued sends, the failed receive held by this traceback) keep the
+        # process group's connections open; drop them so the teardown below really closes them.
+        transport.abandon()
+        traceback.clear_frames(err.__traceback__)
+        raise
     finally:
         # Also on error: closing our connections makes every surviving rank's receive fail
         # at once with an error naming us, instead of waiting for its timeout.

@@ -138,10 +138,11 @@ class PDM(nn.Module):
         return self
 
 
-def save_pdm(pdm: PDM, out_dir: str | Path, extra: dict | None = None) -> Path:
+def save_pdm(pdm: PDM, out_dir: str | Path, extra: dict | None = None, dtype: torch.dtype | None = None) -> Path:
+    """Write pdm.safetensors (optionally cast, e.g. float16 to halve a shipped head) + pdm.json."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in pdm.state_dict().items()}
+    state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in pdm.state_dict().items()}
     save_file(state, str(out / "pdm.safetensors"))
     meta = {"format": PDM_FORMAT, "config": pdm.pcfg.to_dict(), **(extra or {})}
     (out / "pdm.json").write_text(json.dumps(meta, indent=1))

@@ -100,6 +100,10 @@ class DistTransport(Transport):
             work.wait()
         self._pending.clear()
 
+    def abandon(self) -> None:
+        """Forget queued sends without waiting (the run is failing; the peers may be gone)."""
+        self._pending.clear()
+
 
 class LocalHub:
     """Shared state of in-process transports: one FIFO queue per (src, dst) link."""

@@ -43,6 +43,7 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 50
     init_layer: int = -1  # target layer copied into each PDM layer (-1: the last)
+    export_dtype: str = "float16"  # dtype of the exported pdm/ directory (training state stays fp32)
 
     def __post_init__(self) -> None:
         if self.seq_len < 2 or self.batch < 1 or self.steps < 1 or self.lr <= 0:
@@ -128,7 +129,8 @@ class Trainer:
         tmp = self.out / "state.pt.tmp"
         torch.save(st, tmp)
         tmp.replace(self.out / "state.pt")
-        save_pdm(self.pdm, self.out / "pdm", extra={"train": {"step": self.step, "config": cfg}})
+        save_pdm(self.pdm, self.out / "pdm", extra={"train": {"step": self.step, "config": cfg}},
+                 dtype=getattr(torch, self.cfg.export_dtype))
         (self.out / "history.json").write_text(json.dumps(self.history, indent=1))
 
     def run(self) -> PDM:

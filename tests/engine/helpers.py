@@ -1,0 +1,235 @@
+"""Shared helpers for the runtime tests: config builders, the greedy oracle, draft policies that
+steer acceptance (oracle, forced rejections, recording), the expected tick count computed from a
+policy alone, and a rank harness that runs each rank in its own process with every
+torch.distributed collective patched to raise.
+
+A draft policy `(position, pdm_draft) -> token` decides the draft that will sit at `position`.
+Drafts are keyed by position, so the last call for a position is the draft that gets verified
+(a flush re-drafts the positions behind a correction). With a reference output `ref` whose first
+token sits at position P, token index `i = position - P`; indices 1..N-1 are verified.
+"""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.build import build_stage_model
+from engine.config import ModelConfig
+from engine.engine_config import PRESETS, EngineConfig
+from engine.greedy import greedy_generate
+from engine.metrics import GenerationResult
+from engine.schedule import decode_ticks
+from engine.topology import Topology
+
+ARCHS = ("llama", "qwen2", "qwen3")
+CHUNK = 16  # small prefill chunk: prompts longer than 16 tokens take several chunks
+CAPACITY = 256
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models are all Python overhead: one intra-op thread per process avoids oversubscribing
+    the few shared cores (the reference executor runs every rank as a thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---- configs and the oracle ----
+
+def tiny_cfg(arch: str, **overrides) -> ModelConfig:
+    """The tiny preset of a family with an untied head. A tied random model only copies its last
+    input token (the residual stream is dominated by the embedding, which is also the head), so
+    its greedy output is one token repeated and would hide a wrong KV cache or rollback; the tied
+    path is covered by the real SmolLM2 tests."""
+    return dataclasses.replace(PRESETS[f"tiny-{arch}"], **{"tie_embeddings": False, **overrides})
+
+
+def tiny_engine_config(arch: str = "llama", n: int = 2, colocate: bool = False, mode: str = "spd",
+                       cfg: ModelConfig | None = None, **kw) -> EngineConfig:
+    """A `random:tiny-<arch>` run config with the shape `cfg` (default `tiny_cfg(arch)`)."""
+    cfg = cfg or tiny_cfg(arch)
+    topo = Topology.build(cfg.num_layers, n, colocate=colocate)
+    base = dict(capacity=CAPACITY, prefill_chunk=CHUNK, timeout_s=20.0)
+    base.update(kw)
+    return EngineConfig(model=f"random:tiny-{arch}", cfg=cfg, topology=topo, mode=mode, **base)
+
+
+_FULL: dict[tuple, torch.nn.Module] = {}
+
+
+def full_model(ecfg: EngineConfig):
+    """The whole target (embedding, every layer, head) with the weights the stages get."""
+    key = (ecfg.model, ecfg.cfg.fingerprint(), ecfg.seed)
+    if key not in _FULL:
+        _FULL[key] = build_stage_model(ecfg, range(ecfg.cfg.num_layers), embedding=True, head=True)
+    return _FULL[key]
+
+
+def reference(ecfg: EngineConfig, prompt: Sequence[int], max_new: int, eos: Sequence[int] = ()) -> list[int]:
+    """greedy_generate on the full model, same prefill chunk: the output SPD must reproduce."""
+    return greedy_generate(full_model(ecfg), prompt, max_new, eos_ids=eos, chunk=ecfg.prefill_chunk)
+
+
+def random_prompts(cfg: ModelConfig, lengths: Iterable[int], seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, cfg.vocab_size, (length,), generator=gen).tolist() for length in lengths]
+
+
+# ---- draft policies ----
+
+def wrong_token(token: int, vocab: int) -> int:
+    return (token + 1) % vocab
+
+
+@dataclass
+class Policy:
+    """Oracle draft policy with forced rejections at token indices `wrong` (or, with
+    `oracle=False`, the PDM's own draft everywhere except those indices). Records every call, so
+    the verified draft of each position (the last one made) is known afterwards."""
+
+    ref: list[int]
+    P: int  # position of ref[0]
+    vocab: int
+    wrong: frozenset[int] = frozenset()
+    oracle: bool = True
+    drafts: dict[int, int] = field(default_factory=dict)  # token index -> last draft made for it
+
+    def __call__(self, position: int, pdm_draft: int) -> int:
+        i = position - self.P
+        assert i >= 1, f"a draft was asked for position {position}, before the first generated token"
+        token = pdm_draft
+        if i < len(self.ref):
+            if i in self.wrong:
+                token = wrong_token(self.ref[i], self.vocab)
+            elif self.oracle:
+                token = self.ref[i]
+        self.drafts[i] = token
+        return token
+
+    def rejected(self, N: int) -> list[int]:
+        """Token indices 1..N-1 whose verified draft differs from the reference."""
+        return [i for i in range(1, N) if self.drafts[i] != self.ref[i]]
+
+
+def expected_ticks(policy: Policy, N: int, n: int) -> int:
+    """decode_ticks with R counted from the policy: rejections followed by another committed token."""
+    R = sum(1 for i in policy.rejected(N) if i < N - 1)
+    return decode_ticks(N, n, R)
+
+
+def check_run(res: GenerationResult, want: list[int], policy: Policy, n: int) -> None:
+    """Lossless, tick count from the formula, and the counters consistent with the policy."""
+    first = next((i for i, (a, b) in enumerate(zip(res.tokens, want)) if a != b), min(len(res.tokens), len(want)))
+    assert res.tokens == want, f"SPD output differs from greedy at index {first}"
+    N = len(want)
+    rejected = policy.rejected(N)
+    assert res.ticks == expected_ticks(policy, N, n), (res.ticks, N, n, rejected)
+    assert res.verified == N - 1
+    assert res.accepted == N - 1 - len(rejected)
+    assert res.rejections == sum(1 for i in rejected if i < N - 1)
+
+
+def summary(res: GenerationResult) -> dict:
+    return dict(tokens=res.tokens, ticks=res.ticks, verified=res.verified, accepted=res.accepted,
+                rejections=res.rejections)
+
+
+# ---- rank harness without collectives ----
+
+COLLECTIVES = ("broadcast", "all_reduce", "all_gather", "barrier", "reduce", "scatter", "gather", "all_to_all",
+               "all_gather_into_tensor", "all_to_all_single", "reduce_scatter", "reduce_scatter_tensor",
+               "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
+               "monitored_barrier")
+
+
+class CollectiveCalled(AssertionError):
+    """Raised by a patched collective; not caught by the engine (it handles transport errors only)."""
+
+
+def forbid_collectives(log: Path) -> dict:
+    """Make every collective raise in this process (both the public and the c10d module names),
+    logging the name first so the parent can tell which one was called. Returns the originals."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    originals = {}
+    for name in COLLECTIVES:
+        def stub(*args, _name=name, **kwargs):
+            with open(log, "a") as f:
+                f.write(_name + "\n")
+            raise CollectiveCalled(f"torch.distributed.{_name} called")
+        for module in (dist, c10d):
+            if hasattr(module, name):
+                originals[(module, name)] = getattr(module, name)
+                setattr(module, name, stub)
+    return originals
+
+
+def restore(originals: dict) -> None:
+    for (module, name), fn in originals.items():
+        setattr(module, name, fn)
+
+
+def _rank_main(rank: int, world: int, port: int, ecfg: EngineConfig, job: Callable, job_args: tuple,
+               out_dir: str) -> None:
+    """One rank: patch collectives, then run the engine's own torchrun path of `launch`."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      LOCAL_RANK=str(rank))
+    out = Path(out_dir)
+    forbid_collectives(out / f"collectives-{rank}.log")
+    from engine.launch import launch
+
+    try:
+        with launch(ecfg) as runtime:  # ranks other than 0 serve inside and exit
+            result = job(runtime, *job_args)
+        torch.save(result, out / "result.pt")
+    except Exception:  # SystemExit(0) is how a stage rank leaves `launch`: not an error
+        (out / f"error-{rank}.log").write_text(traceback.format_exc())
+        raise
+
+
+@dataclass
+class RanksOutcome:
+    exitcodes: list[int | None]
+    result: object
+    collectives: dict[int, list[str]]
+    errors: dict[int, str]
+
+
+def run_ranks(ecfg: EngineConfig, job: Callable, job_args: tuple, out_dir: Path, timeout: float = 120.0
+              ) -> RanksOutcome:
+    """Run every rank of `ecfg` as its own spawned process (as torchrun would), with collectives
+    patched to raise; rank 0 runs `job(runtime, *job_args)` and its return value comes back."""
+    from engine.launch import free_port
+
+    world, port = ecfg.world_size, free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, ecfg, job, job_args, str(out_dir)), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(timeout=max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    result_file = out_dir / "result.pt"
+    result = torch.load(result_file, weights_only=False) if result_file.is_file() else None
+    logs = {r: (out_dir / f"collectives-{r}.log") for r in range(world)}
+    errs = {r: (out_dir / f"error-{r}.log") for r in range(world)}
+    return RanksOutcome([p.exitcode for p in procs], result,
+                        {r: f.read_text().split() for r, f in logs.items() if f.is_file()},
+                        {r: f.read_text() for r, f in errs.items() if f.is_file()})

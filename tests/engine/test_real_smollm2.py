@@ -1,0 +1,102 @@
+"""SPD on the real SmolLM2-135M-Instruct (converted from its GGUF into the engine layout): the
+output equals the greedy decoder's on chat prompts with the untrained head and with forced
+rejections, on the reference executor at n = 2, 3, 4 and on one distributed n = 4 run. The wider
+matrix (more prompts, 64 tokens, co-located driver, oracle drafts) is marked slow."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from engine.engine_config import EngineConfig
+from engine.greedy import greedy_generate
+from engine.launch import launch
+from engine.reference import ReferenceExecutor
+from engine.topology import Topology
+from helpers import Policy, check_run, one_thread  # noqa: F401
+
+CHUNK = 16  # chat prompts are ~40 tokens: several prefill chunks
+PROMPTS = ["Write a short poem about the sea.",
+           "Explain how a bicycle works.",  # its answer ends with an EOS after 25 tokens
+           "List five fruits and describe each one briefly.",
+           "What are the benefits of learning a second language?",
+           "Describe the water cycle to a ten year old."]
+NEW = 32
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir):
+    """(engine checkpoint dir, model config, full model, tokenizer)."""
+    from engine.checkpoint import load_stage_model, read_index
+    from engine.tokenizer import Tokenizer
+    from tools.common import resolve_model
+
+    engine_dir, tok_dir = resolve_model("smollm2-135m")
+    cfg = read_index(engine_dir).cfg
+    full = load_stage_model(engine_dir, range(0, cfg.num_layers)).eval()
+    return engine_dir, cfg, full, Tokenizer.from_dir(tok_dir)
+
+
+@pytest.fixture(scope="module")
+def refs(smollm2):
+    """text -> (prompt ids, greedy output) for a number of new tokens, computed once."""
+    engine_dir, cfg, full, tok = smollm2
+
+    @functools.lru_cache(maxsize=None)
+    def ref(text: str, max_new: int) -> tuple[list[int], list[int]]:
+        prompt = tok.chat_ids(text)
+        torch.set_num_threads(1)
+        return prompt, greedy_generate(full, prompt, max_new, eos_ids=cfg.eos_token_ids, chunk=CHUNK)
+    return ref
+
+
+def engine_config(smollm2, n: int, colocate: bool = False) -> EngineConfig:
+    engine_dir, cfg, _, _ = smollm2
+    return EngineConfig(model=str(engine_dir), cfg=cfg, topology=Topology.build(cfg.num_layers, n, colocate=colocate),
+                        capacity=160, prefill_chunk=CHUNK, timeout_s=120.0, threads=1)
+
+
+def run(runtime, smollm2, refs, n: int, text: str, max_new: int, **policy_kw) -> None:
+    cfg = smollm2[1]
+    prompt, want = refs(text, max_new)
+    policy = Policy(want, len(prompt), cfg.vocab_size, **policy_kw)
+    res = runtime.generate(prompt, max_new, cfg.eos_token_ids, draft_policy=policy)
+    check_run(res, want, policy, n)
+
+
+# The untrained head rejects nearly every draft (about n ticks per token): 32 tokens at n=2, 16 above.
+@pytest.mark.parametrize("n,untrained_tokens", [(2, NEW), (3, 16), (4, 16)], ids=["n2", "n3", "n4"])
+def test_reference_executor_is_lossless_on_smollm2(n, untrained_tokens, smollm2, refs, one_thread):
+    eos = smollm2[1].eos_token_ids
+    assert len(refs(PROMPTS[1], NEW)[1]) < NEW and refs(PROMPTS[1], NEW)[1][-1] in eos  # EOS in the pipeline
+    with ReferenceExecutor(engine_config(smollm2, n)) as ex:
+        run(ex, smollm2, refs, n, PROMPTS[n % 2], untrained_tokens, oracle=False)
+        run(ex, smollm2, refs, n, PROMPTS[1], NEW, wrong=frozenset({1, 10, 11, 24}))  # 24: the token before EOS
+        if n > 2:
+            run(ex, smollm2, refs, n, PROMPTS[0], NEW, wrong=frozenset({2, 3, NEW - 1}))
+
+
+@pytest.mark.multiproc
+def test_distributed_n4_with_forced_rejections_on_smollm2(smollm2, refs, one_thread):
+    with launch(engine_config(smollm2, 4)) as runtime:
+        run(runtime, smollm2, refs, 4, PROMPTS[1], NEW, wrong=frozenset({1, 12, 13, 24}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n,colocate", [(2, False), (3, False), (4, False), (4, True)],
+                         ids=["n2", "n3", "n4", "n4-colocated"])
+def test_wider_matrix_on_smollm2(n, colocate, smollm2, refs, one_thread):
+    with ReferenceExecutor(engine_config(smollm2, n, colocate)) as ex:
+        for text in PROMPTS:
+            for kw in (dict(oracle=False), {}, dict(wrong=frozenset({1, 2, 30, 63}))):
+                run(ex, smollm2, refs, n, text, 64, **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_distributed_colocated_oracle_and_untrained_on_smollm2(smollm2, refs, one_thread):
+    with launch(engine_config(smollm2, 4, colocate=True)) as runtime:
+        for text in PROMPTS[:3]:
+            run(runtime, smollm2, refs, 4, text, 64)
+            run(runtime, smollm2, refs, 4, text, 64, oracle=False)

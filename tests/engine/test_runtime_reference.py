@@ -1,0 +1,184 @@
+"""The runtime on the reference executor (every rank a thread, same driver and stage objects as a
+distributed run): lossless against the greedy decoder, tick counts from the schedule formula, EOS,
+short requests, and the ar / pp baselines."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from engine.reference import ReferenceExecutor
+from engine.schedule import decode_ticks
+from helpers import (ARCHS, CHUNK, Policy, check_run, expected_ticks, one_thread, random_prompts,  # noqa: F401
+                     reference, tiny_engine_config)
+
+TOPOLOGIES = [(2, False), (3, False), (4, False), (4, True)]
+TOPOLOGY_IDS = ["n2", "n3", "n4", "n4-colocated"]
+LENGTHS = (1, 5, CHUNK, 23, 3 * CHUNK + 7)  # one token, one chunk exactly, several chunks
+NEW = 64
+# forced rejections as token indices (index 1 is the first draft after the prefill token): the first
+# draft, two in a row, and the very last token; then three in a row right after an accept
+FORCED = [frozenset({1, 20, 21, NEW - 1}), frozenset({2, 3, 4, 40})]
+# The untrained PDM rejects nearly every draft (about n ticks per token), so the default run covers
+# two (family, topology) pairs; the slow run covers every (family, topology) pair.
+UNTRAINED_DEFAULT = {("qwen2", "n3"), ("llama", "n4-colocated")}
+
+
+def matrix(default: set | None = None) -> list:
+    out = []
+    for arch in ARCHS:
+        for (n, colocate), tid in zip(TOPOLOGIES, TOPOLOGY_IDS):
+            slow = default is not None and (arch, tid) not in default
+            out.append(pytest.param(arch, n, colocate, id=f"{arch}-{tid}",
+                                    marks=[pytest.mark.slow] if slow else []))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def prompts_and_refs(arch: str) -> tuple[list[list[int]], list[list[int]]]:
+    """The same prompts and greedy outputs serve every topology of a family."""
+    ecfg = tiny_engine_config(arch, 1)
+    prompts = random_prompts(ecfg.cfg, LENGTHS, seed=1)
+    refs = [reference(ecfg, p, NEW) for p in prompts]
+    assert all(len(r) == NEW for r in refs)
+    return prompts, refs
+
+
+def setup(arch: str, n: int, colocate: bool):
+    return (tiny_engine_config(arch, n, colocate), *prompts_and_refs(arch))
+
+
+@pytest.mark.parametrize("arch,n,colocate", matrix())
+def test_lossless_with_oracle_and_forced_rejections(arch, n, colocate, one_thread):
+    ecfg, prompts, refs = setup(arch, n, colocate)
+    V = ecfg.cfg.vocab_size
+    with ReferenceExecutor(ecfg) as ex:  # one runtime, many requests: each starts after a flush or not
+        for p, ref in zip(prompts, refs):
+            policy = Policy(ref, len(p), V)
+            res = ex.generate(p, NEW, (), draft_policy=policy)
+            check_run(res, ref, policy, n)
+            assert res.ticks == (NEW - 1) + (n - 1) and res.alpha == 1.0
+        for k, wrong in enumerate(FORCED):
+            p, ref = prompts[k + 1], refs[k + 1]
+            policy = Policy(ref, len(p), V, wrong=wrong)
+            res = ex.generate(p, NEW, (), draft_policy=policy)
+            assert policy.rejected(NEW) == sorted(wrong)  # rejected where asked, nowhere else
+            check_run(res, ref, policy, n)
+
+
+@pytest.mark.parametrize("arch,n,colocate", matrix(UNTRAINED_DEFAULT))
+def test_lossless_with_the_untrained_pdm(arch, n, colocate, one_thread):
+    ecfg, prompts, refs = setup(arch, n, colocate)
+    V = ecfg.cfg.vocab_size
+    with ReferenceExecutor(ecfg) as ex:
+        policies = []
+        for p, ref in zip(prompts, refs):
+            policy = Policy(ref, len(p), V, oracle=False)  # records the PDM's drafts, changes nothing
+            res = ex.generate(p, NEW, (), draft_policy=policy)
+            check_run(res, ref, policy, n)
+            policies.append(policy)
+        short = 16
+        plain = ex.generate(prompts[0], short)  # no policy at all; drafts depend on the history only
+    R = sum(1 for i in policies[0].rejected(short) if i < short - 1)
+    assert plain.tokens == refs[0][:short] and plain.ticks == decode_ticks(short, n, R)
+
+
+def eos_index(ref: list[int], lo: int) -> int:
+    """An index k >= lo whose token does not occur earlier in ref (so it ends greedy output at k)."""
+    for k in range(lo, len(ref) - 1):
+        if ref[k] not in ref[:k]:
+            return k
+    raise AssertionError(f"no first-occurrence token after index {lo} in {ref}")
+
+
+def varied_prompt(ecfg, lo: int) -> tuple[list[int], list[int], int]:
+    """A prompt whose greedy output has two first-occurrence tokens after index lo (random models
+    often repeat one token forever); returns (prompt, output, index of the first of them)."""
+    for seed in range(50):
+        prompt = random_prompts(ecfg.cfg, [9], seed=seed)[0]
+        ref = reference(ecfg, prompt, NEW)
+        fresh = [k for k in range(lo, NEW - 1) if ref[k] not in ref[:k]]
+        if len(fresh) >= 2:
+            return prompt, ref, fresh[0]
+    raise AssertionError("no prompt with a varied greedy output")
+
+
+@pytest.mark.parametrize("arch,n,colocate", [("llama", 2, False), ("qwen2", 4, False), ("qwen3", 4, True)],
+                         ids=["llama-n2", "qwen2-n4", "qwen3-n4-colocated"])
+def test_eos_inside_the_pipeline_stops_output_there(arch, n, colocate, one_thread):
+    ecfg = tiny_engine_config(arch, n, colocate)
+    V = ecfg.cfg.vocab_size
+    prompt, ref, k = varied_prompt(ecfg, n + 2)  # drafts after index k are in flight when k is verified
+    later = eos_index(ref, k + 1)
+    with ReferenceExecutor(ecfg) as ex:
+        for eos in ([ref[k]], [ref[later], ref[k]]):  # an EOS list: the first one committed wins
+            want = reference(ecfg, prompt, NEW, eos)
+            assert want == ref[:k + 1]
+            for policy in (Policy(ref, len(prompt), V), Policy(ref, len(prompt), V, oracle=False),
+                           Policy(ref, len(prompt), V, wrong=frozenset({k})),  # the correction is the EOS
+                           Policy(ref, len(prompt), V, wrong=frozenset({k - 1}))):
+                res = ex.generate(prompt, NEW, eos, draft_policy=policy)
+                check_run(res, want, policy, n)  # no unverified draft after the EOS
+        res = ex.generate(prompt, NEW, [ref[0]])  # the prefill token itself is an EOS
+        assert res.tokens == [ref[0]] and res.ticks == 0 and res.verified == 0
+
+
+@pytest.mark.parametrize("n,colocate", [(2, False), (3, True), (4, False), (4, True)],
+                         ids=["n2", "n3-colocated", "n4", "n4-colocated"])
+def test_one_token_prompt_and_fewer_new_tokens_than_stages(n, colocate, one_thread):
+    ecfg = tiny_engine_config("qwen3", n, colocate)
+    V = ecfg.cfg.vocab_size
+    prompt = random_prompts(ecfg.cfg, [1], seed=5)[0]
+    ref = reference(ecfg, prompt, n + 2)
+    with ReferenceExecutor(ecfg) as ex:
+        for max_new in range(1, n + 3):
+            want = ref[:max_new]
+            policies = [Policy(want, 1, V), Policy(want, 1, V, oracle=False)]
+            if max_new > 1:
+                policies.append(Policy(want, 1, V, wrong=frozenset({max_new - 1})))  # rejection at the end
+            for policy in policies:
+                res = ex.generate(prompt, max_new, (), draft_policy=policy)
+                check_run(res, want, policy, n)  # max_new 1: no decode tick at all
+
+
+def test_one_stage_spd_is_lossless_with_one_tick_per_token(one_thread):
+    ecfg = tiny_engine_config("llama", 1)
+    prompt = random_prompts(ecfg.cfg, [CHUNK + 3], seed=2)[0]
+    ref = reference(ecfg, prompt, 24)
+    with ReferenceExecutor(ecfg) as ex:
+        for policy in (Policy(ref, len(prompt), ecfg.cfg.vocab_size, oracle=False),
+                       Policy(ref, len(prompt), ecfg.cfg.vocab_size, wrong=frozenset({1, 5, 6}))):
+            res = ex.generate(prompt, 24, (), draft_policy=policy)
+            assert res.tokens == ref and res.ticks == 23 == expected_ticks(policy, 24, 1)
+            assert res.accepted == 23 - len(policy.rejected(24))
+
+
+def test_one_stage_spd_counts_its_rejections(one_thread):
+    ecfg = tiny_engine_config("llama", 1)
+    prompt = random_prompts(ecfg.cfg, [7], seed=2)[0]
+    ref = reference(ecfg, prompt, 12)
+    policy = Policy(ref, len(prompt), ecfg.cfg.vocab_size, wrong=frozenset({1, 5, 6}))
+    with ReferenceExecutor(ecfg) as ex:
+        res = ex.generate(prompt, 12, (), draft_policy=policy)
+    assert res.rejections == 3  # rejections followed by another committed token (metrics.py)
+
+
+BASELINES = {"llama": (("ar", 1), ("pp", 2), ("pp", 3), ("pp", 4)), "qwen2": (("ar", 1), ("pp", 3)),
+             "qwen3": (("pp", 2), ("pp", 4))}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ar_and_pp_baselines_equal_the_reference(arch, one_thread):
+    ecfg0 = tiny_engine_config(arch, 1, mode="ar")
+    prompts = random_prompts(ecfg0.cfg, (1, CHUNK + 1, 2 * CHUNK + 3), seed=3)
+    refs = [reference(ecfg0, p, 32) for p in prompts]
+    eos_prompt, eos_ref, eos_k = varied_prompt(ecfg0, 3)
+    for mode, n in BASELINES[arch]:
+        ecfg = tiny_engine_config(arch, n, mode=mode)
+        with ReferenceExecutor(ecfg) as ex:
+            for p, ref in zip(prompts, refs):
+                res = ex.generate(p, 32)
+                assert res.tokens == ref, (mode, n)
+                assert res.ticks == len(ref) - 1
+            res = ex.generate(eos_prompt, NEW, [eos_ref[eos_k]])
+            assert res.tokens == eos_ref[:eos_k + 1], (mode, n)
