@@ -88,7 +88,7 @@ def replay(N: int, n: int, correct: DraftCorrect) -> Acceptance:
         committed += 1  # the target's token at index oldest + 1: the draft or the correction
         if committed == N:  # the reference stopped here (EOS or max_new_tokens)
             return acc
-        rejected_last = not proposed.ok and n > 1
+        rejected_last = not proposed.ok
         if not proposed.ok:
             inflight.clear()  # flush
         entry = draft if inflight else _InFlight(oldest.index + 1, True, 0)
