@@ -82,6 +82,7 @@ class Profile:
     dtype_bytes: int = 2
     anchors: int = 1
     stage_fixed_ms: float = 0.0  # per stage per tick (launch, embedding), also paid once by AR
+    driver_fixed_ms: float = 0.0  # driver host work per tick besides PDM and verify, in series with the PDM
     stage_ms: dict[int, tuple[float, ...]] = field(default_factory=dict)  # measured stage times by n
     tp_layer_ms: dict[int, float] = field(default_factory=dict)  # measured 1/g-width shard per layer
 
@@ -92,7 +93,8 @@ class Profile:
     @classmethod
     def from_dict(cls, d: dict) -> "Profile":
         known = {"schema", "name", "num_layers", "layer_ms", "pdm_ms", "verify_ms", "hidden_size", "dtype_bytes",
-                 "anchors_per_stage", "stage_fixed_ms", "stage_ms", "tp_layer_ms", "source"}
+                 "anchors_per_stage", "stage_fixed_ms", "driver_fixed_ms", "stage_ms", "tp_layer_ms", "source",
+                 "measured"}  # source / measured: provenance and raw numbers, not used by the model
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"profile: unknown keys {sorted(unknown)} (schema spd-profile/1)")
@@ -114,13 +116,19 @@ class Profile:
                    pdm_ms=_by_n(d["pdm_ms"], "pdm_ms"), verify_ms=float(d["verify_ms"]),
                    hidden=int(d["hidden_size"]), dtype_bytes=int(d.get("dtype_bytes", 2)),
                    anchors=int(d.get("anchors_per_stage", 1)), stage_fixed_ms=float(d.get("stage_fixed_ms", 0.0)),
+                   driver_fixed_ms=float(d.get("driver_fixed_ms", 0.0)),
                    stage_ms=stage_ms, tp_layer_ms={int(k): float(v) for k, v in d.get("tp_layer_ms", {}).items()})
-        if not prof.layer_ms or min(prof.layer_ms) < 0 or prof.verify_ms < 0:
-            raise ValueError("profile: layer_ms must be a non-empty list of times >= 0 and verify_ms >= 0")
+        if not prof.layer_ms or min(prof.layer_ms) < 0 or prof.verify_ms < 0 or prof.driver_fixed_ms < 0:
+            raise ValueError("profile: layer_ms must be a non-empty list of times >= 0, verify_ms and "
+                             "driver_fixed_ms >= 0")
         return prof
 
     def pdm_for(self, n: int, notes: list[str]) -> float:
         return interp_by_n(self.pdm_ms, n, "pdm_ms", notes)
+
+    def driver_work_for(self, n: int, notes: list[str]) -> float:
+        """The driver's per-tick work before verification: PDM + its other host work."""
+        return self.pdm_for(n, notes) + self.driver_fixed_ms
 
 
 # Reference profiles from DESIGN 6 (one H200, bf16, batch 1, context 1024, CUDA graphs): the
@@ -502,7 +510,7 @@ class Links:
 
 def _spd_row(profile: Profile, stage_ms: list[float], counts: list[int] | None, n: int, alpha: float,
              colocate: bool, link_of, label: str, devices: int, notes: list[str], sim_tokens: int, seed: int) -> dict:
-    case = build_spd_case(stage_ms, profile.pdm_for(n, notes), profile.verify_ms, alpha, colocate,
+    case = build_spd_case(stage_ms, profile.driver_work_for(n, notes), profile.verify_ms, alpha, colocate,
                           profile.hidden, profile.dtype_bytes, profile.anchors, link_of)
     pred = predict_spd(case, sim_tokens, seed)
     return {"method": "spd", "n": n, "devices": devices, "layout": "coloc" if colocate else "sep",
@@ -531,7 +539,7 @@ def plan(profile: Profile, links: Links, alpha: AlphaCurve, ns: list[int], sim_t
                                      "measured", devices, notes, sim_tokens, seed))
                 continue
             even = even_partition(profile.num_layers, n)
-            driver = profile.pdm_for(n, notes) + profile.verify_ms
+            driver = profile.driver_work_for(n, notes) + profile.verify_ms
             extra = [driver if (colocate and p == 0) else 0.0 for p in range(n)]
             bal = balanced_partition(profile.layer_ms, n, extra)
             worst = lambda counts: max(t + e for t, e in zip(stage_times(profile, counts), extra))  # noqa: E731

@@ -70,8 +70,8 @@ def summarize(runs: list[list[GenerationResult]], n: int) -> dict:
 
 def run_case(case: BenchCase, prompts: Sequence[list[int]], max_new: int, eos: Sequence[int], repeats: int,
              reference: list[list[int]] | None, synthetic_alpha: float | None, seed: int,
-             progress: Progress) -> tuple[dict, list[list[int]], dict | None]:
-    """(summary, tokens per prompt, one traced result's trace or None) for one configuration."""
+             progress: Progress) -> tuple[dict, list[list[int]], list[dict] | None]:
+    """(summary, tokens per prompt, the traces of the last repeat's requests or None) for one configuration."""
     policies = [None] * len(prompts)
     if synthetic_alpha is not None and case.ecfg.mode == "spd":
         assert reference is not None, "synthetic acceptance needs the reference tokens"
@@ -84,7 +84,7 @@ def run_case(case: BenchCase, prompts: Sequence[list[int]], max_new: int, eos: S
             progress(f"{case.name}: repeat {rep + 1}/{repeats}")
             runs.append([rt.generate(p, max_new, eos, draft_policy=pol) for p, pol in zip(prompts, policies)])
         if case.ecfg.trace:
-            trace = runs[-1][0].trace
+            trace = [r.trace for r in runs[-1]]
     summary = summarize(runs, case.ecfg.topology.n)
     if case.ecfg.mode != "spd":
         summary["eal"] = None  # EAL is a property of speculation; pp and ar commit one token per pass
@@ -98,7 +98,7 @@ def bench(cases: list[BenchCase], prompts: Sequence[list[int]], max_new: int, eo
           synthetic_alpha: float | None = None, seed: int = 0, progress: Progress = lambda m: None) -> dict:
     """Run every case (the first must be `ar`); speedups are against ar and pp of this run."""
     assert cases and cases[0].ecfg.mode == "ar", "the ar baseline runs first: it is the reference"
-    rows, traces, reference, mismatches = [], {}, None, []
+    rows, traces, request_traces, reference, mismatches = [], {}, {}, None, []
     for case in cases:
         summary, tokens, trace = run_case(case, prompts, max_new, eos, repeats, reference, synthetic_alpha,
                                           seed, progress)
@@ -109,10 +109,12 @@ def bench(cases: list[BenchCase], prompts: Sequence[list[int]], max_new: int, eo
         summary["lossless"] = tokens == reference
         rows.append(summary)
         if trace is not None:
-            traces[case.name] = trace
+            traces[case.name] = trace[0]  # one request: the timeline plot
+            request_traces[case.name] = trace  # every request of the last repeat: profiles
     base = {r["mode"]: r["decode_tok_s"] for r in rows if r["mode"] in ("ar", "pp")}
     for r in rows:
         r["speedup_vs_ar"] = r["decode_tok_s"] / base["ar"] if base.get("ar") else None
         r["speedup_vs_pp"] = r["decode_tok_s"] / base["pp"] if base.get("pp") else None
-    return {"rows": rows, "mismatches": mismatches, "traces": traces, "synthetic_alpha": synthetic_alpha,
+    return {"rows": rows, "mismatches": mismatches, "traces": traces, "request_traces": request_traces,
+            "synthetic_alpha": synthetic_alpha,
             "prompts": len(prompts), "max_new_tokens": max_new, "repeats": repeats}

@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="replace drafts: reference token with this probability (labelled synthetic)")
     p.add_argument("--json-out", help="write the full report here")
     p.add_argument("--timeline", help="PNG timeline of a few spd ticks")
+    p.add_argument("--profile-out", help="write an spd-profile/1 JSON (spd plan's input) from this run: "
+                                          "needs ar and spd or spd-colocate (their ticks are traced)")
 
 
 def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
@@ -44,12 +46,29 @@ def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
     out = [BenchCase("ar", ecfg.replace(mode="ar", topology=one))]
     if "pp" in names:
         out.append(BenchCase("pp", ecfg.replace(mode="pp")))
+    profiling = bool(getattr(args, "profile_out", None))
+    if profiling and not {"spd", "spd-colocate"} & set(names):
+        raise ValueError("--profile-out needs an spd or spd-colocate run in --configs")
     if "spd" in names:
         out.append(BenchCase("spd", ecfg.replace(mode="spd", topology=dataclasses.replace(topo, colocate=False),
-                                                 trace=bool(args.timeline))))
+                                                 trace=bool(args.timeline) or profiling)))
     if "spd-colocate" in names:
-        out.append(BenchCase("spd-colocate", ecfg.replace(mode="spd", topology=dataclasses.replace(topo, colocate=True))))
+        out.append(BenchCase("spd-colocate", ecfg.replace(mode="spd", topology=dataclasses.replace(topo, colocate=True),
+                                                          trace=profiling)))
     return out
+
+
+def write_profile(report: dict, ecfg, path: str) -> None:
+    """The run's spd-profile/1 (bench/profile.py), with the host's cores and load recorded."""
+    import os
+
+    from bench.profile import profile_from_bench
+
+    host = f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} after the run"
+    prof = profile_from_bench(report, ecfg, os.cpu_count(), host)
+    with open(path, "w") as f:
+        json.dump(prof, f, indent=1)
+    print(f"profile ({prof['source']['spd_row']} run): {path}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=1)
+    if args.profile_out:
+        write_profile(report, ecfg, args.profile_out)
     if report["mismatches"]:
         print(f"LOSSLESS CHECK FAILED for {report['mismatches']}", file=sys.stderr)
         return 1

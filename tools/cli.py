@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "netbench": ("tools.netbench", "interconnect benchmark: P2P, all-reduce, fan-in, SPD tick replay"),
     "plan": ("tools.plan", "cost model: predict tick time and speedup from measured inputs"),
     "bench-kernel": ("tools.bench_kernel", "GPU benchmark of the anchor-gather kernel"),
+    "profile": ("tools.profile", "per-stage / PDM / verify / AR step times of model shapes (GPU device check)"),
 }
 
 

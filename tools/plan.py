@@ -1,6 +1,7 @@
 """`spd plan`: predict SPD tick time, tokens/s and speedup against TP, PP and TP x SPD hybrids
 from a compute profile, netbench link measurements and an acceptance alpha; or, with
-`--validate`, check the model against tick replays with sleeping stages on this host.
+`--validate`, check the model against tick replays with sleeping stages on this host; or, with
+`--validate-runtime`, against real ar / pp / SPD runs (bench/validate_runtime.py).
 """
 from __future__ import annotations
 
@@ -42,6 +43,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     val.add_argument("--timeout", type=float, default=30.0, help="receive timeout of the replay ranks")
     val.add_argument("--nice", type=int, default=0,
                      help="niceness added to every rank, e.g. -10 on a busy shared host (needs privileges)")
+    rt = p.add_argument_group("validation against the real runtime (--validate-runtime; also uses --repeats as "
+                              "rounds, --tolerance, --timeout, --nice, --seed, --latency-stat, --json)")
+    rt.add_argument("--validate-runtime", action="store_true",
+                    help="profile run + netbench run -> predictions; compared with an independent bench run")
+    rt.add_argument("--model", default="smollm2-135m", help="model for --validate-runtime (spd bench --model)")
+    rt.add_argument("--spec", default=None, help="PDM head for --validate-runtime (default: shipped head or random)")
+    rt.add_argument("--stages", type=int, default=2, help="n for --validate-runtime")
+    rt.add_argument("--threads", type=int, default=1, help="torch threads per rank for --validate-runtime")
+    rt.add_argument("--synthetic-alpha", default="0.8",
+                    help="synthetic acceptance for --validate-runtime (labelled), or 'none' for the head's drafts")
+    rt.add_argument("--max-new-tokens", type=int, default=48, help="tokens per prompt for --validate-runtime")
+    rt.add_argument("--prompt", action="append", help="prompt(s) for --validate-runtime (default: three built-in)")
+    rt.add_argument("--profile-out", help="with --validate-runtime: also write the profile run's spd-profile/1 here")
 
 
 def _load_json(path: str) -> dict:
@@ -49,7 +63,7 @@ def _load_json(path: str) -> dict:
         return json.load(f)
 
 
-def _assumed(text: str, name: str) -> LinkModel:
+def assumed_link(text: str, name: str) -> LinkModel:
     try:
         parts = [float(x) for x in text.split(",")]
     except ValueError:
@@ -64,14 +78,14 @@ def _links(args: argparse.Namespace) -> Links:
     if args.net:
         intra = LinkModel.from_netbench(_load_json(args.net), args.net, args.latency_stat)
     elif args.assume_link:
-        intra = _assumed(args.assume_link, "--assume-link")
+        intra = assumed_link(args.assume_link, "--assume-link")
     else:
         raise ValueError("give link numbers: --net NETBENCH.json (measured) or --assume-link LAT_US,GBPS")
     inter = None
     if args.net_inter:
         inter = LinkModel.from_netbench(_load_json(args.net_inter), args.net_inter, args.latency_stat)
     elif args.assume_inter:
-        inter = _assumed(args.assume_inter, "--assume-inter")
+        inter = assumed_link(args.assume_inter, "--assume-inter")
     if inter is not None and not args.gpus_per_node:
         raise ValueError("--net-inter / --assume-inter need --gpus-per-node")
     return Links(intra, inter, args.gpus_per_node)
@@ -123,7 +137,7 @@ def _summary_rows(result: dict) -> list[dict]:
     return rows
 
 
-def _print_plan(result: dict, details: bool) -> None:
+def print_plan(result: dict, details: bool) -> None:
     links = result["links"]
     inter = f"; between nodes: {links['inter']}, {links['gpus_per_node']} devices per node" if links["inter"] else ""
     print(f"# spd plan: {result['profile']}; links: {links['intra']}{inter}")
@@ -209,7 +223,55 @@ def _validate(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+VALIDATION_PROMPTS = ("Write a short story about a robot who learns to paint.",
+                      "Explain how a bicycle stays upright, step by step.",
+                      "List ten ideas for a rainy weekend and say why each is fun.")
+
+
+def _validate_runtime(args: argparse.Namespace) -> int:
+    """Cost model vs the real runtime (bench/validate_runtime.py); exit status 1 if a config is
+    off by more than --tolerance."""
+    import sys
+
+    from bench.validate_runtime import ValidationSettings, format_validation, validate
+    from engine.tokenizer import Tokenizer
+    from tools.common import add_engine_arguments, engine_config
+    from tools.generate import encode_prompts
+
+    alpha = None if args.synthetic_alpha.lower() == "none" else float(args.synthetic_alpha)
+    if alpha is not None and not 0 <= alpha <= 1:
+        raise ValueError(f"--synthetic-alpha must be in [0, 1] or 'none', got {args.synthetic_alpha}")
+    if args.stages < 2 or args.threads < 1 or args.max_new_tokens < 2 or args.repeats < 1:
+        raise ValueError("--validate-runtime needs --stages >= 2, --threads >= 1, --max-new-tokens >= 2, "
+                         "--repeats >= 1")
+    engine_args = argparse.ArgumentParser()
+    add_engine_arguments(engine_args)
+    argv = ["--model", args.model, "--stages", str(args.stages), "--threads", str(args.threads),
+            "--seed", str(args.seed), "--timeout", str(max(args.timeout, 60.0))]
+    ecfg, tok_dir = engine_config(engine_args.parse_args(argv + (["--spec", args.spec] if args.spec else [])))
+    tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
+    prompts = encode_prompts(list(args.prompt or VALIDATION_PROMPTS), tok, True, ecfg.cfg.vocab_size)
+    if args.nice:
+        os.nice(args.nice)  # inherited by every rank this process starts
+    settings = ValidationSettings(max_new_tokens=args.max_new_tokens, rounds=args.repeats, synthetic_alpha=alpha,
+                                  seed=args.seed, tolerance=args.tolerance, latency_stat=args.latency_stat,
+                                  timeout_s=max(args.timeout, 60.0))
+    result = validate(ecfg, prompts, settings, lambda m: print(m, file=sys.stderr, flush=True))
+    print(format_validation(result))
+    if args.profile_out:
+        with open(args.profile_out, "w") as f:
+            json.dump(result["profile"], f, indent=1)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 1 if any(r["ok"] != "yes" for r in result["rows"]) else 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.validate and args.validate_runtime:
+        raise ValueError("give one of --validate (tick replays) and --validate-runtime (real runs)")
+    if args.validate_runtime:
+        return _validate_runtime(args)
     if args.validate:
         return _validate(args)
     if bool(args.profile) == bool(args.reference):
@@ -220,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
         profile = Profile.from_dict({**REFERENCE_PROFILES[args.reference], "name": args.reference})
     result = plan(profile, _links(args), _alpha(args), _ns(args.n), args.sim_tokens, args.seed)
     result["recommendation"] = recommendation(result)
-    _print_plan(result, args.details)
+    print_plan(result, args.details)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -1,0 +1,206 @@
+"""Validation of the cost model against the real runtime: predictions from inputs measured in
+separate runs, compared with an independent measurement.
+
+1. profile run: `spd bench` (ar, pp, spd-colocate, spd) with traced spd ticks -> an
+   `spd-profile/1` (bench/profile.py) and the measured acceptance alpha;
+2. netbench run: P2P at the runtime's message sizes between n + 1 local ranks -> link model;
+3. measurement run: the same `spd bench` again, in fresh processes.
+The cost model (bench/cost_model.py `plan`) predicts from 1 + 2 the decode tok/s and the time
+per tick of ar, pp and SPD (co-located and separate driver) at this n, and these are compared
+with 3. This repeats for a few rounds and medians over rounds are compared: on a shared host
+the machine's speed swings over minutes, and one pair of runs can land on different sides of
+a swing. Every request decodes exactly `max_new_tokens` (no EOS stop), so all runs do the same
+work; acceptance is whatever the head (or `synthetic_alpha`, labelled) gives.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from statistics import median
+
+from bench.cost_model import AlphaCurve, LinkModel, Links, Profile, message_bytes, plan
+from bench.profile import profile_from_bench
+from bench.speed import BenchCase, bench
+from engine.engine_config import EngineConfig
+from engine.messages import HEADER_LEN
+
+CONFIGS = ("ar", "pp", "spd-colocate", "spd")
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ValidationSettings:
+    max_new_tokens: int = 48
+    rounds: int = 3  # each: profile run, netbench run, measurement run; medians over rounds are compared
+    repeats: int = 1  # repeats inside each bench run (their median is the run's value)
+    synthetic_alpha: float | None = 0.8  # None: the head's own drafts
+    seed: int = 0
+    tolerance: float = 0.15
+    latency_stat: str = "idle_mean_us"
+    net_iters: int = 100
+    timeout_s: float = 60.0
+    configs: tuple[str, ...] = CONFIGS  # a subset runs faster (tests); ar always runs
+
+
+def bench_cases(ecfg: EngineConfig, configs: Sequence[str] = CONFIGS) -> list[BenchCase]:
+    """ar on one rank, pp on n, SPD co-located on n and with a separate driver on n + 1 (traced);
+    `configs` picks a subset (ar, the reference and the source of layer_ms, always runs)."""
+    bad = set(configs) - set(CONFIGS)
+    if bad or not {"spd", "spd-colocate"} & set(configs):
+        raise ValueError(f"validation configs must be among {CONFIGS} and include an SPD run, got {list(configs)}")
+    topo = ecfg.topology
+    one = dataclasses.replace(topo, stage_layers=(topo.num_layers,), colocate=False)
+    every = {"ar": BenchCase("ar", ecfg.replace(mode="ar", topology=one)),
+             "pp": BenchCase("pp", ecfg.replace(mode="pp", topology=dataclasses.replace(topo, colocate=True))),
+             "spd-colocate": BenchCase("spd-colocate", ecfg.replace(
+                 mode="spd", topology=dataclasses.replace(topo, colocate=True), trace=True)),
+             "spd": BenchCase("spd", ecfg.replace(mode="spd", topology=dataclasses.replace(topo, colocate=False),
+                                                  trace=True))}
+    return [every[c] for c in CONFIGS if c == "ar" or c in configs]
+
+
+def load_note() -> str:
+    return f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}"
+
+
+def run_netbench(ecfg: EngineConfig, anchors: int, s: ValidationSettings) -> dict:
+    """P2P between the n + 1 ranks SPD uses, at the runtime's message sizes (a header message,
+    then the payload: one activation, a stage's anchors, the last stage's exit + anchors), and
+    small all-reduces (the plan's TP rows need them; they are not validated here)."""
+    from bench.netbench import NetbenchConfig, default_pairs, launch_local, netbench_rank
+
+    world = ecfg.topology.n + 1
+    itemsize = ecfg.torch_dtype.itemsize
+    sizes = {HEADER_LEN * 8, *message_bytes(ecfg.cfg.hidden_size, itemsize, anchors).values()}
+    cfg = NetbenchConfig(tests=("p2p", "allreduce"), sizes=tuple(sorted(sizes)), pairs=tuple(default_pairs(world)),
+                         iters=s.net_iters, warmup=10, allreduce_bytes=(8, ecfg.cfg.hidden_size * itemsize),
+                         timeout_s=s.timeout_s)
+    return launch_local(netbench_rank, cfg, world, "gloo", s.timeout_s, 600 + 10 * s.timeout_s)
+
+
+def predict(profile: dict, link: LinkModel, alpha: float, n: int) -> dict[str, dict]:
+    """Cost-model predictions per bench config: ms per tick (pp/ar: per token), decode tok/s."""
+    result = plan(Profile.from_dict(profile), Links(link), AlphaCurve({0: alpha}), [n], sim_tokens=2000)
+    rows = [r for r in result["rows"] if r["n"] == n]
+    pick = lambda method, layout: next(r for r in rows if r["method"] == method and r["layout"] == layout)  # noqa: E731
+    out = {"ar": {"tick_ms": result["ar_token_ms"], "tok_s": result["ar_tok_s"], "critical": "-"}}
+    pp = pick("pp", "-")
+    out["pp"] = {"tick_ms": pp["token_ms"], "tok_s": pp["tok_s"], "critical": "-"}
+    for name, layout in (("spd-colocate", "coloc"), ("spd", "sep")):
+        r = pick("spd", layout)
+        assert r["partition"] == "measured", "the profile's stage times for this n must be used"
+        out[name] = {"tick_ms": r["tick_ms"], "tok_s": r["tok_s"], "critical": r["critical"].split(" (")[0],
+                     "eal": r["eal"]}
+    return out
+
+
+def measured_of(report: dict) -> dict[str, dict]:
+    """A bench report's rows as {config: {tok_s, tick_ms, world_size, alpha, eal}}."""
+    return {r["name"]: {"tok_s": r["decode_tok_s"], "tick_ms": r["tick_ms"], "world_size": r["world_size"],
+                        "alpha": r["alpha"], "eal": r["eal"]} for r in report["rows"]}
+
+
+def compare(predicted: list[dict[str, dict]], measured: list[dict[str, dict]], tolerance: float,
+            cores: int | None, same_run: list[dict[str, dict]] | None = None) -> list[dict]:
+    """One row per config: medians over rounds of measured and predicted tok/s and ms per tick,
+    their errors, the measured spread over rounds, and the verdict. `same_run`: the model fed
+    with the measured run's own profile (a diagnostic that separates the model's error from the
+    host's speed drift between runs; not a prediction)."""
+    rows = []
+    for name, first in measured[0].items():
+        meas = [m[name] for m in measured]
+        pred = [p[name] for p in predicted]
+        m_tok, p_tok = median(x["tok_s"] for x in meas), median(x["tok_s"] for x in pred)
+        m_tick, p_tick = median(x["tick_ms"] for x in meas), median(x["tick_ms"] for x in pred)
+        err_tok, err_tick = p_tok / m_tok - 1, p_tick / m_tick - 1
+        same = {}
+        if same_run is not None:
+            s_tick = median(x[name]["tick_ms"] for x in same_run)
+            same = {"same_run_tick_ms": s_tick, "same_run_err": 100 * (s_tick / m_tick - 1)}
+        rows.append({**same, "config": name, "ranks": first["world_size"], "alpha": first["alpha"], "eal": first["eal"],
+                     "measured_tok_s": m_tok, "predicted_tok_s": p_tok, "tok_s_err": 100 * err_tok,
+                     "measured_tick_ms": m_tick, "predicted_tick_ms": p_tick, "tick_err": 100 * err_tick,
+                     "spread": f"{min(x['tok_s'] for x in meas):.2f}-{max(x['tok_s'] for x in meas):.2f}",
+                     "critical": pred[0]["critical"],
+                     "oversubscribed": cores is not None and first["world_size"] > cores,
+                     "ok": "yes" if max(abs(err_tok), abs(err_tick)) <= tolerance else "NO"})
+    return rows
+
+
+def run_round(ecfg: EngineConfig, prompts: Sequence[list[int]], s: ValidationSettings, k: int,
+              progress: Progress) -> dict:
+    """Profile run, netbench run, measurement run (fresh processes each); the predictions from
+    the first two and the measurements of the third."""
+    cores, cases = os.cpu_count(), bench_cases(ecfg, s.configs)
+    tag = f"# round {k + 1}/{s.rounds}"
+    progress(f"{tag}, 1/3 profile run: spd bench ({', '.join(c.name for c in cases)}) ...")
+    first = bench(cases, prompts, s.max_new_tokens, (), s.repeats, s.synthetic_alpha, s.seed, progress)
+    prof = profile_from_bench(first, ecfg, cores, load_note())
+    progress(f"{tag}, 2/3 netbench run: P2P at the runtime's message sizes ...")
+    net = run_netbench(ecfg, prof["anchors_per_stage"], s)
+    link = LinkModel.from_netbench(net, "netbench (this host)", s.latency_stat)
+    progress(f"{tag}, 3/3 measurement run: spd bench again ...")
+    second = bench(cases, prompts, s.max_new_tokens, (), s.repeats, s.synthetic_alpha, s.seed, progress)
+    for name, run in (("profile", first), ("measurement", second)):
+        if run["mismatches"]:
+            raise RuntimeError(f"{name} run: outputs differ from ar for {run['mismatches']}")
+    alpha = prof["source"]["alpha_measured"]
+    own = profile_from_bench(second, ecfg, cores, load_note())  # diagnostic only, see compare()
+    for run in (first, second):
+        for key in ("traces", "request_traces"):
+            run.pop(key, None)  # large; the profiles keep what the model needs
+    n = ecfg.topology.n
+    return {"profile": prof, "netbench": net, "alpha": alpha, "predicted": predict(prof, link, alpha, n),
+            "measured": measured_of(second), "same_run": predict(own, link, own["source"]["alpha_measured"], n),
+            "measurement_profile": own, "profile_run": first, "measurement_run": second, "load": load_note()}
+
+
+def validate(ecfg: EngineConfig, prompts: Sequence[list[int]], s: ValidationSettings,
+             progress: Progress = lambda m: None) -> dict:
+    """`rounds` rounds of profile run + netbench run + measurement run; medians over rounds of
+    predictions and measurements are compared (they damp other jobs' load swings on a shared host)."""
+    bench_cases(ecfg, s.configs)  # bad configs fail before anything starts
+    load_before = load_note()
+    rounds = [run_round(ecfg, prompts, s, k, progress) for k in range(s.rounds)]
+    rows = compare([r["predicted"] for r in rounds], [r["measured"] for r in rounds], s.tolerance, os.cpu_count(),
+                   [r["same_run"] for r in rounds])
+    return {"rows": rows, "rounds": rounds, "profile": rounds[0]["profile"],
+            "alpha_used": [r["alpha"] for r in rounds], "host": {"before": load_before,
+                                                                 **{f"after round {k + 1}": r["load"]
+                                                                    for k, r in enumerate(rounds)}},
+            "settings": dataclasses.asdict(s), "n": ecfg.topology.n, "model": ecfg.model, "head": ecfg.pdm,
+            "threads_per_rank": ecfg.threads_per_rank()}
+
+
+def format_validation(result: dict) -> str:
+    from bench.stats import format_table
+
+    s = result["settings"]
+    label = (f"SYNTHETIC acceptance alpha={s['synthetic_alpha']}" if s["synthetic_alpha"] is not None
+             else f"head {result['head']}")
+    lines = [f"# runtime validation: {result['model']}, n={result['n']}, {result['threads_per_rank']} thread(s) per "
+             f"rank, {s['max_new_tokens']} tokens per prompt, {label}",
+             f"# medians over {s['rounds']} rounds of: profile run + netbench run -> prediction; an independent "
+             f"bench run -> measurement",
+             format_table(result["rows"], [
+                 ("config", "config", ""), ("ranks", "ranks", ""), ("measured_tok_s", "meas tok/s", ".2f"),
+                 ("spread", "rounds min-max", ""), ("predicted_tok_s", "pred tok/s", ".2f"),
+                 ("tok_s_err", "err%", "+.1f"),
+                 ("measured_tick_ms", "meas ms/tick", ".2f"), ("predicted_tick_ms", "pred ms/tick", ".2f"),
+                 ("tick_err", "err%", "+.1f"), ("same_run_tick_ms", "same-run ms/tick", ".2f"),
+                 ("same_run_err", "err%", "+.1f"), ("alpha", "alpha", ".3f"), ("critical", "critical path", ""),
+                 ("ok", f"within {100 * s['tolerance']:g}%", "")])]
+    bad = [r["config"] for r in result["rows"] if r["ok"] != "yes"]
+    over = [f"{r['config']} ({r['ranks']} ranks)" for r in result["rows"] if r["oversubscribed"]]
+    lines.append(f"{len(result['rows']) - len(bad)} of {len(result['rows'])} configs within "
+                 f"{100 * s['tolerance']:g}% (tok/s and ms/tick)" + (f"; off: {', '.join(bad)}" if bad else ""))
+    if over:
+        lines.append(f"oversubscribed (more ranks than the host's {os.cpu_count()} cores): {', '.join(over)}")
+    lines.append("ar: predicted = the profile runs' AR time (layer_ms is derived from it), so its row "
+                 "measures run-to-run reproducibility")
+    lines.append("same-run: the model fed with the measured run's own profile (a diagnostic, not a prediction): "
+                 "it separates the model's error from the host's speed drift between runs")
+    lines.append("host load: " + "; ".join(f"{k}: {v}" for k, v in result["host"].items()))
+    return "\n".join(lines)

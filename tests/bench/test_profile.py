@@ -1,0 +1,288 @@
+"""Capturable decode steps (engine/graphs.py) against the eager path, compute profiles from a
+bench report and from `spd profile` (CPU: graphs skipped), and the profile's use by the cost model."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench.cost_model import AlphaCurve, LinkModel, Links, Profile, plan
+from bench.profile import (DeviceSettings, choose_spd_row, driver_tick_ms, fully_graphed, measure_shape,
+                           profile_from_bench, profile_json)
+from engine.engine_config import PRESETS, EngineConfig
+from engine.graphs import (DevicePositionCache, PDMStep, StageStep, StepGraph, VerifyStep, bucket_for,
+                           length_buckets)
+from engine.model import StageModel, init_random_
+from engine.pdm import greedy_draft, random_pdm
+from engine.topology import Topology
+
+# The masked static step sums attention over a longer, partly masked cache prefix: equal up to
+# fp32 summation order. Observed differences are ~1e-7; the bound leaves room for other BLAS.
+ATOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # tiny shapes: extra intra-op threads only spin against other jobs on a shared host
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------- engine/graphs.py on CPU (eager)
+
+def test_length_buckets():
+    assert length_buckets(1024) == (128, 256, 512, 1024)
+    assert length_buckets(1000, smallest=256) == (256, 512, 1000)
+    assert length_buckets(64) == (64,)
+    assert bucket_for((8, 16, 64), 8) == 8 and bucket_for((8, 16, 64), 9) == 16
+    with pytest.raises(ValueError, match="exceeds the KV capacity 64"):
+        bucket_for((8, 16, 64), 65)
+
+
+def test_device_position_cache_writes_only_its_slots():
+    cfg = PRESETS["tiny-llama"]
+    model = init_random_(StageModel(cfg, range(0, 1))).eval()
+    cache = model.new_cache(1, 16)
+    k = torch.randn(1, cfg.num_kv_heads, 2, cfg.head_dim)
+    view = DevicePositionCache(cache, torch.tensor([5, 6]), 8)
+    keys, values = view.write(0, 0, k, -k)
+    assert keys.shape[2] == 8 and torch.equal(cache.k[0][:, :, 5:7], k) and torch.equal(cache.v[0][:, :, 5:7], -k)
+    untouched = torch.cat([cache.k[0][:, :, :5], cache.k[0][:, :, 7:]], dim=2)
+    assert torch.count_nonzero(untouched) == 0
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+def test_stage_step_matches_eager_path_with_rollback(preset):
+    """Same outputs, anchors and KV contents as forward_layers, across bucket changes and a
+    rollback (stale slots above the position are written with junk first, and masked)."""
+    cfg = PRESETS[preset]
+    model = init_random_(StageModel(cfg, range(1, 4))).eval()
+    ref_cache, cache = model.new_cache(1, 64), model.new_cache(1, 64)
+    for i in model.layer_range:  # junk in every slot: only written slots may matter
+        cache.k[i].normal_(0, 50)
+        cache.v[i].normal_(0, 50)
+    step = StageStep(model, cache, buckets=(8, 16, 64), capture=frozenset({2}))
+    gen = torch.Generator().manual_seed(1)
+    worst = 0.0
+    with torch.no_grad():
+        for pos in [*range(12), 7, 8, 9, 10, 11, 12, 13]:  # 7..: a flush, then new tokens over stale ones
+            h = torch.randn(1, 1, cfg.hidden_size, generator=gen)
+            ref, caps = model.forward_layers(h, ref_cache, pos, capture=frozenset({2}))
+            out, caps2, token = step.run(pos, h=h)
+            assert token is None
+            worst = max(worst, (ref - out).abs().max().item(), (caps[2] - caps2[2]).abs().max().item())
+    assert worst <= ATOL
+    for i in model.layer_range:
+        assert torch.allclose(cache.k[i][:, :, :14], ref_cache.k[i][:, :, :14], atol=ATOL)
+    assert set(step.modes()) == {8, 16}  # one step function per bucket used
+    assert all("skipped on cpu" in m for m in step.modes().values())
+
+
+def test_full_model_step_and_verify_give_the_eager_tokens():
+    cfg = PRESETS["tiny-qwen3"]
+    full = init_random_(StageModel.full(cfg)).eval()
+    ref_cache = full.new_cache(1, 32)
+    step = StageStep(full, full.new_cache(1, 32))
+    verify = VerifyStep(full)
+    with torch.no_grad():
+        for pos, tok in enumerate([5, 17, 33, 8, 90, 41]):
+            ref, _ = full.forward_layers(full.embed(torch.tensor([[tok]])), ref_cache, pos)
+            out, _, token = step.run(pos, token=tok)
+            assert (ref - out).abs().max().item() <= ATOL
+            assert int(token) == int(full.logits(ref[0, -1]).argmax())
+            assert int(verify.run(ref[0, -1])) == int(full.logits(ref[0, -1]).argmax())
+    assert "skipped on cpu" in verify.mode
+
+
+@pytest.mark.parametrize("draft_vocab", [None, tuple(range(0, 96, 3))])
+def test_pdm_step_matches_forward_rows(draft_vocab):
+    cfg = PRESETS["tiny-llama"]
+    pdm = random_pdm(cfg, (3, 3), num_layers=2, draft_vocab=draft_vocab)
+    ref_cache = pdm.new_cache(32)
+    step = PDMStep(pdm, pdm.new_cache(32), rows=3, buckets=(16, 32))
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for pos in [0, 3, 4, 5, 4, 14, 15]:  # the driver appends rows and crops back to pending + 1
+            rows = torch.randn(1, 3, cfg.hidden_size, generator=gen)
+            h = pdm.forward_rows(rows, ref_cache, pos)
+            draft = step.run(pos, rows)
+            assert int(draft) == greedy_draft(pdm, h[0, -1])
+            if draft_vocab is not None:
+                assert int(draft) in draft_vocab
+
+
+def test_step_graph_is_eager_off_cuda_and_when_disabled():
+    calls = []
+    g = StepGraph(lambda: calls.append(1) or len(calls), torch.device("cpu"))
+    assert not g.graphed and g.mode == "eager (graphs skipped on cpu)"
+    assert g() == 1 and g() == 2  # runs the function every time
+    assert StepGraph(lambda: 0, torch.device("cuda"), enabled=False).mode == "eager (graphs disabled)"
+    cfg = PRESETS["tiny-llama"]
+    model = init_random_(StageModel(cfg, range(0, 2))).eval()
+    with pytest.raises(ValueError, match="exceeds the KV capacity"):
+        StageStep(model, model.new_cache(1, 8)).run(8, h=torch.zeros(1, 1, cfg.hidden_size))
+
+
+# ---------------------------------------------------------------- profile from a bench report
+
+def _bench_report(c0: list[float], c1: list[float], colocate_world: int = 2) -> dict:
+    """A hand-made report: stage compute durations (s) per token step, driver events per tick."""
+    stages = [[(0.0, float(i), float(i) + d) for i, d in enumerate(c)] for c in (c0, c1)]
+    driver, t = [], 100.0
+    for tick in range(1, 7):  # per tick: send 2 ms, wait 1 ms, pdm 3 ms, (verify 4 ms from tick 2), 0.5 ms untimed
+        parts = (("send", 0.002), ("wait", 0.001), ("pdm", 0.003)) + ((("verify", 0.004),) if tick > 1 else ())
+        for what, dur in parts:
+            driver.append((tick, what, t, t + dur))
+            t += dur
+        t += 0.0005
+    driver.insert(0, (0, "send", 99.0, 99.5))  # prefill: ignored
+    trace = {"driver": driver, "stages": stages}
+    base = {"alpha": 0.8, "threads_per_rank": 1, "tick_ms": 11.0}
+    traces = {"spd": [trace, trace], "spd-colocate": [trace]}  # every request of the last repeat
+    return {"synthetic_alpha": 0.8, "request_traces": traces, "rows": [
+        {"name": "ar", "mode": "ar", "world_size": 1, "tick_ms": 30.0, "alpha": None, "threads_per_rank": 1},
+        {"name": "spd", "mode": "spd", "world_size": 3, "colocate": False, **base},
+        {"name": "spd-colocate", "mode": "spd", "world_size": colocate_world, "colocate": True, **base}]}
+
+
+def _ecfg(n: int = 2) -> EngineConfig:
+    cfg = PRESETS["tiny-llama"]
+    return EngineConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, n=n), capacity=128)
+
+
+def test_driver_medians_from_trace():
+    drv = driver_tick_ms(_bench_report([0.001], [0.001])["request_traces"]["spd"])
+    assert drv["send"] == pytest.approx(2.0) and drv["pdm"] == pytest.approx(3.0) and drv["wait"] == pytest.approx(1.0)
+    assert drv["verify"] == pytest.approx(4.0)  # only ticks that verify
+    # spans of ticks 1..5 (tick 6 has no successor): 6.5 ms without verify, then 4 x 10.5 ms
+    assert drv["other"] == pytest.approx(0.5) and drv["tick"] == pytest.approx((6.5 + 4 * 10.5) / 5)
+
+
+def test_profile_from_bench_report():
+    report = _bench_report([0.002, 0.004, 0.003], [0.005, 0.005, 0.006])
+    ecfg = _ecfg()
+    assert choose_spd_row(report, 16)["name"] == "spd"  # 3 ranks fit 16 cores
+    assert choose_spd_row(report, 2)["name"] == "spd-colocate"  # 3 ranks on 2 cores would time-share
+    sep = profile_from_bench(report, ecfg, 16)
+    assert sep["stage_ms"] == {"2": [pytest.approx(3.0), pytest.approx(16 / 3)]}  # means over steps
+    assert sep["pdm_ms"] == {"2": pytest.approx(3.0)} and sep["verify_ms"] == pytest.approx(4.0)
+    assert sep["driver_fixed_ms"] == pytest.approx(0.5)
+    assert sep["layer_ms"] == pytest.approx((30.0 - 4.0) / ecfg.cfg.num_layers)
+    assert sep["dtype_bytes"] == 4 and sep["hidden_size"] == ecfg.cfg.hidden_size
+    assert sep["source"]["spd_row"] == "spd" and sep["source"]["alpha_measured"] == 0.8
+    col = profile_from_bench(report, ecfg, 2)
+    # co-located: the driver's send ran stage 0 inline; the part beyond stage 0's compute is driver work
+    assert col["driver_fixed_ms"] == pytest.approx(0.5 + max(0.0, 2.0 - 3.0))
+    prof = Profile.from_dict(json.loads(json.dumps(sep)))  # the cost model reads it back
+    assert prof.stage_ms[2] == pytest.approx((3.0, 16 / 3)) and prof.driver_fixed_ms == pytest.approx(0.5)
+    assert sum(prof.layer_ms) + prof.verify_ms == pytest.approx(30.0)  # the model's AR = measured AR
+    with pytest.raises(ValueError, match="no ar row"):
+        profile_from_bench({**report, "rows": report["rows"][1:]}, ecfg, 16)
+    with pytest.raises(ValueError, match="no traced spd run"):
+        profile_from_bench({**report, "request_traces": {}}, ecfg, 16)
+
+
+def test_driver_fixed_time_lengthens_the_driver_cycle():
+    base = {"schema": "spd-profile/1", "num_layers": 4, "layer_ms": 1.0, "pdm_ms": 0.5, "verify_ms": 0.2,
+            "hidden_size": 64, "stage_ms": {"2": [0.5, 0.5]}}
+    link = LinkModel.assume("fast", 1.0, 100.0, None)
+
+    def sep(fixed: float) -> dict:
+        result = plan(Profile.from_dict({**base, "driver_fixed_ms": fixed}), Links(link), AlphaCurve({0: 1.0}), [2],
+                      sim_tokens=500)
+        return next(r for r in result["rows"] if r["method"] == "spd" and r["layout"] == "sep")
+
+    assert sep(0.0)["driver_ms"] == pytest.approx(0.7) and sep(0.3)["driver_ms"] == pytest.approx(1.0)
+    assert sep(0.3)["critical"].startswith("driver") and sep(0.3)["tick_ms"] > sep(0.0)["tick_ms"]
+    with pytest.raises(ValueError, match="driver_fixed_ms"):
+        Profile.from_dict({**base, "driver_fixed_ms": -1})
+
+
+def test_eval_json_alpha_by_n_feeds_the_plan():
+    from train.evaluate import EvalReport, PromptRecord
+    from train.fast_eval import Acceptance
+
+    report = EvalReport(n=4)
+    for acc, ver in ((3, 4), (5, 6)):
+        a = Acceptance(n=4, tokens=ver + 1, ticks=ver + 6, verified=ver, accepted=acc)
+        report.records.append(PromptRecord(dataset="gsm8k", index=0, question_id=0, prompt_tokens=5, acceptance=a,
+                                           seconds=0.1, lossless=None, near_ties=None))
+    d = json.loads(json.dumps(report.to_json({"n": 4})))
+    assert d["alpha_by_n"] == {"4": pytest.approx(8 / 10)}
+    assert AlphaCurve.from_eval_json(d)(4, []) == pytest.approx(0.8)
+
+
+def test_bench_profile_out_needs_an_spd_run():
+    import argparse
+
+    from tools.bench import cases
+
+    ecfg = _ecfg()
+    args = argparse.Namespace(configs="ar,pp", timeline=None, profile_out="x.json")
+    with pytest.raises(ValueError, match="--profile-out needs an spd"):
+        cases(args, ecfg)
+    traced = cases(argparse.Namespace(configs="ar,spd,spd-colocate", timeline=None, profile_out="x.json"), ecfg)
+    assert [c.ecfg.trace for c in traced] == [False, True, True]
+
+
+# ---------------------------------------------------------------- spd profile on CPU
+
+def test_measure_shape_on_cpu():
+    s = DeviceSettings(device="cpu", dtype="float32", ns=(2, 4, 8), context=32, iters=2, warmup=0)
+    cfg = PRESETS["tiny-llama"]
+    raw = measure_shape(cfg, s)
+    assert set(raw["stage_ms"]) == {2, 4}  # 8 stages > 6 layers: skipped
+    assert [len(raw["stage_ms"][n]["eager"]) for n in (2, 4)] == [2, 4]
+    assert raw["ar_ms"]["eager"] > 0 and raw["ar_ms"]["graphed"] is None
+    assert all("skipped on cpu" in m for m in raw["modes"])
+    assert not fully_graphed(raw)
+    prof = profile_json("tiny-llama", cfg, raw, s, False, "cpu")
+    p = Profile.from_dict(prof)
+    assert p.num_layers == cfg.num_layers and p.stage_ms[4] == tuple(raw["stage_ms"][4]["eager"])
+    assert p.layer_ms[0] == pytest.approx((raw["ar_ms"]["eager"] - raw["verify_ms"]["eager"]) / cfg.num_layers)
+    with pytest.raises(ValueError, match="not every step"):
+        profile_json("tiny-llama", cfg, raw, s, True, "cpu")
+
+
+def test_spd_profile_cli_on_cpu(tmp_path, capsys):
+    from tools.cli import main
+
+    net = tmp_path / "net.json"
+    p2p = [{"src": 0, "dst": 1, "bytes": b, "mean_us": 50.0, "p50_us": 50.0, "post_us": 5.0} for b in (32, 4096)]
+    net.write_text(json.dumps({"schema": "spd-netbench/1", "p2p": p2p,
+                               "allreduce": [{"ranks": r, "bytes": 8, "mean_us": 60.0} for r in (2, 4)]}))
+    out = tmp_path / "prof"
+    assert main(["profile", "--device", "cpu", "--quick", "--shapes", "tiny-llama", "--n", "2,4", "--iters", "2",
+                 "--out-dir", str(out), "--net", str(net)]) == 0
+    printed = capsys.readouterr().out
+    assert "CUDA graphs: skipped (not on cpu)" in printed
+    assert "ASSUMED link" in printed and "ASSUMED alpha 0.8" in printed and f"measured links {net}" in printed
+    prof = json.loads((out / "tiny-llama-eager.json").read_text())
+    assert prof["schema"] == "spd-profile/1" and set(prof["stage_ms"]) == {"2", "4"}
+    assert not (out / "tiny-llama-graphs.json").exists()
+    run = json.loads((out / "profile-run.json").read_text())
+    assert set(run["shapes"]["tiny-llama"]["plans"]) == {f"measured links {net}",
+                                                        "ASSUMED link (3 us, 400 GB/s, all-reduce 8 us)"}
+    assert min(prof["stage_ms"]["4"]) > 0 and prof["verify_ms"] > 0
+    assert main(["profile", "--device", "cpu", "--shapes", "nope"]) == 2
+    assert main(["profile", "--device", "cpu", "--quick", "--assume-link", ""]) == 2  # no links for the plans
+
+
+@pytest.mark.multiproc
+def test_spd_bench_profile_out(tmp_path, capsys):
+    """`spd bench --profile-out` on real runs (tiny random model): a profile the plan accepts."""
+    from tools.cli import main
+
+    out = tmp_path / "profile.json"
+    assert main(["bench", "--model", "random:tiny-llama", "--stages", "2", "--threads", "1", "--prompt", "hello",
+                 "--max-new-tokens", "10", "--repeats", "1", "--configs", "ar,spd-colocate",
+                 "--synthetic-alpha", "0.5", "--profile-out", str(out)]) == 0
+    assert "profile (spd-colocate run)" in capsys.readouterr().out
+    prof = json.loads(out.read_text())
+    p = Profile.from_dict(prof)
+    assert len(p.stage_ms[2]) == 2 and min(p.stage_ms[2]) > 0 and p.verify_ms > 0 and p.pdm_for(2, []) > 0
+    assert prof["source"]["synthetic_alpha"] == 0.5 and prof["source"]["ranks"] == 2
+    assert sum(p.layer_ms) + p.verify_ms == pytest.approx(prof["measured"]["ar_token_ms"])

@@ -1,0 +1,137 @@
+"""Cost model vs the real runtime: predictions from a hand profile, the comparison table, and one
+real profile run + netbench run + measurement run on a tiny random model checking the table's
+structure and invariants (not the 15% accuracy, which depends on the host's load)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.cost_model import LinkModel, Profile, eal_from_alpha
+from bench.validate_runtime import CONFIGS, ValidationSettings, compare, format_validation, predict, validate
+from engine.engine_config import PRESETS, EngineConfig
+from engine.topology import Topology
+
+HAND = {"schema": "spd-profile/1", "name": "hand", "num_layers": 4, "layer_ms": 1.0, "pdm_ms": {"2": 0.5},
+        "verify_ms": 0.2, "driver_fixed_ms": 0.1, "hidden_size": 64, "dtype_bytes": 4,
+        "stage_ms": {"2": [2.0, 2.0]}}
+
+
+def test_predict_from_a_hand_profile():
+    link = LinkModel.assume("hand", 100.0, 1.0, None)  # 0.1 ms + bytes / 1 GB/s per hop
+    pred = predict(HAND, link, alpha=0.5, n=2)
+    assert set(pred) == set(CONFIGS)
+    assert pred["ar"]["tick_ms"] == pytest.approx(4.2)  # 4 layers + verify
+    hops = link.hop_ms(40 + 64 * 4) + link.hop_ms(40)  # activation to stage 1, token back to stage 0
+    assert pred["pp"]["tick_ms"] == pytest.approx(4.2 + hops)
+    for name in ("spd-colocate", "spd"):
+        p = pred[name]
+        assert p["eal"] == pytest.approx(eal_from_alpha(2, 0.5))
+        assert p["tok_s"] == pytest.approx(1e3 * p["eal"] / (2 * p["tick_ms"]))
+    # co-located rank 0: stage 0 (2) + PDM 0.5 + driver host work 0.1 per tick, + verify 0.2 on the
+    # ticks that verify (refill ticks after a rejection do not)
+    assert 2.6 < pred["spd-colocate"]["tick_ms"] < 2.8 and pred["spd-colocate"]["critical"].startswith("rank 0")
+    assert pred["spd"]["tick_ms"] < pred["spd-colocate"]["tick_ms"]  # a separate driver takes that work off
+
+
+def _measured(tok_s: dict[str, float], tick: dict[str, float]) -> dict[str, dict]:
+    ranks = {"ar": 1, "pp": 2, "spd-colocate": 2, "spd": 3}
+    return {c: {"world_size": ranks[c], "tok_s": tok_s[c], "tick_ms": tick[c], "alpha": None, "eal": None}
+            for c in CONFIGS}
+
+
+def test_compare_errors_and_verdicts():
+    pred = {c: {"tok_s": 100.0, "tick_ms": 10.0, "critical": "-"} for c in CONFIGS}
+    meas = _measured({"ar": 100.0, "pp": 90.0, "spd-colocate": 110.0, "spd": 50.0},
+                     {"ar": 10.0, "pp": 11.0, "spd-colocate": 9.0, "spd": 10.0})
+    rows = {r["config"]: r for r in compare([pred], [meas], 0.15, cores=2)}
+    assert rows["ar"]["tok_s_err"] == pytest.approx(0.0) and rows["ar"]["ok"] == "yes"
+    assert rows["pp"]["tok_s_err"] == pytest.approx(100 * (100 / 90 - 1)) and rows["pp"]["ok"] == "yes"
+    assert rows["spd-colocate"]["tick_err"] == pytest.approx(100 * (10 / 9 - 1)) and rows["spd-colocate"]["ok"] == "yes"
+    assert rows["spd"]["tok_s_err"] == pytest.approx(100.0) and rows["spd"]["ok"] == "NO"  # tok/s off, tick fine
+    assert [r["oversubscribed"] for r in rows.values()] == [False, False, False, True]  # 3 ranks on 2 cores
+    assert not any(r["oversubscribed"] for r in compare([pred], [meas], 0.15, cores=16))
+
+
+def test_compare_takes_medians_over_rounds():
+    slow = {c: {"tok_s": 10.0, "tick_ms": 100.0, "critical": "x"} for c in CONFIGS}
+    fast = {c: {"tok_s": 20.0, "tick_ms": 50.0, "critical": "x"} for c in CONFIGS}
+    same = {c: {"tok_s": 12.0, "tick_ms": 80.0, "critical": "x"} for c in CONFIGS}
+    m = lambda tok, tick: _measured(dict.fromkeys(CONFIGS, tok), dict.fromkeys(CONFIGS, tick))  # noqa: E731
+    rows = compare([slow, fast, same], [m(10.0, 100.0), m(30.0, 40.0), m(12.0, 90.0)], 0.15, None,
+                   same_run=[fast, fast, slow])
+    for r in rows:  # medians: predicted 12 tok/s, 80 ms; measured 12 tok/s, 90 ms; same-run 50 ms
+        assert r["predicted_tok_s"] == 12.0 and r["measured_tok_s"] == 12.0 and r["measured_tick_ms"] == 90.0
+        assert r["spread"] == "10.00-30.00" and r["ok"] == "yes"
+        assert r["same_run_tick_ms"] == 50.0 and r["same_run_err"] == pytest.approx(100 * (50 / 90 - 1))
+
+
+def _tiny_validation(configs: tuple[str, ...]) -> dict:
+    cfg = PRESETS["tiny-llama"]
+    ecfg = EngineConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, n=2),
+                        threads=1, capacity=128, timeout_s=60.0)
+    settings = ValidationSettings(max_new_tokens=12, rounds=1, synthetic_alpha=0.75, net_iters=20, configs=configs)
+    return validate(ecfg, [[5, 9, 14, 3, 22]], settings)
+
+
+# CI: ar + co-located SPD (4 launches); the slow run covers all four configs.
+@pytest.fixture(scope="module", params=[pytest.param(("ar", "spd-colocate"), marks=pytest.mark.multiproc),
+                                        pytest.param(CONFIGS, marks=[pytest.mark.multiproc, pytest.mark.slow])],
+                ids=["ar+coloc", "all"])
+def tiny_validation(request):
+    return _tiny_validation(request.param)
+
+
+def test_validation_configs_are_checked():
+    cfg = PRESETS["tiny-llama"]
+    ecfg = EngineConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, n=2), capacity=128)
+    with pytest.raises(ValueError, match="include an SPD run"):
+        validate(ecfg, [[5]], ValidationSettings(configs=("ar", "pp")))
+
+
+def test_real_runs_give_a_consistent_table(tiny_validation):
+    res = tiny_validation
+    rows = res["rows"]
+    ranks = {"ar": 1, "pp": 2, "spd-colocate": 2, "spd": 3}
+    assert [r["config"] for r in rows] == [c for c in CONFIGS if c in res["settings"]["configs"]]
+    assert [r["ranks"] for r in rows] == [ranks[r["config"]] for r in rows]
+    for r in rows:
+        assert r["measured_tok_s"] > 0 and r["predicted_tok_s"] > 0 and r["measured_tick_ms"] > 0
+        assert r["tok_s_err"] == pytest.approx(100 * (r["predicted_tok_s"] / r["measured_tok_s"] - 1))
+        assert r["tick_err"] == pytest.approx(100 * (r["predicted_tick_ms"] / r["measured_tick_ms"] - 1))
+        assert r["ok"] == ("yes" if max(abs(r["tok_s_err"]), abs(r["tick_err"])) <= 15 else "NO")
+    # every run decodes exactly max_new_tokens per prompt, and SPD stays lossless
+    rnd = res["rounds"][0]
+    for run in (rnd["profile_run"], rnd["measurement_run"]):
+        assert run["mismatches"] == [] and all(r["tokens"] == 12 for r in run["rows"])
+    # the acceptance sequence is seeded: both runs see the same alpha, and the model uses it
+    spd_rows = [r for r in rows if r["config"].startswith("spd")]
+    assert {r["alpha"] for r in spd_rows} == set(res["alpha_used"]) == {rnd["profile"]["source"]["alpha_measured"]}
+    assert all(r["critical"] != "-" for r in spd_rows)
+    # ar is predicted from the profile run's own AR time; fed the measured run's own profile, the
+    # model reproduces that run's AR time exactly
+    assert rows[0]["predicted_tick_ms"] == pytest.approx(rnd["profile_run"]["rows"][0]["tick_ms"])
+    assert rows[0]["same_run_err"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_real_run_inputs_are_usable(tiny_validation):
+    res = tiny_validation
+    prof = Profile.from_dict(json.loads(json.dumps(res["profile"])))
+    assert prof.stage_ms[2] and len(prof.stage_ms[2]) == 2 and prof.verify_ms > 0
+    assert res["profile"]["source"]["spd_row"] in ("spd", "spd-colocate")
+    net = res["rounds"][0]["netbench"]
+    assert net["schema"] == "spd-netbench/1" and {(r["src"], r["dst"]) for r in net["p2p"]} >= {(0, 1), (0, 2), (1, 2)}
+    assert {r["bytes"] for r in net["p2p"]} >= {32, PRESETS["tiny-llama"].hidden_size * 4 + 40}
+    text = format_validation(res)
+    assert "SYNTHETIC acceptance alpha=0.75" in text and "host load: before:" in text
+    assert all(r["config"] in text for r in res["rows"]) and "configs within 15%" in text
+
+
+def test_cli_argument_errors(capsys):
+    from tools.cli import main
+
+    assert main(["plan", "--validate", "--validate-runtime"]) == 2
+    assert "one of --validate" in capsys.readouterr().err
+    assert main(["plan", "--validate-runtime", "--synthetic-alpha", "1.5"]) == 2
+    assert "--synthetic-alpha" in capsys.readouterr().err
+    assert main(["plan", "--validate-runtime", "--stages", "1"]) == 2
