@@ -1,4 +1,5 @@
-"""The driver (rank 0): pipelined prefill, the SPD tick loop, PDM drafting and greedy verification.
+"""The driver (rank 0): pipelined prefill, the SPD tick loop, PDM drafting and verification
+(argmax at T=0, speculative sampling at T>0).
 
 Per tick (DESIGN 3.3): send the entering token to stage 0; take in the anchor states the stages
 produced last tick, exactly those the staircase rows need; run the PDM over

@@ -28,3 +28,13 @@ def smollm2_gguf():
     from checkpoint_tools.fetch import fetch_gguf
 
     return fetch_gguf("smollm2-135m")
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models are all Python overhead: one intra-op thread per process avoids oversubscribing
+    the few shared cores (the reference executor runs every rank as a thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

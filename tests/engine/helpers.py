@@ -35,14 +35,6 @@ CHUNK = 16  # small prefill chunk: prompts longer than 16 tokens take several ch
 CAPACITY = 256
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models are all Python overhead: one intra-op thread per process avoids oversubscribing
-    the few shared cores (the reference executor runs every rank as a thread)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ---- configs and the oracle ----

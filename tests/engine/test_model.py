@@ -19,7 +19,7 @@ from engine.engine_config import PRESETS
 from engine.greedy import greedy_generate, greedy_generate_batch, prefill_chunks
 from engine.model import StageModel, init_random_
 from engine.topology import Topology
-from helpers import ARCHS, one_thread, tiny_cfg  # noqa: F401
+from helpers import ARCHS, tiny_cfg  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
 

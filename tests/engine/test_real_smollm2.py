@@ -14,7 +14,7 @@ from engine.greedy import greedy_generate
 from engine.launch import launch
 from engine.reference import ReferenceExecutor
 from engine.topology import Topology
-from helpers import Policy, check_run, one_thread  # noqa: F401
+from helpers import Policy, check_run  # noqa: F401
 
 CHUNK = 16  # chat prompts are ~40 tokens: several prefill chunks
 PROMPTS = ["Write a short poem about the sea.",

@@ -9,7 +9,7 @@ import pytest
 
 from engine.reference import ReferenceExecutor
 from engine.schedule import decode_ticks
-from helpers import (ARCHS, CHUNK, Policy, check_run, expected_ticks, one_thread, random_prompts,  # noqa: F401
+from helpers import (ARCHS, CHUNK, Policy, check_run, expected_ticks, random_prompts,  # noqa: F401
                      reference, tiny_engine_config)
 
 TOPOLOGIES = [(2, False), (3, False), (4, False), (4, True)]

@@ -49,7 +49,7 @@ from engine.greedy import prefill
 from engine.messages import Kind
 from engine.reference import ReferenceExecutor
 from engine.sampling import SamplingParams, target_probs
-from helpers import full_model, one_thread, tiny_cfg, tiny_engine_config  # noqa: F401
+from helpers import full_model, tiny_cfg, tiny_engine_config  # noqa: F401
 from stats import TEST_LEVEL, chi_square_pvalue, rejection_rate, tv_distance, worst_case_shift
 
 V = 6

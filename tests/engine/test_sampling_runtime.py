@@ -22,7 +22,7 @@ from engine.launch import launch
 from engine.reference import ReferenceExecutor
 from engine.sampling import SamplingParams, keyed_generator, sample, target_probs
 from engine.schedule import decode_ticks
-from helpers import full_model, one_thread, random_prompts, reference, summary, tiny_engine_config  # noqa: F401
+from helpers import full_model, random_prompts, reference, summary, tiny_engine_config  # noqa: F401
 from tools import generate as generate_cli
 from tools.cli import main
 

@@ -31,14 +31,6 @@ def data_dir(tmp_path: Path) -> Path:
     return d
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ---- prompt sets and settings ----
 
 def test_load_dataset_takes_first_turns_in_order_with_limit(data_dir):

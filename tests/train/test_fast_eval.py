@@ -28,14 +28,6 @@ from engine.topology import Topology  # noqa: E402
 from train.fast_eval import Acceptance, fast_generate, replay  # noqa: E402
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ---- replay: pure ----
 
 def test_replay_all_accepted_fills_once_then_runs_full():
