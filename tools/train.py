@@ -2,7 +2,8 @@
 
 Batches alternate between self-distilled sequences (the target's own answers; generated first
 with --self-distill N) and the offline corpus text. The result is a PDM directory under
-OUT/pdm that `spd generate --spec` and `spd eval --spec` take.
+OUT/pdm that `spd generate --spec` and `spd eval --spec` take. Under torchrun every process is
+one data-parallel rank (train/data_parallel.py; gloo on CPU, NCCL with --device cuda).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import itertools
 import sys
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from engine.topology import Topology
@@ -31,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--keep-every", type=int, default=0,
+                   help="also keep OUT/snapshots/step-N every N steps (for acceptance-vs-tokens curves)")
+    p.add_argument("--autocast", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="PDM compute dtype (weights stay fp32; float32 = autocast off)")
     p.add_argument("--target-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
@@ -51,12 +57,13 @@ def batches(corpus, seq_len: int, batch: int, seed: int) -> Iterator[torch.Tenso
         [stream(None)]
     for i in itertools.count():
         s = streams[i % len(streams)]
-        yield torch.tensor(list(itertools.islice(s, batch)), dtype=torch.long)
+        yield torch.from_numpy(np.stack(list(itertools.islice(s, batch))).astype(np.int64))
 
 
 def run(args: argparse.Namespace) -> int:
     from engine.checkpoint import load_stage_model
     from train.corpus import Corpus
+    from train.data_parallel import DataParallel
     from train.distill import TrainConfig, Trainer
     from train.draft_vocab import load_draft_vocab
     from train.self_distill import self_distill
@@ -69,23 +76,29 @@ def run(args: argparse.Namespace) -> int:
     corpus = Corpus(args.corpus)
     if corpus.vocab_size != cfg.vocab_size:
         raise ValueError(f"corpus was tokenized for a vocabulary of {corpus.vocab_size}, the model has {cfg.vocab_size}")
+    dp = DataParallel.from_env(args.device)
+    device = dp.device(args.device)
     dtype = getattr(torch, args.target_dtype)
-    target = load_stage_model(engine_dir, range(cfg.num_layers), True, True, dtype=dtype).eval()
+    target = load_stage_model(engine_dir, range(cfg.num_layers), True, True, device=device, dtype=dtype).eval()
     for p in target.parameters():
         p.requires_grad_(False)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     done = sum(s["samples"] for s in corpus.manifest["sources"] if s["name"] == "self-distilled")
     if args.self_distill > done:  # resuming with the same command must not generate again
+        if dp.world > 1:
+            raise ValueError("--self-distill writes the corpus: run it in one process before starting torchrun")
         eos = corpus.manifest["tokenizer"]["eos_ids"]
         self_distill(corpus, target, args.self_distill - done, args.gen_tokens, eos, batch=args.gen_batch,
-                     seed=args.seed, log=log)
+                     seed=args.seed, skip=done, log=log)
     dv = tuple(load_draft_vocab(args.draft_vocab)) if args.draft_vocab else None
     anchors = tuple(int(x) for x in args.anchors.split(",")) if args.anchors else None
     tcfg = TrainConfig(out=args.out, stage_layers=tuple(topo.stage_layers), anchors=anchors,
                        pdm_layers=args.pdm_layers, seq_len=args.seq_len, batch=args.batch, steps=args.steps,
-                       lr=args.lr, target_dtype=args.target_dtype, device=args.device, seed=args.seed,
-                       save_every=args.save_every)
-    trainer = Trainer(target, tcfg, batches(corpus, args.seq_len, args.batch, args.seed), dv, log=log)
-    trainer.run()
-    print(f"{args.out}/pdm")
+                       lr=args.lr, target_dtype=args.target_dtype, device=device, seed=args.seed,
+                       save_every=args.save_every, keep_every=args.keep_every, autocast=args.autocast)
+    stream = dp.shard(batches(corpus, args.seq_len, args.batch, args.seed))
+    Trainer(target, tcfg, stream, dv, log=log, dp=dp).run()
+    dp.close()
+    if dp.is_main:
+        print(f"{args.out}/pdm")
     return 0

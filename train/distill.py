@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from engine.anchors import AnchorPlan
 from engine.model import StageModel
 from engine.pdm import PDM, PDMConfig, save_pdm
+from train.data_parallel import DataParallel
 from train.pipeline_sim import simulated_hidden, target_anchors
 
 
@@ -44,12 +45,18 @@ class TrainConfig:
     save_every: int = 50
     init_layer: int = -1  # target layer copied into each PDM layer (-1: the last)
     export_dtype: str = "float16"  # dtype of the exported pdm/ directory (training state stays fp32)
+    autocast: str = "bfloat16"  # PDM compute dtype under torch.autocast ("float32": off); weights stay fp32
+    keep_every: int = 0  # also keep the exported head of every keep_every-th step (0: off)
 
     def __post_init__(self) -> None:
         if self.seq_len < 2 or self.batch < 1 or self.steps < 1 or self.lr <= 0:
             raise ValueError("seq_len >= 2, batch >= 1, steps >= 1 and lr > 0 are required")
         if not 0 <= self.full_fill_frac <= 1:
             raise ValueError(f"full_fill_frac must be in [0, 1], got {self.full_fill_frac}")
+        if self.autocast not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"autocast must be bfloat16, float16 or float32, got {self.autocast!r}")
+        if self.keep_every < 0 or self.save_every < 1:
+            raise ValueError("save_every >= 1 and keep_every >= 0 are required")
 
 
 def draw_fill(n: int, full_frac: float, rng: random.Random) -> int:
@@ -78,14 +85,20 @@ def new_pdm(target: StageModel, cfg: TrainConfig, draft_vocab: tuple[int, ...] |
     return pdm.init_from_target(layer, target.decoder.final_layernorm.weight.float(), target.output_weight().float())
 
 
-def distill_loss(pdm: PDM, target: StageModel, tokens: torch.Tensor, f: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """tokens [B, S] -> (KL loss, top-1 agreement with the target's full-vocabulary argmax)."""
+def distill_loss(pdm: PDM, target: StageModel, tokens: torch.Tensor, f: int,
+                 autocast: str = "float32") -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [B, S] -> (KL loss, top-1 agreement with the target's full-vocabulary argmax).
+
+    `autocast` is the PDM's compute dtype (bf16 halves the CPU time of its forward and backward;
+    the weights, the softmaxes and the loss stay fp32)."""
     anchors, h = target_anchors(target, pdm.plan, tokens)  # [B, S, m, H], [B, S, H]
     with torch.no_grad():
         t_logits = target.logits(h)  # [B, S, V] fp32
         t_top = t_logits.argmax(-1)
         p_log = F.log_softmax(t_logits[..., pdm.draft_ids], dim=-1)  # restricted to the draft vocabulary
-    q_log = F.log_softmax(pdm.draft_logits(simulated_hidden(pdm, anchors.float(), f)), dim=-1)  # [B, S, Vd]
+    with torch.autocast(tokens.device.type, dtype=getattr(torch, autocast), enabled=autocast != "float32"):
+        q_logits = pdm.draft_logits(simulated_hidden(pdm, anchors.float(), f))  # [B, S, Vd]
+    q_log = F.log_softmax(q_logits.float(), dim=-1)
     loss = F.kl_div(q_log, p_log, log_target=True, reduction="none").sum(-1).mean()
     agree = (pdm.draft_ids[q_log.argmax(-1)] == t_top).float().mean()
     return loss, agree
@@ -93,10 +106,13 @@ def distill_loss(pdm: PDM, target: StageModel, tokens: torch.Tensor, f: int) -> 
 
 class Trainer:
     def __init__(self, target: StageModel, cfg: TrainConfig, batches: Iterator[torch.Tensor],
-                 draft_vocab: tuple[int, ...] | None = None, log=print) -> None:
-        self.target, self.cfg, self.batches, self.log = target, cfg, batches, log
+                 draft_vocab: tuple[int, ...] | None = None, log=print, dp: DataParallel = DataParallel()) -> None:
+        """`batches` is this rank's own stream (DataParallel.shard); only the main rank logs and saves."""
+        self.target, self.cfg, self.batches, self.dp = target, cfg, batches, dp
+        self.log = log if dp.is_main else (lambda msg: None)
         self.out = Path(cfg.out)
-        self.out.mkdir(parents=True, exist_ok=True)
+        if dp.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
         self.pdm = new_pdm(target, cfg, draft_vocab).to(cfg.device).train()
         params = [p for p in self.pdm.parameters() if p.requires_grad]
@@ -129,35 +145,43 @@ class Trainer:
         tmp = self.out / "state.pt.tmp"
         torch.save(st, tmp)
         tmp.replace(self.out / "state.pt")
-        save_pdm(self.pdm, self.out / "pdm", extra={"train": {"step": self.step, "config": cfg}},
-                 dtype=getattr(torch, self.cfg.export_dtype))
+        extra = {"train": {"step": self.step, "tokens": self.tokens_seen(), "config": cfg}}
+        save_pdm(self.pdm, self.out / "pdm", extra=extra, dtype=getattr(torch, self.cfg.export_dtype))
+        if self.cfg.keep_every and self.step % self.cfg.keep_every == 0:  # for acceptance-vs-tokens curves
+            save_pdm(self.pdm, self.out / "snapshots" / f"step-{self.step:06d}", extra=extra,
+                     dtype=getattr(torch, self.cfg.export_dtype))
         (self.out / "history.json").write_text(json.dumps(self.history, indent=1))
+
+    def tokens_seen(self) -> int:
+        return self.history[-1]["tokens"] if self.history else 0
 
     def run(self) -> PDM:
         n = len(self.cfg.stage_layers)
         window: dict[int, list[float]] = {}
         t0 = time.time()
-        tokens_seen = self.step * self.cfg.batch * self.cfg.seq_len
+        tokens_seen = self.tokens_seen()
         while self.step < self.cfg.steps:
             tokens = next(self.batches).to(self.cfg.device)
             f = draw_fill(n, self.cfg.full_fill_frac, self.rng)
             for g in self.opt.param_groups:
                 g["lr"] = lr_at(self.step, self.cfg)
-            loss, agree = distill_loss(self.pdm, self.target, tokens, f)
+            loss, agree = distill_loss(self.pdm, self.target, tokens, f, self.cfg.autocast)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
+            self.dp.average_gradients(self.pdm.parameters())
             torch.nn.utils.clip_grad_norm_(self.pdm.parameters(), self.cfg.grad_clip)
             self.opt.step()
             self.step += 1
-            tokens_seen += tokens.numel()
-            window.setdefault(f, []).append(float(agree))
-            self.history.append({"step": self.step, "fill": f, "loss": float(loss), "agree": float(agree),
-                                 "tokens": tokens_seen})
+            tokens_seen += tokens.numel() * self.dp.world
+            loss_v, agree_v = self.dp.mean(float(loss.detach())), self.dp.mean(float(agree))
+            window.setdefault(f, []).append(agree_v)
+            self.history.append({"step": self.step, "fill": f, "loss": loss_v, "agree": agree_v, "tokens": tokens_seen})
             if self.step % 10 == 0 or self.step == self.cfg.steps:
                 per_fill = " ".join(f"f{k}={sum(v) / len(v):.3f}" for k, v in sorted(window.items()))
-                self.log(f"step {self.step}/{self.cfg.steps} loss {float(loss):.3f} top1 {per_fill} "
+                self.log(f"step {self.step}/{self.cfg.steps} loss {loss_v:.3f} top1 {per_fill} "
                          f"tokens {tokens_seen / 1e6:.3f}M {time.time() - t0:.0f}s")
                 window.clear()
-            if self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps:
+            if self.dp.is_main and (self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps or
+                                    (self.cfg.keep_every and self.step % self.cfg.keep_every == 0)):
                 self.save()
         return self.pdm.eval()

@@ -16,11 +16,15 @@ from engine.model import StageModel
 from train.corpus import Corpus
 
 
-def pick_prompts(corpus: Corpus, count: int, max_prompt: int, seed: int = 0) -> list[list[int]]:
-    """Up to `count` training prompts no longer than max_prompt tokens, in a seeded random order."""
+def pick_prompts(corpus: Corpus, count: int, max_prompt: int, seed: int = 0, skip: int = 0) -> list[list[int]]:
+    """Up to `count` training prompts no longer than max_prompt tokens, in a seeded random order.
+
+    `skip` passes over the first prompts of that order (those already answered), so a run that
+    adds answers in several calls never answers the same prompt twice.
+    """
     prompts = [p.tolist() for p in corpus.prompts() if 0 < p.size <= max_prompt]
     order = np.random.default_rng(seed).permutation(len(prompts))
-    return [prompts[i] for i in order[:count]]
+    return [prompts[i] for i in order[skip:skip + count]]
 
 
 @torch.no_grad()
@@ -43,8 +47,8 @@ def generate_answers(target: StageModel, prompts: Sequence[Sequence[int]], max_n
 
 
 def self_distill(corpus: Corpus, target: StageModel, count: int, max_new: int, eos: Sequence[int],
-                 max_prompt: int = 256, batch: int = 16, seed: int = 0, log=print) -> str:
-    prompts = pick_prompts(corpus, count, max_prompt, seed)
+                 max_prompt: int = 256, batch: int = 16, seed: int = 0, skip: int = 0, log=print) -> str:
+    prompts = pick_prompts(corpus, count, max_prompt, seed, skip)
     if not prompts:
         raise ValueError(f"corpus {corpus.path} has no prompts of at most {max_prompt} tokens")
     answers = generate_answers(target, prompts, max_new, eos, batch, log)

@@ -1,0 +1,182 @@
+"""PDM training (train/distill.py, train/data_parallel.py): the loss falls, a resumed run equals an
+uninterrupted one, snapshots are loadable heads, two data-parallel gloo ranks take the same steps
+as one process on the joint batch, bf16 autocast tracks fp32, self-distillation never answers a
+prompt twice."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.pdm import load_pdm, read_pdm_config
+from tests.engine.helpers import full_model, tiny_engine_config
+from tests.train.test_corpus import build
+from train.corpus import Corpus
+from train.data_parallel import DataParallel
+from train.distill import TrainConfig, Trainer, distill_loss
+from train.self_distill import pick_prompts
+
+ECFG = tiny_engine_config("llama", n=2)
+S = 24
+
+
+def target():
+    m = full_model(ECFG).eval()
+    for p in m.parameters():
+        p.requires_grad_(False)
+    return m
+
+
+def tcfg(out: Path, **kw) -> TrainConfig:
+    base = dict(out=str(out), stage_layers=tuple(ECFG.topology.stage_layers), seq_len=S, batch=4, steps=6,
+                lr=2e-3, warmup=2, save_every=3, autocast="float32")
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def stream(batch: int = 4, distinct: int | None = None, seed: int = 0) -> Iterator[torch.Tensor]:
+    """Seeded random token batches [batch, S]; with `distinct`, the same few batches cycle."""
+    g = torch.Generator().manual_seed(seed)
+    cache: list[torch.Tensor] = []
+    while True:
+        if distinct is not None and len(cache) == distinct:
+            yield from cache
+            continue
+        b = torch.randint(0, ECFG.cfg.vocab_size, (batch, S), generator=g)
+        cache.append(b)
+        yield b
+
+
+def params(tr: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in tr.pdm.state_dict().items()}
+
+
+def test_loss_falls(tmp_path: Path) -> None:
+    tr = Trainer(target(), tcfg(tmp_path, steps=60, save_every=60, full_fill_frac=1.0), stream(distinct=2),
+                 log=lambda m: None)
+    tr.run()
+    losses = [h["loss"] for h in tr.history]
+    first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
+    assert last < 0.7 * first, (first, last)
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
+    straight = Trainer(target(), tcfg(tmp_path / "a"), stream(), log=lambda m: None)
+    straight.run()
+
+    def cut(it: Iterator, k: int) -> Iterator:
+        for _ in range(k):
+            yield next(it)
+        raise Interrupted
+
+    first = Trainer(target(), tcfg(tmp_path / "b"), cut(stream(), 4), log=lambda m: None)
+    with pytest.raises(Interrupted):
+        first.run()  # saved at step 3, died in step 4
+    logs: list[str] = []
+    resumed = Trainer(target(), tcfg(tmp_path / "b"), stream(), log=logs.append)
+    assert resumed.step == 3 and "resumed from step 3" in logs
+    resumed.run()
+    want, got = params(straight), params(resumed)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert [h["loss"] for h in straight.history] == [h["loss"] for h in resumed.history]
+
+
+def test_resume_refuses_other_split(tmp_path: Path) -> None:
+    Trainer(target(), tcfg(tmp_path, steps=3), stream(), log=lambda m: None).run()
+    with pytest.raises(ValueError, match="stage layers"):
+        Trainer(target(), tcfg(tmp_path, stage_layers=(1, 3)), stream(), log=lambda m: None)
+
+
+def test_snapshots_are_heads(tmp_path: Path) -> None:
+    tr = Trainer(target(), tcfg(tmp_path, steps=4, keep_every=2, save_every=4), stream(), log=lambda m: None)
+    tr.run()
+    snaps = sorted(p.name for p in (tmp_path / "snapshots").iterdir())
+    assert snaps == ["step-000002", "step-000004"]
+    _, meta = read_pdm_config(tmp_path / "snapshots" / "step-000002")
+    assert meta["train"]["step"] == 2 and meta["train"]["tokens"] == 2 * 4 * S
+    final = load_pdm(tmp_path / "pdm", ECFG.cfg, tuple(ECFG.topology.stage_layers))
+    for (k, a), b in zip(final.state_dict().items(), tr.pdm.state_dict().values()):
+        assert torch.allclose(a.float(), b.float(), atol=1e-3, rtol=1e-3), k  # fp16 export
+
+
+def test_bf16_autocast_tracks_fp32() -> None:
+    tr_cfg = tcfg(Path("/nonexistent"))
+    from train.distill import new_pdm
+    pdm = new_pdm(target(), tr_cfg, None)
+    tokens = next(stream())
+    l32, a32 = distill_loss(pdm, target(), tokens, 2, "float32")
+    l16, a16 = distill_loss(pdm, target(), tokens, 2, "bfloat16")
+    assert abs(float(l16.detach()) - float(l32.detach())) < 0.02 * float(l32.detach())
+    assert abs(float(a16) - float(a32)) < 0.05
+    with pytest.raises(ValueError, match="autocast"):
+        tcfg(Path("/x"), autocast="int8")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dp_rank(rank: int, world: int, port: int, out: str, q) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dp = DataParallel(rank, world)
+    tr = Trainer(target(), tcfg(Path(out), steps=3, batch=2), dp.shard(stream(batch=2)), log=lambda m: None, dp=dp)
+    tr.run()
+    q.put((rank, {k: v.numpy() for k, v in params(tr).items()}, [h["loss"] for h in tr.history]))
+    dp.close()
+
+
+def test_data_parallel_equals_joint_batch(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_dp_rank, args=(r, 2, port, str(tmp_path / "dp"), q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict((r, (w, loss)) for r, w, loss in (q.get(timeout=180) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+
+    def joint() -> Iterator[torch.Tensor]:
+        s = stream(batch=2)
+        while True:
+            yield torch.cat([next(s), next(s)])
+
+    single = Trainer(target(), tcfg(tmp_path / "one", steps=3, batch=4), joint(), log=lambda m: None)
+    single.run()
+    want = params(single)
+    for r in range(2):
+        w, losses = got[r]
+        for k, v in want.items():
+            assert torch.allclose(torch.from_numpy(w[k]), v, atol=1e-6, rtol=1e-5), (r, k)
+        assert losses == pytest.approx([h["loss"] for h in single.history], rel=1e-5)
+    assert (tmp_path / "dp" / "state.pt").is_file()  # only the main rank writes
+
+
+def test_data_parallel_shards_stream() -> None:
+    batches = list(range(10))
+    assert list(DataParallel(1, 3).shard(batches)) == [1, 4, 7]
+    with pytest.raises(ValueError, match="rank"):
+        DataParallel(2, 2)
+
+
+def test_self_distill_prompts_never_repeat(tmp_path: Path) -> None:
+    path, _ = build(tmp_path)
+    corpus = Corpus(path)
+    allp = pick_prompts(corpus, 100, 10_000, seed=3)
+    assert len(allp) >= 4
+    head, tail = pick_prompts(corpus, 2, 10_000, seed=3), pick_prompts(corpus, 100, 10_000, seed=3, skip=2)
+    assert head + tail == allp
