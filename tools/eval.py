@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fast (default at T=0): exact teacher-forced replay, T=0 only; reference (default "
                         "at T>0): the runtime in one process; dist: one process per rank")
     g.add_argument("--json", default=None, metavar="OUT", help="write summaries and per-prompt records here")
+    g.add_argument("--reference-cache", default=None, metavar="DIR",
+                   help="fast executor: keep greedy reference outputs here and reuse them (several heads, one target)")
 
 
 def _data_dir(arg: str | None) -> Path:
@@ -88,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     log(f"spd eval: {len(encoded)} prompts from {data_dir}, n={n} {list(ecfg.topology.stage_layers)}, "
         f"head {ecfg.pdm}, executor {executor}")
     t0 = time.perf_counter()
-    with open_runner(ecfg, settings) as runner:
+    with open_runner(ecfg, settings, args.reference_cache) as runner:
         report = evaluate(runner, encoded, n, settings, eos, progress=log)
     wall = time.perf_counter() - t0
     print(format_table(report))

@@ -27,6 +27,7 @@ from engine.engine_config import EngineConfig
 from engine.greedy import greedy_generate
 from engine.sampling import SamplingParams
 from train.fast_eval import Acceptance, fast_generate
+from train.reference_cache import ReferenceCache
 
 DATASETS = ("mt_bench", "humaneval", "gsm8k")
 EXECUTORS = ("fast", "reference", "dist")
@@ -166,12 +167,16 @@ def runtime_acceptance(driver, prompt: Sequence[int], max_new_tokens: int, eos_i
 
 
 class FastRunner:
-    def __init__(self, ecfg: EngineConfig) -> None:
-        self.target, self.pdm, self.chunk = full_target(ecfg), build_pdm(ecfg), ecfg.prefill_chunk
+    def __init__(self, ecfg: EngineConfig, cache: ReferenceCache | None = None) -> None:
+        self.target, self.pdm, self.chunk, self.cache = full_target(ecfg), build_pdm(ecfg), ecfg.prefill_chunk, cache
 
     def run(self, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], request: int = 0
             ) -> Outcome:
-        fr = fast_generate(self.target, self.pdm, prompt, max_new_tokens, eos_ids, chunk=self.chunk)
+        ref = None
+        if self.cache is not None:
+            ref = self.cache.get_or_compute(prompt, max_new_tokens, eos_ids, self.chunk, lambda: greedy_generate(
+                self.target, prompt, max_new_tokens, eos_ids=eos_ids, chunk=self.chunk))
+        fr = fast_generate(self.target, self.pdm, prompt, max_new_tokens, eos_ids, chunk=self.chunk, reference=ref)
         return Outcome(fr.tokens, fr.acceptance, None, fr.near_ties())
 
 
@@ -193,12 +198,16 @@ class RuntimeRunner:
 
 
 @contextlib.contextmanager
-def open_runner(ecfg: EngineConfig, settings: EvalSettings) -> Iterator[FastRunner | RuntimeRunner]:
+def open_runner(ecfg: EngineConfig, settings: EvalSettings, reference_cache: str | Path | None = None
+                ) -> Iterator[FastRunner | RuntimeRunner]:
+    """`reference_cache` (fast executor only): a directory of greedy outputs reused across heads."""
     check_settings(settings)
     if ecfg.mode != "spd":
         raise ValueError(f"evaluation measures SPD acceptance: mode must be spd, got {ecfg.mode!r}")
+    if reference_cache is not None and settings.executor != "fast":
+        raise ValueError("--reference-cache applies to the fast executor only (the runtimes decode for real)")
     if settings.executor == "fast":
-        yield FastRunner(ecfg)
+        yield FastRunner(ecfg, ReferenceCache(reference_cache, ecfg) if reference_cache is not None else None)
     elif settings.executor == "reference":
         from engine.reference import ReferenceExecutor
 

@@ -142,13 +142,15 @@ class FastRun:
 @torch.no_grad()
 def fast_generate(target: StageModel, pdm: PDM, prompt: Sequence[int], max_new_tokens: int,
                   eos_ids: Sequence[int] = (), chunk: int = DEFAULT_PREFILL_CHUNK,
-                  draft_policy: DraftPolicy | None = None) -> FastRun:
+                  draft_policy: DraftPolicy | None = None, reference: Sequence[int] | None = None) -> FastRun:
     """SPD's T=0 counters for one request, from one greedy decode and one teacher-forced pass.
 
     `chunk` is the prefill chunk of the runtime being modelled (the reference decode then runs
-    the same shapes as the pipelined prefill, so its first token is bit-identical).
+    the same shapes as the pipelined prefill, so its first token is bit-identical). `reference`:
+    that greedy output when already known (train/reference_cache.py).
     """
-    y = greedy_generate(target, prompt, max_new_tokens, eos_ids=eos_ids, chunk=chunk)
+    y = list(reference) if reference is not None else \
+        greedy_generate(target, prompt, max_new_tokens, eos_ids=eos_ids, chunk=chunk)
     N, P = len(y), len(prompt)
     if N == 1:
         return FastRun(y, replay(1, pdm.plan.n, lambda f, t: False), None, frozenset())

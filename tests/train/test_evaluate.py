@@ -110,12 +110,15 @@ def tiny_ecfg(n: int, **kw) -> EngineConfig:
                         capacity=256, prefill_chunk=16, timeout_s=30.0, **kw)
 
 
-def run_eval(ecfg: EngineConfig, data_dir: Path, executor: str, max_new: int = 24) -> ev.EvalReport:
+def run_eval(ecfg: EngineConfig, data_dir: Path, executor: str, max_new: int = 24, cache: Path | None = None
+             ) -> ev.EvalReport:
     settings = ev.EvalSettings(max_new, 0.0, executor)
     prompts = [(p, ev.encode_prompt(p.text, None, ecfg.cfg.vocab_size))
                for name in ev.DATASETS for p in ev.load_dataset(data_dir, name)]
-    with ev.open_runner(ecfg, settings) as runner:
-        return ev.evaluate(runner, prompts, ecfg.topology.n, settings, ecfg.cfg.eos_token_ids)
+    with ev.open_runner(ecfg, settings, cache) as runner:
+        report = ev.evaluate(runner, prompts, ecfg.topology.n, settings, ecfg.cfg.eos_token_ids)
+        report.cache_hits = runner.cache.hits if cache is not None else None
+        return report
 
 
 @pytest.mark.parametrize("n", [1, 3])
@@ -126,6 +129,29 @@ def test_fast_and_reference_executors_give_identical_records(data_dir, n, one_th
     assert [r.acceptance for r in fast.records] == [r.acceptance for r in ref.records]
     assert all(r.lossless is True for r in ref.records) and all(r.lossless is None for r in fast.records)
     assert fast.summary().to_json()["eal"] == ref.summary().to_json()["eal"]
+
+
+def test_reference_cache_reuses_outputs_and_keys_on_the_weights(data_dir, tmp_path, one_thread, monkeypatch):
+    ecfg = tiny_ecfg(2)
+    plain = run_eval(ecfg, data_dir, "fast", 12)
+    first = run_eval(ecfg, data_dir, "fast", 12, tmp_path / "refs")
+    assert first.cache_hits == 0 and len(list((tmp_path / "refs").glob("*.json"))) == 7
+    calls = []
+    monkeypatch.setattr(ev, "greedy_generate", lambda *a, **k: calls.append(1))  # a hit must not decode
+    second = run_eval(ecfg, data_dir, "fast", 12, tmp_path / "refs")
+    assert second.cache_hits == 7 and not calls
+    assert [r.acceptance for r in plain.records] == [r.acceptance for r in first.records] == \
+        [r.acceptance for r in second.records]
+    monkeypatch.undo()
+    other = run_eval(tiny_ecfg(2, seed=1), data_dir, "fast", 12, tmp_path / "refs")  # other weights: new keys
+    assert other.cache_hits == 0 and len(list((tmp_path / "refs").glob("*.json"))) == 14
+    for f in (tmp_path / "refs").glob("*.json"):
+        f.write_text("{truncated")  # unreadable entries: decoded again and rewritten
+    again = run_eval(ecfg, data_dir, "fast", 12, tmp_path / "refs")
+    assert again.cache_hits == 0 and [r.acceptance for r in again.records] == [r.acceptance for r in plain.records]
+    assert run_eval(ecfg, data_dir, "fast", 12, tmp_path / "refs").cache_hits == 7
+    with pytest.raises(ValueError, match="fast executor only"):
+        run_eval(ecfg, data_dir, "reference", 12, tmp_path / "refs")
 
 
 @pytest.mark.multiproc
