@@ -22,6 +22,7 @@ from engine.greedy import check_request, prefill_chunks
 from engine.messages import Header, Kind
 from engine.metrics import GenerationResult
 from engine.model import StageModel
+from engine.graphs import PDMStep
 from engine.pdm import PDM, draft_probs_full, greedy_draft
 from engine.sampling import SamplingParams, keyed_generator, sample, target_probs
 from engine.verify import verify_sampled
@@ -45,7 +46,7 @@ class InFlight:
 class Driver:
     def __init__(self, topo: Topology, plan: AnchorPlan, head: StageModel, pdm: PDM, transport: Transport,
                  capacity: int, chunk: int, timeout: float, local_stage0: StageWorker | None = None,
-                 trace: bool = False) -> None:
+                 trace: bool = False, step_mode: str = "eager") -> None:
         assert head.has_embedding and head.has_head
         self.topo, self.plan, self.head, self.pdm, self.t = topo, plan, head, pdm, transport
         self.capacity, self.chunk, self.timeout = capacity, chunk, timeout
@@ -65,6 +66,9 @@ class Driver:
         self.full_type = plan.type_at_depth(self.n)
         self.lag_types = [plan.type_at_depth(j) for j in range(self.n)]
         self.pdm_cache = pdm.new_cache(capacity)
+        assert step_mode in ("eager", "static", "graph"), step_mode
+        self.step_mode = step_mode
+        self.pdm_steps: dict[int, PDMStep] = {}  # static PDM steps by row count (1 .. n + 1)
         self.epoch = 0
         self.tick = 0
         self.sent = 0
@@ -205,8 +209,8 @@ class Driver:
                 types.append(self.lag_types[j])
             rows = self.pdm.rows_from_ring(self.ring, torch.tensor(slots, device=self.device),
                                            torch.tensor(types, device=self.device))  # [R, H]
-            h = self.pdm.forward_rows(rows[None], self.pdm_cache, pdm_len)
-            draft = self._draft(h[0, -1], inflight[-1].pos, L, policy)
+            h_last, draft_id = self._pdm_step(rows, pdm_len)
+            draft = self._draft(h_last, inflight[-1].pos, L, policy, draft_id)
             pdm_len += int(pending)  # crop back: keep only the pending full-depth row
             pending = False
             self._account("pdm", tp)
@@ -240,13 +244,26 @@ class Driver:
             return int(logits.argmax())  # host sync: the id is needed to continue
         return sample(target_probs(logits, self.sampling), keyed_generator(self.sampling.seed, pos, "target"))
 
-    def _draft(self, h_last: torch.Tensor, newest: int, fill: int, policy: DraftPolicy | None) -> int:
-        """The draft for position newest + 1 from the PDM's last hidden state [H]."""
+    def _pdm_step(self, rows: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """rows [R, H] at PDM positions pos .. pos+R-1 -> (last hidden [H], greedy draft id [1] on
+        the device, or None from the eager step)."""
+        if self.step_mode == "eager":
+            return self.pdm.forward_rows(rows[None], self.pdm_cache, pos)[0, -1], None
+        R = rows.shape[0]
+        if R not in self.pdm_steps:
+            self.pdm_steps[R] = PDMStep(self.pdm, self.pdm_cache, R, graphs=self.step_mode == "graph")
+        return self.pdm_steps[R].run(pos, rows)
+
+    def _draft(self, h_last: torch.Tensor, newest: int, fill: int, policy: DraftPolicy | None,
+               draft_id: torch.Tensor | None = None) -> int:
+        """The draft for position newest + 1 from the PDM's last hidden state [H] (draft_id: the
+        static step's greedy draft [1], already on the device)."""
         pos = newest + 1
         if self.draft_observer is not None:
             self.draft_observer(newest, fill, self.pdm.draft_logits(h_last))
         if self.sampling.greedy:
-            draft = greedy_draft(self.pdm, h_last)
+            # host sync: the draft id goes in the next header
+            draft = int(draft_id) if draft_id is not None else greedy_draft(self.pdm, h_last)
             return policy(pos, draft) if policy is not None else draft
         q = draft_probs_full(self.pdm, target_probs(self.pdm.draft_logits(h_last), self.sampling))  # [V]
         if policy is not None:

@@ -18,6 +18,11 @@ from engine.config import ModelConfig, tiny_config
 from engine.topology import Topology
 
 MODES = ("spd", "pp", "ar")
+# How the stages' and the driver's one-token decode steps run (engine/graphs.py):
+# eager: plain module calls; static: preallocated buffers, device-side position and attention
+# mask (the graph path's code, run eagerly: testable anywhere); graph: static steps captured as
+# CUDA graphs; auto: graph on CUDA, eager elsewhere.
+STEP_MODES = ("auto", "eager", "static", "graph")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -67,6 +72,8 @@ class EngineConfig:
     seed: int = 0
     stage_ms: tuple[float, ...] | None = None  # synthetic per-stage decode step time (sleep-padded)
     trace: bool = False  # record per-tick timestamps on every rank (timeline plots)
+    step_mode: str = "auto"  # one-token decode steps: see STEP_MODES
+
 
     def __post_init__(self) -> None:
         if self.stage_ms is not None and (len(self.stage_ms) != self.topology.n or min(self.stage_ms) < 0):
@@ -75,6 +82,8 @@ class EngineConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.step_mode not in STEP_MODES:
+            raise ValueError(f"step mode must be one of {STEP_MODES}, got {self.step_mode!r}")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
         if self.topology.num_layers != self.cfg.num_layers:
@@ -100,6 +109,13 @@ class EngineConfig:
         if self.mode == "spd":
             return self.topology.world_size
         return self.topology.n  # pp: n stage ranks (head on the last); ar: one rank
+
+    def resolved_step_mode(self) -> str:
+        """eager, static or graph: auto is graph on CUDA (capture failures fall back to eager)
+        and eager elsewhere."""
+        if self.step_mode != "auto":
+            return self.step_mode
+        return "graph" if self.device.startswith("cuda") else "eager"
 
     def plan(self) -> AnchorPlan:
         return AnchorPlan.build(self.topology.bounds, self.anchors)

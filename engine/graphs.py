@@ -196,8 +196,8 @@ class StageStep(_Bucketed):
 
 class PDMStep(_Bucketed):
     """The driver's PDM step on static buffers: rows [1, R, H] at positions pos .. pos+R-1 go
-    through the K decoder layers (own KV cache); the draft head's argmax on the last row comes
-    out as a target token id [1] on the device (no host sync inside)."""
+    through the K decoder layers (own KV cache); the last row's hidden state [H] and the draft
+    head's argmax on it, as a target token id [1], come out on the device (no host sync inside)."""
 
     def __init__(self, pdm: PDM, cache: KVCache, rows: int, graphs: bool = True,
                  buckets: tuple[int, ...] | None = None) -> None:
@@ -209,13 +209,15 @@ class PDMStep(_Bucketed):
     def _step_fn(self, length: int):
         def step():
             h, _ = static_forward(self.pdm.stack, self.rows_in, self.cache, self._slots(), length)
-            best = self.pdm.draft_logits(h[0, -1]).argmax().view(1)  # [1] draft-vocabulary index
-            return self.pdm.draft_ids.index_select(0, best)  # [1] target id (a 0-d index would sync)
+            last = h[0, -1]  # [H]
+            best = self.pdm.draft_logits(last).argmax().view(1)  # [1] draft-vocabulary index
+            return last, self.pdm.draft_ids.index_select(0, best)  # [1] target id (a 0-d index would sync)
         return step
 
     @torch.no_grad()
-    def run(self, pos: int, rows: torch.Tensor) -> torch.Tensor:
-        """rows [R, H] or [1, R, H] at slots [pos, pos + R) -> draft token id [1] (device)."""
+    def run(self, pos: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows [R, H] or [1, R, H] at slots [pos, pos + R) -> (last hidden [H], greedy draft id [1]),
+        both static device buffers."""
         self.rows_in.copy_(rows.view(1, self.rows, -1))
         return self._graph(pos)()
 

@@ -38,7 +38,7 @@ def build_rank(ecfg: EngineConfig, rank: int, transport: Transport, pdm=None
             driver_transport, transport = loopback_pair(transport)
         min_step = ecfg.stage_ms[stage] / 1e3 if ecfg.stage_ms else 0.0
         worker = StageWorker(stage, topo, plan, model, transport, ecfg.capacity, ecfg.prefill_chunk,
-                             ecfg.timeout_s, min_step_s=min_step, trace=ecfg.trace)
+                             ecfg.timeout_s, min_step_s=min_step, trace=ecfg.trace, step_mode=ecfg.resolved_step_mode())
     if rank != topo.driver_rank:
         return None, worker
     if not spd:
@@ -46,5 +46,6 @@ def build_rank(ecfg: EngineConfig, rank: int, transport: Transport, pdm=None
                               ecfg.timeout_s), None
     pdm = pdm if pdm is not None else build_pdm(ecfg)
     driver = Driver(topo, plan, build_driver_head(ecfg), pdm, driver_transport, ecfg.capacity,
-                    ecfg.prefill_chunk, ecfg.timeout_s, local_stage0=worker, trace=ecfg.trace)
+                    ecfg.prefill_chunk, ecfg.timeout_s, local_stage0=worker, trace=ecfg.trace,
+                    step_mode=ecfg.resolved_step_mode())
     return driver, None

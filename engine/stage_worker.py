@@ -13,6 +13,7 @@ import time
 import torch
 
 from engine.anchors import AnchorPlan
+from engine.graphs import StageStep
 from engine.messages import Header, Kind, parse_sampling_payload
 from engine.sampling import SamplingParams, keyed_generator, sample, target_probs
 from engine.model import StageModel
@@ -22,10 +23,12 @@ from engine.transport import Transport
 
 class StageWorker:
     def __init__(self, stage: int, topo: Topology, plan: AnchorPlan | None, model: StageModel, transport: Transport,
-                 capacity: int, chunk: int, timeout: float, min_step_s: float = 0.0, trace: bool = False) -> None:
+                 capacity: int, chunk: int, timeout: float, min_step_s: float = 0.0, trace: bool = False,
+                 step_mode: str = "eager") -> None:
         """plan None: a plain pipeline-parallel stage (no anchors). A last stage that holds the
         head replies to the driver with the argmax token id in the header instead of its hidden
-        state (the `pp` and `ar` baselines)."""
+        state (the `pp` and `ar` baselines). step_mode (eager, static, graph): how one-token
+        steps run (engine/engine_config.py STEP_MODES); prefill chunks always run eagerly."""
         self.stage, self.topo, self.model, self.t = stage, topo, model, transport
         self.capacity, self.timeout = capacity, timeout
         self.min_step_s = min_step_s  # synthetic stage time (benchmarks, bubble tests): pad compute to this
@@ -47,6 +50,9 @@ class StageWorker:
         self.cfg_in = torch.empty(4, dtype=torch.int64)
         self.stats = torch.zeros(3, dtype=torch.float64)  # compute seconds, messages, receive-wait seconds
         self.trace: list[float] | None = [] if trace else None  # (recv start, compute start, compute end)*
+        assert step_mode in ("eager", "static", "graph"), step_mode
+        self.static = None if step_mode == "eager" else \
+            StageStep(model, self.cache, graphs=step_mode == "graph", capture=self.capture)
 
     def serve(self) -> None:
         """Loop until SHUTDOWN."""
@@ -97,11 +103,17 @@ class StageWorker:
             else:
                 ids = self.t.recv_into(self.prev, self.ids_in[:T], self.timeout, int(self.stats[1]))[None]
             t1 = time.perf_counter()
-            h = self.model.embed(ids)  # [1, T, H]
         else:
+            ids = None
             h = self.t.recv_into(self.prev, self.h_in[:T], self.timeout, int(self.stats[1]))[None]
             t1 = time.perf_counter()
-        out, caps = self.model.forward_layers(h, self.cache, pos, capture=self.capture)
+        if self.static is not None and hdr.kind == Kind.TOKEN:
+            out, caps, _ = self.static.run(pos, h=None if self.stage == 0 else h, token=ids)
+            # static buffers, rewritten by the next step while a send may still be in flight
+            out, caps = out.clone(), {k: v.clone() for k, v in caps.items()}
+        else:
+            h = self.model.embed(ids) if self.stage == 0 else h  # [1, T, H]
+            out, caps = self.model.forward_layers(h, self.cache, pos, capture=self.capture)
         if self.min_step_s > 0 and hdr.kind == Kind.TOKEN:
             time.sleep(max(0.0, self.min_step_s - (time.perf_counter() - t1)))
         t2 = time.perf_counter()

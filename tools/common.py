@@ -101,6 +101,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd") 
     g.add_argument("--device", default="cpu")
     g.add_argument("--backend", default=None, choices=["gloo", "nccl"], help="default: nccl on cuda, else gloo")
     g.add_argument("--seed", type=int, default=0, help="seed of random weights / untrained heads")
+    g.add_argument("--step-mode", default="auto", choices=["auto", "eager", "static", "graph"],
+                   help="one-token decode steps: CUDA graphs (auto on cuda), eager (auto elsewhere; the "
+                        "fallback), or static (the graph path's buffers without capture)")
 
 
 def engine_config(args: argparse.Namespace) -> tuple[EngineConfig, Path | None]:
@@ -114,7 +117,7 @@ def engine_config(args: argparse.Namespace) -> tuple[EngineConfig, Path | None]:
     ecfg = EngineConfig(model=engine_spec, cfg=cfg, topology=topo, mode=args.mode, pdm=spec,
                         pdm_layers=args.pdm_layers, backend=backend, device=args.device, dtype=args.dtype,
                         capacity=args.capacity or min(2048, cfg.max_position), prefill_chunk=args.prefill_chunk, timeout_s=args.timeout,
-                        threads=args.threads, seed=args.seed)
+                        threads=args.threads, seed=args.seed, step_mode=args.step_mode)
     return ecfg, tok_dir
 
 

@@ -108,7 +108,8 @@ def test_pdm_step_matches_forward_rows(draft_vocab):
         for pos in [0, 3, 4, 5, 4, 14, 15]:  # the driver appends rows and crops back to pending + 1
             rows = torch.randn(1, 3, cfg.hidden_size, generator=gen)
             h = pdm.forward_rows(rows, ref_cache, pos)
-            draft = step.run(pos, rows)
+            last, draft = step.run(pos, rows)
+            assert torch.allclose(last, h[0, -1], atol=1e-5)
             assert int(draft) == greedy_draft(pdm, h[0, -1])
             if draft_vocab is not None:
                 assert int(draft) in draft_vocab

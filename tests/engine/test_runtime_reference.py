@@ -182,3 +182,33 @@ def test_ar_and_pp_baselines_equal_the_reference(arch, one_thread):
                 assert res.ticks == len(ref) - 1
             res = ex.generate(eos_prompt, NEW, [eos_ref[eos_k]])
             assert res.tokens == eos_ref[:eos_k + 1], (mode, n)
+
+
+@pytest.mark.parametrize("arch,n,colocate", [("llama", 3, False), ("qwen2", 4, True), ("qwen3", 2, False)])
+def test_static_steps_are_lossless(arch, n, colocate, one_thread):
+    """--step-mode static runs the CUDA-graph path's code (static buffers, device-side positions
+    and masks, one PDM step per row count) without capture: same tokens, same ticks, and with
+    the untrained head the same drafts as the eager steps."""
+    _, prompts, refs = setup(arch, n, colocate)
+    ecfg = tiny_engine_config(arch, n, colocate, step_mode="static")
+    eager_cfg = tiny_engine_config(arch, n, colocate, step_mode="eager")
+    V = ecfg.cfg.vocab_size
+    with ReferenceExecutor(ecfg) as ex, ReferenceExecutor(eager_cfg) as eager:
+        assert ex.driver.step_mode == "static" and eager.driver.step_mode == "eager"
+        for k, (p, ref) in enumerate(zip(prompts[:3], refs[:3])):
+            policy = Policy(ref, len(p), V, wrong=FORCED[k % 2])
+            res = ex.generate(p, NEW, (), draft_policy=policy)
+            check_run(res, ref, policy, n)
+            free, free_eager = ex.generate(p, NEW), eager.generate(p, NEW)  # the head's own drafts
+            assert free.tokens == ref and (free.ticks, free.accepted) == (free_eager.ticks, free_eager.accepted)
+        assert sorted(ex.driver.pdm_steps) == list(range(1, n + 2))  # fills 1..n, with and without pending
+    pp = tiny_engine_config(arch, n, mode="pp", step_mode="static")
+    with ReferenceExecutor(pp) as ex:
+        assert all(ex.generate(p, 32).tokens == ref[:32] for p, ref in zip(prompts[:2], refs[:2]))
+
+
+def test_step_mode_is_validated_and_auto_resolves_by_device():
+    assert tiny_engine_config("llama", 2).resolved_step_mode() == "eager"
+    assert tiny_engine_config("llama", 2, device="cuda").resolved_step_mode() == "graph"
+    with pytest.raises(ValueError, match="step mode"):
+        tiny_engine_config("llama", 2, step_mode="fast")
