@@ -20,7 +20,7 @@ from tools.common import model_config, resolve_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="built-in name, checkpoint, HF dir or GGUF")
+    p.add_argument("--model", default="smollm2-135m", help="built-in name, checkpoint, HF dir, GGUF or random:<preset>")
     p.add_argument("--corpus", required=True, help="corpus directory from `spd data`")
     p.add_argument("--out", required=True, help="run directory (resumes if it holds state.pt)")
     p.add_argument("--stages", type=int, default=4)
@@ -61,7 +61,8 @@ def batches(corpus, seq_len: int, batch: int, seed: int) -> Iterator[torch.Tenso
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.checkpoint import load_stage_model
+    from engine.build import build_stage_model
+    from engine.engine_config import EngineConfig
     from train.corpus import Corpus
     from train.data_parallel import DataParallel
     from train.distill import TrainConfig, Trainer
@@ -78,8 +79,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"corpus was tokenized for a vocabulary of {corpus.vocab_size}, the model has {cfg.vocab_size}")
     dp = DataParallel.from_env(args.device)
     device = dp.device(args.device)
-    dtype = getattr(torch, args.target_dtype)
-    target = load_stage_model(engine_dir, range(cfg.num_layers), True, True, device=device, dtype=dtype).eval()
+    ecfg = EngineConfig(model=engine_dir, cfg=cfg, topology=topo, device=device, dtype=args.target_dtype,
+                        capacity=min(2048, cfg.max_position), seed=args.seed)
+    target = build_stage_model(ecfg, range(cfg.num_layers), embedding=True, head=True)  # random:<preset> too
     for p in target.parameters():
         p.requires_grad_(False)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731

@@ -180,3 +180,78 @@ def test_self_distill_prompts_never_repeat(tmp_path: Path) -> None:
     assert len(allp) >= 4
     head, tail = pick_prompts(corpus, 2, 10_000, seed=3), pick_prompts(corpus, 100, 10_000, seed=3, skip=2)
     assert head + tail == allp
+
+
+# ---- the CLI, one process and under torchrun ----
+
+class ModTokenizer:
+    """Byte-level fake tokenizer folded into the tiny models' 96-id vocabulary."""
+
+    def __init__(self) -> None:
+        from tests.train.test_corpus import ByteTokenizer
+
+        self.inner = ByteTokenizer(vocab_size=ECFG.cfg.vocab_size)
+        self.vocab_size, self.eos_ids = self.inner.vocab_size, self.inner.eos_ids
+        self.special_ids, self.fingerprint = self.inner.special_ids, "mod-96"
+
+    def _fold(self, ids: list[int]) -> list[int]:
+        return [i if i < 3 else 3 + i % (self.vocab_size - 3) for i in ids]
+
+    def encode(self, text: str) -> list[int]:
+        return self._fold(self.inner.encode(text))
+
+    def chat_ids(self, text: str) -> list[int]:
+        return self._fold(self.inner.chat_ids(text))
+
+    def conversation_ids(self, messages: list[dict]) -> list[int]:
+        return self._fold(self.inner.conversation_ids(messages))
+
+
+TRAIN_ARGS = ["--model", "random:tiny-llama", "--stages", "2", "--seq-len", "16", "--batch", "2",
+              "--steps", "4", "--save-every", "2", "--threads", "1", "--autocast", "float32"]
+
+
+def test_cli_self_distills_trains_and_resumes(tmp_path: Path, capsys) -> None:
+    from tools.cli import main
+
+    corpus_dir, _ = build(tmp_path, tok=ModTokenizer())
+    out = tmp_path / "run"
+    rc = main(["train", *TRAIN_ARGS, "--corpus", str(corpus_dir), "--out", str(out),
+               "--self-distill", "5", "--gen-tokens", "6", "--gen-batch", "2"])
+    assert rc == 0 and capsys.readouterr().out.strip() == f"{out}/pdm"
+    gen = [s for s in Corpus(corpus_dir).manifest["sources"] if s["name"] == "self-distilled"]
+    assert gen and gen[0]["samples"] == 5
+    assert json_steps(out) == [1, 2, 3, 4]
+    rc = main(["train", *TRAIN_ARGS, "--steps", "6", "--corpus", str(corpus_dir), "--out", str(out),
+               "--self-distill", "5"])  # the same answers are not generated again
+    assert rc == 0 and json_steps(out) == [1, 2, 3, 4, 5, 6]
+    assert sum(s["samples"] for s in Corpus(corpus_dir).manifest["sources"] if s["name"] == "self-distilled") == 5
+    assert main(["eval", "--model", "random:tiny-llama", "--stages", "2", "--spec", f"{out}/pdm", "--limit", "1",
+                 "--max-new-tokens", "4", "--capacity", "256", "--data-dir", str(tmp_path / "eval"),
+                 "--datasets", "mt_bench"]) == 0
+
+
+def json_steps(out: Path) -> list[int]:
+    import json
+
+    return [h["step"] for h in json.loads((out / "history.json").read_text())]
+
+
+@pytest.mark.multiproc
+def test_cli_under_torchrun_two_ranks(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    corpus_dir, _ = build(tmp_path, tok=ModTokenizer())
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "tools.cli", "train", *TRAIN_ARGS, "--corpus", str(corpus_dir), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count(f"{out}/pdm") == 1  # the main rank reports; both trained
+    hist = json_steps(out)
+    assert hist == [1, 2, 3, 4]
+    import json
+
+    tokens = [h["tokens"] for h in json.loads((out / "history.json").read_text())]
+    assert tokens == [2 * 2 * 16 * k for k in range(1, 5)]  # two ranks x batch 2 x 16 tokens per step
