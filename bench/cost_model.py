@@ -35,8 +35,19 @@ def message_bytes(hidden: int, dtype_bytes: int, anchors: int) -> dict[str, int]
 
 
 def eal_from_alpha(n: int, alpha: float) -> float:
-    """Equivalent accept length n / (1 + (n-1)(1-alpha)) (DESIGN 3.3)."""
+    """Equivalent accept length n / (1 + (n-1)(1-alpha)) (DESIGN 3.3): the steady state."""
     return n / (1 + (n - 1) * (1 - alpha))
+
+
+def eal_for_request(n: int, alpha: float, tokens: int) -> float:
+    """Expected EAL of one request that commits `tokens` (N >= 2) tokens: n (N-1) / ticks with
+    ticks = (N-1) + (n-1)(1 + R) (engine/schedule.py decode_ticks) and R = (N-2)(1-alpha) expected
+    rejections followed by a token. The initial fill costs n-1 ticks whatever alpha is, so short
+    requests fall below `eal_from_alpha`, which this approaches as N grows."""
+    if tokens < 2 or not 0 <= alpha <= 1:
+        raise ValueError(f"need tokens >= 2 and alpha in [0, 1], got tokens={tokens}, alpha={alpha}")
+    ticks = (tokens - 1) + (n - 1) * (1 + (tokens - 2) * (1 - alpha))
+    return n * (tokens - 1) / ticks
 
 
 # ---------------------------------------------------------------- inputs

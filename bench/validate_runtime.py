@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from statistics import median
 
-from bench.cost_model import AlphaCurve, LinkModel, Links, Profile, message_bytes, plan
+from bench.cost_model import AlphaCurve, LinkModel, Links, Profile, eal_for_request, message_bytes, plan
 from bench.profile import profile_from_bench
 from bench.speed import BenchCase, bench
 from engine.engine_config import EngineConfig
@@ -80,8 +80,10 @@ def run_netbench(ecfg: EngineConfig, anchors: int, s: ValidationSettings) -> dic
     return launch_local(netbench_rank, cfg, world, "gloo", s.timeout_s, 600 + 10 * s.timeout_s)
 
 
-def predict(profile: dict, link: LinkModel, alpha: float, n: int) -> dict[str, dict]:
-    """Cost-model predictions per bench config: ms per tick (pp/ar: per token), decode tok/s."""
+def predict(profile: dict, link: LinkModel, alpha: float, n: int, tokens: int | None = None) -> dict[str, dict]:
+    """Cost-model predictions per bench config: ms per tick (pp/ar: per token), decode tok/s.
+    `tokens`: the bench's tokens per request; SPD's tok/s then uses that request length's EAL
+    (its initial fill included, `eal_for_request`) rather than the steady-state one."""
     result = plan(Profile.from_dict(profile), Links(link), AlphaCurve({0: alpha}), [n], sim_tokens=2000)
     rows = [r for r in result["rows"] if r["n"] == n]
     pick = lambda method, layout: next(r for r in rows if r["method"] == method and r["layout"] == layout)  # noqa: E731
@@ -91,8 +93,9 @@ def predict(profile: dict, link: LinkModel, alpha: float, n: int) -> dict[str, d
     for name, layout in (("spd-colocate", "coloc"), ("spd", "sep")):
         r = pick("spd", layout)
         assert r["partition"] == "measured", "the profile's stage times for this n must be used"
-        out[name] = {"tick_ms": r["tick_ms"], "tok_s": r["tok_s"], "critical": r["critical"].split(" (")[0],
-                     "eal": r["eal"]}
+        eal = r["eal"] if tokens is None else eal_for_request(n, alpha, tokens)
+        out[name] = {"tick_ms": r["tick_ms"], "tok_s": 1e3 * eal / (n * r["tick_ms"]),
+                     "critical": r["critical"].split(" (")[0], "eal": eal}
     return out
 
 
@@ -152,8 +155,9 @@ def run_round(ecfg: EngineConfig, prompts: Sequence[list[int]], s: ValidationSet
         for key in ("traces", "request_traces"):
             run.pop(key, None)  # large; the profiles keep what the model needs
     n = ecfg.topology.n
-    return {"profile": prof, "netbench": net, "alpha": alpha, "predicted": predict(prof, link, alpha, n),
-            "measured": measured_of(second), "same_run": predict(own, link, own["source"]["alpha_measured"], n),
+    return {"profile": prof, "netbench": net, "alpha": alpha, "predicted": predict(prof, link, alpha, n, s.max_new_tokens),
+            "measured": measured_of(second),
+            "same_run": predict(own, link, own["source"]["alpha_measured"], n, s.max_new_tokens),
             "measurement_profile": own, "profile_run": first, "measurement_run": second, "load": load_note()}
 
 

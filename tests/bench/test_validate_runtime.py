@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.cost_model import LinkModel, Profile, eal_from_alpha
+from bench.cost_model import LinkModel, Profile, eal_for_request, eal_from_alpha
 from bench.validate_runtime import CONFIGS, ValidationSettings, compare, format_validation, predict, validate
 from engine.engine_config import PRESETS, EngineConfig
 from engine.topology import Topology
@@ -32,6 +32,11 @@ def test_predict_from_a_hand_profile():
     # ticks that verify (refill ticks after a rejection do not)
     assert 2.6 < pred["spd-colocate"]["tick_ms"] < 2.8 and pred["spd-colocate"]["critical"].startswith("rank 0")
     assert pred["spd"]["tick_ms"] < pred["spd-colocate"]["tick_ms"]  # a separate driver takes that work off
+    short = predict(HAND, link, alpha=0.5, n=2, tokens=32)  # the bench's request length: the fill counts
+    for name in ("spd-colocate", "spd"):
+        assert short[name]["eal"] == pytest.approx(eal_for_request(2, 0.5, 32))
+        assert short[name]["eal"] < pred[name]["eal"]
+        assert short[name]["tok_s"] == pytest.approx(1e3 * short[name]["eal"] / (2 * short[name]["tick_ms"]))
 
 
 def _measured(tok_s: dict[str, float], tick: dict[str, float]) -> dict[str, dict]:
