@@ -100,3 +100,36 @@ def test_distributed_colocated_oracle_and_untrained_on_smollm2(smollm2, refs, on
         for text in PROMPTS[:3]:
             run(runtime, smollm2, refs, 4, text, 64)
             run(runtime, smollm2, refs, 4, text, 64, oracle=False)
+
+
+def shipped_head_config(smollm2, colocate: bool = False) -> EngineConfig:
+    from tools.common import default_head
+
+    head = default_head("smollm2-135m", 4)
+    assert head != "random", "the repository ships a trained head for smollm2-135m at n=4"
+    return engine_config(smollm2, 4, colocate).replace(pdm=head)
+
+
+def test_shipped_head_is_lossless_and_accepts_drafts(smollm2, refs, one_thread):
+    """The trained head's own drafts (no policy): greedy output token for token, and some accepted
+    (losslessness does not depend on the head; acceptance shows the head is really drafting)."""
+    eos = smollm2[1].eos_token_ids
+    accepted = verified = 0
+    with ReferenceExecutor(shipped_head_config(smollm2)) as ex:
+        for text in PROMPTS[:3]:
+            prompt, want = refs(text, NEW)
+            res = ex.generate(prompt, NEW, eos)
+            assert res.tokens == want, text
+            accepted, verified = accepted + res.accepted, verified + res.verified
+    assert verified > 0 and accepted / verified > 0.1, (accepted, verified)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_shipped_head_distributed_is_lossless(smollm2, refs, one_thread):
+    eos = smollm2[1].eos_token_ids
+    for colocate in (False, True):
+        with launch(shipped_head_config(smollm2, colocate)) as runtime:
+            for text in PROMPTS:
+                prompt, want = refs(text, 64)
+                assert runtime.generate(prompt, 64, eos).tokens == want, (text, colocate)
