@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -136,9 +137,11 @@ def test_dead_rank_ends_the_run_with_an_error_on_every_rank(capfd):
     assert "run failed on 3 of 3 ranks" in err
     assert "rank 2: exit code 17" in err  # the injected fault
     # each survivor ends with its own error, naming the operation that found the dead peer
-    assert "rank 0: exit code 1: driver: receive from stage" in err
-    assert "rank 1: exit code 1: stage 0: " in err
-    assert "hung" not in err
+    assert "rank 0: exit code 1: driver: receive from stage" in err, err
+    # stage 0 ends with an error too; which operation finds the dead peer first varies with timing
+    # (in full-suite runs it was sometimes not a "stage 0: ..." receive), so only its exit is pinned
+    assert re.search(r"rank 1: exit code 1: \S", err), err
+    assert "hung" not in err, err
     assert elapsed < 60, f"took {elapsed:.0f}s: ranks should fail within a few timeouts"
 
 
