@@ -38,6 +38,15 @@ def _convert_hf(hf_dir: Path, key: str) -> Path:
     return out
 
 
+def parse_names(text: str, choices, what: str) -> list[str]:
+    """A comma-separated list of names, each one of `choices` (ValueError naming the bad ones)."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in names if x not in choices]
+    if bad or not names:
+        raise ValueError(f"unknown {what} {bad or text!r}; choose from {', '.join(sorted(choices))}")
+    return names
+
+
 def resolve_model(spec: str) -> tuple[str, Path | None]:
     """(engine checkpoint dir or random:<preset>, tokenizer dir or None)."""
     if random_preset(spec) is not None:

@@ -55,11 +55,9 @@ def _data_dir(arg: str | None) -> Path:
 
 
 def _datasets(arg: str) -> list[str]:
-    names = [x.strip() for x in arg.split(",") if x.strip()]
-    bad = [x for x in names if x not in DATASETS]
-    if bad or not names:
-        raise ValueError(f"unknown dataset(s) {bad or arg!r}; choose from {', '.join(DATASETS)}")
-    return names
+    from tools.common import parse_names
+
+    return parse_names(arg, DATASETS, "dataset(s)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -73,13 +73,10 @@ def _settings(args: argparse.Namespace):
 
 def _shapes(args: argparse.Namespace, device: str) -> list[str]:
     from engine.engine_config import PRESETS
+    from tools.common import parse_names
 
     text = args.shapes or (QUICK_CPU_SHAPES if args.quick and device == "cpu" else DEFAULT_SHAPES)
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in names if x not in PRESETS]
-    if bad or not names:
-        raise ValueError(f"unknown shapes {bad or text!r}; choose from {sorted(PRESETS)}")
-    return names
+    return parse_names(text, PRESETS, "shapes")
 
 
 def _links(args: argparse.Namespace) -> list:
