@@ -7,7 +7,6 @@ back to back in alternation so host drift hits both alike.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -46,7 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    dv = tuple(json.loads(open(args.draft_vocab).read())["ids"])
+    from train.draft_vocab import load_draft_vocab
+
+    try:
+        dv = tuple(load_draft_vocab(args.draft_vocab))
+    except (OSError, ValueError, KeyError) as err:
+        p.error(f"--draft-vocab {args.draft_vocab}: {err}")
     layers = tuple(int(x) for x in args.stage_layers.split(","))
     for K in (int(x) for x in args.pdm_layers.split(",")):
         t = time_heads(args.preset, layers, K, dv)

@@ -262,6 +262,7 @@ class Summary:
     seconds: float = 0.0
     failures: int = 0
     near_ties: int = 0
+    by_fill: dict[int, list[int]] = field(default_factory=dict)  # fill -> [verified, accepted]
 
     def add(self, r: PromptRecord) -> None:
         a = r.acceptance
@@ -271,6 +272,10 @@ class Summary:
         self.verified += a.verified
         self.accepted += a.accepted
         self.rejections += a.rejections
+        for f, v in a.verified_by_fill.items():
+            cell = self.by_fill.setdefault(int(f), [0, 0])
+            cell[0] += v
+            cell[1] += a.accepted_by_fill.get(f, 0)
         self.verified_full += a.verified_by_fill.get(self.n, 0)
         self.accepted_full += a.accepted_by_fill.get(self.n, 0)
         self.seconds += r.seconds
@@ -287,6 +292,11 @@ class Summary:
         return _ratio(self.n * (self.tokens - self.prompts), self.ticks)
 
     @property
+    def alpha_by_fill(self) -> dict[int, float]:
+        """Alpha of the drafts made at each fill 1..n (fill 1: the first draft after a rejection)."""
+        return {f: acc / ver for f, (ver, acc) in sorted(self.by_fill.items()) if ver}
+
+    @property
     def alpha_full(self) -> float | None:
         return _ratio(self.accepted_full, self.verified_full)
 
@@ -296,7 +306,7 @@ class Summary:
 
     def to_json(self) -> dict:
         return {**asdict(self), "alpha": self.alpha, "eal": self.eal, "alpha_full": self.alpha_full,
-                "alpha_refill": self.alpha_refill}
+                "alpha_refill": self.alpha_refill, "alpha_by_fill": self.alpha_by_fill}
 
 
 def summarize(records: Sequence[PromptRecord], n: int) -> Summary:

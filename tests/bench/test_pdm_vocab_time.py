@@ -13,3 +13,14 @@ def test_times_both_heads(tmp_path, capsys):
     dv.write_text(json.dumps({"ids": list(range(0, 96, 4))}))
     assert main(["--draft-vocab", str(dv), "--preset", "tiny-llama", "--stage-layers", "3,3", "--pdm-layers", "1"]) == 0
     assert "K=1: draft vocabulary (24 ids)" in capsys.readouterr().out
+
+
+def test_missing_or_corrupt_draft_vocab_is_a_clear_error(tmp_path, capsys):
+    import pytest
+
+    for path in (tmp_path / "missing.json", tmp_path / "bad.json"):
+        if path.name == "bad.json":
+            path.write_text("{not json")
+        with pytest.raises(SystemExit) as exc:
+            main(["--draft-vocab", str(path), "--preset", "tiny-llama", "--stage-layers", "3,3"])
+        assert exc.value.code == 2 and f"--draft-vocab {path}" in capsys.readouterr().err

@@ -89,6 +89,8 @@ def test_summary_pools_over_prompts_and_splits_by_fill():
     assert s.eal == pytest.approx(4 * (10 + 2 + 0) / 21)  # pooled, not a mean of per-prompt EALs
     assert s.alpha == pytest.approx(9 / 12)
     assert s.alpha_full == pytest.approx(5 / 6) and s.alpha_refill == pytest.approx(4 / 6)
+    assert s.alpha_by_fill == pytest.approx({1: 2 / 3, 2: 1 / 2, 3: 1.0, 4: 5 / 6})
+    assert s.to_json()["alpha_by_fill"] == s.alpha_by_fill
     empty = ev.summarize([record("y", c)], 4)
     assert empty.alpha is None and empty.eal is None and empty.alpha_full is None
 
