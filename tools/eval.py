@@ -97,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
         footer += (f", sampling T={settings.temperature} top-k {settings.top_k} top-p {settings.top_p} "
                    f"seeds {settings.seed}+k (not checked against greedy)")
     if executor == "fast":  # where the runtime's other shapes could flip a draft's argmax
-        footer += f", {report.summary().near_ties} consulted drafts within 1e-4 of a tie"
+        total = report.summary()
+        footer += (f", {total.near_ties} consulted drafts within 1e-4 of a tie, {total.outside_vocab} of "
+                   f"{total.verified} verified tokens outside the draft vocabulary")
     print(footer)
     if args.json:
         meta = {"model": args.model, "spec": ecfg.pdm, "n": n, "stage_layers": list(ecfg.topology.stage_layers),

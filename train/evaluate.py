@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from engine.build import build_pdm, build_stage_model
 from engine.engine_config import EngineConfig
 from engine.greedy import greedy_generate
@@ -121,6 +123,7 @@ class Outcome:
     acceptance: Acceptance
     lossless: bool | None  # runtime executors at T=0: output == greedy_generate; else None (not checked)
     near_ties: int | None = None  # fast path: consulted drafts decided by a near tie
+    outside_vocab: int | None = None  # fast path: verified reference tokens the draft vocabulary lacks
     seed: int | None = None  # T>0: the seed of this request's draws
 
 
@@ -177,7 +180,10 @@ class FastRunner:
             ref = self.cache.get_or_compute(prompt, max_new_tokens, eos_ids, self.chunk, lambda: greedy_generate(
                 self.target, prompt, max_new_tokens, eos_ids=eos_ids, chunk=self.chunk))
         fr = fast_generate(self.target, self.pdm, prompt, max_new_tokens, eos_ids, chunk=self.chunk, reference=ref)
-        return Outcome(fr.tokens, fr.acceptance, None, fr.near_ties())
+        # a ceiling on alpha: no draft can equal a token outside the head's vocabulary
+        outside = int((~torch.isin(torch.tensor(fr.tokens[1:], dtype=torch.long),
+                                   self.pdm.draft_ids.cpu())).sum())
+        return Outcome(fr.tokens, fr.acceptance, None, fr.near_ties(), outside_vocab=outside)
 
 
 class RuntimeRunner:
@@ -233,6 +239,7 @@ class PromptRecord:
     lossless: bool | None
     near_ties: int | None
     seed: int | None = None  # T>0: the seed of this request's draws
+    outside_vocab: int | None = None  # fast path: verified reference tokens outside the draft vocabulary
 
     def to_json(self) -> dict:
         a = self.acceptance
@@ -262,6 +269,7 @@ class Summary:
     seconds: float = 0.0
     failures: int = 0
     near_ties: int = 0
+    outside_vocab: int = 0  # fast path: verified reference tokens outside the draft vocabulary
     by_fill: dict[int, list[int]] = field(default_factory=dict)  # fill -> [verified, accepted]
 
     def add(self, r: PromptRecord) -> None:
@@ -281,6 +289,7 @@ class Summary:
         self.seconds += r.seconds
         self.failures += int(r.lossless is False)
         self.near_ties += r.near_ties or 0
+        self.outside_vocab += r.outside_vocab or 0
 
     @property
     def alpha(self) -> float | None:
@@ -351,7 +360,7 @@ def evaluate(runner, prompts: Sequence[tuple[Prompt, list[int]]], n: int, settin
         t0 = time.perf_counter()
         out = runner.run(ids, settings.max_new_tokens, eos_ids, request=k)
         rec = PromptRecord(p.dataset, p.index, p.question_id, len(ids), out.acceptance,
-                           time.perf_counter() - t0, out.lossless, out.near_ties, out.seed)
+                           time.perf_counter() - t0, out.lossless, out.near_ties, out.seed, out.outside_vocab)
         report.records.append(rec)
         a = out.acceptance
         flag = "" if out.lossless is not False else "  OUTPUT DIFFERS FROM GREEDY"

@@ -10,6 +10,7 @@ import torch
 
 import train.evaluate as ev
 from engine.engine_config import PRESETS, EngineConfig
+from engine.pdm import random_pdm
 from engine.topology import Topology
 from tools.cli import main
 from train.fast_eval import Acceptance
@@ -133,6 +134,24 @@ def test_fast_and_reference_executors_give_identical_records(data_dir, n, one_th
     assert fast.summary().to_json()["eal"] == ref.summary().to_json()["eal"]
 
 
+def test_outside_vocab_counts_reference_tokens_the_draft_vocabulary_lacks(data_dir, one_thread):
+    ecfg = tiny_ecfg(2)
+    rep = run_eval(ecfg, data_dir, "fast", 12)
+    vocab = tuple(range(0, ecfg.cfg.vocab_size, 2))  # even ids only
+    settings = ev.EvalSettings(12, 0.0, "fast")
+    prompts = [(p, ev.encode_prompt(p.text, None, ecfg.cfg.vocab_size))
+               for name in ev.DATASETS for p in ev.load_dataset(data_dir, name)]
+    with ev.open_runner(ecfg, settings) as runner:
+        runner.pdm = random_pdm(ecfg.cfg, tuple(ecfg.topology.stage_layers), draft_vocab=vocab)
+        odd = ev.evaluate(runner, prompts, 2, settings, ecfg.cfg.eos_token_ids)
+    full = ev.full_target(ecfg)
+    refs = [ev.greedy_generate(full, ids, 12, eos_ids=ecfg.cfg.eos_token_ids, chunk=ecfg.prefill_chunk)
+            for _, ids in prompts]
+    want = [sum(t % 2 for t in y[1:]) for y in refs]  # verified tokens with odd ids
+    assert [r.outside_vocab for r in odd.records] == want and sum(want) > 0
+    assert odd.summary().outside_vocab == sum(want) and rep.summary().outside_vocab == 0
+
+
 def test_reference_cache_reuses_outputs_and_keys_on_the_weights(data_dir, tmp_path, one_thread, monkeypatch):
     ecfg = tiny_ecfg(2)
     plain = run_eval(ecfg, data_dir, "fast", 12)
@@ -181,6 +200,9 @@ def test_cli_writes_table_and_json(data_dir, tmp_path, capsys, one_thread):
     assert rep["overall"]["ticks"] == sum(r["ticks"] for r in recs) > 0
     verified = sum(sum(r["verified_by_fill"].values()) for r in recs)
     assert verified == rep["overall"]["verified"] == sum(r["tokens"] - 1 for r in recs)
+    # the untrained tiny head has the full vocabulary: nothing can be outside it
+    assert rep["overall"]["outside_vocab"] == 0 and all(r["outside_vocab"] == 0 for r in recs)
+    assert "0 of" in captured.out and "outside the draft vocabulary" in captured.out
 
 
 def test_cli_user_errors(data_dir, capsys):
