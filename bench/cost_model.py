@@ -81,6 +81,15 @@ def interp_by_n(table: dict[int, float] | float, n: int, what: str, notes: list[
     return table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
 
 
+def _stage_table(d: dict, key: str) -> dict[int, tuple[float, ...]]:
+    """A profile's {n: [ms per stage]} table, checked: n entries each, all >= 0."""
+    table = {int(k): tuple(float(x) for x in v) for k, v in d.get(key, {}).items()}
+    for n, times in table.items():
+        if len(times) != n or min(times) < 0:
+            raise ValueError(f"profile: {key}[{n}] must have {n} entries >= 0, got {list(times)}")
+    return table
+
+
 @dataclass(frozen=True)
 class Profile:
     """Measured compute (schema "spd-profile/1", see docs/benchmarks.md)."""
@@ -95,6 +104,8 @@ class Profile:
     stage_fixed_ms: float = 0.0  # per stage per tick (launch, embedding), also paid once by AR
     driver_fixed_ms: float = 0.0  # driver host work per tick besides PDM and verify, in series with the PDM
     stage_ms: dict[int, tuple[float, ...]] = field(default_factory=dict)  # measured stage times by n
+    # measured stage times of plain pipeline-parallel runs by n (the last includes the head)
+    pp_stage_ms: dict[int, tuple[float, ...]] = field(default_factory=dict)
     tp_layer_ms: dict[int, float] = field(default_factory=dict)  # measured 1/g-width shard per layer
 
     @property
@@ -104,8 +115,8 @@ class Profile:
     @classmethod
     def from_dict(cls, d: dict) -> "Profile":
         known = {"schema", "name", "num_layers", "layer_ms", "pdm_ms", "verify_ms", "hidden_size", "dtype_bytes",
-                 "anchors_per_stage", "stage_fixed_ms", "driver_fixed_ms", "stage_ms", "tp_layer_ms", "source",
-                 "measured"}  # source / measured: provenance and raw numbers, not used by the model
+                 "anchors_per_stage", "stage_fixed_ms", "driver_fixed_ms", "stage_ms", "pp_stage_ms", "tp_layer_ms",
+                 "source", "measured"}  # source / measured: provenance and raw numbers, not used by the model
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"profile: unknown keys {sorted(unknown)} (schema spd-profile/1)")
@@ -119,16 +130,14 @@ class Profile:
             layer = [float(layer)] * int(d["num_layers"])
         elif "num_layers" in d and len(layer) != d["num_layers"]:
             raise ValueError(f"profile: {len(layer)} layer_ms entries but num_layers={d['num_layers']}")
-        stage_ms = {int(k): tuple(float(x) for x in v) for k, v in d.get("stage_ms", {}).items()}
-        for n, times in stage_ms.items():
-            if len(times) != n:
-                raise ValueError(f"profile: stage_ms[{n}] has {len(times)} entries, expected {n}")
+        stage_ms, pp_stage_ms = (_stage_table(d, key) for key in ("stage_ms", "pp_stage_ms"))
         prof = cls(name=str(d.get("name", "profile")), layer_ms=tuple(float(x) for x in layer),
                    pdm_ms=_by_n(d["pdm_ms"], "pdm_ms"), verify_ms=float(d["verify_ms"]),
                    hidden=int(d["hidden_size"]), dtype_bytes=int(d.get("dtype_bytes", 2)),
                    anchors=int(d.get("anchors_per_stage", 1)), stage_fixed_ms=float(d.get("stage_fixed_ms", 0.0)),
                    driver_fixed_ms=float(d.get("driver_fixed_ms", 0.0)),
-                   stage_ms=stage_ms, tp_layer_ms={int(k): float(v) for k, v in d.get("tp_layer_ms", {}).items()})
+                   stage_ms=stage_ms, pp_stage_ms=pp_stage_ms,
+                   tp_layer_ms={int(k): float(v) for k, v in d.get("tp_layer_ms", {}).items()})
         if not prof.layer_ms or min(prof.layer_ms) < 0 or prof.verify_ms < 0 or prof.driver_fixed_ms < 0:
             raise ValueError("profile: layer_ms must be a non-empty list of times >= 0, verify_ms and "
                              "driver_fixed_ms >= 0")
@@ -479,14 +488,15 @@ def ar_token_ms(profile: Profile) -> float:
     return sum(profile.layer_ms) + profile.stage_fixed_ms + profile.verify_ms
 
 
-def pp_token_ms(profile: Profile, counts: list[int], link_of) -> float:
-    """Plain pipeline parallel on n devices (head on the last stage): one token through all
-    stages, then its successor: n hops per token (n-1 activations + the token back to stage 0)."""
-    n = len(counts)
+def pp_token_ms(profile: Profile, stage_ms: list[float], link_of, head_ms: float) -> float:
+    """Plain pipeline parallel on n devices (head on the last stage, `head_ms` unless the last
+    stage time includes it): one token through all stages, then its successor: n hops per token
+    (n-1 activations + the token back to stage 0)."""
+    n = len(stage_ms)
     sizes = message_bytes(profile.hidden, profile.dtype_bytes, profile.anchors)
     hops = sum(link_of(p, p + 1).hop_ms(sizes["activation"]) for p in range(n - 1))
     hops += link_of(n - 1, 0).hop_ms(sizes["token"])
-    return sum(stage_times(profile, counts)) + profile.verify_ms + hops
+    return sum(stage_ms) + head_ms + hops
 
 
 def tp_token_ms(profile: Profile, g: int, link, notes: list[str]) -> tuple[float, float]:
@@ -559,10 +569,7 @@ def plan(profile: Profile, links: Links, alpha: AlphaCurve, ns: list[int], sim_t
                     continue  # no better than the default split
                 rows.append(_spd_row(profile, stage_times(profile, counts), counts, n, a, colocate, link_of,
                                      label, devices, notes, sim_tokens, seed))
-        counts = even_partition(profile.num_layers, n)
-        pp = pp_token_ms(profile, counts, links.of_devices)
-        rows.append({"method": "pp", "n": n, "devices": n, "layout": "-", "partition": "even",
-                     "stage_layers": counts, "token_ms": pp, "tok_s": 1e3 / pp})
+        rows.append(_pp_row(profile, n, links))
         spans = links.gpus_per_node is not None and n > links.gpus_per_node and links.inter is not None
         tp, comm = tp_token_ms(profile, n, links.inter if spans else links.intra, notes)
         rows.append({"method": "tp", "n": n, "devices": n, "layout": "across nodes" if spans else "one node",
@@ -574,6 +581,22 @@ def plan(profile: Profile, links: Links, alpha: AlphaCurve, ns: list[int], sim_t
             "best_by_devices": _best_by_devices(rows), "notes": notes,
             "links": {"intra": _link_label(links.intra), "inter": links.inter and _link_label(links.inter),
                       "gpus_per_node": links.gpus_per_node}}
+
+
+def _pp_row(profile: Profile, n: int, links: Links) -> dict:
+    """Plain pipeline parallel at n. Stage times, best first: measured in a pp run (head included;
+    stages that idle between tokens can compute slower than SPD's busy ones, as on a CPU host),
+    measured in an SPD run (+ verify for the head), or the stages' share of the layers."""
+    if n in profile.pp_stage_ms:
+        stages, head, label = list(profile.pp_stage_ms[n]), 0.0, "measured (pp)"
+    elif n in profile.stage_ms:
+        stages, head, label = list(profile.stage_ms[n]), profile.verify_ms, "measured"
+    else:
+        stages, head, label = stage_times(profile, even_partition(profile.num_layers, n)), profile.verify_ms, "even"
+    pp = pp_token_ms(profile, stages, links.of_devices, head)
+    return {"method": "pp", "n": n, "devices": n, "layout": "-", "partition": label,
+            "stage_layers": even_partition(profile.num_layers, n) if label == "even" else None,
+            "stage_ms": [round(c, 4) for c in stages], "token_ms": pp, "tok_s": 1e3 / pp}
 
 
 def _link_label(link: LinkModel) -> str:

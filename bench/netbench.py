@@ -71,11 +71,18 @@ class DistContext:
     def _td(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.timeout_s)
 
-    def isend(self, buf: torch.Tensor, dst: int) -> dist.Work:
-        return dist.isend(buf, dst)
+    def isend(self, buf: torch.Tensor, dst: int, what: str = "") -> dist.Work:
+        """Post a send; `what` ("stage 1: send to rank 3") names it if posting fails."""
+        try:
+            return dist.isend(buf, dst)
+        except RuntimeError as err:  # gloo can fail at posting once the peer's socket is gone
+            raise PeerError(f"{what or f'send to rank {dst}'}: posting failed: {err}") from err
 
-    def irecv(self, buf: torch.Tensor, src: int) -> dist.Work:
-        return dist.irecv(buf, src)
+    def irecv(self, buf: torch.Tensor, src: int, what: str = "") -> dist.Work:
+        try:
+            return dist.irecv(buf, src)
+        except RuntimeError as err:
+            raise PeerError(f"{what or f'receive from rank {src}'}: posting failed: {err}") from err
 
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for a P2P or collective op; any failure names the rank and the operation."""

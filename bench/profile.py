@@ -95,7 +95,9 @@ def choose_spd_row(report: dict, cores: int | None) -> dict:
 def profile_from_bench(report: dict, ecfg: EngineConfig, cores: int | None, host: str = "") -> dict:
     """spd-profile/1 from a same-run bench report (needs the ar row and a traced spd row).
 
-    stage_ms[n] = per-stage mean compute; pdm_ms[n] and verify_ms = the driver's means;
+    stage_ms[n] = per-stage mean compute; pp_stage_ms[n] = the same from a traced pp row (its last
+    stage's includes the head; stages that idle between tokens, as pp's do, can compute slower
+    than SPD's busy ones); pdm_ms[n] and verify_ms = the driver's means;
     driver_fixed_ms = the driver's untimed per-tick work (co-located: plus stage 0's step
     overhead beyond its compute, which the driver's send includes); layer_ms = (AR decode ms
     per token - verify_ms) / L, so the model's AR time (layers + verify) is the measured one
@@ -112,7 +114,7 @@ def profile_from_bench(report: dict, ecfg: EngineConfig, cores: int | None, host
     fixed = drv["other"] + (max(0.0, drv["send"] - stages[0]) if row["colocate"] else 0.0)
     ar_ms = rows["ar"]["tick_ms"]
     plan = AnchorPlan.build(stage_bounds(list(ecfg.topology.stage_layers)), ecfg.anchors)
-    return {
+    out = {
         "schema": SCHEMA, "name": f"{_short(ecfg.model)}-n{n}-{ecfg.device}",
         "num_layers": L, "layer_ms": max(0.0, ar_ms - drv["verify"]) / L,
         "pdm_ms": {str(n): drv["pdm"]}, "verify_ms": drv["verify"], "driver_fixed_ms": fixed,
@@ -125,6 +127,9 @@ def profile_from_bench(report: dict, ecfg: EngineConfig, cores: int | None, host
                    "synthetic_alpha": report.get("synthetic_alpha"), "alpha_measured": row["alpha"], "host": host},
         "measured": {"ar_token_ms": ar_ms, "driver_ms_per_tick": drv, "spd_tick_ms": row["tick_ms"]},
     }
+    if "pp" in report["request_traces"]:  # a traced pp row: its own stage times (bench/validate_runtime.py)
+        out["pp_stage_ms"] = {str(n): stage_compute_ms(report["request_traces"]["pp"])}
+    return out
 
 
 def _short(model: str) -> str:
@@ -148,7 +153,7 @@ class DeviceSettings:
 
 def time_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: int) -> float:
     """Median ms of one call followed by a device synchronisation."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
         fn()
     sync()

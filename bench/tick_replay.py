@@ -99,8 +99,8 @@ class SendQueue:
     are queued, so a stage never stalls on a driver that reads its (stale) anchors lazily; each
     (dst, size) has a ring of window + 2 buffers, so a buffer is reused only after its send ended."""
 
-    def __init__(self, ctx: DistContext, window: int):
-        self.ctx, self.window, self.items = ctx, window, deque()
+    def __init__(self, ctx: DistContext, window: int, who: str):
+        self.ctx, self.window, self.who, self.items = ctx, window, who, deque()  # who: "stage p" or "driver"
         self.rings: dict[tuple[int, int], tuple[list[torch.Tensor], list]] = {}
         self.turn: dict[tuple[int, int], int] = {}
 
@@ -117,13 +117,13 @@ class SendQueue:
             headers[i].numpy()[:] = stamped  # a plain memory write; payload bytes stay zero
         else:  # NCCL path (untested): a small host-to-device copy
             headers[i].copy_(torch.tensor(stamped, dtype=torch.int64))
-        self.items.append((self.ctx.isend(bufs[i], dst), dst))
+        self.items.append((self.ctx.isend(bufs[i], dst, f"{self.who}: send to rank {dst}"), dst))
         while len(self.items) > self.window:
             self._retire()
 
     def _retire(self) -> None:
         work, dst = self.items.popleft()
-        self.ctx.wait(work, f"send to rank {dst}")
+        self.ctx.wait(work, f"{self.who}: send to rank {dst}")
 
     def drain(self) -> None:
         while self.items:
@@ -135,16 +135,17 @@ class Link:
 
     def __init__(self, ctx: DistContext, src: int, nbytes: int, stage: int):
         self.ctx, self.src, self.nbytes, self.stage = ctx, src, nbytes, stage
+        self.what = f"driver: receive from stage {stage} (rank {src})"
         self.count = 0  # messages received = last entry index seen
         self.last: list[int] = []
         self.buf = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
         self._post()
 
     def _post(self) -> None:
-        self.work = self.ctx.irecv(self.buf, self.src)  # the header was read: the buffer is free
+        self.work = self.ctx.irecv(self.buf, self.src, self.what)  # the header was read: the buffer is free
 
     def _next(self) -> list[int]:
-        self.ctx.wait(self.work, f"driver: receive from stage {self.stage} (rank {self.src})")
+        self.ctx.wait(self.work, self.what)
         header = _header(self.buf)
         if header[0] != KIND_END:
             self._post()
@@ -170,14 +171,15 @@ def _stage_loop(ctx: DistContext, sc: ReplayConfig, p: int) -> dict:
     dst = 0 if last else sc.stage_rank(p + 1)
     in_bytes = sizes["token"] if p == 0 else sizes["activation"]
     out_bytes = sizes["exit"] if last else sizes["activation"]
-    sends = SendQueue(ctx, window=4 * n + 8)
+    sends = SendQueue(ctx, window=4 * n + 8, who=f"stage {p}")
     bufs = [torch.empty(in_bytes, dtype=torch.uint8, device=ctx.device) for _ in range(2)]
-    work, i, compute = ctx.irecv(bufs[0], src), 0, []
+    what = f"stage {p}: receive from rank {src}"
+    work, i, compute = ctx.irecv(bufs[0], src, what), 0, []
     waited = posting = 0.0
     hops = []  # input latencies of messages this stage was idle-waiting for (ms)
     while True:
         t_wait = time.perf_counter_ns()
-        ctx.wait(work, f"stage {p}: receive from rank {src}")
+        ctx.wait(work, what)
         arrived = time.perf_counter_ns()
         header = _header(bufs[i % 2])
         if header[0] == KIND_END:
@@ -186,7 +188,7 @@ def _stage_loop(ctx: DistContext, sc: ReplayConfig, p: int) -> dict:
             waited += (arrived - t_wait) / 1e9
         if header[4] > t_wait:  # sent while we waited: wait return - send = one hop
             hops.append((arrived - header[4]) / 1e6)
-        work = ctx.irecv(bufs[(i + 1) % 2], src)  # pre-post the next input before computing
+        work = ctx.irecv(bufs[(i + 1) % 2], src, what)  # pre-post the next input before computing
         t0 = time.perf_counter()
         time.sleep(sc.stage_ms[p] / 1e3)
         t1 = time.perf_counter()
@@ -216,7 +218,7 @@ class _Driver:
         self.rng = random.Random(sc.seed)
         self.links = {p: Link(ctx, sc.stage_rank(p), self.sizes["exit" if p == sc.n - 1 else "anchors"], p)
                       for p in range(1 if sc.colocate else 0, sc.n)}
-        self.sends = SendQueue(ctx, window=4 * sc.n + 8)
+        self.sends = SendQueue(ctx, window=4 * sc.n + 8, who="driver")
         self.epoch_of = [-1, 0]  # entry index (1-based) -> epoch it was sent with; entry 1 is x_P
         self.epoch = self.committed = self.rejects = 0
         self.last_rejected = False

@@ -45,7 +45,7 @@ class ValidationSettings:
 
 
 def bench_cases(ecfg: EngineConfig, configs: Sequence[str] = CONFIGS) -> list[BenchCase]:
-    """ar on one rank, pp on n, SPD co-located on n and with a separate driver on n + 1 (traced);
+    """ar on one rank, pp on n (traced), SPD co-located on n and with a separate driver on n + 1 (traced);
     `configs` picks a subset (ar, the reference and the source of layer_ms, always runs)."""
     bad = set(configs) - set(CONFIGS)
     if bad or not {"spd", "spd-colocate"} & set(configs):
@@ -53,7 +53,8 @@ def bench_cases(ecfg: EngineConfig, configs: Sequence[str] = CONFIGS) -> list[Be
     topo = ecfg.topology
     one = dataclasses.replace(topo, stage_layers=(topo.num_layers,), colocate=False)
     every = {"ar": BenchCase("ar", ecfg.replace(mode="ar", topology=one)),
-             "pp": BenchCase("pp", ecfg.replace(mode="pp", topology=dataclasses.replace(topo, colocate=True))),
+             "pp": BenchCase("pp", ecfg.replace(mode="pp", topology=dataclasses.replace(topo, colocate=True),
+                                                trace=True)),
              "spd-colocate": BenchCase("spd-colocate", ecfg.replace(
                  mode="spd", topology=dataclasses.replace(topo, colocate=True), trace=True)),
              "spd": BenchCase("spd", ecfg.replace(mode="spd", topology=dataclasses.replace(topo, colocate=False),
@@ -143,22 +144,39 @@ def run_round(ecfg: EngineConfig, prompts: Sequence[list[int]], s: ValidationSet
     prof = profile_from_bench(first, ecfg, cores, load_note())
     progress(f"{tag}, 2/3 netbench run: P2P at the runtime's message sizes ...")
     net = run_netbench(ecfg, prof["anchors_per_stage"], s)
-    link = LinkModel.from_netbench(net, "netbench (this host)", s.latency_stat)
     progress(f"{tag}, 3/3 measurement run: spd bench again ...")
     second = bench(cases, prompts, s.max_new_tokens, (), s.repeats, s.synthetic_alpha, s.seed, progress)
     for name, run in (("profile", first), ("measurement", second)):
         if run["mismatches"]:
             raise RuntimeError(f"{name} run: outputs differ from ar for {run['mismatches']}")
-    alpha = prof["source"]["alpha_measured"]
     own = profile_from_bench(second, ecfg, cores, load_note())  # diagnostic only, see compare()
     for run in (first, second):
         for key in ("traces", "request_traces"):
             run.pop(key, None)  # large; the profiles keep what the model needs
-    n = ecfg.topology.n
-    return {"profile": prof, "netbench": net, "alpha": alpha, "predicted": predict(prof, link, alpha, n, s.max_new_tokens),
-            "measured": measured_of(second),
-            "same_run": predict(own, link, own["source"]["alpha_measured"], n, s.max_new_tokens),
-            "measurement_profile": own, "profile_run": first, "measurement_run": second, "load": load_note()}
+    rnd = {"profile": prof, "netbench": net, "alpha": prof["source"]["alpha_measured"],
+           "measured": measured_of(second), "measurement_profile": own, "profile_run": first,
+           "measurement_run": second, "load": load_note()}
+    return {**rnd, **predict_round(rnd, ecfg.topology.n, s)}
+
+
+def predict_round(rnd: dict, n: int, s: ValidationSettings) -> dict:
+    """A round's predictions (from its profile run + netbench run) and the same-run diagnostic
+    (from its measurement run's own profile)."""
+    link = LinkModel.from_netbench(rnd["netbench"], "netbench (this host)", s.latency_stat)
+    own = rnd["measurement_profile"]
+    return {"predicted": predict(rnd["profile"], link, rnd["alpha"], n, s.max_new_tokens),
+            "same_run": predict(own, link, own["source"]["alpha_measured"], n, s.max_new_tokens)}
+
+
+def repredict(result: dict) -> dict:
+    """A saved validation (`--json` of --validate-runtime) with every round predicted again by
+    the current cost model from the same measured inputs; the measurements are unchanged."""
+    s = ValidationSettings(**{**result["settings"], "configs": tuple(result["settings"]["configs"])})
+    rounds = [{**r, **predict_round(r, result["n"], s)} for r in result["rounds"]]
+    cores = result.get("cores") or int(result["host"]["before"].split()[0])  # older files: from the load note
+    rows = compare([r["predicted"] for r in rounds], [r["measured"] for r in rounds], s.tolerance, cores,
+                   [r["same_run"] for r in rounds])
+    return {**result, "rows": rows, "rounds": rounds, "cores": cores, "repredicted": True}
 
 
 def validate(ecfg: EngineConfig, prompts: Sequence[list[int]], s: ValidationSettings,
@@ -174,7 +192,8 @@ def validate(ecfg: EngineConfig, prompts: Sequence[list[int]], s: ValidationSett
             "alpha_used": [r["alpha"] for r in rounds], "host": {"before": load_before,
                                                                  **{f"after round {k + 1}": r["load"]
                                                                     for k, r in enumerate(rounds)}},
-            "settings": dataclasses.asdict(s), "n": ecfg.topology.n, "model": ecfg.model, "head": ecfg.pdm,
+            "settings": dataclasses.asdict(s), "n": ecfg.topology.n, "cores": os.cpu_count(),
+            "model": ecfg.model, "head": ecfg.pdm,
             "threads_per_rank": ecfg.threads_per_rank()}
 
 
@@ -201,7 +220,7 @@ def format_validation(result: dict) -> str:
     lines.append(f"{len(result['rows']) - len(bad)} of {len(result['rows'])} configs within "
                  f"{100 * s['tolerance']:g}% (tok/s and ms/tick)" + (f"; off: {', '.join(bad)}" if bad else ""))
     if over:
-        lines.append(f"oversubscribed (more ranks than the host's {os.cpu_count()} cores): {', '.join(over)}")
+        lines.append(f"oversubscribed (more ranks than the host's {result['cores']} cores): {', '.join(over)}")
     lines.append("ar: predicted = the profile runs' AR time (layer_ms is derived from it), so its row "
                  "measures run-to-run reproducibility")
     lines.append("same-run: the model fed with the measured run's own profile (a diagnostic, not a prediction): "

@@ -69,6 +69,8 @@ class PipelineDriver:
             pos += 1
         res.decode_s = time.perf_counter() - t1
         res.stages = self._finish()
+        if any(st["trace"] for st in res.stages):  # stages traced (EngineConfig.trace): no driver events here
+            res.trace = {"driver": [], "stages": [st.pop("trace") for st in res.stages]}
         return res
 
     def _finish(self) -> list[dict[str, float]]:

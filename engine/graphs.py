@@ -20,6 +20,7 @@ reported by `StepGraph.mode`.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -82,12 +83,15 @@ def static_forward(model: StageModel, h: torch.Tensor, cache: KVCache, slots: to
                                 capture=capture)
 
 
+_CAPTURE_LOCK = threading.Lock()  # process-wide: CUDA graph capture is not thread-safe
+
+
 class StepGraph:
     """fn() -> outputs that live in static buffers. On CUDA with `enabled`, fn is captured once
     as a CUDA graph and `__call__` replays it; otherwise `__call__` runs fn eagerly."""
 
     def __init__(self, fn: Callable[[], object], device: torch.device, enabled: bool = True, warmup: int = 3) -> None:
-        self.fn, self.graph, self.out = fn, None, None
+        self.fn, self.device, self.graph, self.out = fn, device, None, None
         if not enabled:
             self.mode = "eager (graphs disabled)"
         elif device.type != "cuda":
@@ -102,16 +106,20 @@ class StepGraph:
 
     @torch.no_grad()  # inference only: no autograd state inside the graph
     def _capture(self, warmup: int) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capture stream (lazy inits, autotuning)
-            for _ in range(warmup):
-                self.fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.out = self.fn()
-        self.graph = graph
+        # One capture at a time per process (the reference executor runs stages as threads, each
+        # capturing lazily), on this graph's device and its own capture stream; thread-local
+        # capture mode leaves other threads' work on other streams alone.
+        with _CAPTURE_LOCK, torch.cuda.device(self.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the capture stream (lazy inits, autotuning)
+                for _ in range(warmup):
+                    self.fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=torch.cuda.Stream(), capture_error_mode="thread_local"):
+                self.out = self.fn()
+            self.graph = graph
 
     @property
     def graphed(self) -> bool:
@@ -120,7 +128,8 @@ class StepGraph:
     def __call__(self):
         if self.graph is None:
             return self.fn()
-        self.graph.replay()
+        with torch.cuda.device(self.device):  # replay goes to the current device's current stream
+            self.graph.replay()
         return self.out
 
 

@@ -38,11 +38,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init(ecfg: EngineConfig, rank: int, world: int, init_method: str) -> DistTransport:
+def gpu_for_rank(rank: int, local_rank: int | None, gpus: int, world: int) -> int:
+    """The GPU index of a rank when the device is plain `cuda`: one GPU per rank, LOCAL_RANK
+    under torchrun (ranks spread over nodes), else the rank itself (one node)."""
+    index = rank if local_rank is None else local_rank
+    if index >= gpus:
+        raise ValueError(f"--device cuda runs one rank per GPU: rank {rank} needs GPU {index}, this node has "
+                         f"{gpus} (world size {world}); NCCL cannot put two ranks on one GPU")
+    return index
+
+
+def rank_config(ecfg: EngineConfig, rank: int, world: int) -> EngineConfig:
+    """This rank's config: plain `cuda` becomes `cuda:K` of gpu_for_rank, made the current device
+    (CUDA graphs, streams and NCCL use the current device). `cpu` and an explicit `cuda:K` (every
+    rank on that device) stay as given."""
+    if ecfg.device != "cuda":
+        return ecfg
+    local = os.environ.get("LOCAL_RANK")
+    index = gpu_for_rank(rank, None if local is None else int(local), torch.cuda.device_count(), world)
+    torch.cuda.set_device(index)
+    return ecfg.replace(device=f"cuda:{index}")
+
+
+def _init(ecfg: EngineConfig, rank: int, world: int, init_method: str) -> tuple[EngineConfig, DistTransport]:
+    """(this rank's config, its transport)."""
+    ecfg = rank_config(ecfg, rank, world)
     torch.set_num_threads(ecfg.threads_per_rank())
     timeout = datetime.timedelta(seconds=max(60.0, ecfg.timeout_s))
     dist.init_process_group(ecfg.backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
-    return DistTransport(rank, world, ecfg.device)
+    return ecfg, DistTransport(rank, world, ecfg.device)
 
 
 def _serve(ecfg: EngineConfig, rank: int, transport: DistTransport) -> None:
@@ -59,7 +83,7 @@ def _serve(ecfg: EngineConfig, rank: int, transport: DistTransport) -> None:
 
 def _child_main(rank: int, world: int, ecfg: EngineConfig, init_method: str) -> None:
     try:
-        transport = _init(ecfg, rank, world, init_method)
+        ecfg, transport = _init(ecfg, rank, world, init_method)
         _serve(ecfg, rank, transport)
         dist.destroy_process_group()
     except (TransportError, RuntimeError, ValueError) as err:
@@ -88,7 +112,7 @@ def launch(ecfg: EngineConfig) -> Iterator[object]:
         if got != world:
             raise ValueError(f"torchrun started {got} processes; mode {ecfg.mode} with n={ecfg.topology.n} "
                              f"needs world size {world}")
-        transport = _init(ecfg, rank, world, "env://")
+        ecfg, transport = _init(ecfg, rank, world, "env://")
         if rank != 0:
             try:
                 _serve(ecfg, rank, transport)
@@ -100,13 +124,15 @@ def launch(ecfg: EngineConfig) -> Iterator[object]:
         yield from _drive(ecfg, transport, [])
         return
     check_head(ecfg)  # fail fast, before any rank is spawned
+    if ecfg.device == "cuda":
+        gpu_for_rank(world - 1, None, torch.cuda.device_count(), world)  # enough GPUs for every rank
     init_method = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
     children = [ctx.Process(target=_child_main, args=(r, world, ecfg, init_method), daemon=True)
                 for r in range(1, world)]
     for p in children:
         p.start()
-    transport = _init(ecfg, 0, world, init_method)
+    ecfg, transport = _init(ecfg, 0, world, init_method)
     yield from _drive(ecfg, transport, children)
 
 

@@ -52,7 +52,7 @@ class GenerationResult:
             stage_ms.append(ms)
             per[f"stage{i}_compute_ms"] = ms
             per[f"stage{i}_wait_ms"] = 1e3 * s.get("wait_s", 0.0) / msgs
-        if stage_ms:
+        if stage_ms and "pdm" in self.driver:  # slack is SPD's: the pp/ar baselines have no PDM
             driver_work = sum(per.get(f"driver_{k}_ms", 0.0) for k in ("pdm", "verify", "send"))
             per["driver_slack_ms"] = max(stage_ms) - driver_work
         return per

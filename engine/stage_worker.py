@@ -107,13 +107,19 @@ class StageWorker:
             ids = None
             h = self.t.recv_into(self.prev, self.h_in[:T], self.timeout, int(self.stats[1]))[None]
             t1 = time.perf_counter()
+        greedy_dev = None  # the static step's argmax token [1] (a head stage only)
         if self.static is not None and hdr.kind == Kind.TOKEN:
-            out, caps, _ = self.static.run(pos, h=None if self.stage == 0 else h, token=ids)
+            out, caps, greedy_dev = self.static.run(pos, h=None if self.stage == 0 else h, token=ids)
             # static buffers, rewritten by the next step while a send may still be in flight
             out, caps = out.clone(), {k: v.clone() for k, v in caps.items()}
         else:
             h = self.model.embed(ids) if self.stage == 0 else h  # [1, T, H]
             out, caps = self.model.forward_layers(h, self.cache, pos, capture=self.capture)
+        if self.model.has_head:  # the pp/ar head stage: its logits and token are part of its compute
+            if greedy_dev is not None and self.sampling.greedy:
+                token = int(greedy_dev)  # host sync: the id goes in the header; the step ran the head
+            else:  # eager steps, prefill, and sampling (which needs the logits, not the argmax)
+                token = self._next_token(self.model.logits(out[0, -1]), pos + T)
         if self.min_step_s > 0 and hdr.kind == Kind.TOKEN:
             time.sleep(max(0.0, self.min_step_s - (time.perf_counter() - t1)))
         t2 = time.perf_counter()
@@ -123,7 +129,6 @@ class StageWorker:
         if self.next is not None:
             self.t.send(self.next, hdr, [out[0]])
         if self.model.has_head:
-            token = self._next_token(self.model.logits(out[0, -1]), pos + T)
             self.t.send(self.driver, Header(hdr.kind, hdr.position, hdr.epoch, token))
         elif self.reports:
             payloads = []

@@ -44,9 +44,9 @@ def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
     topo = ecfg.topology
     one = dataclasses.replace(topo, stage_layers=(topo.num_layers,), colocate=False)
     out = [BenchCase("ar", ecfg.replace(mode="ar", topology=one))]
-    if "pp" in names:
-        out.append(BenchCase("pp", ecfg.replace(mode="pp")))
     profiling = bool(getattr(args, "profile_out", None))
+    if "pp" in names:
+        out.append(BenchCase("pp", ecfg.replace(mode="pp", trace=profiling)))
     if profiling and not {"spd", "spd-colocate"} & set(names):
         raise ValueError("--profile-out needs an spd or spd-colocate run in --configs")
     if "spd" in names:

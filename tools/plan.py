@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rt.add_argument("--max-new-tokens", type=int, default=48, help="tokens per prompt for --validate-runtime")
     rt.add_argument("--prompt", action="append", help="prompt(s) for --validate-runtime (default: three built-in)")
     rt.add_argument("--profile-out", help="with --validate-runtime: also write the profile run's spd-profile/1 here")
+    rt.add_argument("--revalidate", metavar="JSON",
+                    help="a saved --validate-runtime --json: predict its rounds again with this cost model from the "
+                         "same measured inputs (runs nothing; uses --tolerance, --json)")
 
 
 def _load_json(path: str) -> dict:
@@ -267,9 +270,26 @@ def _validate_runtime(args: argparse.Namespace) -> int:
     return 1 if any(r["ok"] != "yes" for r in result["rows"]) else 0
 
 
+def _revalidate(args: argparse.Namespace) -> int:
+    from bench.validate_runtime import format_validation, repredict
+
+    saved = _load_json(args.revalidate)
+    if "rounds" not in saved or "settings" not in saved:
+        raise ValueError(f"{args.revalidate}: not a --validate-runtime JSON (no rounds/settings)")
+    saved["settings"]["tolerance"] = args.tolerance
+    result = repredict(saved)
+    print(format_validation(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 1 if any(r["ok"] != "yes" for r in result["rows"]) else 0
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.validate and args.validate_runtime:
-        raise ValueError("give one of --validate (tick replays) and --validate-runtime (real runs)")
+    if sum(map(bool, (args.validate, args.validate_runtime, args.revalidate))) > 1:
+        raise ValueError("give one of --validate (tick replays), --validate-runtime (real runs) and --revalidate")
+    if args.revalidate:
+        return _revalidate(args)
     if args.validate_runtime:
         return _validate_runtime(args)
     if args.validate:

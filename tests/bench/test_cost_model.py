@@ -216,3 +216,28 @@ def test_hybrid_tp_inside_spd_across(tmp_path):
         assert r["spd_stages"] == 2 and r["stage_ms"] == pytest.approx([1.2, 1.2])
         assert r["alpha"] == 0.9  # the acceptance of a 2-stage pipeline, not of n = 4
         assert r["devices"] == (4 if r["layout"] == "coloc" else 5)
+
+
+def test_pp_uses_measured_stage_times_where_the_profile_has_them():
+    # and rejects a stage table of the wrong length
+    with pytest.raises(ValueError, match=r"pp_stage_ms\[2\] must have 2 entries"):
+        Profile.from_dict({"name": "x", "layer_ms": [1.0], "pdm_ms": 0.5, "verify_ms": 0.2, "hidden_size": 8,
+                           "pp_stage_ms": {"2": [1.0]}})
+    from bench.cost_model import Links, plan
+
+    link = LinkModel.assume("hand", 100.0, 1.0, None)  # 0.1 ms + bytes / 1 GB/s per hop
+    base = {"schema": "spd-profile/1", "name": "hand", "num_layers": 4, "layer_ms": 1.0, "pdm_ms": 0.5,
+            "verify_ms": 0.2, "hidden_size": 64, "dtype_bytes": 4}
+    hops = link.hop_ms(40 + 64 * 4) + link.hop_ms(40)  # activation to stage 1, token back to stage 0
+    spd_stages, pp_stages = {"stage_ms": {"2": [3.0, 2.5]}}, {"pp_stage_ms": {"2": [3.5, 3.4]}}
+    # no measured stages: the layers' share + the head (verify); SPD-run stages + the head;
+    # pp-run stages, whose last already includes the head
+    for extra, want, partition in (({}, 4.0 + 0.2, "even"), (spd_stages, 5.5 + 0.2, "measured"),
+                                   ({**spd_stages, **pp_stages}, 6.9, "measured (pp)")):
+        prof = Profile.from_dict({**base, **extra})
+        rows = plan(prof, Links(link), AlphaCurve({0: 0.5}), [2, 4])["rows"]
+        pp = {r["n"]: r for r in rows if r["method"] == "pp"}
+        assert pp[2]["partition"] == partition
+        assert pp[2]["token_ms"] == pytest.approx(want + hops)
+        assert pp[4]["partition"] == "even"  # no measured stages at n = 4: the layers' share of AR
+        assert pp[4]["token_ms"] == pytest.approx(4.0 + 0.2 + 3 * link.hop_ms(40 + 64 * 4) + link.hop_ms(40))

@@ -137,10 +137,10 @@ def test_dead_rank_ends_the_run_with_an_error_on_every_rank(capfd):
     assert "run failed on 3 of 3 ranks" in err
     assert "rank 2: exit code 17" in err  # the injected fault
     # each survivor ends with its own error, naming the operation that found the dead peer
-    assert "rank 0: exit code 1: driver: receive from stage" in err, err
-    # stage 0 ends with an error too; which operation finds the dead peer first varies with timing
-    # (in full-suite runs it was sometimes not a "stage 0: ..." receive), so only its exit is pinned
-    assert re.search(r"rank 1: exit code 1: \S", err), err
+    # which operation finds the dead peer first (posting or finishing a receive or a send)
+    # varies with timing, but each error names the role and the operation
+    assert re.search(r"rank 0: exit code 1: driver: (receive from stage \d|send to rank \d)", err), err
+    assert re.search(r"rank 1: exit code 1: stage 0: (receive from|send to) rank \d", err), err
     assert "hung" not in err, err
     assert elapsed < 60, f"took {elapsed:.0f}s: ranks should fail within a few timeouts"
 

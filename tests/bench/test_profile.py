@@ -180,6 +180,12 @@ def test_profile_from_bench_report():
     prof = Profile.from_dict(json.loads(json.dumps(sep)))  # the cost model reads it back
     assert prof.stage_ms[2] == pytest.approx((3.0, 16 / 3)) and prof.driver_fixed_ms == pytest.approx(0.5)
     assert sum(prof.layer_ms) + prof.verify_ms == pytest.approx(30.0)  # the model's AR = measured AR
+    assert "pp_stage_ms" not in sep and not prof.pp_stage_ms  # no traced pp row in this report
+    pp_trace = {"driver": [], "stages": [[(0.0, 0.0, 0.004)], [(0.0, 1.0, 1.007), (0.0, 2.0, 2.009)]]}
+    with_pp = profile_from_bench({**report, "request_traces": {**report["request_traces"], "pp": [pp_trace]}},
+                                 ecfg, 16)
+    assert with_pp["pp_stage_ms"] == {"2": [pytest.approx(4.0), pytest.approx(8.0)]}
+    assert Profile.from_dict(with_pp).pp_stage_ms[2] == pytest.approx((4.0, 8.0))
     with pytest.raises(ValueError, match="no ar row"):
         profile_from_bench({**report, "rows": report["rows"][1:]}, ecfg, 16)
     with pytest.raises(ValueError, match="no traced spd run"):
@@ -225,8 +231,8 @@ def test_bench_profile_out_needs_an_spd_run():
     args = argparse.Namespace(configs="ar,pp", timeline=None, profile_out="x.json")
     with pytest.raises(ValueError, match="--profile-out needs an spd"):
         cases(args, ecfg)
-    traced = cases(argparse.Namespace(configs="ar,spd,spd-colocate", timeline=None, profile_out="x.json"), ecfg)
-    assert [c.ecfg.trace for c in traced] == [False, True, True]
+    traced = cases(argparse.Namespace(configs="ar,pp,spd,spd-colocate", timeline=None, profile_out="x.json"), ecfg)
+    assert [c.ecfg.trace for c in traced] == [False, True, True, True]  # pp too: its stage times
 
 
 # ---------------------------------------------------------------- spd profile on CPU

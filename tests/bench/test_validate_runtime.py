@@ -124,12 +124,38 @@ def test_real_run_inputs_are_usable(tiny_validation):
     prof = Profile.from_dict(json.loads(json.dumps(res["profile"])))
     assert prof.stage_ms[2] and len(prof.stage_ms[2]) == 2 and prof.verify_ms > 0
     assert res["profile"]["source"]["spd_row"] in ("spd", "spd-colocate")
+    if "pp" in res["settings"]["configs"]:  # pp is traced: its own stage times predict it
+        assert len(prof.pp_stage_ms[2]) == 2 and min(prof.pp_stage_ms[2]) > 0
     net = res["rounds"][0]["netbench"]
     assert net["schema"] == "spd-netbench/1" and {(r["src"], r["dst"]) for r in net["p2p"]} >= {(0, 1), (0, 2), (1, 2)}
     assert {r["bytes"] for r in net["p2p"]} >= {32, PRESETS["tiny-llama"].hidden_size * 4 + 40}
     text = format_validation(res)
     assert "SYNTHETIC acceptance alpha=0.75" in text and "host load: before:" in text
     assert all(r["config"] in text for r in res["rows"]) and "configs within 15%" in text
+
+
+def test_revalidate_repredicts_a_saved_run(tiny_validation, tmp_path, capsys):
+    from tools.cli import main
+
+    saved = json.loads(json.dumps(tiny_validation))
+    rnd = saved["rounds"][0]
+    want = {c: dict(p) for c, p in rnd["predicted"].items()}
+    for c in rnd["predicted"]:  # what an older model predicted: repredict must replace it
+        rnd["predicted"][c] = {**rnd["predicted"][c], "tick_ms": 1.0, "tok_s": 1.0}
+    path, out = tmp_path / "saved.json", tmp_path / "again.json"
+    path.write_text(json.dumps(saved))
+    rc = main(["plan", "--revalidate", str(path), "--json", str(out)])
+    again = json.loads(out.read_text())
+    assert rc == (1 if any(r["ok"] != "yes" for r in again["rows"]) else 0)
+    assert again["repredicted"] and again["rounds"][0]["measured"] == rnd["measured"]
+    for c, p in want.items():
+        assert again["rounds"][0]["predicted"][c]["tick_ms"] == pytest.approx(p["tick_ms"])
+    assert [r["predicted_tick_ms"] for r in again["rows"]] == pytest.approx(
+        [r["predicted_tick_ms"] for r in tiny_validation["rows"]])
+    assert "configs within 15%" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["plan", "--revalidate", str(tmp_path / "bad.json")]) == 2
+    assert "not a --validate-runtime JSON" in capsys.readouterr().err
 
 
 def test_cli_argument_errors(capsys):

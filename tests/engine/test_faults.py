@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.engine_config import PRESETS
 from engine.launch import FAULT_ENV
@@ -257,3 +258,21 @@ def test_a_failing_stage_thread_ends_the_request_with_rank_and_peer(monkeypatch)
     assert ERROR.search(str(info.value))
     assert any("stage 1 broke" in str(e) for e in ex.errors)
     assert time.monotonic() - start < 4 * ecfg.timeout_s
+
+
+def test_one_gpu_per_rank_is_checked_before_anything_starts():
+    from engine.engine_config import EngineConfig
+    from engine.launch import gpu_for_rank, launch
+
+    assert gpu_for_rank(2, None, 4, 3) == 2  # one node: rank r on GPU r
+    assert gpu_for_rank(5, 1, 2, 6) == 1  # torchrun: LOCAL_RANK on each node
+    with pytest.raises(ValueError, match="rank 2 needs GPU 2, this node has 1"):
+        gpu_for_rank(2, None, 1, 3)
+    cfg = PRESETS["tiny-llama"]
+    ecfg = EngineConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, n=2),
+                        device="cuda", capacity=64)
+    if torch.cuda.device_count() >= ecfg.world_size:
+        pytest.skip("enough GPUs here: the check passes")
+    with pytest.raises(ValueError, match="one rank per GPU"):
+        with launch(ecfg):
+            pass

@@ -112,9 +112,10 @@ def test_sampled_eos_stops_at_the_first_committed_eos(n, one_thread):
 
 # ---- baselines and degenerate sampling ----
 
-@pytest.mark.parametrize("mode,n", [("ar", 1), ("pp", 2)])
-def test_baselines_sample_like_plain_autoregressive_sampling(mode, n, one_thread):
-    ecfg = tiny_engine_config("qwen3", n, mode=mode)
+@pytest.mark.parametrize("mode,n,step_mode", [("ar", 1, "eager"), ("pp", 2, "eager"), ("pp", 2, "static")])
+def test_baselines_sample_like_plain_autoregressive_sampling(mode, n, step_mode, one_thread):
+    # static: the head stage's step computes the argmax; sampling must still draw from its logits
+    ecfg = tiny_engine_config("qwen3", n, mode=mode, step_mode=step_mode)
     prompts = random_prompts(ecfg.cfg, (5, 18), seed=6)
     model = full_model(ecfg)
     with ReferenceExecutor(ecfg) as ex:
