@@ -69,6 +69,10 @@ class Driver:
         assert step_mode in ("eager", "static", "graph"), step_mode
         self.step_mode = step_mode
         self.pdm_steps: dict[int, PDMStep] = {}  # static PDM steps by row count (1 .. n + 1)
+        if step_mode != "eager":  # every row count and length bucket now, not inside a timed request
+            for rows in range(1, self.n + 2):
+                self.pdm_steps[rows] = PDMStep(pdm, self.pdm_cache, rows, graphs=step_mode == "graph")
+                self.pdm_steps[rows].prepare()
         self.epoch = 0
         self.tick = 0
         self.sent = 0
@@ -249,10 +253,7 @@ class Driver:
         the device, or None from the eager step)."""
         if self.step_mode == "eager":
             return self.pdm.forward_rows(rows[None], self.pdm_cache, pos)[0, -1], None
-        R = rows.shape[0]
-        if R not in self.pdm_steps:
-            self.pdm_steps[R] = PDMStep(self.pdm, self.pdm_cache, R, graphs=self.step_mode == "graph")
-        return self.pdm_steps[R].run(pos, rows)
+        return self.pdm_steps[rows.shape[0]].run(pos, rows)
 
     def _draft(self, h_last: torch.Tensor, newest: int, fill: int, policy: DraftPolicy | None,
                draft_id: torch.Tensor | None = None) -> int:

@@ -8,7 +8,7 @@ pass through the host: the position lives in a device tensor. Two things depend 
   *length bucket*) with the mask `slot <= position` computed on the device from the position
   tensor. One graph per bucket (powers of two up to the capacity), picked by the host from the
   position it already knows (every message header carries it), keeps the wasted attention
-  below 2x of the live length.
+  below 2x of the live length. The runtime captures every bucket when a rank starts (`prepare`).
 Slots above the position may hold entries of a flushed token (DESIGN 3.4); the mask hides
 them exactly as the eager path's shorter cache view does. The masked step reproduces the
 eager path (`StageModel.forward_layers` with an int slot) up to floating-point summation
@@ -155,6 +155,17 @@ class _Bucketed:
         if length not in self.graphs:
             self.graphs[length] = StepGraph(self._step_fn(length), self.device, self.use_graphs)
         return self.graphs[length]
+
+    @torch.no_grad()
+    def prepare(self) -> dict[int, str]:
+        """Build (on CUDA: capture) every bucket's step now, so that no capture lands inside a
+        timed request. The warm-up runs write K/V at each bucket's last slots from whatever the
+        input buffers hold, which is harmless: a slot is read only by positions after it, and
+        those come after the real token of that slot has written it (rollback is lazy the same way)."""
+        for length in self.buckets:
+            if length >= self.rows:
+                self._graph(length - self.rows)
+        return self.modes()
 
     def _slots(self) -> torch.Tensor:
         return self.pos + self.offsets  # [rows]

@@ -53,6 +53,8 @@ class StageWorker:
         assert step_mode in ("eager", "static", "graph"), step_mode
         self.static = None if step_mode == "eager" else \
             StageStep(model, self.cache, graphs=step_mode == "graph", capture=self.capture)
+        if self.static is not None:
+            self.static.prepare()  # every length bucket now, not inside a timed request
 
     def serve(self) -> None:
         """Loop until SHUTDOWN."""

@@ -81,6 +81,24 @@ def test_stage_step_matches_eager_path_with_rollback(preset):
     assert all("skipped on cpu" in m for m in step.modes().values())
 
 
+def test_prepare_builds_every_bucket_and_its_writes_are_harmless():
+    cfg = PRESETS["tiny-llama"]
+    model = init_random_(StageModel(cfg, range(1, 4))).eval()
+    ref_cache, cache = model.new_cache(1, 64), model.new_cache(1, 64)
+    step = StageStep(model, cache, buckets=(8, 16, 64))
+    step.h_in.normal_(0, 50)  # junk input: prepare's warm-up runs write K/V from it
+    assert set(step.prepare()) == {8, 16, 64}  # every bucket, before any real step
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for pos in range(20):  # positions 7, 15 (written by prepare) are rewritten before being read
+            h = torch.randn(1, 1, cfg.hidden_size, generator=gen)
+            ref, _ = model.forward_layers(h, ref_cache, pos)
+            out, _, _ = step.run(pos, h=h)
+            assert (ref - out).abs().max().item() <= ATOL
+    pdm = random_pdm(cfg, (3, 3), num_layers=1)
+    assert set(PDMStep(pdm, pdm.new_cache(32), rows=3, buckets=(16, 32)).prepare()) == {16, 32}
+
+
 def test_full_model_step_and_verify_give_the_eager_tokens():
     cfg = PRESETS["tiny-qwen3"]
     full = init_random_(StageModel.full(cfg)).eval()

@@ -185,10 +185,15 @@ def test_ar_and_pp_baselines_equal_the_reference(arch, one_thread):
 
 
 @pytest.mark.parametrize("arch,n,colocate", [("llama", 3, False), ("qwen2", 4, True), ("qwen3", 2, False)])
-def test_static_steps_are_lossless(arch, n, colocate, one_thread):
+def test_static_steps_are_lossless(arch, n, colocate, one_thread, monkeypatch):
     """--step-mode static runs the CUDA-graph path's code (static buffers, device-side positions
     and masks, one PDM step per row count) without capture: same tokens, same ticks, and with
     the untrained head the same drafts as the eager steps."""
+    from engine.graphs import PDMStep
+
+    rows_run = set()  # the row counts of the PDM steps that really ran
+    run = PDMStep.run
+    monkeypatch.setattr(PDMStep, "run", lambda self, pos, rows: rows_run.add(self.rows) or run(self, pos, rows))
     _, prompts, refs = setup(arch, n, colocate)
     ecfg = tiny_engine_config(arch, n, colocate, step_mode="static")
     eager_cfg = tiny_engine_config(arch, n, colocate, step_mode="eager")
@@ -201,7 +206,8 @@ def test_static_steps_are_lossless(arch, n, colocate, one_thread):
             check_run(res, ref, policy, n)
             free, free_eager = ex.generate(p, NEW), eager.generate(p, NEW)  # the head's own drafts
             assert free.tokens == ref and (free.ticks, free.accepted) == (free_eager.ticks, free_eager.accepted)
-        assert sorted(ex.driver.pdm_steps) == list(range(1, n + 2))  # fills 1..n, with and without pending
+        assert sorted(ex.driver.pdm_steps) == list(range(1, n + 2))  # built (prepared) when the driver starts
+        assert sorted(rows_run) == list(range(1, n + 2))  # and every one ran: fills 1..n, with and without pending
     pp = tiny_engine_config(arch, n, mode="pp", step_mode="static")
     with ReferenceExecutor(pp) as ex:
         assert all(ex.generate(p, 32).tokens == ref[:32] for p, ref in zip(prompts[:2], refs[:2]))
