@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from engine.engine_config import EngineConfig
 from engine.roles import build_rank
-from engine.transport import DistTransport, TransportError
+from engine.transport import IDLE_TIMEOUT, DistTransport, TransportError
 
 # Test hook: "RANK:MESSAGES" makes that rank SIGKILL itself after handling MESSAGES messages,
 # the same as `kill -9` from outside, to check that no surviving rank hangs.
@@ -66,6 +66,11 @@ def _init(ecfg: EngineConfig, rank: int, world: int, init_method: str) -> tuple[
     torch.set_num_threads(ecfg.threads_per_rank())
     timeout = datetime.timedelta(seconds=max(60.0, ecfg.timeout_s))
     dist.init_process_group(ecfg.backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+    if ecfg.backend == "nccl":
+        # NCCL's watchdog aborts any operation pending longer than the group's timeout, which
+        # would kill an idle stage between requests; requests bound their own waits
+        # (Transport timeouts), so lift it once the bounded rendezvous is done. Not run yet.
+        dist.distributed_c10d._set_pg_timeout(IDLE_TIMEOUT)
     return ecfg, DistTransport(rank, world, ecfg.device)
 
 

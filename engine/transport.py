@@ -51,8 +51,15 @@ class Transport(abc.ABC):
         self.flush()
 
 
+# Idle waits (between requests) must outlast any pause of the caller; gloo bounds a wait
+# without an explicit timeout by the process group's timeout, so they pass this one instead.
+IDLE_TIMEOUT = datetime.timedelta(days=7)
+
+
 class DistTransport(Transport):
-    """torch.distributed isend/irecv (gloo on CPU, NCCL on GPU) on the default process group."""
+    """torch.distributed isend/irecv (gloo on CPU, NCCL on GPU) on the default process group.
+    Tensors on another device than the transport's (small host-side payloads: sampling
+    settings, stage statistics) are staged through its device, since NCCL moves only GPU memory."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device | str = "cpu") -> None:
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
@@ -67,7 +74,7 @@ class DistTransport(Transport):
         try:
             self._pending.append((dist.isend(hdr, dst), hdr))
             for p in payloads:
-                p = p.contiguous()
+                p = p.to(self.device).contiguous()
                 self._pending.append((dist.isend(p, dst), p))
         except RuntimeError as err:
             raise TransportError(self.rank, dst, -1, f"send failed: {err}") from err
@@ -75,7 +82,7 @@ class DistTransport(Transport):
     def _wait(self, work, src: int, timeout: float | None, tick: int) -> None:
         try:
             if timeout is None:
-                work.wait()
+                work.wait(timeout=IDLE_TIMEOUT)
             else:
                 work.wait(timeout=datetime.timedelta(seconds=timeout))
         except RuntimeError as err:
@@ -92,6 +99,10 @@ class DistTransport(Transport):
         import torch.distributed as dist
 
         assert out.is_contiguous()
+        if out.device != self.device:  # e.g. a host buffer on an NCCL transport
+            staged = torch.empty_like(out, device=self.device)
+            self._wait(dist.irecv(staged, src), src, timeout, tick)
+            return out.copy_(staged)
         self._wait(dist.irecv(out, src), src, timeout, tick)
         return out
 

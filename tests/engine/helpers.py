@@ -225,3 +225,25 @@ def run_ranks(ecfg: EngineConfig, job: Callable, job_args: tuple, out_dir: Path,
     return RanksOutcome([p.exitcode for p in procs], result,
                         {r: f.read_text().split() for r, f in logs.items() if f.is_file()},
                         {r: f.read_text() for r, f in errs.items() if f.is_file()})
+
+
+def idle_wait_rank(rank: int, port: int, pause_s: float, out: str) -> None:
+    """Two gloo ranks whose group times out after 2 s: rank 1 waits idle (no timeout, as a stage
+    between requests) for a header that rank 0 sends only after `pause_s`; rank 1 records it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from engine.messages import Header, Kind
+    from engine.transport import DistTransport
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=2))
+    t = DistTransport(rank, 2)
+    if rank == 0:
+        time.sleep(pause_s)
+        t.send(1, Header(Kind.END, position=7))
+        t.flush()
+    else:
+        Path(out).write_text(str(t.recv_header(0, None).position))
+    dist.destroy_process_group()

@@ -276,3 +276,21 @@ def test_one_gpu_per_rank_is_checked_before_anything_starts():
     with pytest.raises(ValueError, match="one rank per GPU"):
         with launch(ecfg):
             pass
+
+
+@pytest.mark.multiproc
+def test_an_idle_rank_outlives_the_process_group_timeout(tmp_path):
+    # between requests a stage waits without a timeout; gloo would end such a wait at the group's
+    # timeout (here 2 s), so idle waits pass their own (days) and the late message still arrives
+    import multiprocessing as mp
+
+    from engine.launch import free_port
+    from helpers import idle_wait_rank
+
+    ctx, port, out = mp.get_context("spawn"), free_port(), tmp_path / "got.txt"
+    procs = [ctx.Process(target=idle_wait_rank, args=(r, port, 4.0, str(out)), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0] and out.read_text() == "7"
