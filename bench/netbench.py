@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from bench.stats import bandwidth_gbps, summarize_us
+from engine.transport import directional_groups
 
 SCHEMA = "spd-netbench/1"
 IDLE_MAX_BYTES = 1 << 16  # idle (cold) ping-pong for the small messages a pipeline tick sends
@@ -66,6 +67,7 @@ class DistContext:
     device: torch.device
     timeout_s: float
     node_rank: int = 0
+    groups: dict = field(default_factory=dict)  # (src, dst) -> P2P group (engine/transport.py directional_groups)
 
     @property
     def _td(self) -> datetime.timedelta:
@@ -74,13 +76,13 @@ class DistContext:
     def isend(self, buf: torch.Tensor, dst: int, what: str = "") -> dist.Work:
         """Post a send; `what` ("stage 1: send to rank 3") names it if posting fails."""
         try:
-            return dist.isend(buf, dst)
+            return dist.isend(buf, dst, group=self.groups.get((self.rank, dst)))
         except RuntimeError as err:  # gloo can fail at posting once the peer's socket is gone
             raise PeerError(f"{what or f'send to rank {dst}'}: posting failed: {err}") from err
 
     def irecv(self, buf: torch.Tensor, src: int, what: str = "") -> dist.Work:
         try:
-            return dist.irecv(buf, src)
+            return dist.irecv(buf, src, group=self.groups.get((src, self.rank)))
         except RuntimeError as err:
             raise PeerError(f"{what or f'receive from rank {src}'}: posting failed: {err}") from err
 
@@ -125,7 +127,9 @@ def init_context(rank: int, world_size: int, backend: str, timeout_s: float, ini
         device = torch.device("cpu")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    return DistContext(rank, world_size, backend, device, timeout_s, node_rank)
+    # one P2P group per direction, as the runtime's transport: NCCL would otherwise serialise a
+    # ping-pong's pre-posted receive and its send to the same peer on one stream (a deadlock)
+    return DistContext(rank, world_size, backend, device, timeout_s, node_rank, directional_groups(rank, world_size))
 
 
 def under_torchrun() -> bool:

@@ -5,7 +5,8 @@ A message is a header plus zero or more payload tensors whose shapes the receive
 from the header, so every receive lands in a preallocated buffer. Receives inside a request
 time out with an error naming (rank, peer, tick); a dead peer surfaces as the same error.
 Per-link FIFO order is what the lazy rollback of DESIGN 3.4 relies on: torch.distributed P2P
-between a fixed pair of ranks and the in-process queues both preserve it.
+within one process group between a fixed pair of ranks and the in-process queues both preserve
+it (the distributed transport uses one group per direction of each pair).
 """
 from __future__ import annotations
 
@@ -56,26 +57,49 @@ class Transport(abc.ABC):
 IDLE_TIMEOUT = datetime.timedelta(days=7)
 
 
+def directional_groups(rank: int, world_size: int) -> dict[tuple[int, int], object]:
+    """{(src, dst): a two-rank process group that carries src -> dst messages only}, for the
+    pairs this rank belongs to. NCCL runs all P2P between two ranks of one communicator on one
+    stream in issue order, and a send may wait for its receive: with one group per pair, two
+    ranks that both send before receiving (the driver and stage 0 every tick) can deadlock. One
+    communicator per direction keeps the directions independent and each FIFO. `new_group` is
+    collective over the default group, so every rank creates every group, in the same order."""
+    import torch.distributed as dist
+
+    groups = {}
+    for src in range(world_size):
+        for dst in range(world_size):
+            if src != dst:
+                group = dist.new_group([src, dst])
+                if rank in (src, dst):
+                    groups[(src, dst)] = group
+    return groups
+
+
 class DistTransport(Transport):
-    """torch.distributed isend/irecv (gloo on CPU, NCCL on GPU) on the default process group.
-    Tensors on another device than the transport's (small host-side payloads: sampling
-    settings, stage statistics) are staged through its device, since NCCL moves only GPU memory."""
+    """torch.distributed isend/irecv (gloo on CPU, NCCL on GPU), one process group per direction
+    of each rank pair (directional_groups). Tensors on another device than the transport's
+    (small host-side payloads: sampling settings, stage statistics) are staged through its
+    device, since NCCL moves only GPU memory. Collective over the default group: every rank
+    constructs its transport."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device | str = "cpu") -> None:
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         self._pending: list[tuple[object, torch.Tensor]] = []  # (work, tensor kept alive)
         self._hdr_in = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        self._groups = directional_groups(rank, world_size)
 
     def send(self, dst: int, header: Header, payloads: Sequence[torch.Tensor] = ()) -> None:
         import torch.distributed as dist
 
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
         hdr = header.to_tensor().to(self.device)
+        group = self._groups[(self.rank, dst)]
         try:
-            self._pending.append((dist.isend(hdr, dst), hdr))
+            self._pending.append((dist.isend(hdr, dst, group=group), hdr))
             for p in payloads:
                 p = p.to(self.device).contiguous()
-                self._pending.append((dist.isend(p, dst), p))
+                self._pending.append((dist.isend(p, dst, group=group), p))
         except RuntimeError as err:
             raise TransportError(self.rank, dst, -1, f"send failed: {err}") from err
 
@@ -92,18 +116,19 @@ class DistTransport(Transport):
     def recv_header(self, src: int, timeout: float | None, tick: int = -1) -> Header:
         import torch.distributed as dist
 
-        self._wait(dist.irecv(self._hdr_in, src), src, timeout, tick)
+        self._wait(dist.irecv(self._hdr_in, src, group=self._groups[(src, self.rank)]), src, timeout, tick)
         return Header.from_tensor(self._hdr_in.cpu())  # host sync: the header decides what to do
 
     def recv_into(self, src: int, out: torch.Tensor, timeout: float | None, tick: int = -1) -> torch.Tensor:
         import torch.distributed as dist
 
         assert out.is_contiguous()
+        group = self._groups[(src, self.rank)]
         if out.device != self.device:  # e.g. a host buffer on an NCCL transport
             staged = torch.empty_like(out, device=self.device)
-            self._wait(dist.irecv(staged, src), src, timeout, tick)
+            self._wait(dist.irecv(staged, src, group=group), src, timeout, tick)
             return out.copy_(staged)
-        self._wait(dist.irecv(out, src), src, timeout, tick)
+        self._wait(dist.irecv(out, src, group=group), src, timeout, tick)
         return out
 
     def flush(self) -> None:
@@ -112,8 +137,11 @@ class DistTransport(Transport):
         self._pending.clear()
 
     def abandon(self) -> None:
-        """Forget queued sends without waiting (the run is failing; the peers may be gone)."""
+        """Forget queued sends without waiting (the run is failing; the peers may be gone), and
+        drop the groups, so that destroying the process group really closes their connections
+        (a peer blocked on one of them then fails at once instead of waiting for its timeout)."""
         self._pending.clear()
+        self._groups.clear()
 
 
 class LocalHub:

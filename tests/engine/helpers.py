@@ -245,5 +245,7 @@ def idle_wait_rank(rank: int, port: int, pause_s: float, out: str) -> None:
         t.send(1, Header(Kind.END, position=7))
         t.flush()
     else:
-        Path(out).write_text(str(t.recv_header(0, None).position))
+        # one process group per direction (NCCL would serialise both directions of one group)
+        directions = sorted(t._groups) if t._groups[(0, 1)] is not t._groups[(1, 0)] else []
+        Path(out).write_text(f"{t.recv_header(0, None).position} {directions}")
     dist.destroy_process_group()

@@ -293,4 +293,4 @@ def test_an_idle_rank_outlives_the_process_group_timeout(tmp_path):
         p.start()
     for p in procs:
         p.join(60)
-    assert [p.exitcode for p in procs] == [0, 0] and out.read_text() == "7"
+    assert [p.exitcode for p in procs] == [0, 0] and out.read_text() == "7 [(0, 1), (1, 0)]"
