@@ -41,6 +41,8 @@ class DataParallel:
         rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
         if not dist.is_initialized():
             backend = "nccl" if device.startswith("cuda") else "gloo"
+            if backend == "nccl":
+                torch.cuda.set_device(local)  # before the group: NCCL binds its communicators to it
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         return cls(rank, world, local)
 
