@@ -22,7 +22,7 @@ from engine.greedy import check_request, prefill_chunks
 from engine.messages import Header, Kind
 from engine.metrics import GenerationResult
 from engine.model import StageModel
-from engine.graphs import PDMStep
+from engine.graphs import PDMStep, VerifyStep
 from engine.pdm import PDM, draft_probs_full, greedy_draft
 from engine.sampling import SamplingParams, keyed_generator, sample, target_probs
 from engine.verify import verify_sampled
@@ -69,10 +69,12 @@ class Driver:
         assert step_mode in ("eager", "static", "graph"), step_mode
         self.step_mode = step_mode
         self.pdm_steps: dict[int, PDMStep] = {}  # static PDM steps by row count (1 .. n + 1)
+        self.verify_step: VerifyStep | None = None  # T=0 verification on a static input (graph modes)
         if step_mode != "eager":  # every row count and length bucket now, not inside a timed request
             for rows in range(1, self.n + 2):
                 self.pdm_steps[rows] = PDMStep(pdm, self.pdm_cache, rows, graphs=step_mode == "graph")
                 self.pdm_steps[rows].prepare()
+            self.verify_step = VerifyStep(head, graphs=step_mode == "graph")
         self.epoch = 0
         self.tick = 0
         self.sent = 0
@@ -225,7 +227,7 @@ class Driver:
             self._recv_stage(self.n - 1, Kind.TOKEN, oldest.pos, self._slot(oldest.pos))
             tv = time.perf_counter()
             proposed = inflight[0].token if inflight else draft
-            accepted, target = self._verify(self.head.logits(self.exit_buf[0]), oldest.pos + 1, proposed)
+            accepted, target = self._verify_exit(oldest.pos + 1, proposed)
             self._account("verify", tv)
             pending = True
             res.verified += 1
@@ -275,6 +277,14 @@ class Driver:
     def _record_q(self, pos: int, q: torch.Tensor) -> None:
         """Keep the exact q the current draft at `pos` came from; a re-draft after a flush replaces it."""
         self.q_store[pos] = q
+
+    def _verify_exit(self, pos: int, proposed: int) -> tuple[bool, int]:
+        """_verify on the exit hidden state in exit_buf[0]; at T=0 in the graph step modes the
+        final norm + head + argmax run as one static step (sampling needs the logits: eager)."""
+        if self.verify_step is not None and self.sampling.greedy:
+            target = int(self.verify_step.run(self.exit_buf[0]))  # host sync: verification decides control flow
+            return target == proposed, target
+        return self._verify(self.head.logits(self.exit_buf[0]), pos, proposed)
 
     def _verify(self, logits: torch.Tensor, pos: int, proposed: int) -> tuple[bool, int]:
         """(accepted, committed token) for the token proposed at `pos`, from the target logits [V]."""

@@ -189,11 +189,12 @@ def test_static_steps_are_lossless(arch, n, colocate, one_thread, monkeypatch):
     """--step-mode static runs the CUDA-graph path's code (static buffers, device-side positions
     and masks, one PDM step per row count) without capture: same tokens, same ticks, and with
     the untrained head the same drafts as the eager steps."""
-    from engine.graphs import PDMStep
+    from engine.graphs import PDMStep, VerifyStep
 
-    rows_run = set()  # the row counts of the PDM steps that really ran
-    run = PDMStep.run
+    rows_run, verified = set(), []  # the row counts of the PDM steps that really ran; static verifications
+    run, verify = PDMStep.run, VerifyStep.run
     monkeypatch.setattr(PDMStep, "run", lambda self, pos, rows: rows_run.add(self.rows) or run(self, pos, rows))
+    monkeypatch.setattr(VerifyStep, "run", lambda self, h: verified.append(1) or verify(self, h))
     _, prompts, refs = setup(arch, n, colocate)
     ecfg = tiny_engine_config(arch, n, colocate, step_mode="static")
     eager_cfg = tiny_engine_config(arch, n, colocate, step_mode="eager")
@@ -208,6 +209,7 @@ def test_static_steps_are_lossless(arch, n, colocate, one_thread, monkeypatch):
             assert free.tokens == ref and (free.ticks, free.accepted) == (free_eager.ticks, free_eager.accepted)
         assert sorted(ex.driver.pdm_steps) == list(range(1, n + 2))  # built (prepared) when the driver starts
         assert sorted(rows_run) == list(range(1, n + 2))  # and every one ran: fills 1..n, with and without pending
+        assert len(verified) > 0  # T=0 verification went through the static step
     pp = tiny_engine_config(arch, n, mode="pp", step_mode="static")
     with ReferenceExecutor(pp) as ex:
         assert all(ex.generate(p, 32).tokens == ref[:32] for p, ref in zip(prompts[:2], refs[:2]))
