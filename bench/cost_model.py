@@ -587,15 +587,16 @@ def _pp_row(profile: Profile, n: int, links: Links) -> dict:
     """Plain pipeline parallel at n. Stage times, best first: measured in a pp run (head included;
     stages that idle between tokens can compute slower than SPD's busy ones, as on a CPU host),
     measured in an SPD run (+ verify for the head), or the stages' share of the layers."""
+    counts = None
     if n in profile.pp_stage_ms:
         stages, head, label = list(profile.pp_stage_ms[n]), 0.0, "measured (pp)"
     elif n in profile.stage_ms:
         stages, head, label = list(profile.stage_ms[n]), profile.verify_ms, "measured"
     else:
-        stages, head, label = stage_times(profile, even_partition(profile.num_layers, n)), profile.verify_ms, "even"
+        counts = even_partition(profile.num_layers, n)
+        stages, head, label = stage_times(profile, counts), profile.verify_ms, "even"
     pp = pp_token_ms(profile, stages, links.of_devices, head)
-    return {"method": "pp", "n": n, "devices": n, "layout": "-", "partition": label,
-            "stage_layers": even_partition(profile.num_layers, n) if label == "even" else None,
+    return {"method": "pp", "n": n, "devices": n, "layout": "-", "partition": label, "stage_layers": counts,
             "stage_ms": [round(c, 4) for c in stages], "token_ms": pp, "tok_s": 1e3 / pp}
 
 

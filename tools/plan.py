@@ -274,10 +274,13 @@ def _revalidate(args: argparse.Namespace) -> int:
     from bench.validate_runtime import format_validation, repredict
 
     saved = _load_json(args.revalidate)
-    if "rounds" not in saved or "settings" not in saved:
+    if not isinstance(saved, dict) or not saved.get("rounds") or "settings" not in saved:
         raise ValueError(f"{args.revalidate}: not a --validate-runtime JSON (no rounds/settings)")
     saved["settings"]["tolerance"] = args.tolerance
-    result = repredict(saved)
+    try:
+        result = repredict(saved)
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"{args.revalidate}: incomplete --validate-runtime JSON (missing or bad {err})") from None
     print(format_validation(result))
     if args.json:
         with open(args.json, "w") as f:

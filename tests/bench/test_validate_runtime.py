@@ -156,6 +156,10 @@ def test_revalidate_repredicts_a_saved_run(tiny_validation, tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{}")
     assert main(["plan", "--revalidate", str(tmp_path / "bad.json")]) == 2
     assert "not a --validate-runtime JSON" in capsys.readouterr().err
+    del saved["settings"]["configs"]  # a truncated or hand-edited file
+    path.write_text(json.dumps(saved))
+    assert main(["plan", "--revalidate", str(path)]) == 2
+    assert "incomplete --validate-runtime JSON" in capsys.readouterr().err
 
 
 def test_cli_argument_errors(capsys):
