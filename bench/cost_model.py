@@ -2,7 +2,7 @@
 alternatives (tensor parallel, plain pipeline parallel, TP-inside-node x SPD hybrids), from
 measured inputs. Pure arithmetic: no torch, no torch.distributed. Times are milliseconds.
 
-SPD is a timed event graph (DESIGN 3.3). Stage p starts token e when its input arrived and it
+SPD is a timed event graph (docs/design.md 3.3). Stage p starts token e when its input arrived and it
 finished token e-1; the driver at tick t starts the PDM when it has posted the previous token
 and the anchors of tick t-1 that its rows need have arrived, then verifies the exit of the
 oldest token (in series: the next token for stage 0 is known only after verification) and
@@ -22,7 +22,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-# int64 [kind, position, epoch, token] ahead of every payload (DESIGN 3.4), plus the send time
+# int64 [kind, position, epoch, token] ahead of every payload (docs/design.md 3.4), plus the send time
 # the tick replay stamps for its hop diagnostics
 HEADER_BYTES = 40
 
@@ -35,7 +35,7 @@ def message_bytes(hidden: int, dtype_bytes: int, anchors: int) -> dict[str, int]
 
 
 def eal_from_alpha(n: int, alpha: float) -> float:
-    """Equivalent accept length n / (1 + (n-1)(1-alpha)) (DESIGN 3.3): the steady state."""
+    """Equivalent accept length n / (1 + (n-1)(1-alpha)) (docs/design.md 3.3): the steady state."""
     return n / (1 + (n - 1) * (1 - alpha))
 
 
@@ -151,7 +151,7 @@ class Profile:
         return self.pdm_for(n, notes) + self.driver_fixed_ms
 
 
-# Reference profiles from DESIGN 6 (one H200, bf16, batch 1, context 1024, CUDA graphs): the
+# Reference profiles from docs/design.md 6 (one H200, bf16, batch 1, context 1024, CUDA graphs): the
 # layer time is the full forward / L; PDM K=2 and LM head + argmax as measured at n=8.
 REFERENCE_PROFILES = {
     name: {"num_layers": layers, "layer_ms": forward / layers, "pdm_ms": pdm, "verify_ms": head, "hidden_size": hidden}
@@ -312,7 +312,7 @@ class SpdCase:
 def spd_cycles(case: SpdCase) -> dict[str, float]:
     """Cycle means (ms per tick) of the steady state with every draft accepted; the tick
     converges to the largest. Per tick the driver reads the anchors of stages first..n-2 in
-    order, runs the PDM, then reads the exit and verifies (DESIGN 3.3)."""
+    order, runs the PDM, then reads the exit and verifies (docs/design.md 3.3)."""
     c, n, po, rv = case.stage_ms, case.n, case.post_ms, case.recv_ms
     first = 1 if case.colocate else 0
     out = {}

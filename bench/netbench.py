@@ -31,8 +31,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from bench.stats import bandwidth_gbps, summarize_us
-from engine.transport import directional_groups
+from spd_engine.bench.stats import bandwidth_gbps, summarize_us
+from spd_engine.engine.transport import directional_groups
 
 SCHEMA = "spd-netbench/1"
 IDLE_MAX_BYTES = 1 << 16  # idle (cold) ping-pong for the small messages a pipeline tick sends
@@ -429,7 +429,7 @@ def fanin_bench(ctx: DistContext, cfg: NetbenchConfig) -> list[dict]:
 
 def netbench_rank(ctx: DistContext, cfg: NetbenchConfig) -> dict | None:
     """Everything one rank does for `spd netbench`; rank 0 returns the assembled report."""
-    from bench.tick_replay import run_scenarios  # late import: tick_replay builds on this module
+    from spd_engine.bench.tick_replay import run_scenarios  # late import: tick_replay builds on this module
 
     local: dict[str, Any] = {"rank": ctx.rank, "host": socket.gethostname(), "node_rank": ctx.node_rank}
     ctx.barrier("start barrier")
@@ -466,7 +466,7 @@ def assemble_report(ctx: DistContext, cfg: NetbenchConfig, per_rank: list[dict])
     if any("allreduce" in r for r in per_rank):
         report["allreduce"] = _merge_allreduce(per_rank)
     if any("replay" in r for r in per_rank):
-        from bench.tick_replay import merge_replay
+        from spd_engine.bench.tick_replay import merge_replay
 
         report["tick_replay"] = merge_replay([r["replay"] for r in per_rank])
     return report

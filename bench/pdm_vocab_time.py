@@ -2,7 +2,7 @@
 layers, the draft head, argmax) on random weights of a preset's shape, the two heads timed
 back to back in alternation so host drift hits both alike.
 
-    python -m bench.pdm_vocab_time --draft-vocab dv8k.json [--preset smollm2-135m] [--pdm-layers 2]
+    python -m spd_engine.bench.pdm_vocab_time --draft-vocab dv8k.json [--preset smollm2-135m] [--pdm-layers 2]
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from engine.engine_config import PRESETS
-from engine.pdm import random_pdm
+from spd_engine.engine.run_config import PRESETS
+from spd_engine.engine.pdm import random_pdm
 
 
 @torch.no_grad()
@@ -37,7 +37,7 @@ def time_heads(preset: str, stage_layers: tuple[int, ...], K: int, draft_vocab: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.pdm_vocab_time", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m spd_engine.bench.pdm_vocab_time", description=__doc__.splitlines()[0])
     p.add_argument("--draft-vocab", required=True, help="JSON from `spd draft-vocab`")
     p.add_argument("--preset", default="smollm2-135m", choices=sorted(PRESETS))
     p.add_argument("--stage-layers", default="8,8,7,7")
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from train.draft_vocab import load_draft_vocab
+    from spd_engine.train.draft_vocab import load_draft_vocab
 
     try:
         dv = tuple(load_draft_vocab(args.draft_vocab))

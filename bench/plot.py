@@ -7,8 +7,8 @@ import csv
 import json
 import os
 
-from bench.netbench import NCCL_NOTE, TIME_DEFINITIONS
-from bench.stats import format_table, human_bytes
+from spd_engine.bench.netbench import NCCL_NOTE, TIME_DEFINITIONS
+from spd_engine.bench.stats import format_table, human_bytes
 
 
 def plot_netbench(report: dict, path: str) -> bool:

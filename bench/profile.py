@@ -20,14 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.cost_model import even_partition
-from engine.anchors import AnchorPlan
-from engine.config import ModelConfig
-from engine.engine_config import DTYPES, EngineConfig
-from engine.graphs import StageStep, PDMStep, VerifyStep
-from engine.model import StageModel
-from engine.pdm import PDM, PDMConfig
-from engine.topology import stage_bounds
+from spd_engine.bench.cost_model import even_partition
+from spd_engine.engine.anchors import AnchorPlan
+from spd_engine.engine.model_config import ModelConfig
+from spd_engine.engine.run_config import DTYPES, RunConfig
+from spd_engine.engine.graphs import StageStep, PDMStep, VerifyStep
+from spd_engine.engine.model import StageModel
+from spd_engine.engine.pdm import PDM, PDMConfig
+from spd_engine.engine.topology import stage_bounds
 
 SCHEMA = "spd-profile/1"
 Log = Callable[[str], None]
@@ -92,7 +92,7 @@ def choose_spd_row(report: dict, cores: int | None) -> dict:
     return col if col is not None else sep
 
 
-def profile_from_bench(report: dict, ecfg: EngineConfig, cores: int | None, host: str = "") -> dict:
+def profile_from_bench(report: dict, ecfg: RunConfig, cores: int | None, host: str = "") -> dict:
     """spd-profile/1 from a same-run bench report (needs the ar row and a traced spd row).
 
     stage_ms[n] = per-stage mean compute; pp_stage_ms[n] = the same from a traced pp row (its last

@@ -13,9 +13,9 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.engine_config import EngineConfig
-from engine.launch import launch
-from engine.metrics import GenerationResult
+from spd_engine.engine.run_config import RunConfig
+from spd_engine.engine.launch import launch
+from spd_engine.engine.metrics import GenerationResult
 
 Progress = Callable[[str], None]
 
@@ -23,7 +23,7 @@ Progress = Callable[[str], None]
 @dataclass(frozen=True)
 class BenchCase:
     name: str  # ar | pp | spd | spd-colocate
-    ecfg: EngineConfig
+    ecfg: RunConfig
 
 
 def synthetic_policy(reference: list[int], prompt_len: int, alpha: float, seed: int):

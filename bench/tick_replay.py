@@ -1,4 +1,4 @@
-"""SPD tick replay: the per-tick message pattern of DESIGN 3.3 with synthetic (sleeping) compute.
+"""SPD tick replay: the per-tick message pattern of docs/design.md 3.3 with synthetic (sleeping) compute.
 
 Stage ranks sleep their configured compute time per tick, then send their output [1, H]
 downstream and their anchor states [k, H] to the driver (the last stage sends its exit and
@@ -6,7 +6,7 @@ its anchors to the driver as one message). The driver, per tick: waits for exact
 its PDM rows need (those of current-epoch tokens from the previous tick), sleeps the PDM time,
 receives the exit of the oldest token if it is current, "verifies" it (sleeps the verify time,
 accepts with probability alpha from a seeded RNG), and sends the next token to stage 0. A
-rejection bumps the epoch; stale tokens keep flowing and are ignored (DESIGN 3.4), so the
+rejection bumps the epoch; stale tokens keep flowing and are ignored (docs/design.md 3.4), so the
 pipeline refills for n-1 ticks without verification. Every message carries an int64 header
 (kind, position, epoch, token, send time) ahead of the payload bytes, as one buffer; the send
 time (one host, one monotonic clock) gives each stage its measured input hop latency.
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.cost_model import HEADER_BYTES, message_bytes
-from bench.netbench import DistContext, PeerError
+from spd_engine.bench.cost_model import HEADER_BYTES, message_bytes
+from spd_engine.bench.netbench import DistContext, PeerError
 
-KIND_TOKEN, KIND_END = 0, 3  # header kinds used here (DESIGN 3.4: token, prefill, end, shutdown)
+KIND_TOKEN, KIND_END = 0, 3  # header kinds used here (docs/design.md 3.4: token, prefill, end, shutdown)
 
 
 @dataclass(frozen=True)
@@ -306,7 +306,7 @@ def _driver_loop(ctx: DistContext, sc: ReplayConfig) -> dict:
 def _driver_result(drv: _Driver, ticks: int, wall_s: float) -> dict:
     sc, n = drv.sc, drv.n
     r_counted = drv.rejects - (1 if drv.last_rejected else 0)  # a final correction costs no refill
-    assert ticks == (sc.tokens - 1) + (n - 1) * (1 + r_counted), "tick count disagrees with DESIGN 3.3"
+    assert ticks == (sc.tokens - 1) + (n - 1) * (1 + r_counted), "tick count disagrees with docs/design.md 3.3"
     tick_ms = 1e3 * wall_s / ticks
     slowest = max(sc.stage_ms)
     return {

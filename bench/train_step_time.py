@@ -2,7 +2,7 @@
 frozen target's forward (anchors + teacher) and the PDM's simulation at a fill, per PDM depth K
 and autocast dtype, each configuration timed in alternation so host drift hits all alike.
 
-    python -m bench.train_step_time [--preset smollm2-135m] [--stages 4] [--pdm-layers 1,2] [--fills 1,4]
+    python -m spd_engine.bench.train_step_time [--preset smollm2-135m] [--stages 4] [--pdm-layers 1,2] [--fills 1,4]
 """
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from engine.engine_config import PRESETS
-from engine.model import StageModel, init_random_
-from engine.topology import Topology
-from train.distill import TrainConfig, distill_loss, new_pdm
+from spd_engine.engine.run_config import PRESETS
+from spd_engine.engine.model import StageModel, init_random_
+from spd_engine.engine.topology import Topology
+from spd_engine.train.distill import TrainConfig, distill_loss, new_pdm
 
 
 def time_steps(preset: str, n: int, Ks: list[int], fills: list[int], autocasts: list[str], batch: int,
@@ -42,7 +42,7 @@ def time_steps(preset: str, n: int, Ks: list[int], fills: list[int], autocasts: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.train_step_time", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m spd_engine.bench.train_step_time", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="smollm2-135m", choices=sorted(PRESETS))
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--pdm-layers", default="1,2")

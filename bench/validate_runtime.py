@@ -20,11 +20,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from statistics import median
 
-from bench.cost_model import AlphaCurve, LinkModel, Links, Profile, eal_for_request, message_bytes, plan
-from bench.profile import profile_from_bench
-from bench.speed import BenchCase, bench
-from engine.engine_config import EngineConfig
-from engine.messages import HEADER_LEN
+from spd_engine.bench.cost_model import AlphaCurve, LinkModel, Links, Profile, eal_for_request, message_bytes, plan
+from spd_engine.bench.profile import profile_from_bench
+from spd_engine.bench.speed import BenchCase, bench
+from spd_engine.engine.run_config import RunConfig
+from spd_engine.engine.messages import HEADER_LEN
 
 CONFIGS = ("ar", "pp", "spd-colocate", "spd")
 Progress = Callable[[str], None]
@@ -44,7 +44,7 @@ class ValidationSettings:
     configs: tuple[str, ...] = CONFIGS  # a subset runs faster (tests); ar always runs
 
 
-def bench_cases(ecfg: EngineConfig, configs: Sequence[str] = CONFIGS) -> list[BenchCase]:
+def bench_cases(ecfg: RunConfig, configs: Sequence[str] = CONFIGS) -> list[BenchCase]:
     """ar on one rank, pp on n (traced), SPD co-located on n and with a separate driver on n + 1 (traced);
     `configs` picks a subset (ar, the reference and the source of layer_ms, always runs)."""
     bad = set(configs) - set(CONFIGS)
@@ -66,11 +66,11 @@ def load_note() -> str:
     return f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}"
 
 
-def run_netbench(ecfg: EngineConfig, anchors: int, s: ValidationSettings) -> dict:
+def run_netbench(ecfg: RunConfig, anchors: int, s: ValidationSettings) -> dict:
     """P2P between the n + 1 ranks SPD uses, at the runtime's message sizes (a header message,
     then the payload: one activation, a stage's anchors, the last stage's exit + anchors), and
     small all-reduces (the plan's TP rows need them; they are not validated here)."""
-    from bench.netbench import NetbenchConfig, default_pairs, launch_local, netbench_rank
+    from spd_engine.bench.netbench import NetbenchConfig, default_pairs, launch_local, netbench_rank
 
     world = ecfg.topology.n + 1
     itemsize = ecfg.torch_dtype.itemsize
@@ -133,7 +133,7 @@ def compare(predicted: list[dict[str, dict]], measured: list[dict[str, dict]], t
     return rows
 
 
-def run_round(ecfg: EngineConfig, prompts: Sequence[list[int]], s: ValidationSettings, k: int,
+def run_round(ecfg: RunConfig, prompts: Sequence[list[int]], s: ValidationSettings, k: int,
               progress: Progress) -> dict:
     """Profile run, netbench run, measurement run (fresh processes each); the predictions from
     the first two and the measurements of the third."""
@@ -179,7 +179,7 @@ def repredict(result: dict) -> dict:
     return {**result, "rows": rows, "rounds": rounds, "cores": cores, "repredicted": True}
 
 
-def validate(ecfg: EngineConfig, prompts: Sequence[list[int]], s: ValidationSettings,
+def validate(ecfg: RunConfig, prompts: Sequence[list[int]], s: ValidationSettings,
              progress: Progress = lambda m: None) -> dict:
     """`rounds` rounds of profile run + netbench run + measurement run; medians over rounds of
     predictions and measurements are compared (they damp other jobs' load swings on a shared host)."""
@@ -198,7 +198,7 @@ def validate(ecfg: EngineConfig, prompts: Sequence[list[int]], s: ValidationSett
 
 
 def format_validation(result: dict) -> str:
-    from bench.stats import format_table
+    from spd_engine.bench.stats import format_table
 
     s = result["settings"]
     label = (f"SYNTHETIC acceptance alpha={s['synthetic_alpha']}" if s["synthetic_alpha"] is not None

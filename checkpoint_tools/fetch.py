@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from checkpoint_tools.gguf_import import gguf_to_hf
+from spd_engine.checkpoint_tools.gguf_import import gguf_to_hf
 
 MARKER = ".spd-fetch-complete.json"
 

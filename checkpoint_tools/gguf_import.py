@@ -1,6 +1,6 @@
 """GGUF import: a llama.cpp GGUF file -> an HF-layout model directory.
 
-Writes `config.json` (through `engine.config.ModelConfig`, so our own config class round-trips),
+Writes `config.json` (through `engine.model_config.ModelConfig`, so our own config class round-trips),
 `model.safetensors` (float32, HF tensor names, dequantised with the `gguf` package),
 `tokenizer.json`, `tokenizer_config.json`, `special_tokens_map.json` and
 `generation_config.json`. Supported: Llama-architecture GGUFs with a byte-level BPE
@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType, GGUFReader, dequantize
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from engine.config import ModelConfig
+from spd_engine.engine.model_config import ModelConfig
 
 # GGUF per-layer tensor name -> HF name under `model.layers.{i}.`
 LAYER_TENSORS = {

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.checkpoint import tp_split_dim
-from engine.config import ModelConfig
+from spd_engine.engine.checkpoint import tp_split_dim
+from spd_engine.engine.model_config import ModelConfig
 
 Tensor = torch.Tensor
 LAYER = "{i}"  # placeholder for the global layer index in key patterns

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from checkpoint_tools import hf, key_maps, megatron_dcp, shard
-from engine import checkpoint as ckpt
-from engine.config import ModelConfig
-from engine.model import StageModel
+from spd_engine.checkpoint_tools import hf, key_maps, megatron_dcp, shard
+from spd_engine.engine import checkpoint as ckpt
+from spd_engine.engine.model_config import ModelConfig
+from spd_engine.engine.model import StageModel
 
 
 def detect_kind(path: str | Path) -> str:

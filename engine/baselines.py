@@ -12,13 +12,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.greedy import check_request, prefill_chunks
-from engine.messages import Header, Kind, sampling_payload
-from engine.sampling import SamplingParams
-from engine.metrics import GenerationResult
-from engine.stage_worker import StageWorker, receive_stats
-from engine.topology import Topology
-from engine.transport import Transport
+from spd_engine.engine.greedy import check_request, prefill_chunks
+from spd_engine.engine.messages import Header, Kind, sampling_payload
+from spd_engine.engine.sampling import SamplingParams
+from spd_engine.engine.metrics import GenerationResult
+from spd_engine.engine.stage_worker import StageWorker, receive_stats
+from spd_engine.engine.topology import Topology
+from spd_engine.engine.transport import Transport
 
 
 class PipelineDriver:
@@ -69,7 +69,7 @@ class PipelineDriver:
             pos += 1
         res.decode_s = time.perf_counter() - t1
         res.stages = self._finish()
-        if any(st["trace"] for st in res.stages):  # stages traced (EngineConfig.trace): no driver events here
+        if any(st["trace"] for st in res.stages):  # stages traced (RunConfig.trace): no driver events here
             res.trace = {"driver": [], "stages": [st.pop("trace") for st in res.stages]}
         return res
 

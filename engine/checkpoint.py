@@ -28,8 +28,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from engine.config import ModelConfig
-from engine.topology import stage_bounds
+from spd_engine.engine.model_config import ModelConfig
+from spd_engine.engine.topology import stage_bounds
 
 INDEX_FILE = "index.json"
 FORMAT_NAME = "spd-engine-checkpoint"
@@ -103,7 +103,7 @@ def shard_file_name(stage: int, n: int, tp_rank: int, tp: int) -> str:
 def expected_shapes(cfg: ModelConfig, layers: range, embedding: bool, head: bool, tp: int = 1
                     ) -> dict[str, tuple[int, ...]]:
     """Name -> per-TP-rank shape of every tensor a stage needs, from the model itself (meta device)."""
-    from engine.model import StageModel  # the model defines the names; imported lazily (heavy)
+    from spd_engine.engine.model import StageModel  # the model defines the names; imported lazily (heavy)
 
     model = StageModel(cfg, layers, embedding=embedding, head=head, device="meta")
     shapes = {}
@@ -343,7 +343,7 @@ def load_stage_model(path: str | Path, stage: int | range, embedding: bool | Non
                      head: bool | None = None, *, device: torch.device | str = "cpu",
                      dtype: torch.dtype | None = None, verify: bool = True):
     """Build a `StageModel` for one stage and load it; nothing is allocated twice."""
-    from engine.model import StageModel
+    from spd_engine.engine.model import StageModel
 
     index = read_index(path)
     layers, embedding, head = resolve_stage(index, stage, embedding, head)

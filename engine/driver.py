@@ -1,7 +1,7 @@
 """The driver (rank 0): pipelined prefill, the SPD tick loop, PDM drafting and verification
 (argmax at T=0, speculative sampling at T>0).
 
-Per tick (DESIGN 3.3): send the entering token to stage 0; take in the anchor states the stages
+Per tick (docs/design.md 3.3): send the entering token to stage 0; take in the anchor states the stages
 produced last tick, exactly those the staircase rows need; run the PDM over
 [pending full-depth row] + staircase rows; when the oldest in-flight token leaves the last stage,
 verify the draft behind it. A rejection bumps the epoch and flushes: stale messages still in the
@@ -17,18 +17,18 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.anchors import AnchorPlan
-from engine.greedy import check_request, prefill_chunks
-from engine.messages import Header, Kind
-from engine.metrics import GenerationResult
-from engine.model import StageModel
-from engine.graphs import PDMStep, VerifyStep
-from engine.pdm import PDM, draft_probs_full, greedy_draft
-from engine.sampling import SamplingParams, keyed_generator, sample, target_probs
-from engine.verify import verify_sampled
-from engine.stage_worker import StageWorker, receive_stats
-from engine.topology import Topology
-from engine.transport import Transport
+from spd_engine.engine.anchors import AnchorPlan
+from spd_engine.engine.greedy import check_request, prefill_chunks
+from spd_engine.engine.messages import Header, Kind
+from spd_engine.engine.metrics import GenerationResult
+from spd_engine.engine.model import StageModel
+from spd_engine.engine.graphs import PDMStep, VerifyStep
+from spd_engine.engine.pdm import PDM, draft_probs_full, greedy_draft
+from spd_engine.engine.sampling import SamplingParams, keyed_generator, sample, target_probs
+from spd_engine.engine.verify import verify_sampled
+from spd_engine.engine.stage_worker import StageWorker, receive_stats
+from spd_engine.engine.topology import Topology
+from spd_engine.engine.transport import Transport
 
 # (position, PDM draft) -> token to send. Lets benchmarks and tests steer acceptance
 # (synthetic alpha, forced rejections) without touching the verification path. At T > 0 the
@@ -243,7 +243,7 @@ class Driver:
                 inflight.clear()
             entry = InFlight(inflight[-1].pos + 1, draft) if inflight else InFlight(oldest.pos + 1, target)
 
-    # ---- drafting and verification (T = 0: argmax; T > 0: speculative sampling, DESIGN 3.6) ----
+    # ---- drafting and verification (T = 0: argmax; T > 0: speculative sampling, docs/design.md 3.6) ----
     def _sample_target(self, logits: torch.Tensor, pos: int) -> int:
         """A plain draw from the target distribution p for the token at `pos` (the first token)."""
         if self.sampling.greedy:

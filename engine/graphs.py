@@ -9,7 +9,7 @@ pass through the host: the position lives in a device tensor. Two things depend 
   tensor. One graph per bucket (powers of two up to the capacity), picked by the host from the
   position it already knows (every message header carries it), keeps the wasted attention
   below 2x of the live length. The runtime captures every bucket when a rank starts (`prepare`).
-Slots above the position may hold entries of a flushed token (DESIGN 3.4); the mask hides
+Slots above the position may hold entries of a flushed token (docs/design.md 3.4); the mask hides
 them exactly as the eager path's shorter cache view does. The masked step reproduces the
 eager path (`StageModel.forward_layers` with an int slot) up to floating-point summation
 order in attention: tests check fp32 agreement within 1e-5 and equal argmax tokens.
@@ -25,9 +25,9 @@ from collections.abc import Callable
 
 import torch
 
-from engine.kv_cache import KVCache
-from engine.model import StageModel
-from engine.pdm import PDM
+from spd_engine.engine.kv_cache import KVCache
+from spd_engine.engine.model import StageModel
+from spd_engine.engine.pdm import PDM
 
 
 def length_buckets(capacity: int, smallest: int = 128) -> tuple[int, ...]:

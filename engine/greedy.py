@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.kv_cache import KVCache
-from engine.model import StageModel
+from spd_engine.engine.kv_cache import KVCache
+from spd_engine.engine.model import StageModel
 
 DEFAULT_PREFILL_CHUNK = 128
 

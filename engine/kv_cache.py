@@ -2,13 +2,13 @@
 
 Rollback is implicit: a write at slot `q` makes `q + T` the visible length for that step, so
 a stage that receives a token at position `q` simply overwrites whatever stale entries sat at
-`q` and beyond (DESIGN 3.4). Buffers are preallocated once; no step allocates.
+`q` and beyond (docs/design.md 3.4). Buffers are preallocated once; no step allocates.
 """
 from __future__ import annotations
 
 import torch
 
-from engine.config import ModelConfig
+from spd_engine.engine.model_config import ModelConfig
 
 
 class KVCache:

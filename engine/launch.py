@@ -23,9 +23,9 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from engine.engine_config import EngineConfig
-from engine.roles import build_rank
-from engine.transport import IDLE_TIMEOUT, DistTransport, TransportError
+from spd_engine.engine.run_config import RunConfig
+from spd_engine.engine.roles import build_rank
+from spd_engine.engine.transport import IDLE_TIMEOUT, DistTransport, TransportError
 
 # Test hook: "RANK:MESSAGES" makes that rank SIGKILL itself after handling MESSAGES messages,
 # the same as `kill -9` from outside, to check that no surviving rank hangs.
@@ -48,7 +48,7 @@ def gpu_for_rank(rank: int, local_rank: int | None, gpus: int, world: int) -> in
     return index
 
 
-def rank_config(ecfg: EngineConfig, rank: int, world: int) -> EngineConfig:
+def rank_config(ecfg: RunConfig, rank: int, world: int) -> RunConfig:
     """This rank's config: plain `cuda` becomes `cuda:K` of gpu_for_rank, made the current device
     (CUDA graphs, streams and NCCL use the current device). `cpu` and an explicit `cuda:K` (every
     rank on that device) stay as given."""
@@ -60,7 +60,7 @@ def rank_config(ecfg: EngineConfig, rank: int, world: int) -> EngineConfig:
     return ecfg.replace(device=f"cuda:{index}")
 
 
-def _init(ecfg: EngineConfig, rank: int, world: int, init_method: str) -> tuple[EngineConfig, DistTransport]:
+def _init(ecfg: RunConfig, rank: int, world: int, init_method: str) -> tuple[RunConfig, DistTransport]:
     """(this rank's config, its transport)."""
     ecfg = rank_config(ecfg, rank, world)
     torch.set_num_threads(ecfg.threads_per_rank())
@@ -74,7 +74,7 @@ def _init(ecfg: EngineConfig, rank: int, world: int, init_method: str) -> tuple[
     return ecfg, DistTransport(rank, world, ecfg.device)
 
 
-def _serve(ecfg: EngineConfig, rank: int, transport: DistTransport) -> None:
+def _serve(ecfg: RunConfig, rank: int, transport: DistTransport) -> None:
     _, worker = build_rank(ecfg, rank, transport)
     assert worker is not None
     fault = os.environ.get(FAULT_ENV, "")
@@ -86,7 +86,7 @@ def _serve(ecfg: EngineConfig, rank: int, transport: DistTransport) -> None:
     worker.serve()
 
 
-def _child_main(rank: int, world: int, ecfg: EngineConfig, init_method: str) -> None:
+def _child_main(rank: int, world: int, ecfg: RunConfig, init_method: str) -> None:
     try:
         ecfg, transport = _init(ecfg, rank, world, init_method)
         _serve(ecfg, rank, transport)
@@ -96,10 +96,10 @@ def _child_main(rank: int, world: int, ecfg: EngineConfig, init_method: str) -> 
         os._exit(1)  # skip process-group teardown, which may wait on the dead peer
 
 
-def check_head(ecfg: EngineConfig) -> None:
+def check_head(ecfg: RunConfig) -> None:
     """A PDM head made for another model or another stage split is a user error: say so up front."""
     if ecfg.mode == "spd" and ecfg.pdm != "random":
-        from engine.pdm import check_pdm_matches, read_pdm_config
+        from spd_engine.engine.pdm import check_pdm_matches, read_pdm_config
 
         pcfg, _ = read_pdm_config(ecfg.pdm)
         check_pdm_matches(pcfg, ecfg.cfg, tuple(ecfg.topology.stage_layers))
@@ -110,7 +110,7 @@ def under_torchrun() -> bool:
 
 
 @contextlib.contextmanager
-def launch(ecfg: EngineConfig) -> Iterator[object]:
+def launch(ecfg: RunConfig) -> Iterator[object]:
     world = ecfg.world_size
     if under_torchrun():
         rank, got = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -141,7 +141,7 @@ def launch(ecfg: EngineConfig) -> Iterator[object]:
     yield from _drive(ecfg, transport, children)
 
 
-def _drive(ecfg: EngineConfig, transport: DistTransport, children: list) -> Iterator[object]:
+def _drive(ecfg: RunConfig, transport: DistTransport, children: list) -> Iterator[object]:
     ok = False
     try:
         driver, _ = build_rank(ecfg, 0, transport)

@@ -1,4 +1,4 @@
-"""The fixed integer header every pipeline message carries (DESIGN 3.4).
+"""The fixed integer header every pipeline message carries (docs/design.md 3.4).
 
 `(kind, position, epoch, token)` travels as its own small int64 tensor, never inside a bf16
 payload (integers above 256 are not exact there). For a prefill chunk, `position` is the

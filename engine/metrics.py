@@ -1,4 +1,4 @@
-"""Run metrics, defined once (DESIGN 3.8) and used by generate, eval and bench.
+"""Run metrics, defined once (docs/design.md 3.8) and used by generate, eval and bench.
 
 tokens N includes the first token (from the prefill logits) and a final EOS, never an
 unverified draft; decode tokens = N - 1; ticks counts decode ticks including fill and refill;

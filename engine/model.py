@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.kv_cache import KVCache
+from spd_engine.engine.model_config import ModelConfig
+from spd_engine.engine.kv_cache import KVCache
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The speculation module (PDM, DESIGN 3.5) and its checkpoint format.
+"""The speculation module (PDM, docs/design.md 3.5) and its checkpoint format.
 
 Input rows: one projection per aggregation type, `W_a [H, (a+1)H]`, applied to the concatenated
 anchor states `0..a` of a position. Then `K` decoder layers of the target's family (own RoPE and
@@ -18,11 +18,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.anchors import AnchorPlan
-from engine.config import ModelConfig
-from engine.kv_cache import KVCache
-from engine.model import RMSNorm, StageModel
-from kernels.anchor_gather import anchor_rows, pack_projection_weights
+from spd_engine.engine.anchors import AnchorPlan
+from spd_engine.engine.model_config import ModelConfig
+from spd_engine.engine.kv_cache import KVCache
+from spd_engine.engine.model import RMSNorm, StageModel
+from spd_engine.kernels.anchor_gather import anchor_rows, pack_projection_weights
 
 PDM_FORMAT = "spd-pdm-v1"
 

@@ -2,7 +2,7 @@
 
 The driver and the stage workers are the very same objects as in a distributed run
 (engine/roles.py); the stage ranks run as threads over the in-process transport. SPD results
-(tokens, tick count, alpha) are timing-independent by construction (DESIGN 3.3/3.4), so this
+(tokens, tick count, alpha) are timing-independent by construction (docs/design.md 3.3/3.4), so this
 executor produces exactly what the distributed run produces; tests, training checks and
 evaluation use it when wall-clock does not matter.
 """
@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import threading
 
-from engine.engine_config import EngineConfig
-from engine.roles import build_rank
-from engine.stage_worker import StageWorker
-from engine.transport import LocalHub
+from spd_engine.engine.run_config import RunConfig
+from spd_engine.engine.roles import build_rank
+from spd_engine.engine.stage_worker import StageWorker
+from spd_engine.engine.transport import LocalHub
 
 
 class ReferenceExecutor:
     """Use as a context manager; `generate` has the Driver's signature."""
 
-    def __init__(self, ecfg: EngineConfig, pdm=None) -> None:
+    def __init__(self, ecfg: RunConfig, pdm=None) -> None:
         world = ecfg.world_size
         self.hub = LocalHub(world)
         self.errors: list[BaseException] = []

@@ -7,23 +7,23 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.baselines import PipelineDriver
-from engine.build import build_driver_head, build_pdm, build_stage_model
-from engine.driver import Driver
-from engine.engine_config import EngineConfig
-from engine.stage_worker import StageWorker
-from engine.topology import Topology
-from engine.transport import Transport, loopback_pair
+from spd_engine.engine.baselines import PipelineDriver
+from spd_engine.engine.build import build_driver_head, build_pdm, build_stage_model
+from spd_engine.engine.driver import Driver
+from spd_engine.engine.run_config import RunConfig
+from spd_engine.engine.stage_worker import StageWorker
+from spd_engine.engine.topology import Topology
+from spd_engine.engine.transport import Transport, loopback_pair
 
 
-def rank_topology(ecfg: EngineConfig) -> Topology:
+def rank_topology(ecfg: RunConfig) -> Topology:
     """SPD uses the configured placement; pp and ar always run stage 0 on rank 0."""
     if ecfg.mode == "spd":
         return ecfg.topology
     return dataclasses.replace(ecfg.topology, colocate=True)
 
 
-def build_rank(ecfg: EngineConfig, rank: int, transport: Transport, pdm=None
+def build_rank(ecfg: RunConfig, rank: int, transport: Transport, pdm=None
                ) -> tuple[Driver | PipelineDriver | None, StageWorker | None]:
     """(driver-side runtime or None, stage worker to serve or None) for this rank."""
     topo = rank_topology(ecfg)

@@ -10,10 +10,13 @@ of the first generated token x_P; the prompt is at offsets < 0.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterable
 
+from spd_engine.engine.tick import Draft, Entry, Row, TickState, Verdict
+
 FIRST, DRAFT, CORRECTION, STALE = "first", "draft", "correction", "stale"
+_FIRST_ID, _DRAFT_ID, _CORRECTION_ID = 0, 1, 2  # token ids that stand for the kinds in the state machine
 
 
 def decode_ticks(tokens: int, n: int, rejections: int) -> int:
@@ -54,15 +57,6 @@ class Token:
 
 
 @dataclass(frozen=True)
-class Row:
-    """One PDM input row: position `pos` aggregated at `depth`; pending = full-depth row cached this tick."""
-
-    position: int
-    depth: int
-    pending: bool = False
-
-
-@dataclass(frozen=True)
 class Verification:
     exiting: Token  # the token that left the last stage; its logits verify `draft`
     draft: Token
@@ -89,9 +83,11 @@ class TickRecord:
 def simulate(n: int, verdicts: Iterable[bool], max_tokens: int | None = None) -> list[TickRecord]:
     """Play decode ticks on n stages, taking each verification's accept/reject from `verdicts`.
 
-    Stops once `max_tokens` tokens are committed (x_P counts as the first); by default
-    1 + len(verdicts), i.e. every verdict is used. The run ends right after its last commit,
-    so a correction that ends the run costs no refill.
+    The tick loop is engine/tick.py's state machine; this adds what each stage holds (stale
+    tokens included) and the stages' lazy KV rollback. Stops once `max_tokens` tokens are
+    committed (x_P counts as the first); by default 1 + len(verdicts), i.e. every verdict is
+    used. The run ends right after its last commit, so a correction that ends the run costs no
+    refill.
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
@@ -102,40 +98,38 @@ def simulate(n: int, verdicts: Iterable[bool], max_tokens: int | None = None) ->
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if len(verdicts) < max_tokens - 1:
         raise ValueError(f"{len(verdicts)} verdicts cannot commit {max_tokens} tokens (needs {max_tokens - 1})")
-    pipe: list[Token | None] = [Token(0, FIRST, 0)] + [None] * (n - 1)  # token at stage p next tick
+    kinds = {_FIRST_ID: FIRST, _DRAFT_ID: DRAFT, _CORRECTION_ID: CORRECTION}
+    state = TickState(n, 0, _FIRST_ID)
+    entered: list[Entry] = []  # entered[k - 1]: the token that entered stage 0 at tick k
     kv = [0] * n  # KV length of each stage (offsets): the prompt fills positions < P
     records: list[TickRecord] = []
-    tokens, epoch, cache_end, pending, used = 1, 0, 0, None, 0
-    while tokens < max_tokens:
-        live = [(p, t) for p, t in enumerate(pipe) if t is not None and t.kind != STALE]
-        rows = ([Row(pending, n, True)] if pending is not None else []) + \
-               [Row(t.position, p) for p, t in reversed(live)]
-        draft = Token(pipe[0].position + 1, DRAFT, epoch)  # stage 0 always holds the newest live token
-        if pending is not None:
-            cache_end = pending + 1  # the pending row stays in the cache, the staircase is cropped
+    used = 0
+    while state.committed < max_tokens:
+        plan = state.plan()
+        entered.extend(plan.enter)
+
+        def token(e: Entry, live: bool = True) -> Token:
+            return Token(e.pos, kinds[e.token] if live else STALE, e.epoch)
+
+        pipe = [entered[plan.tick - 1 - p] if plan.tick - p >= 1 else None for p in range(n)]
+        stages = tuple(None if e is None else token(e, e.epoch == state.epoch) for e in pipe)
         rollback = []
-        for p, t in enumerate(pipe):
+        for p, e in enumerate(pipe):
             # a stage sets its KV length to the incoming position before writing (lazy rollback)
-            rollback.append(t.position if t is not None and t.position < kv[p] else None)
-            if t is not None:
-                kv[p] = t.position + 1
-        exiting, verify, committed, pending = pipe[-1], None, None, None
-        if exiting is not None and exiting.kind != STALE:
-            target = pipe[-2] if n > 1 else draft
-            assert target is not None and target.kind == DRAFT and target.position == exiting.position + 1
+            rollback.append(e.pos if e is not None and e.pos < kv[p] else None)
+            if e is not None:
+                kv[p] = e.pos + 1
+        draft = Token(plan.draft_pos, DRAFT, state.epoch)
+        verify, verdict = None, None
+        if plan.exit is not None:
             accepted = bool(verdicts[used])
             used += 1
-            verify = Verification(exiting, target, accepted)
-            committed = target if accepted else Token(target.position, CORRECTION, epoch + 1)
-            tokens += 1
-            pending = exiting.position  # its full-depth row reaches the PDM next tick
-        records.append(TickRecord(len(records) + 1, tuple(pipe), tuple(rollback), tuple(rows), draft,
-                                  cache_end, verify, committed, tokens))
-        if verify is not None and not verify.accepted:
-            epoch += 1  # flush: the correction enters stage 0, in-flight drafts go stale
-            pipe = [committed] + [replace(t, kind=STALE) if t is not None else None for t in pipe[:-1]]
-        else:
-            pipe = [draft] + pipe[:-1]
+            verdict = Verdict(accepted, _DRAFT_ID if accepted else _CORRECTION_ID)
+            behind = token(plan.proposed) if plan.proposed is not None else draft
+            verify = Verification(token(plan.exit), behind, accepted)
+        committed = state.advance([Draft(plan.draft_pos, _DRAFT_ID)], verdict)
+        records.append(TickRecord(plan.tick, stages, tuple(rollback), tuple(plan.rows), draft, state.pdm_len,
+                                  verify, None if committed is None else token(committed), state.committed))
     return records
 
 
@@ -158,7 +152,7 @@ def _stage_cell(token: Token | None) -> str:
 
 
 def _rows_cell(record: TickRecord, previous: TickRecord | None) -> str:
-    rows = ", ".join(f"{_pos(r.position)}@{r.depth}{'*' if r.pending else ''}" for r in record.rows)
+    rows = ", ".join(f"{_pos(r.pos)}@{r.depth}{'*' if r.pending else ''}" for r in record.rows)
     cell = f"[{rows}] -> {_label(record.draft)}"
     if previous is None or previous.cache_end != record.cache_end:
         cell += f"; cache 0..{_pos(record.cache_end - 1)}"
@@ -180,7 +174,7 @@ def _verify_cells(record: TickRecord) -> tuple[str, str]:
 
 
 def format_schedule(records: list[TickRecord]) -> str:
-    """A Markdown table of the ticks, in the layout of the worked example in DESIGN 3.3."""
+    """A Markdown table of the ticks, in the layout of the worked example in docs/design.md 3.3."""
     if not records:
         return "(no decode ticks: the run ended with the prefill token)"
     n = len(records[0].stages)

@@ -1,7 +1,7 @@
 """Stage worker: receive a token (or prefill chunk), run layers [a, b), send the output downstream
 and the anchor states to the driver.
 
-Rollback is lazy (DESIGN 3.4): a message at position `q` writes its K/V at slot `q`, so whatever
+Rollback is lazy (docs/design.md 3.4): a message at position `q` writes its K/V at slot `q`, so whatever
 a stale token left there is overwritten; there is no control message, collective or barrier.
 Every processed message produces exactly one message to the driver when this stage produces
 anchors or is the last stage; the driver counts on that to drain its links at the end.
@@ -12,13 +12,13 @@ import time
 
 import torch
 
-from engine.anchors import AnchorPlan
-from engine.graphs import StageStep
-from engine.messages import Header, Kind, parse_sampling_payload
-from engine.sampling import SamplingParams, keyed_generator, sample, target_probs
-from engine.model import StageModel
-from engine.topology import Topology
-from engine.transport import Transport
+from spd_engine.engine.anchors import AnchorPlan
+from spd_engine.engine.graphs import StageStep
+from spd_engine.engine.messages import Header, Kind, parse_sampling_payload
+from spd_engine.engine.sampling import SamplingParams, keyed_generator, sample, target_probs
+from spd_engine.engine.model import StageModel
+from spd_engine.engine.topology import Topology
+from spd_engine.engine.transport import Transport
 
 
 class StageWorker:
@@ -28,7 +28,7 @@ class StageWorker:
         """plan None: a plain pipeline-parallel stage (no anchors). A last stage that holds the
         head replies to the driver with the argmax token id in the header instead of its hidden
         state (the `pp` and `ar` baselines). step_mode (eager, static, graph): how one-token
-        steps run (engine/engine_config.py STEP_MODES); prefill chunks always run eagerly."""
+        steps run (engine/run_config.py STEP_MODES); prefill chunks always run eagerly."""
         self.stage, self.topo, self.model, self.t = stage, topo, model, transport
         self.capacity, self.timeout = capacity, timeout
         self.min_step_s = min_step_s  # synthetic stage time (benchmarks, bubble tests): pad compute to this

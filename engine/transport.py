@@ -4,7 +4,7 @@ in-process one (threads in one process: tests and the reference executor).
 A message is a header plus zero or more payload tensors whose shapes the receiver derives
 from the header, so every receive lands in a preallocated buffer. Receives inside a request
 time out with an error naming (rank, peer, tick); a dead peer surfaces as the same error.
-Per-link FIFO order is what the lazy rollback of DESIGN 3.4 relies on: torch.distributed P2P
+Per-link FIFO order is what the lazy rollback of docs/design.md 3.4 relies on: torch.distributed P2P
 within one process group between a fixed pair of ranks and the in-process queues both preserve
 it (the distributed transport uses one group per direction of each pair).
 """
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.messages import HEADER_LEN, Header
+from spd_engine.engine.messages import HEADER_LEN, Header
 
 
 class TransportError(RuntimeError):

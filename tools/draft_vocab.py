@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from train.corpus import Corpus
-from train.draft_vocab import build_draft_vocab, save_draft_vocab
+from spd_engine.train.corpus import Corpus
+from spd_engine.train.draft_vocab import build_draft_vocab, save_draft_vocab
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

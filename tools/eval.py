@@ -15,17 +15,17 @@ import sys
 import time
 from pathlib import Path
 
-from train.evaluate import DATASETS, EXECUTORS, EvalSettings, check_settings, default_data_dir, default_executor
+from spd_engine.train.evaluate import DATASETS, EXECUTORS, EvalSettings, check_settings, default_data_dir, default_executor
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tools.common import add_engine_arguments
+    from spd_engine.tools.common import add_engine_arguments
 
     add_engine_arguments(p)
     g = p.add_argument_group("evaluation")
     g.add_argument("--data-dir", default=None,
                    help=f"directory with {', '.join(d + '.jsonl' for d in DATASETS)} "
-                        f"(default: ../shared/data/eval next to the repository, if present)")
+                        f"(default: the prompt sets shipped in the package, train/evalsets)")
     g.add_argument("--datasets", default=",".join(DATASETS), help="comma-separated subset of the prompt sets")
     g.add_argument("--limit", type=int, default=None, help="prompts per dataset (default: all)")
     g.add_argument("--max-new-tokens", type=int, default=256)
@@ -50,12 +50,12 @@ def _data_dir(arg: str | None) -> Path:
         return d
     d = default_data_dir()
     if d is None:
-        raise ValueError("no --data-dir given and no ../shared/data/eval next to the repository")
+        raise ValueError("no --data-dir given and this installation has no shipped prompt sets (train/evalsets)")
     return d
 
 
 def _datasets(arg: str) -> list[str]:
-    from tools.common import parse_names
+    from spd_engine.tools.common import parse_names
 
     return parse_names(arg, DATASETS, "dataset(s)")
 
@@ -63,9 +63,9 @@ def _datasets(arg: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from engine.tokenizer import Tokenizer
-    from tools.common import engine_config
-    from train.evaluate import encode_prompt, evaluate, format_table, load_dataset, open_runner
+    from spd_engine.engine.tokenizer import Tokenizer
+    from spd_engine.tools.common import engine_config
+    from spd_engine.train.evaluate import encode_prompt, evaluate, format_table, load_dataset, open_runner
 
     executor = args.executor or default_executor(args.temperature)
     settings = EvalSettings(args.max_new_tokens, args.temperature, executor, args.limit, args.top_k, args.top_p,

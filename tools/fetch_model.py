@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from checkpoint_tools.fetch import MODELS, fetch_model
+from spd_engine.checkpoint_tools.fetch import MODELS, fetch_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -19,8 +19,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from engine.sampling import SamplingParams
-from tools.common import add_engine_arguments, engine_config, load_prompts
+from spd_engine.engine.sampling import SamplingParams
+from spd_engine.tools.common import add_engine_arguments, engine_config, load_prompts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,8 +65,8 @@ def encode_prompts(texts: list[str], tok, chat: bool, vocab_size: int) -> list[l
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.launch import launch
-    from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+    from spd_engine.engine.launch import launch
+    from spd_engine.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")

@@ -10,15 +10,15 @@ import json
 import os
 from statistics import median
 
-from bench.cost_model import (REFERENCE_PROFILES, AlphaCurve, LinkModel, Links, Profile, plan, predict_replay,
+from spd_engine.bench.cost_model import (REFERENCE_PROFILES, AlphaCurve, LinkModel, Links, Profile, plan, predict_replay,
                               recommendation)
-from bench.stats import format_table
+from spd_engine.bench.stats import format_table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("compute (schema spd-profile/1, docs/benchmarks.md)")
     src.add_argument("--profile", help="profile JSON: layer_ms, pdm_ms, verify_ms, hidden_size, ...")
-    src.add_argument("--reference", choices=sorted(REFERENCE_PROFILES), help="a built-in H200 profile (DESIGN 6)")
+    src.add_argument("--reference", choices=sorted(REFERENCE_PROFILES), help="a built-in H200 profile (docs/design.md 6)")
     net = p.add_argument_group("links (netbench JSON, or explicit assumptions flagged in the output)")
     net.add_argument("--net", help="netbench JSON for links inside a node (or all links)")
     net.add_argument("--net-inter", help="netbench JSON for links between nodes")
@@ -172,8 +172,8 @@ def _validate(args: argparse.Namespace) -> int:
     """Rounds of: a netbench P2P run at the replay's message sizes, then every replay scenario,
     in one launch. Each round's replays are predicted from that round's netbench numbers (or
     from --net for all rounds); medians over rounds are compared."""
-    from bench.netbench import NetbenchConfig, launch_local, netbench_rank
-    from bench.tick_replay import VALIDATION_SCENARIOS, validation_message_sizes
+    from spd_engine.bench.netbench import NetbenchConfig, launch_local, netbench_rank
+    from spd_engine.bench.tick_replay import VALIDATION_SCENARIOS, validation_message_sizes
 
     world = max(sc.ranks_needed() for sc in VALIDATION_SCENARIOS)
     count = len(VALIDATION_SCENARIOS)
@@ -236,10 +236,10 @@ def _validate_runtime(args: argparse.Namespace) -> int:
     off by more than --tolerance."""
     import sys
 
-    from bench.validate_runtime import ValidationSettings, format_validation, validate
-    from engine.tokenizer import Tokenizer
-    from tools.common import add_engine_arguments, engine_config
-    from tools.generate import encode_prompts
+    from spd_engine.bench.validate_runtime import ValidationSettings, format_validation, validate
+    from spd_engine.engine.tokenizer import Tokenizer
+    from spd_engine.tools.common import add_engine_arguments, engine_config
+    from spd_engine.tools.generate import encode_prompts
 
     alpha = None if args.synthetic_alpha.lower() == "none" else float(args.synthetic_alpha)
     if alpha is not None and not 0 <= alpha <= 1:
@@ -271,7 +271,7 @@ def _validate_runtime(args: argparse.Namespace) -> int:
 
 
 def _revalidate(args: argparse.Namespace) -> int:
-    from bench.validate_runtime import format_validation, repredict
+    from spd_engine.bench.validate_runtime import format_validation, repredict
 
     saved = _load_json(args.revalidate)
     if not isinstance(saved, dict) or not saved.get("rounds") or "settings" not in saved:

@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace):
     import torch
 
-    from bench.profile import DeviceSettings
+    from spd_engine.bench.profile import DeviceSettings
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -72,8 +72,8 @@ def _settings(args: argparse.Namespace):
 
 
 def _shapes(args: argparse.Namespace, device: str) -> list[str]:
-    from engine.engine_config import PRESETS
-    from tools.common import parse_names
+    from spd_engine.engine.run_config import PRESETS
+    from spd_engine.tools.common import parse_names
 
     text = args.shapes or (QUICK_CPU_SHAPES if args.quick and device == "cpu" else DEFAULT_SHAPES)
     return parse_names(text, PRESETS, "shapes")
@@ -81,8 +81,8 @@ def _shapes(args: argparse.Namespace, device: str) -> list[str]:
 
 def _links(args: argparse.Namespace) -> list:
     """(label, Links) pairs: the measured netbench links and/or the assumed one."""
-    from bench.cost_model import LinkModel, Links
-    from tools.plan import assumed_link
+    from spd_engine.bench.cost_model import LinkModel, Links
+    from spd_engine.tools.plan import assumed_link
 
     out = []
     if args.net:
@@ -97,7 +97,7 @@ def _links(args: argparse.Namespace) -> list:
 
 
 def _alpha(args: argparse.Namespace):
-    from bench.cost_model import AlphaCurve
+    from spd_engine.bench.cost_model import AlphaCurve
 
     if args.alpha_json:
         with open(args.alpha_json) as f:
@@ -128,7 +128,7 @@ def _summary_row(name: str, raw: dict) -> dict:
 
 
 def _print_summary(rows: list[dict], ns: tuple[int, ...]) -> None:
-    from bench.stats import format_table
+    from spd_engine.bench.stats import format_table
 
     cols = [("shape", "shape", ""), ("ar_eager", "AR eager", ".3f"), ("ar_graph", "AR graph", ".3f"),
             ("verify", "verify", ".3f")]
@@ -141,10 +141,10 @@ def _print_summary(rows: list[dict], ns: tuple[int, ...]) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from bench.cost_model import Profile, plan, recommendation
-    from bench.profile import fully_graphed, measure_shape, profile_json
-    from engine.engine_config import PRESETS
-    from tools.plan import print_plan
+    from spd_engine.bench.cost_model import Profile, plan, recommendation
+    from spd_engine.bench.profile import fully_graphed, measure_shape, profile_json
+    from spd_engine.engine.run_config import PRESETS
+    from spd_engine.tools.plan import print_plan
 
     s = _settings(args)
     shapes, links, (alpha, alpha_label) = _shapes(args, s.device), _links(args), _alpha(args)

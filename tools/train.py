@@ -1,4 +1,4 @@
-"""`spd train`: distil a PDM head from the frozen target (DESIGN 3.7), resumable.
+"""`spd train`: distil a PDM head from the frozen target (docs/design.md 3.7), resumable.
 
 Batches alternate between self-distilled sequences (the target's own answers; generated first
 with --self-distill N) and the offline corpus text. The result is a PDM directory under
@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from engine.topology import Topology
-from tools.common import model_config, resolve_model
+from spd_engine.engine.topology import Topology
+from spd_engine.tools.common import model_config, resolve_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,13 +61,13 @@ def batches(corpus, seq_len: int, batch: int, seed: int) -> Iterator[torch.Tenso
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.build import build_stage_model
-    from engine.engine_config import EngineConfig
-    from train.corpus import Corpus
-    from train.data_parallel import DataParallel
-    from train.distill import TrainConfig, Trainer
-    from train.draft_vocab import load_draft_vocab
-    from train.self_distill import self_distill
+    from spd_engine.engine.build import build_stage_model
+    from spd_engine.engine.run_config import RunConfig
+    from spd_engine.train.corpus import Corpus
+    from spd_engine.train.data_parallel import DataParallel
+    from spd_engine.train.distill import TrainConfig, Trainer
+    from spd_engine.train.draft_vocab import load_draft_vocab
+    from spd_engine.train.self_distill import self_distill
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"corpus was tokenized for a vocabulary of {corpus.vocab_size}, the model has {cfg.vocab_size}")
     dp = DataParallel.from_env(args.device)
     device = dp.device(args.device)
-    ecfg = EngineConfig(model=engine_dir, cfg=cfg, topology=topo, device=device, dtype=args.target_dtype,
+    ecfg = RunConfig(model=engine_dir, cfg=cfg, topology=topo, device=device, dtype=args.target_dtype,
                         capacity=min(2048, cfg.max_position), seed=args.seed)
     target = build_stage_model(ecfg, range(cfg.num_layers), embedding=True, head=True)  # random:<preset> too
     for p in target.parameters():

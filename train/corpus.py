@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from train.decontaminate import Decontaminator
+from spd_engine.train.decontaminate import Decontaminator
 
 FORMAT = 1
 KINDS = ("prompt", "conversation", "text", "generated")

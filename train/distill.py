@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.anchors import AnchorPlan
-from engine.model import StageModel
-from engine.pdm import PDM, PDMConfig, save_pdm
-from train.data_parallel import DataParallel
-from train.pipeline_sim import simulated_hidden, target_anchors
+from spd_engine.engine.anchors import AnchorPlan
+from spd_engine.engine.model import StageModel
+from spd_engine.engine.pdm import PDM, PDMConfig, save_pdm
+from spd_engine.train.data_parallel import DataParallel
+from spd_engine.train.pipeline_sim import simulated_hidden, target_anchors
 
 
 @dataclass

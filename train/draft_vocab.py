@@ -1,6 +1,6 @@
 """Draft vocabulary: the K most frequent target token ids of the training corpus.
 
-The PDM's head predicts only these ids (a sorted subset of the target vocabulary, see DESIGN 3.5);
+The PDM's head predicts only these ids (a sorted subset of the target vocabulary, see docs/design.md 3.5);
 the EOS ids and the chat template's special tokens are always included, so the PDM can draft
 the end of a turn. Coverage is the fraction of corpus tokens whose id is in the set: an upper
 bound on how often a draft can even match the target's token.
@@ -13,7 +13,7 @@ from typing import Iterable
 
 import numpy as np
 
-from train.corpus import Corpus
+from spd_engine.train.corpus import Corpus
 
 
 def token_counts(corpus: Corpus, split: str = "train") -> np.ndarray:

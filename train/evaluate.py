@@ -1,4 +1,4 @@
-"""Acceptance evaluation of a PDM head on prompt sets: alpha and EAL (DESIGN 3.8), by fill state.
+"""Acceptance evaluation of a PDM head on prompt sets: alpha and EAL (docs/design.md 3.8), by fill state.
 
 Three executors give the same T=0 counts:
 - `fast`: train/fast_eval.py (one greedy decode + one teacher-forced pass per prompt);
@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from engine.build import build_pdm, build_stage_model
-from engine.engine_config import EngineConfig
-from engine.greedy import greedy_generate
-from engine.sampling import SamplingParams
-from train.fast_eval import Acceptance, fast_generate
-from train.reference_cache import ReferenceCache
+from spd_engine.engine.build import build_pdm, build_stage_model
+from spd_engine.engine.run_config import RunConfig
+from spd_engine.engine.greedy import greedy_generate
+from spd_engine.engine.sampling import SamplingParams
+from spd_engine.train.fast_eval import Acceptance, fast_generate
+from spd_engine.train.reference_cache import ReferenceCache
 
 DATASETS = ("mt_bench", "humaneval", "gsm8k")
 EXECUTORS = ("fast", "reference", "dist")
@@ -71,8 +71,9 @@ def check_settings(s: EvalSettings) -> None:
 # ---- prompt sets ----
 
 def default_data_dir() -> Path | None:
-    """../shared/data/eval next to the repository root, if it exists."""
-    d = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "eval"
+    """The evaluation prompt sets shipped with the package (train/evalsets: MT-Bench, HumanEval,
+    GSM8K first turns, EAGLE jsonl format), None if the installation lacks them."""
+    d = Path(__file__).resolve().parent / "evalsets"
     return d if d.is_dir() else None
 
 
@@ -127,7 +128,7 @@ class Outcome:
     seed: int | None = None  # T>0: the seed of this request's draws
 
 
-def full_target(ecfg: EngineConfig):
+def full_target(ecfg: RunConfig):
     """The whole target (embedding, every layer, head) with the weights the stages get."""
     return build_stage_model(ecfg, range(ecfg.cfg.num_layers), embedding=True, head=True)
 
@@ -170,7 +171,7 @@ def runtime_acceptance(driver, prompt: Sequence[int], max_new_tokens: int, eos_i
 
 
 class FastRunner:
-    def __init__(self, ecfg: EngineConfig, cache: ReferenceCache | None = None) -> None:
+    def __init__(self, ecfg: RunConfig, cache: ReferenceCache | None = None) -> None:
         self.target, self.pdm, self.chunk, self.cache = full_target(ecfg), build_pdm(ecfg), ecfg.prefill_chunk, cache
 
     def run(self, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], request: int = 0
@@ -189,7 +190,7 @@ class FastRunner:
 class RuntimeRunner:
     """A launched runtime (reference or dist); at T=0 plus the full target for the lossless check."""
 
-    def __init__(self, driver, ecfg: EngineConfig, settings: EvalSettings = EvalSettings()) -> None:
+    def __init__(self, driver, ecfg: RunConfig, settings: EvalSettings = EvalSettings()) -> None:
         self.driver, self.chunk, self.settings = driver, ecfg.prefill_chunk, settings
         self.target = full_target(ecfg) if settings.temperature == 0 else None
 
@@ -204,7 +205,7 @@ class RuntimeRunner:
 
 
 @contextlib.contextmanager
-def open_runner(ecfg: EngineConfig, settings: EvalSettings, reference_cache: str | Path | None = None
+def open_runner(ecfg: RunConfig, settings: EvalSettings, reference_cache: str | Path | None = None
                 ) -> Iterator[FastRunner | RuntimeRunner]:
     """`reference_cache` (fast executor only): a directory of greedy outputs reused across heads."""
     check_settings(settings)
@@ -215,12 +216,12 @@ def open_runner(ecfg: EngineConfig, settings: EvalSettings, reference_cache: str
     if settings.executor == "fast":
         yield FastRunner(ecfg, ReferenceCache(reference_cache, ecfg) if reference_cache is not None else None)
     elif settings.executor == "reference":
-        from engine.reference import ReferenceExecutor
+        from spd_engine.engine.reference import ReferenceExecutor
 
         with ReferenceExecutor(ecfg) as ex:
             yield RuntimeRunner(ex.driver, ecfg, settings)
     else:
-        from engine.launch import launch
+        from spd_engine.engine.launch import launch
 
         with launch(ecfg) as driver:
             yield RuntimeRunner(driver, ecfg, settings)

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.greedy import DEFAULT_PREFILL_CHUNK, greedy_generate
-from engine.model import StageModel
-from engine.pdm import PDM
-from train.pipeline_sim import simulated_hidden, target_anchors
+from spd_engine.engine.greedy import DEFAULT_PREFILL_CHUNK, greedy_generate
+from spd_engine.engine.model import StageModel
+from spd_engine.engine.pdm import PDM
+from spd_engine.train.pipeline_sim import simulated_hidden, target_anchors
 
 # (fill, newest index t) -> whether the draft made then for index t + 1 equals y[t + 1].
 DraftCorrect = Callable[[int, int], bool]

@@ -1,4 +1,4 @@
-"""Exact pipeline simulation for PDM training and teacher-forced evaluation (DESIGN 3.7).
+"""Exact pipeline simulation for PDM training and teacher-forced evaluation (docs/design.md 3.7).
 
 At a tick whose newest position is `t` with fill `f` (in-flight tokens at lags 0..f-1), the
 token at position `x` is seen at depth `D_f(t - x)`, with `D_f(l) = l if l < f else n`. With
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.anchors import AnchorPlan
-from engine.pdm import PDM
+from spd_engine.engine.anchors import AnchorPlan
+from spd_engine.engine.pdm import PDM
 
 
 def block_depths(n: int, f: int) -> list[int]:

@@ -13,10 +13,10 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from engine.engine_config import EngineConfig, random_preset
+from spd_engine.engine.run_config import RunConfig, random_preset
 
 
-def weights_identity(ecfg: EngineConfig) -> str:
+def weights_identity(ecfg: RunConfig) -> str:
     """What names the target's weights: a random preset + seed, or the checkpoint index bytes."""
     if random_preset(ecfg.model) is not None:
         return f"{ecfg.model}|seed={ecfg.seed}|{ecfg.cfg.fingerprint()}"
@@ -25,7 +25,7 @@ def weights_identity(ecfg: EngineConfig) -> str:
 
 
 class ReferenceCache:
-    def __init__(self, path: str | Path, ecfg: EngineConfig) -> None:
+    def __init__(self, path: str | Path, ecfg: RunConfig) -> None:
         self.dir = Path(path)
         if self.dir.exists() and not self.dir.is_dir():
             raise ValueError(f"--reference-cache {self.dir} exists and is not a directory")

@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from engine.greedy import greedy_generate_batch
-from engine.model import StageModel
-from train.corpus import Corpus
+from spd_engine.engine.greedy import greedy_generate_batch
+from spd_engine.engine.model import StageModel
+from spd_engine.train.corpus import Corpus
 
 
 def pick_prompts(corpus: Corpus, count: int, max_prompt: int, seed: int = 0, skip: int = 0) -> list[list[int]]:

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from bench.cost_model import (AlphaCurve, LinkModel, Profile, SpdCase, balanced_partition, eal_for_request,
+from spd_engine.bench.cost_model import (AlphaCurve, LinkModel, Profile, SpdCase, balanced_partition, eal_for_request,
                               eal_from_alpha, simulate_spd, spd_cycles)
-from engine.schedule import decode_ticks
+from spd_engine.engine.schedule import decode_ticks
 
 
 def sep_case(**kw) -> SpdCase:
@@ -154,7 +154,7 @@ def _write_plan_inputs(tmp_path) -> tuple[str, str]:
 
 
 def test_spd_plan_hand_computed(tmp_path, capsys):
-    from tools.cli import main
+    from spd_engine.tools.cli import main
 
     profile, net = _write_plan_inputs(tmp_path)
     out = str(tmp_path / "plan.json")
@@ -189,7 +189,7 @@ def test_spd_plan_hand_computed(tmp_path, capsys):
 
 
 def test_spd_plan_errors(tmp_path, capsys):
-    from tools.cli import main
+    from spd_engine.tools.cli import main
 
     profile, net = _write_plan_inputs(tmp_path)
     assert main(["plan", "--profile", profile, "--alpha", "0.8"]) == 2
@@ -202,7 +202,7 @@ def test_spd_plan_errors(tmp_path, capsys):
 
 
 def test_hybrid_tp_inside_spd_across(tmp_path):
-    from tools.cli import main
+    from spd_engine.tools.cli import main
 
     profile, net = _write_plan_inputs(tmp_path)
     out = str(tmp_path / "plan.json")
@@ -223,7 +223,7 @@ def test_pp_uses_measured_stage_times_where_the_profile_has_them():
     with pytest.raises(ValueError, match=r"pp_stage_ms\[2\] must have 2 entries"):
         Profile.from_dict({"name": "x", "layer_ms": [1.0], "pdm_ms": 0.5, "verify_ms": 0.2, "hidden_size": 8,
                            "pp_stage_ms": {"2": [1.0]}})
-    from bench.cost_model import Links, plan
+    from spd_engine.bench.cost_model import Links, plan
 
     link = LinkModel.assume("hand", 100.0, 1.0, None)  # 0.1 ms + bytes / 1 GB/s per hop
     base = {"schema": "spd-profile/1", "name": "hand", "num_layers": 4, "layer_ms": 1.0, "pdm_ms": 0.5,

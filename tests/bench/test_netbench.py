@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.stats import bandwidth_gbps, parse_bytes, percentile, summarize_us
+from spd_engine.bench.stats import bandwidth_gbps, parse_bytes, percentile, summarize_us
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,7 +58,7 @@ def _check_report(report: dict, world: int) -> None:
 
 @pytest.mark.multiproc
 def test_local_run_report_invariants(tmp_path, capfd):
-    from tools.cli import main
+    from spd_engine.tools.cli import main
 
     # 256K is above the idle ping-pong's 64 KiB limit
     rc = main(["netbench", "--nproc", "3", "--sizes", "4,1K,256K", "--iters", "20", "--warmup", "2",
@@ -80,7 +80,7 @@ def test_local_run_report_invariants(tmp_path, capfd):
 
 
 def test_user_errors_are_reported_cleanly(capsys):
-    from tools.cli import main
+    from spd_engine.tools.cli import main
 
     assert main(["netbench", "--nproc", "2", "--pairs", "0-5"]) == 2
     assert "pair '0-5'" in capsys.readouterr().err
@@ -103,7 +103,7 @@ def test_two_torchrun_agents_as_two_nodes(tmp_path):
     for node in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port,
-               "-m", "tools.cli", "netbench", "--backend", "gloo", "--sizes", "4,1K", "--iters", "10",
+               "-m", "spd_engine.tools.cli", "netbench", "--backend", "gloo", "--sizes", "4,1K", "--iters", "10",
                "--warmup", "2", "--allreduce-bytes", "4", "--hidden", "64", "--fanin-rows", "1",
                "--timeout", "20", "--no-png", "--out-dir", str(tmp_path / f"node{node}")]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -120,7 +120,7 @@ def test_two_torchrun_agents_as_two_nodes(tmp_path):
 
 
 def _faulty_run(fault: str, timeout: str) -> tuple[int, float]:
-    from tools.cli import main
+    from spd_engine.tools.cli import main
 
     t0 = time.monotonic()
     rc = main(["netbench", "--nproc", "3", "--tests", "replay", "--stage-ms", "2,2", "--tokens", "400",

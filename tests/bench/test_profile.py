@@ -7,15 +7,15 @@ import json
 import pytest
 import torch
 
-from bench.cost_model import AlphaCurve, LinkModel, Links, Profile, plan
-from bench.profile import (DeviceSettings, choose_spd_row, driver_tick_ms, fully_graphed, measure_shape,
+from spd_engine.bench.cost_model import AlphaCurve, LinkModel, Links, Profile, plan
+from spd_engine.bench.profile import (DeviceSettings, choose_spd_row, driver_tick_ms, fully_graphed, measure_shape,
                            profile_from_bench, profile_json)
-from engine.engine_config import PRESETS, EngineConfig
-from engine.graphs import (DevicePositionCache, PDMStep, StageStep, StepGraph, VerifyStep, bucket_for,
+from spd_engine.engine.run_config import PRESETS, RunConfig
+from spd_engine.engine.graphs import (DevicePositionCache, PDMStep, StageStep, StepGraph, VerifyStep, bucket_for,
                            length_buckets)
-from engine.model import StageModel, init_random_
-from engine.pdm import greedy_draft, random_pdm
-from engine.topology import Topology
+from spd_engine.engine.model import StageModel, init_random_
+from spd_engine.engine.pdm import greedy_draft, random_pdm
+from spd_engine.engine.topology import Topology
 
 # The masked static step sums attention over a longer, partly masked cache prefix: equal up to
 # fp32 summation order. Observed differences are ~1e-7; the bound leaves room for other BLAS.
@@ -167,9 +167,9 @@ def _bench_report(c0: list[float], c1: list[float], colocate_world: int = 2) -> 
         {"name": "spd-colocate", "mode": "spd", "world_size": colocate_world, "colocate": True, **base}]}
 
 
-def _ecfg(n: int = 2) -> EngineConfig:
+def _ecfg(n: int = 2) -> RunConfig:
     cfg = PRESETS["tiny-llama"]
-    return EngineConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, n=n), capacity=128)
+    return RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, n=n), capacity=128)
 
 
 def test_driver_medians_from_trace():
@@ -227,8 +227,8 @@ def test_driver_fixed_time_lengthens_the_driver_cycle():
 
 
 def test_eval_json_alpha_by_n_feeds_the_plan():
-    from train.evaluate import EvalReport, PromptRecord
-    from train.fast_eval import Acceptance
+    from spd_engine.train.evaluate import EvalReport, PromptRecord
+    from spd_engine.train.fast_eval import Acceptance
 
     report = EvalReport(n=4)
     for acc, ver in ((3, 4), (5, 6)):
@@ -243,7 +243,7 @@ def test_eval_json_alpha_by_n_feeds_the_plan():
 def test_bench_profile_out_needs_an_spd_run():
     import argparse
 
-    from tools.bench import cases
+    from spd_engine.tools.bench import cases
 
     ecfg = _ecfg()
     args = argparse.Namespace(configs="ar,pp", timeline=None, profile_out="x.json")
@@ -273,7 +273,7 @@ def test_measure_shape_on_cpu():
 
 
 def test_spd_profile_cli_on_cpu(tmp_path, capsys):
-    from tools.cli import main
+    from spd_engine.tools.cli import main
 
     net = tmp_path / "net.json"
     p2p = [{"src": 0, "dst": 1, "bytes": b, "mean_us": 50.0, "p50_us": 50.0, "post_us": 5.0} for b in (32, 4096)]
@@ -299,7 +299,7 @@ def test_spd_profile_cli_on_cpu(tmp_path, capsys):
 @pytest.mark.multiproc
 def test_spd_bench_profile_out(tmp_path, capsys):
     """`spd bench --profile-out` on real runs (tiny random model): a profile the plan accepts."""
-    from tools.cli import main
+    from spd_engine.tools.cli import main
 
     out = tmp_path / "profile.json"
     assert main(["bench", "--model", "random:tiny-llama", "--stages", "2", "--threads", "1", "--prompt", "hello",

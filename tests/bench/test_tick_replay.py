@@ -1,5 +1,5 @@
 """SPD tick replay over gloo with sleeping stages: tick time against the synthetic compute,
-the refill rule of DESIGN 3.3 on real messages, and agreement with the cost model's tick count."""
+the refill rule of docs/design.md 3.3 on real messages, and agreement with the cost model's tick count."""
 from __future__ import annotations
 
 import os
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.cost_model import LinkModel, predict_replay
-from bench.netbench import NetbenchConfig, launch_local, netbench_rank
-from bench.tick_replay import ReplayConfig
+from spd_engine.bench.cost_model import LinkModel, predict_replay
+from spd_engine.bench.netbench import NetbenchConfig, launch_local, netbench_rank
+from spd_engine.bench.tick_replay import ReplayConfig
 
 STAGE_MS = 30.0  # long next to host overheads (ms on a busy shared host), so the bound below is clean
 SCENARIOS = [
@@ -78,7 +78,7 @@ def test_plan_validate_within_tolerance(tmp_path):
     """`spd plan --validate`: netbench, then the replays, in rounds; all within 15% (profiled).
     On a shared host, raised priority (when allowed) keeps other jobs from stretching wake-ups."""
     nice = ["--nice", "-10"] if os.geteuid() == 0 else []
-    out = subprocess.run([sys.executable, "-m", "tools.cli", "plan", "--validate", *nice,
+    out = subprocess.run([sys.executable, "-m", "spd_engine.tools.cli", "plan", "--validate", *nice,
                           "--json", str(tmp_path / "v.json")],
                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=900)
     print(out.stdout)

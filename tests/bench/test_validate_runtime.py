@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from bench.cost_model import LinkModel, Profile, eal_for_request, eal_from_alpha
-from bench.validate_runtime import CONFIGS, ValidationSettings, compare, format_validation, predict, validate
-from engine.engine_config import PRESETS, EngineConfig
-from engine.topology import Topology
+from spd_engine.bench.cost_model import LinkModel, Profile, eal_for_request, eal_from_alpha
+from spd_engine.bench.validate_runtime import CONFIGS, ValidationSettings, compare, format_validation, predict, validate
+from spd_engine.engine.run_config import PRESETS, RunConfig
+from spd_engine.engine.topology import Topology
 
 HAND = {"schema": "spd-profile/1", "name": "hand", "num_layers": 4, "layer_ms": 1.0, "pdm_ms": {"2": 0.5},
         "verify_ms": 0.2, "driver_fixed_ms": 0.1, "hidden_size": 64, "dtype_bytes": 4,
@@ -73,7 +73,7 @@ def test_compare_takes_medians_over_rounds():
 
 def _tiny_validation(configs: tuple[str, ...]) -> dict:
     cfg = PRESETS["tiny-llama"]
-    ecfg = EngineConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, n=2),
+    ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, n=2),
                         threads=1, capacity=128, timeout_s=60.0)
     settings = ValidationSettings(max_new_tokens=12, rounds=1, synthetic_alpha=0.75, net_iters=20, configs=configs)
     return validate(ecfg, [[5, 9, 14, 3, 22]], settings)
@@ -89,7 +89,7 @@ def tiny_validation(request):
 
 def test_validation_configs_are_checked():
     cfg = PRESETS["tiny-llama"]
-    ecfg = EngineConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, n=2), capacity=128)
+    ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, n=2), capacity=128)
     with pytest.raises(ValueError, match="include an SPD run"):
         validate(ecfg, [[5]], ValidationSettings(configs=("ar", "pp")))
 
@@ -135,7 +135,7 @@ def test_real_run_inputs_are_usable(tiny_validation):
 
 
 def test_revalidate_repredicts_a_saved_run(tiny_validation, tmp_path, capsys):
-    from tools.cli import main
+    from spd_engine.tools.cli import main
 
     saved = json.loads(json.dumps(tiny_validation))
     rnd = saved["rounds"][0]
@@ -163,7 +163,7 @@ def test_revalidate_repredicts_a_saved_run(tiny_validation, tmp_path, capsys):
 
 
 def test_cli_argument_errors(capsys):
-    from tools.cli import main
+    from spd_engine.tools.cli import main
 
     assert main(["plan", "--validate", "--validate-runtime"]) == 2
     assert "one of --validate" in capsys.readouterr().err

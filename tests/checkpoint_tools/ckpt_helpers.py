@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from checkpoint_tools import hf, key_maps
-from engine.config import ModelConfig
-from engine.model import StageModel, init_random_
+from spd_engine.checkpoint_tools import hf, key_maps
+from spd_engine.engine.model_config import ModelConfig
+from spd_engine.engine.model import StageModel, init_random_
 
 ARCHS = ("llama", "qwen2", "qwen3")
 

@@ -66,8 +66,8 @@ def main(tokens_json: str, pairs: list[str]) -> None:
     cpu_shims()
     from megatron.core import parallel_state
 
-    from checkpoint_tools.megatron_dcp import CONFIG_KEY, read_common
-    from engine.config import ModelConfig
+    from spd_engine.checkpoint_tools.megatron_dcp import CONFIG_KEY, read_common
+    from spd_engine.engine.model_config import ModelConfig
 
     parallel_state.initialize_model_parallel(1, 1)
     tokens = torch.tensor(json.loads(Path(tokens_json).read_text()))  # [B, T]
@@ -82,7 +82,7 @@ def run_one(model, ckpt: str, tokens):
     import torch
     from megatron.core import dist_checkpointing
 
-    from checkpoint_tools.megatron_dcp import CONFIG_KEY
+    from spd_engine.checkpoint_tools.megatron_dcp import CONFIG_KEY
 
     loaded = dist_checkpointing.load(model.sharded_state_dict(), ckpt)
     missing, unexpected = model.load_state_dict(

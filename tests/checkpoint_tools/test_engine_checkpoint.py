@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoint_tools import key_maps, shard
-from engine import checkpoint as ckpt
-from engine.config import ModelConfig, tiny_config
-from engine.model import StageModel
-from engine.topology import stage_bounds
+from spd_engine.checkpoint_tools import key_maps, shard
+from spd_engine.engine import checkpoint as ckpt
+from spd_engine.engine.model_config import ModelConfig, tiny_config
+from spd_engine.engine.model import StageModel
+from spd_engine.engine.topology import stage_bounds
 from ckpt_helpers import ARCHS, tiny_state
 
 RUNTIME_SPLITS = ([6], [3, 3], [2, 2, 2], [1, 2, 3], [2, 1, 1, 2], [1] * 6)

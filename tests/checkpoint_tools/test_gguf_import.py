@@ -15,11 +15,11 @@ import torch
 from safetensors.numpy import load_file
 from tokenizers import pre_tokenizers
 
-from checkpoint_tools import fetch
-from checkpoint_tools.gguf_import import (LAYER_TENSORS, gguf_to_hf, model_config, open_gguf, rope_permute,
+from spd_engine.checkpoint_tools import fetch
+from spd_engine.checkpoint_tools.gguf_import import (LAYER_TENSORS, gguf_to_hf, model_config, open_gguf, rope_permute,
                                           rope_unpermute)
-from engine.config import ModelConfig, tiny_config
-from tools import cli
+from spd_engine.engine.model_config import ModelConfig, tiny_config
+from spd_engine.tools import cli
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = [("Ġ", "Ġ"), ("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o")]
@@ -206,7 +206,7 @@ def test_smollm2_logits_match_transformers_gguf_loader(smollm2_dir: Path, smollm
     ours = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
                                                             dtype=torch.float32)
-    from engine.tokenizer import Tokenizer
+    from spd_engine.engine.tokenizer import Tokenizer
 
     ids = torch.tensor([Tokenizer.from_dir(smollm2_dir).chat_ids("Name three colours of the rainbow.")])
     with torch.no_grad():
@@ -220,7 +220,7 @@ def test_smollm2_logits_match_transformers_gguf_loader(smollm2_dir: Path, smollm
 @pytest.mark.slow
 def test_smollm2_greedy_generation_is_english(smollm2_dir: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    from engine.tokenizer import Tokenizer
+    from spd_engine.engine.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(smollm2_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from checkpoint_tools import hf, shard
-from engine import checkpoint as ckpt
-from engine.config import tiny_config
+from spd_engine.checkpoint_tools import hf, shard
+from spd_engine.engine import checkpoint as ckpt
+from spd_engine.engine.model_config import tiny_config
 from ckpt_helpers import ARCHS, assert_same_tensors, write_tiny_hf
 
 

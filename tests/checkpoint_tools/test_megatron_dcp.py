@@ -8,8 +8,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from checkpoint_tools import hf, megatron_dcp
-from engine.config import tiny_config
+from spd_engine.checkpoint_tools import hf, megatron_dcp
+from spd_engine.engine.model_config import tiny_config
 from ckpt_helpers import ARCHS, assert_same_tensors, tiny_state
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint_tools import megatron_dcp
-from engine.config import tiny_config
-from engine.model import StageModel
+from spd_engine.checkpoint_tools import megatron_dcp
+from spd_engine.engine.model_config import tiny_config
+from spd_engine.engine.model import StageModel
 from ckpt_helpers import tiny_state
 
 pytest.importorskip("megatron.core", reason="megatron-core is a test extra: pip install --no-deps megatron-core==0.16.1")

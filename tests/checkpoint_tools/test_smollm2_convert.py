@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint_tools import hf, megatron_dcp, shard, verify
-from engine import checkpoint as ckpt
+from spd_engine.checkpoint_tools import hf, megatron_dcp, shard, verify
+from spd_engine.engine import checkpoint as ckpt
 from ckpt_helpers import assert_same_tensors
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,8 +23,8 @@ MB = 1024 * 1024
 
 RSS_PROBE = """
 import json, resource, sys
-from engine import checkpoint as ckpt
-from engine.model import StageModel
+from spd_engine.engine import checkpoint as ckpt
+from spd_engine.engine.model import StageModel
 path, stage = sys.argv[1], int(sys.argv[2])
 index = ckpt.read_index(path)
 StageModel(index.cfg, range(0, 1), True, True, device="meta")  # imports done before measuring

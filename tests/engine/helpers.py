@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.build import build_stage_model
-from engine.config import ModelConfig
-from engine.engine_config import PRESETS, EngineConfig
-from engine.greedy import greedy_generate
-from engine.metrics import GenerationResult
-from engine.schedule import decode_ticks
-from engine.topology import Topology
+from spd_engine.engine.build import build_stage_model
+from spd_engine.engine.model_config import ModelConfig
+from spd_engine.engine.run_config import PRESETS, RunConfig
+from spd_engine.engine.greedy import greedy_generate
+from spd_engine.engine.metrics import GenerationResult
+from spd_engine.engine.schedule import decode_ticks
+from spd_engine.engine.topology import Topology
 
 ARCHS = ("llama", "qwen2", "qwen3")
 CHUNK = 16  # small prefill chunk: prompts longer than 16 tokens take several chunks
@@ -48,19 +48,19 @@ def tiny_cfg(arch: str, **overrides) -> ModelConfig:
 
 
 def tiny_engine_config(arch: str = "llama", n: int = 2, colocate: bool = False, mode: str = "spd",
-                       cfg: ModelConfig | None = None, **kw) -> EngineConfig:
+                       cfg: ModelConfig | None = None, **kw) -> RunConfig:
     """A `random:tiny-<arch>` run config with the shape `cfg` (default `tiny_cfg(arch)`)."""
     cfg = cfg or tiny_cfg(arch)
     topo = Topology.build(cfg.num_layers, n, colocate=colocate)
     base = dict(capacity=CAPACITY, prefill_chunk=CHUNK, timeout_s=20.0)
     base.update(kw)
-    return EngineConfig(model=f"random:tiny-{arch}", cfg=cfg, topology=topo, mode=mode, **base)
+    return RunConfig(model=f"random:tiny-{arch}", cfg=cfg, topology=topo, mode=mode, **base)
 
 
 _FULL: dict[tuple, torch.nn.Module] = {}
 
 
-def full_model(ecfg: EngineConfig):
+def full_model(ecfg: RunConfig):
     """The whole target (embedding, every layer, head) with the weights the stages get."""
     key = (ecfg.model, ecfg.cfg.fingerprint(), ecfg.seed)
     if key not in _FULL:
@@ -68,7 +68,7 @@ def full_model(ecfg: EngineConfig):
     return _FULL[key]
 
 
-def reference(ecfg: EngineConfig, prompt: Sequence[int], max_new: int, eos: Sequence[int] = ()) -> list[int]:
+def reference(ecfg: RunConfig, prompt: Sequence[int], max_new: int, eos: Sequence[int] = ()) -> list[int]:
     """greedy_generate on the full model, same prefill chunk: the output SPD must reproduce."""
     return greedy_generate(full_model(ecfg), prompt, max_new, eos_ids=eos, chunk=ecfg.prefill_chunk)
 
@@ -173,14 +173,14 @@ def restore(originals: dict) -> None:
         setattr(module, name, fn)
 
 
-def _rank_main(rank: int, world: int, port: int, ecfg: EngineConfig, job: Callable, job_args: tuple,
+def _rank_main(rank: int, world: int, port: int, ecfg: RunConfig, job: Callable, job_args: tuple,
                out_dir: str) -> None:
     """One rank: patch collectives, then run the engine's own torchrun path of `launch`."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       LOCAL_RANK=str(rank))
     out = Path(out_dir)
     forbid_collectives(out / f"collectives-{rank}.log")
-    from engine.launch import launch
+    from spd_engine.engine.launch import launch
 
     try:
         with launch(ecfg) as runtime:  # ranks other than 0 serve inside and exit
@@ -199,11 +199,11 @@ class RanksOutcome:
     errors: dict[int, str]
 
 
-def run_ranks(ecfg: EngineConfig, job: Callable, job_args: tuple, out_dir: Path, timeout: float = 120.0
+def run_ranks(ecfg: RunConfig, job: Callable, job_args: tuple, out_dir: Path, timeout: float = 120.0
               ) -> RanksOutcome:
     """Run every rank of `ecfg` as its own spawned process (as torchrun would), with collectives
     patched to raise; rank 0 runs `job(runtime, *job_args)` and its return value comes back."""
-    from engine.launch import free_port
+    from spd_engine.engine.launch import free_port
 
     world, port = ecfg.world_size, free_port()
     ctx = mp.get_context("spawn")
@@ -234,8 +234,8 @@ def idle_wait_rank(rank: int, port: int, pause_s: float, out: str) -> None:
 
     import torch.distributed as dist
 
-    from engine.messages import Header, Kind
-    from engine.transport import DistTransport
+    from spd_engine.engine.messages import Header, Kind
+    from spd_engine.engine.transport import DistTransport
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=2))

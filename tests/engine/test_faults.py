@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.engine_config import PRESETS
-from engine.launch import FAULT_ENV
-from engine.pdm import random_pdm, save_pdm
-from engine.reference import ReferenceExecutor
-from engine.stage_worker import StageWorker
-from engine.topology import Topology
-from engine.transport import TransportError
+from spd_engine.engine.run_config import PRESETS
+from spd_engine.engine.launch import FAULT_ENV
+from spd_engine.engine.pdm import random_pdm, save_pdm
+from spd_engine.engine.reference import ReferenceExecutor
+from spd_engine.engine.stage_worker import StageWorker
+from spd_engine.engine.topology import Topology
+from spd_engine.engine.transport import TransportError
 from helpers import random_prompts, reference, run_ranks, tiny_engine_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,7 +30,7 @@ ERROR = re.compile(r"\(rank=(\d+), peer=(\d+), tick=(-?\d+)\)")
 
 def cli(*args: str, env: dict | None = None) -> subprocess.Popen:
     """`spd` leading a new process group, so every rank it starts can be found (and cleaned up) by group."""
-    return subprocess.Popen([sys.executable, "-m", "tools.cli", *args], cwd=REPO, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "spd_engine.tools.cli", *args], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
                             start_new_session=True)
 
@@ -159,7 +159,7 @@ def check_one_line(name: str, rc: int, err: str, phrase: str) -> None:
 
 @pytest.mark.parametrize("name", list(EARLY))
 def test_bad_arguments_give_one_line_and_exit_code_2(name, capfd):
-    from tools.cli import main
+    from spd_engine.tools.cli import main
 
     args, phrase = EARLY[name]
     rc = main(["generate", *args])  # the dispatcher itself: what `spd` runs
@@ -187,7 +187,7 @@ def test_a_failed_launch_leaves_no_process_group_behind(wrong_heads):
 
     import torch.distributed as dist
 
-    from engine.launch import launch
+    from spd_engine.engine.launch import launch
 
     ecfg = tiny_engine_config("llama", 2, colocate=True, pdm=str(wrong_heads["n"]), cfg=PRESETS["tiny-llama"],
                               threads=1)
@@ -209,7 +209,7 @@ def test_a_failed_launch_leaves_no_process_group_behind(wrong_heads):
 def test_defaults_work_for_a_tiny_preset():
     """No --capacity and no --spec: the defaults must fit the preset (its max_position is 512), and the
     tokens printed are the greedy decoder's."""
-    from tools.generate import encode_prompts
+    from spd_engine.tools.generate import encode_prompts
 
     proc = cli("generate", "--model", "random:tiny-llama", "--stages", "2", "--prompt", "hi there",
                "--max-new-tokens", "6", "--threads", "1")
@@ -261,15 +261,15 @@ def test_a_failing_stage_thread_ends_the_request_with_rank_and_peer(monkeypatch)
 
 
 def test_one_gpu_per_rank_is_checked_before_anything_starts():
-    from engine.engine_config import EngineConfig
-    from engine.launch import gpu_for_rank, launch
+    from spd_engine.engine.run_config import RunConfig
+    from spd_engine.engine.launch import gpu_for_rank, launch
 
     assert gpu_for_rank(2, None, 4, 3) == 2  # one node: rank r on GPU r
     assert gpu_for_rank(5, 1, 2, 6) == 1  # torchrun: LOCAL_RANK on each node
     with pytest.raises(ValueError, match="rank 2 needs GPU 2, this node has 1"):
         gpu_for_rank(2, None, 1, 3)
     cfg = PRESETS["tiny-llama"]
-    ecfg = EngineConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, n=2),
+    ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, n=2),
                         device="cuda", capacity=64)
     if torch.cuda.device_count() >= ecfg.world_size:
         pytest.skip("enough GPUs here: the check passes")
@@ -284,7 +284,7 @@ def test_an_idle_rank_outlives_the_process_group_timeout(tmp_path):
     # timeout (here 2 s), so idle waits pass their own (days) and the late message still arrives
     import multiprocessing as mp
 
-    from engine.launch import free_port
+    from spd_engine.engine.launch import free_port
     from helpers import idle_wait_rank
 
     ctx, port, out = mp.get_context("spawn"), free_port(), tmp_path / "got.txt"

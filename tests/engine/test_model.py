@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoint_tools.key_maps import hf_to_mcore
-from engine.config import ModelConfig
-from engine.engine_config import PRESETS
-from engine.greedy import greedy_generate, greedy_generate_batch, prefill_chunks
-from engine.model import StageModel, init_random_
-from engine.topology import Topology
+from spd_engine.checkpoint_tools.key_maps import hf_to_mcore
+from spd_engine.engine.model_config import ModelConfig
+from spd_engine.engine.run_config import PRESETS
+from spd_engine.engine.greedy import greedy_generate, greedy_generate_batch, prefill_chunks
+from spd_engine.engine.model import StageModel, init_random_
+from spd_engine.engine.topology import Topology
 from helpers import ARCHS, tiny_cfg  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
@@ -151,9 +151,9 @@ def test_batched_greedy_equals_single_greedy(one_thread):
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
     """(HF model, our full model on the converted checkpoint, tokenizer, config)."""
-    from engine.checkpoint import load_stage_model, read_index
-    from engine.tokenizer import Tokenizer
-    from tools.common import resolve_model
+    from spd_engine.engine.checkpoint import load_stage_model, read_index
+    from spd_engine.engine.tokenizer import Tokenizer
+    from spd_engine.tools.common import resolve_model
 
     engine_dir, tok_dir = resolve_model("smollm2-135m")
     hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()

@@ -1,6 +1,6 @@
 """No hidden bubbles and no collectives in the distributed decode loop.
 
-Every stage is padded to a fixed step time (EngineConfig.stage_ms) on a tiny model, so compute is
+Every stage is padded to a fixed step time (RunConfig.stage_ms) on a tiny model, so compute is
 negligible and the ideal tick is the slowest stage. With an oracle draft policy every tick commits
 one token after the fill, so the time between commits is the tick time. Every rank runs in its own
 process with all torch.distributed collectives patched to raise.

@@ -9,11 +9,11 @@ import functools
 import pytest
 import torch
 
-from engine.engine_config import EngineConfig
-from engine.greedy import greedy_generate
-from engine.launch import launch
-from engine.reference import ReferenceExecutor
-from engine.topology import Topology
+from spd_engine.engine.run_config import RunConfig
+from spd_engine.engine.greedy import greedy_generate
+from spd_engine.engine.launch import launch
+from spd_engine.engine.reference import ReferenceExecutor
+from spd_engine.engine.topology import Topology
 from helpers import Policy, check_run  # noqa: F401
 
 CHUNK = 16  # chat prompts are ~40 tokens: several prefill chunks
@@ -28,9 +28,9 @@ NEW = 32
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
     """(engine checkpoint dir, model config, full model, tokenizer)."""
-    from engine.checkpoint import load_stage_model, read_index
-    from engine.tokenizer import Tokenizer
-    from tools.common import resolve_model
+    from spd_engine.engine.checkpoint import load_stage_model, read_index
+    from spd_engine.engine.tokenizer import Tokenizer
+    from spd_engine.tools.common import resolve_model
 
     engine_dir, tok_dir = resolve_model("smollm2-135m")
     cfg = read_index(engine_dir).cfg
@@ -51,9 +51,9 @@ def refs(smollm2):
     return ref
 
 
-def engine_config(smollm2, n: int, colocate: bool = False) -> EngineConfig:
+def engine_config(smollm2, n: int, colocate: bool = False) -> RunConfig:
     engine_dir, cfg, _, _ = smollm2
-    return EngineConfig(model=str(engine_dir), cfg=cfg, topology=Topology.build(cfg.num_layers, n, colocate=colocate),
+    return RunConfig(model=str(engine_dir), cfg=cfg, topology=Topology.build(cfg.num_layers, n, colocate=colocate),
                         capacity=160, prefill_chunk=CHUNK, timeout_s=120.0, threads=1)
 
 
@@ -102,8 +102,8 @@ def test_distributed_colocated_oracle_and_untrained_on_smollm2(smollm2, refs, on
             run(runtime, smollm2, refs, 4, text, 64, oracle=False)
 
 
-def shipped_head_config(smollm2, colocate: bool = False) -> EngineConfig:
-    from tools.common import default_head
+def shipped_head_config(smollm2, colocate: bool = False) -> RunConfig:
+    from spd_engine.tools.common import default_head
 
     head = default_head("smollm2-135m", 4)
     assert head != "random", "the repository ships a trained head for smollm2-135m at n=4"

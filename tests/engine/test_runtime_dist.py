@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.launch import launch
-from engine.reference import ReferenceExecutor
+from spd_engine.engine.launch import launch
+from spd_engine.engine.reference import ReferenceExecutor
 from helpers import CHUNK, Policy, check_run, random_prompts, reference, summary, tiny_engine_config
 
 pytestmark = pytest.mark.multiproc

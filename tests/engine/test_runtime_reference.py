@@ -7,8 +7,8 @@ import functools
 
 import pytest
 
-from engine.reference import ReferenceExecutor
-from engine.schedule import decode_ticks
+from spd_engine.engine.reference import ReferenceExecutor
+from spd_engine.engine.schedule import decode_ticks
 from helpers import (ARCHS, CHUNK, Policy, check_run, expected_ticks, random_prompts,  # noqa: F401
                      reference, tiny_engine_config)
 
@@ -189,7 +189,7 @@ def test_static_steps_are_lossless(arch, n, colocate, one_thread, monkeypatch):
     """--step-mode static runs the CUDA-graph path's code (static buffers, device-side positions
     and masks, one PDM step per row count) without capture: same tokens, same ticks, and with
     the untrained head the same drafts as the eager steps."""
-    from engine.graphs import PDMStep, VerifyStep
+    from spd_engine.engine.graphs import PDMStep, VerifyStep
 
     rows_run, verified = set(), []  # the row counts of the PDM steps that really ran; static verifications
     run, verify = PDMStep.run, VerifyStep.run

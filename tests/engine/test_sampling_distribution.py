@@ -1,5 +1,5 @@
 """Lossless sampling, measured: at T>0 the tokens SPD commits are distributed exactly as plain
-autoregressive sampling from the target (DESIGN 3.6), whatever the draft distribution.
+autoregressive sampling from the target (docs/design.md 3.6), whatever the draft distribution.
 
 A target with a 6-token vocabulary makes the joint distribution of the first three generated
 tokens (6^3 = 216 cells) exactly computable: 1 + 6 + 36 forwards of the full model, each turned
@@ -44,11 +44,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.engine_config import EngineConfig
-from engine.greedy import prefill
-from engine.messages import Kind
-from engine.reference import ReferenceExecutor
-from engine.sampling import SamplingParams, target_probs
+from spd_engine.engine.run_config import RunConfig
+from spd_engine.engine.greedy import prefill
+from spd_engine.engine.messages import Kind
+from spd_engine.engine.reference import ReferenceExecutor
+from spd_engine.engine.sampling import SamplingParams, target_probs
 from helpers import full_model, tiny_cfg, tiny_engine_config  # noqa: F401
 from stats import TEST_LEVEL, chi_square_pvalue, rejection_rate, tv_distance, worst_case_shift
 
@@ -69,7 +69,7 @@ class Setup:
     params: SamplingParams
     draft: str  # "poor" | "good"
 
-    def engine_config(self) -> EngineConfig:
+    def engine_config(self) -> RunConfig:
         # A random:<preset> source builds its weights from the config's shape (engine/build.py),
         # so a 6-token vocabulary needs no preset of its own. One layer per stage keeps it cheap.
         cfg = tiny_cfg("llama", vocab_size=V, num_layers=self.n)

@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-import train.evaluate as ev
-from engine.engine_config import PRESETS
-from engine.greedy import prefill
-from engine.launch import launch
-from engine.reference import ReferenceExecutor
-from engine.sampling import SamplingParams, keyed_generator, sample, target_probs
-from engine.schedule import decode_ticks
+import spd_engine.train.evaluate as ev
+from spd_engine.engine.run_config import PRESETS
+from spd_engine.engine.greedy import prefill
+from spd_engine.engine.launch import launch
+from spd_engine.engine.reference import ReferenceExecutor
+from spd_engine.engine.sampling import SamplingParams, keyed_generator, sample, target_probs
+from spd_engine.engine.schedule import decode_ticks
 from helpers import full_model, random_prompts, reference, summary, tiny_engine_config  # noqa: F401
-from tools import generate as generate_cli
-from tools.cli import main
+from spd_engine.tools import generate as generate_cli
+from spd_engine.tools.cli import main
 
 NEW = 16
 SAMPLING = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=0)

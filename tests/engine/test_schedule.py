@@ -1,11 +1,11 @@
-"""Tick schedule: the worked example of DESIGN 3.3, the tick formula, and loop invariants."""
+"""Tick schedule: the worked example of docs/design.md 3.3, the tick formula, and loop invariants."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from engine.schedule import (CORRECTION, DRAFT, FIRST, STALE, Token, decode_ticks, eal, expected_eal,
+from spd_engine.engine.schedule import (CORRECTION, DRAFT, FIRST, STALE, Token, decode_ticks, eal, expected_eal,
                              format_schedule, pooled_eal, simulate)
 
 
@@ -28,7 +28,7 @@ def rows(spec: str) -> list[tuple[int, int, bool]]:
     return out
 
 
-# DESIGN 3.3, n=4, verdicts accept, accept, reject, (accept): tick, stages S0..S3, PDM rows,
+# docs/design.md 3.3, n=4, verdicts accept, accept, reject, (accept): tick, stages S0..S3, PDM rows,
 # draft, cache end, verification (exiting, draft, accepted), committed token.
 WORKED_EXAMPLE = [
     (1, ["x0", None, None, None], "0@0", "d1", 0, None, None),
@@ -50,7 +50,7 @@ def test_worked_example_row_by_row():
     for record, (tick, stages, row_spec, draft, cache_end, verify, committed) in zip(records, WORKED_EXAMPLE):
         assert record.tick == tick
         assert list(record.stages) == [tok(s) for s in stages], tick
-        assert [(r.position, r.depth, r.pending) for r in record.rows] == rows(row_spec), tick
+        assert [(r.pos, r.depth, r.pending) for r in record.rows] == rows(row_spec), tick
         assert record.draft == tok(draft), tick
         assert record.cache_end == cache_end, tick
         if verify is None:
@@ -103,13 +103,13 @@ def check_invariants(n: int, records, verdicts) -> None:
         # the staircase: live tokens at consecutive positions, depth = stage, newest at depth 0
         assert [t.position for _, t in live] == list(range(live[0][1].position, live[0][1].position - len(live), -1))
         stair = [r for r in record.rows if not r.pending]
-        assert [(r.position, r.depth) for r in stair] == [(t.position, p) for p, t in reversed(live)]
+        assert [(r.pos, r.depth) for r in stair] == [(t.position, p) for p, t in reversed(live)]
         pending = [r for r in record.rows if r.pending]
         assert len(pending) <= 1 and record.rows[:len(pending)] == tuple(pending)
         if pending:  # the pending row is the newest verified position, at full depth
-            assert pending[0].depth == n and pending[0].position == record.cache_end - 1
+            assert pending[0].depth == n and pending[0].pos == record.cache_end - 1
         # PDM cache + rows cover positions without gap, and only verified positions are cached
-        assert stair[0].position == record.cache_end
+        assert stair[0].pos == record.cache_end
         assert record.cache_end <= len(committed)
         assert record.draft.position == live[0][1].position + 1
         # stages: lazy rollback, then write; a live token only ever sees committed tokens below it

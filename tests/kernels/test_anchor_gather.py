@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from kernels.anchor_gather import (anchor_rows, num_types_of, pack_projection_weights, type_weight_t,
+from spd_engine.kernels.anchor_gather import (anchor_rows, num_types_of, pack_projection_weights, type_weight_t,
                                    unpack_projection_weights)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -102,7 +102,7 @@ def test_torch_zero_rows_and_auto_on_cpu(rng, monkeypatch):
     ws, ring, slots, types = make_case(gen, 16, 2, 0, torch.float32)
     assert anchor_rows(ring, slots, types, pack_projection_weights(ws)).shape == (0, 16)
     if HAS_TRITON:  # "auto" must not reach the Triton launcher for CPU tensors
-        import kernels._anchor_gather_triton as tri
+        import spd_engine.kernels._anchor_gather_triton as tri
         monkeypatch.setattr(tri, "launch", lambda *a, **k: pytest.fail("auto used Triton on CPU"))
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     ws, ring, slots, types = make_case(gen, 16, 2, 3, torch.float32)
@@ -112,7 +112,7 @@ def test_torch_zero_rows_and_auto_on_cpu(rng, monkeypatch):
 
 def test_torch_path_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
-            "import torch\nfrom kernels.anchor_gather import anchor_rows, pack_projection_weights\n"
+            "import torch\nfrom spd_engine.kernels.anchor_gather import anchor_rows, pack_projection_weights\n"
             "p = pack_projection_weights([torch.ones(4, 4), torch.ones(4, 8)])\n"
             "out = anchor_rows(torch.ones(2, 2, 4), torch.tensor([1]), torch.tensor([1]), p)\n"
             "assert out.tolist() == [[8.0] * 4], out\n"
@@ -174,7 +174,7 @@ def test_triton_compiles_for_hopper_without_a_gpu(dtype):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels._anchor_gather_triton import BLOCK_R, _anchor_rows_body, default_config
+    from spd_engine.kernels._anchor_gather_triton import BLOCK_R, _anchor_rows_body, default_config
     fn = triton.jit(_anchor_rows_body)
     cfg = default_config(4096, interpret=False)
     sig = {name: "constexpr" for name in fn.arg_names}
@@ -282,14 +282,14 @@ def test_pack_guards():
 # ---- spd bench-kernel: argument handling and CPU refusal (the timing itself needs a GPU) ----
 
 def test_bench_refuses_without_cuda(monkeypatch, capsys):
-    from tools.cli import main
+    from spd_engine.tools.cli import main
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["bench-kernel", "--shapes", "smollm2-135m"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_bench_rejects_bad_arguments(monkeypatch, capsys):
-    from tools.cli import main
+    from spd_engine.tools.cli import main
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["bench-kernel", "--shapes", "smollm2-135m,gpt-5"]) == 2
     assert "unknown shape 'gpt-5'" in capsys.readouterr().err
@@ -300,7 +300,7 @@ def test_bench_rejects_bad_arguments(monkeypatch, capsys):
 
 
 def test_bench_rows_follow_the_anchor_plan():
-    from tools.bench_kernel import SHAPES, bench_rows, bytes_moved
+    from spd_engine.tools.bench_kernel import SHAPES, bench_rows, bytes_moved
     # SmolLM2 30 layers at n=4 (8,8,7,7): anchors {0, 8, 23, 29}; A(0..4) = 0, 1, 1, 2, 3;
     # rows: the pending full-depth row, then lags 0..3.
     assert bench_rows(SHAPES["smollm2-135m"]) == (4, [3, 0, 1, 1, 2])

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tools.cli import main as spd_main
-from train.corpus import BuildOptions, Corpus, build_corpus, interleave, record_ids, token_dtype
-from train.decontaminate import Decontaminator
-from train.draft_vocab import build_draft_vocab
+from spd_engine.tools.cli import main as spd_main
+from spd_engine.train.corpus import BuildOptions, Corpus, build_corpus, interleave, record_ids, token_dtype
+from spd_engine.train.decontaminate import Decontaminator
+from spd_engine.train.draft_vocab import build_draft_vocab
 
 EVAL_TURN = ("what is the capital city of the country that hosted the first modern olympic games "
              "in the year eighteen ninety six")
@@ -215,8 +215,8 @@ def hf_dir(tmp_path: Path) -> Path:
 
 
 def test_target_tokenizer_matches_engine_tokenizer(hf_dir: Path) -> None:
-    from engine.tokenizer import Tokenizer
-    from tools.data import TargetTokenizer
+    from spd_engine.engine.tokenizer import Tokenizer
+    from spd_engine.tools.data import TargetTokenizer
 
     tok = TargetTokenizer(hf_dir)
     engine_tok = Tokenizer.from_dir(hf_dir)
@@ -247,7 +247,7 @@ def test_spd_data_cli(tmp_path: Path, hf_dir: Path, capsys) -> None:
 # ---------------------------------------------------------------- real tokenizer, real sources
 def injected_eval_records(eval_dir: Path) -> list[dict]:
     """Every eval turn and reference planted inside otherwise clean samples, as text and as chat."""
-    from train.decontaminate import eval_texts
+    from spd_engine.train.decontaminate import eval_texts
 
     recs = []
     for name in ("mt_bench", "humaneval", "gsm8k"):
@@ -269,9 +269,9 @@ def test_real_corpus_has_no_eval_13gram(tmp_path: Path, smollm2_dir: Path) -> No
     dropped, and a brute-force scan finds no eval 13-gram in what is kept."""
     import itertools
 
-    from tools.data import DEFAULT_EVAL_DIR, TargetTokenizer
-    from train.decontaminate import eval_texts
-    from train.sources import SOURCES
+    from spd_engine.tools.data import DEFAULT_EVAL_DIR, TargetTokenizer
+    from spd_engine.train.decontaminate import eval_texts
+    from spd_engine.train.sources import SOURCES
 
     if not DEFAULT_EVAL_DIR.is_dir():
         pytest.skip(f"shared eval prompts not present at {DEFAULT_EVAL_DIR}")

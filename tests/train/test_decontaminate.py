@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from train.decontaminate import NGRAM, Decontaminator, eval_texts, window_hashes
+from spd_engine.train.decontaminate import NGRAM, Decontaminator, eval_texts, window_hashes
 
 
 class WordEncoder:
@@ -132,9 +132,7 @@ def test_eval_texts_reads_turns_and_references() -> None:
 
 def test_real_eval_files_drop_their_own_prompts() -> None:
     """Every prompt of the shared eval set must be caught when it appears in a sample."""
-    eval_dir = Path(__file__).resolve().parents[3] / "shared" / "data" / "eval"
-    if not eval_dir.is_dir():
-        pytest.skip(f"shared eval prompts not present at {eval_dir}")
+    eval_dir = Path(__file__).resolve().parents[2] / "train" / "evalsets"
     enc = WordEncoder()
     dec = Decontaminator.from_eval_dir(eval_dir, enc)
     for name in ("mt_bench", "humaneval", "gsm8k"):

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.pdm import load_pdm, read_pdm_config
+from spd_engine.engine.pdm import load_pdm, read_pdm_config
 from tests.engine.helpers import full_model, tiny_engine_config
 from tests.train.test_corpus import build
-from train.corpus import Corpus
-from train.data_parallel import DataParallel
-from train.distill import TrainConfig, Trainer, distill_loss
-from train.self_distill import pick_prompts
+from spd_engine.train.corpus import Corpus
+from spd_engine.train.data_parallel import DataParallel
+from spd_engine.train.distill import TrainConfig, Trainer, distill_loss
+from spd_engine.train.self_distill import pick_prompts
 
 ECFG = tiny_engine_config("llama", n=2)
 S = 24
@@ -109,7 +109,7 @@ def test_snapshots_are_heads(tmp_path: Path) -> None:
 
 def test_bf16_autocast_tracks_fp32() -> None:
     tr_cfg = tcfg(Path("/nonexistent"))
-    from train.distill import new_pdm
+    from spd_engine.train.distill import new_pdm
     pdm = new_pdm(target(), tr_cfg, None)
     tokens = next(stream())
     l32, a32 = distill_loss(pdm, target(), tokens, 2, "float32")
@@ -212,7 +212,7 @@ TRAIN_ARGS = ["--model", "random:tiny-llama", "--stages", "2", "--seq-len", "16"
 
 
 def test_cli_self_distills_trains_and_resumes(tmp_path: Path, capsys) -> None:
-    from tools.cli import main
+    from spd_engine.tools.cli import main
 
     corpus_dir, _ = build(tmp_path, tok=ModTokenizer())
     out = tmp_path / "run"
@@ -245,7 +245,7 @@ def test_cli_under_torchrun_two_ranks(tmp_path: Path) -> None:
     corpus_dir, _ = build(tmp_path, tok=ModTokenizer())
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "tools.cli", "train", *TRAIN_ARGS, "--corpus", str(corpus_dir), "--out", str(out)]
+           "-m", "spd_engine.tools.cli", "train", *TRAIN_ARGS, "--corpus", str(corpus_dir), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count(f"{out}/pdm") == 1  # the main rank reports; both trained

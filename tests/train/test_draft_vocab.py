@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tools.cli import main as spd_main
-from train.corpus import BuildOptions, Corpus, build_corpus
-from train.decontaminate import Decontaminator
-from train.draft_vocab import build_draft_vocab, coverage, load_draft_vocab, select_ids, token_counts
+from spd_engine.tools.cli import main as spd_main
+from spd_engine.train.corpus import BuildOptions, Corpus, build_corpus
+from spd_engine.train.decontaminate import Decontaminator
+from spd_engine.train.draft_vocab import build_draft_vocab, coverage, load_draft_vocab, select_ids, token_counts
 
 
 class DigitTokenizer:

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import train.evaluate as ev
-from engine.engine_config import PRESETS, EngineConfig
-from engine.pdm import random_pdm
-from engine.topology import Topology
-from tools.cli import main
-from train.fast_eval import Acceptance
+import spd_engine.train.evaluate as ev
+from spd_engine.engine.run_config import PRESETS, RunConfig
+from spd_engine.engine.pdm import random_pdm
+from spd_engine.engine.topology import Topology
+from spd_engine.tools.cli import main
+from spd_engine.train.fast_eval import Acceptance
 
 ARGS_TINY = ["--model", "random:tiny-llama", "--capacity", "256", "--prefill-chunk", "16"]
 TEXTS = {"mt_bench": ["Tell me a story.", "Why is the sky blue?", "hello"],
@@ -52,10 +52,11 @@ def test_load_dataset_errors_name_the_problem(tmp_path):
         ev.load_dataset(tmp_path, "gsm8k")
 
 
-def test_default_data_dir_is_next_to_the_repository():
+def test_default_data_dir_is_the_shipped_prompt_sets():
     d = ev.default_data_dir()
-    repo = Path(ev.__file__).resolve().parents[1]
-    assert d is None or (d == repo.parent / "shared" / "data" / "eval" and d.is_dir())
+    assert d == Path(ev.__file__).resolve().parent / "evalsets"
+    for name in ("mt_bench", "humaneval", "gsm8k"):
+        assert len(ev.load_dataset(d, name)) == 40, name
 
 
 def test_settings_reject_sampling_and_bad_values():
@@ -107,13 +108,13 @@ def test_table_has_a_row_per_dataset_and_overall():
 
 # ---- executors agree ----
 
-def tiny_ecfg(n: int, **kw) -> EngineConfig:
+def tiny_ecfg(n: int, **kw) -> RunConfig:
     cfg = PRESETS["tiny-qwen2"]
-    return EngineConfig(model="random:tiny-qwen2", cfg=cfg, topology=Topology.build(cfg.num_layers, n),
+    return RunConfig(model="random:tiny-qwen2", cfg=cfg, topology=Topology.build(cfg.num_layers, n),
                         capacity=256, prefill_chunk=16, timeout_s=30.0, **kw)
 
 
-def run_eval(ecfg: EngineConfig, data_dir: Path, executor: str, max_new: int = 24, cache: Path | None = None
+def run_eval(ecfg: RunConfig, data_dir: Path, executor: str, max_new: int = 24, cache: Path | None = None
              ) -> ev.EvalReport:
     settings = ev.EvalSettings(max_new, 0.0, executor)
     prompts = [(p, ev.encode_prompt(p.text, None, ecfg.cfg.vocab_size))

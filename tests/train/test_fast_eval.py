@@ -19,13 +19,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from helpers import full_model, random_prompts, reference, tiny_engine_config  # noqa: E402
 
-from engine.build import build_pdm  # noqa: E402
-from engine.engine_config import EngineConfig  # noqa: E402
-from engine.pdm import PDM, random_pdm  # noqa: E402
-from engine.reference import ReferenceExecutor  # noqa: E402
-from engine.schedule import decode_ticks, simulate  # noqa: E402
-from engine.topology import Topology  # noqa: E402
-from train.fast_eval import Acceptance, fast_generate, replay  # noqa: E402
+from spd_engine.engine.build import build_pdm  # noqa: E402
+from spd_engine.engine.run_config import RunConfig  # noqa: E402
+from spd_engine.engine.pdm import PDM, random_pdm  # noqa: E402
+from spd_engine.engine.reference import ReferenceExecutor  # noqa: E402
+from spd_engine.engine.schedule import decode_ticks, simulate  # noqa: E402
+from spd_engine.engine.topology import Topology  # noqa: E402
+from spd_engine.train.fast_eval import Acceptance, fast_generate, replay  # noqa: E402
 
 
 # ---- replay: pure ----
@@ -43,7 +43,7 @@ def test_replay_all_accepted_fills_once_then_runs_full():
 
 
 def test_replay_design_worked_example():
-    """DESIGN 3.3, n=4: the draft for index 3 (made at fill 3) is rejected; c_{P+3} refills; 10 ticks."""
+    """docs/design.md 3.3, n=4: the draft for index 3 (made at fill 3) is rejected; c_{P+3} refills; 10 ticks."""
     acc = replay(5, 4, lambda f, t: not (f == 3 and t == 2))
     assert (acc.ticks, acc.verified, acc.accepted, acc.rejections) == (10, 4, 3, 1)
     assert acc.verified_by_fill == {1: 2, 2: 1, 3: 1}  # index 4 is drafted at fill 1 behind the correction
@@ -97,7 +97,7 @@ def test_replay_equals_the_schedule_simulation_on_random_verdicts(n):
 
 # ---- fast path against the reference executor ----
 
-def oracle_mixed_pdm(ecfg: EngineConfig, target, noise: float, seed: int = 7) -> PDM:
+def oracle_mixed_pdm(ecfg: RunConfig, target, noise: float, seed: int = 7) -> PDM:
     """Initialised from the target (identity projections, its last layer, norm and head), plus
     `noise` times a random head: agrees with the target often but not always, fill-dependently."""
     pdm = random_pdm(ecfg.cfg, tuple(ecfg.topology.stage_layers), ecfg.pdm_layers, seed=seed)
@@ -211,13 +211,13 @@ CHAT = ["What is the capital of France? Answer in one sentence.",
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4])
 def test_fast_path_equals_reference_on_smollm2(n):
-    from engine.build import build_stage_model
-    from engine.tokenizer import Tokenizer
-    from tools.common import model_config, resolve_model
+    from spd_engine.engine.build import build_stage_model
+    from spd_engine.engine.tokenizer import Tokenizer
+    from spd_engine.tools.common import model_config, resolve_model
 
     spec, tok_dir = resolve_model("smollm2-135m")
     cfg = model_config(spec)
-    ecfg = EngineConfig(model=spec, cfg=cfg, topology=Topology.build(cfg.num_layers, n), capacity=512,
+    ecfg = RunConfig(model=spec, cfg=cfg, topology=Topology.build(cfg.num_layers, n), capacity=512,
                         timeout_s=120.0)
     tok = Tokenizer.from_dir(tok_dir)
     target = build_stage_model(ecfg, range(cfg.num_layers), embedding=True, head=True)

@@ -8,19 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.build import build_pdm, build_stage_model
-from engine.engine_config import PRESETS, EngineConfig
-from engine.greedy import greedy_generate
-from engine.reference import ReferenceExecutor
-from engine.topology import Topology
-from train.pipeline_sim import block_depths, simulated_hidden, simulation_mask, target_anchors
+from spd_engine.engine.build import build_pdm, build_stage_model
+from spd_engine.engine.run_config import PRESETS, RunConfig
+from spd_engine.engine.greedy import greedy_generate
+from spd_engine.engine.reference import ReferenceExecutor
+from spd_engine.engine.topology import Topology
+from spd_engine.train.pipeline_sim import block_depths, simulated_hidden, simulation_mask, target_anchors
 
 TOL = 1e-5  # fp32: different shapes and reduction orders, measured max |diff| ~6e-7
 
 
 def _setup(rejections: bool):
     cfg = PRESETS["tiny-llama"]
-    ecfg = EngineConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, stage_layers="2,2,1,1"),
+    ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, stage_layers="2,2,1,1"),
                         capacity=128, timeout_s=10, prefill_chunk=8, pdm_layers=2)
     plan = ecfg.plan()
     assert plan.depth_types == (0, 1, 1, 2, 2)  # two pairs of depths share a type
@@ -91,7 +91,7 @@ def test_per_type_layout_is_not_exact_for_k2():
     """With K=2 and depths sharing a type (2,2,1,1), the per-type layout misses the driver's
     drafts while the per-depth block layout matches them: the construction is what makes it exact."""
     cfg = PRESETS["tiny-llama"]
-    ecfg = EngineConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, stage_layers="2,2,1,1"),
+    ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, stage_layers="2,2,1,1"),
                         capacity=128, timeout_s=10, prefill_chunk=8, pdm_layers=2)
     seen, sim, seq, _, _ = _setup(False)
     pdm = build_pdm(ecfg)

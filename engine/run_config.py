@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from engine.anchors import AnchorPlan
-from engine.config import ModelConfig, tiny_config
-from engine.topology import Topology
+from spd_engine.engine.anchors import AnchorPlan
+from spd_engine.engine.model_config import ModelConfig, tiny_config
+from spd_engine.engine.topology import Topology
 
 MODES = ("spd", "pp", "ar")
 # How the stages' and the driver's one-token decode steps run (engine/graphs.py):
@@ -54,7 +54,7 @@ def random_preset(spec: str) -> ModelConfig | None:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class RunConfig:
     model: str  # engine checkpoint dir or random:<preset>
     cfg: ModelConfig
     topology: Topology
@@ -126,5 +126,5 @@ class EngineConfig:
         ranks = ranks_on_host or self.world_size
         return max(1, (os.cpu_count() or 1) // ranks)
 
-    def replace(self, **kw) -> "EngineConfig":
+    def replace(self, **kw) -> "RunConfig":
         return dataclasses.replace(self, **kw)
