@@ -7,6 +7,7 @@ sources: a PDM checkpoint directory, or `random` (an untrained head; output stay
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +19,25 @@ from spd_engine.engine.model_config import ModelConfig, tiny_config
 from spd_engine.engine.topology import Topology
 
 MODES = ("spd", "pp", "ar")
-# How the stages' and the driver's one-token decode steps run (engine/graphs.py):
-# eager: plain module calls; static: preallocated buffers, device-side position and attention
-# mask (the graph path's code, run eagerly: testable anywhere); graph: static steps captured as
-# CUDA graphs; auto: graph on CUDA, eager elsewhere.
-STEP_MODES = ("auto", "eager", "static", "graph")
+
+
+class StepMode(str, enum.Enum):
+    """How the stages' and the driver's one-token decode steps run (engine/graphs.py)."""
+
+    AUTO = "auto"  # graph on CUDA, eager elsewhere (resolved once, in RunConfig)
+    EAGER = "eager"  # plain module calls
+    STATIC = "static"  # preallocated buffers, device-side position and mask: the graph path's code, run eagerly
+    GRAPH = "graph"  # static steps captured as CUDA graphs
+
+    @classmethod
+    def parse(cls, value: "str | StepMode") -> "StepMode":
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"step mode must be one of {STEP_MODES}, got {value!r}") from None
+
+
+STEP_MODES = tuple(m.value for m in StepMode)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -72,7 +87,7 @@ class RunConfig:
     seed: int = 0
     stage_ms: tuple[float, ...] | None = None  # synthetic per-stage decode step time (sleep-padded)
     trace: bool = False  # record per-tick timestamps on every rank (timeline plots)
-    step_mode: str = "auto"  # one-token decode steps: see STEP_MODES
+    step_mode: StepMode = StepMode.AUTO  # one-token decode steps (a string is parsed once, here)
 
 
     def __post_init__(self) -> None:
@@ -82,8 +97,7 @@ class RunConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.step_mode not in STEP_MODES:
-            raise ValueError(f"step mode must be one of {STEP_MODES}, got {self.step_mode!r}")
+        object.__setattr__(self, "step_mode", StepMode.parse(self.step_mode))
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
         if self.topology.num_layers != self.cfg.num_layers:
@@ -110,12 +124,17 @@ class RunConfig:
             return self.topology.world_size
         return self.topology.n  # pp: n stage ranks (head on the last); ar: one rank
 
-    def resolved_step_mode(self) -> str:
-        """eager, static or graph: auto is graph on CUDA (capture failures fall back to eager)
-        and eager elsewhere."""
-        if self.step_mode != "auto":
+    def resolved_step_mode(self) -> StepMode:
+        """eager, static or graph: auto is graph on CUDA and eager elsewhere."""
+        if self.step_mode != StepMode.AUTO:
             return self.step_mode
-        return "graph" if self.device.startswith("cuda") else "eager"
+        return StepMode.GRAPH if self.device.startswith("cuda") else StepMode.EAGER
+
+    def rank_options(self, stage: int | None = None) -> "RankOptions":
+        """What a driver or stage worker needs of this run (stage None: the driver)."""
+        min_step = self.stage_ms[stage] / 1e3 if self.stage_ms and stage is not None else 0.0
+        return RankOptions(self.capacity, self.prefill_chunk, self.timeout_s, self.trace,
+                           self.resolved_step_mode(), min_step)
 
     def plan(self) -> AnchorPlan:
         return AnchorPlan.build(self.topology.bounds, self.anchors)
@@ -128,3 +147,18 @@ class RunConfig:
 
     def replace(self, **kw) -> "RunConfig":
         return dataclasses.replace(self, **kw)
+
+
+@dataclass(frozen=True)
+class RankOptions:
+    """The run settings a driver or a stage worker uses (RunConfig.rank_options)."""
+
+    capacity: int = 2048  # KV slots per sequence
+    prefill_chunk: int = 128  # prompt tokens per prefill message
+    timeout_s: float = 60.0  # receive timeout inside a request
+    trace: bool = False  # per-tick timestamps (timelines)
+    step_mode: StepMode = StepMode.EAGER  # resolved: never AUTO
+    min_step_s: float = 0.0  # synthetic stage step time: compute is padded to this (benchmarks, bubble tests)
+
+    def __post_init__(self) -> None:
+        assert self.step_mode != StepMode.AUTO, "resolve the step mode before building a rank"
