@@ -1,5 +1,5 @@
-"""Interconnect benchmark: rank context with receive timeouts, a local launcher, and the
-P2P, all-reduce and fan-in measurements behind `spd netbench`.
+"""Interconnect benchmark: the P2P, all-reduce and fan-in measurements behind `spd netbench`,
+and its launch (local ranks or torchrun) on the process-group layer of engine/dist.py.
 
 Definitions (also written into every JSON report):
 - P2P latency: one-way time = half the round trip of a ping-pong with `bytes` in each
@@ -17,12 +17,8 @@ not been run on a multi-GPU machine.
 """
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import socket
-import sys
-import tempfile
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -32,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 from spd_engine.bench.stats import bandwidth_gbps, summarize_us
+from spd_engine.engine.dist import (LocalRanks, PeerError, RankContext, RunFailed, check_gpus, fail_rank, finish_group,
+                                    join_group, local_init_method, resolve_backend, torchrun_rank)
 from spd_engine.engine.transport import directional_groups
 
 SCHEMA = "spd-netbench/1"
@@ -49,29 +47,20 @@ TIME_DEFINITIONS = {
 }
 
 
-class PeerError(RuntimeError):
-    """A receive, send or collective failed or timed out: a peer is dead, stuck or gone."""
-
-
-class RunFailed(RuntimeError):
-    """A launched run ended with an error on at least one rank."""
-
-
 @dataclass
-class DistContext:
-    """One rank's view of the process group; every wait is bounded by `timeout_s`."""
+class DistContext(RankContext):
+    """A rank's context (engine/dist.py) with the P2P groups the measurements use."""
 
-    rank: int
-    world_size: int
-    backend: str
-    device: torch.device
-    timeout_s: float
-    node_rank: int = 0
     groups: dict = field(default_factory=dict)  # (src, dst) -> P2P group (engine/transport.py directional_groups)
 
-    @property
-    def _td(self) -> datetime.timedelta:
-        return datetime.timedelta(seconds=self.timeout_s)
+    @classmethod
+    def join(cls, rank: int, world_size: int, backend: str, init_method: str, timeout_s: float,
+             node_rank: int = 0) -> "DistContext":
+        base = join_group(rank, world_size, backend, "cuda" if backend == "nccl" else "cpu", init_method, timeout_s,
+                          node_rank)
+        # one P2P group per direction, as the runtime's transport: NCCL would otherwise serialise a
+        # ping-pong's pre-posted receive and its send to the same peer on one stream (a deadlock)
+        return cls(**vars(base), groups=directional_groups(rank, world_size))
 
     def isend(self, buf: torch.Tensor, dst: int, what: str = "") -> dist.Work:
         """Post a send; `what` ("stage 1: send to rank 3") names it if posting fails."""
@@ -86,55 +75,8 @@ class DistContext:
         except RuntimeError as err:
             raise PeerError(f"{what or f'receive from rank {src}'}: posting failed: {err}") from err
 
-    def wait(self, work: dist.Work, what: str) -> None:
-        """Wait for a P2P or collective op; any failure names the rank and the operation."""
-        try:
-            done = work.wait(timeout=self._td)
-        except Exception as err:  # gloo/NCCL raise RuntimeError subclasses with transport text
-            raise PeerError(f"{what} failed after at most {self.timeout_s:g}s: {err}") from err
-        if done is False:
-            raise PeerError(f"{what} timed out after {self.timeout_s:g}s")
 
-    def barrier(self, what: str = "barrier") -> None:
-        # A bounded barrier: an all-reduce waited with our timeout (dist.barrier has none on NCCL).
-        flag = torch.zeros(1, device=self.device)
-        self.wait(dist.all_reduce(flag, async_op=True), what)
-
-    def sync(self) -> None:
-        """Make host timers meaningful: wait for queued device work (no-op on CPU)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-
-# ---------------------------------------------------------------- process group set-up
-
-def resolve_backend(backend: str) -> str:
-    if backend == "auto":
-        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"unknown backend {backend!r}; choose auto, gloo or nccl")
-    return backend
-
-
-def init_context(rank: int, world_size: int, backend: str, timeout_s: float, init_method: str,
-                 local_rank: int = 0, node_rank: int = 0) -> DistContext:
-    if backend == "nccl":
-        # Make wait(timeout) block the host and honour the timeout (untested path, see NCCL_NOTE).
-        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    # one P2P group per direction, as the runtime's transport: NCCL would otherwise serialise a
-    # ping-pong's pre-posted receive and its send to the same peer on one stream (a deadlock)
-    return DistContext(rank, world_size, backend, device, timeout_s, node_rank, directional_groups(rank, world_size))
-
-
-def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-
+# ---------------------------------------------------------------- launching the ranks
 
 RankFn = Callable[[DistContext, Any], Any]
 
@@ -142,53 +84,25 @@ RankFn = Callable[[DistContext, Any], Any]
 def run_torchrun_rank(target: RankFn, payload: Any, backend: str, timeout_s: float) -> Any:
     """Run this process as one torchrun worker; returns rank 0's result (None elsewhere).
     On error the message is printed with the rank and the process exits non-zero."""
-    rank = int(os.environ["RANK"])
+    me = torchrun_rank()
     try:
-        ctx = init_context(rank, int(os.environ["WORLD_SIZE"]), resolve_backend(backend), timeout_s,
-                           "env://", int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("GROUP_RANK", 0)))
+        ctx = DistContext.join(me.rank, me.world_size, resolve_backend(backend), "env://", timeout_s, me.node_rank)
         result = target(ctx, payload)
-        _finish(ctx)
+        finish_group(ctx)
         return result
     except Exception as err:  # report on this rank, then leave without touching the broken group
-        print(f"rank {rank}: error: {err}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(1)
+        fail_rank(me.rank, err)
 
 
-def _finish(ctx: DistContext) -> None:
-    """End a successful run together: nobody closes its connections while a peer still uses
-    them (a gloo peer that sees a connection drop mid-teardown can abort)."""
-    ctx.barrier("final barrier")
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float,
-           target: RankFn, payload: Any, out_dir: str, nice: int) -> None:
+def _local_rank(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float,
+                target: RankFn, payload: Any, nice: int) -> Any:
     torch.set_num_threads(1)  # ranks share the host's cores; one intra-op thread each
-    code = 0
-    try:
-        if nice:
-            os.nice(nice)  # negative: wake ahead of unrelated jobs on a shared host
-        ctx = init_context(rank, world_size, backend, timeout_s, init_method, local_rank=rank)
-        result = target(ctx, payload)
-        _finish(ctx)
-        if rank == 0:
-            with open(os.path.join(out_dir, "rank0.json"), "w") as f:
-                json.dump(result, f)
-    except Exception as err:  # every failure ends this rank with a message naming it
-        print(f"rank {rank}: error: {err}", file=sys.stderr, flush=True)
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:  # for the launcher's summary
-            f.write(str(err))
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip process-group teardown, which can block on a dead peer
+    if nice:
+        os.nice(nice)  # negative: wake ahead of unrelated jobs on a shared host
+    ctx = DistContext.join(rank, world_size, backend, init_method, timeout_s)
+    result = target(ctx, payload)
+    finish_group(ctx)
+    return result if rank == 0 else None
 
 
 def launch_local(target: RankFn, payload: Any, nproc: int, backend: str, timeout_s: float,
@@ -199,38 +113,15 @@ def launch_local(target: RankFn, payload: Any, nproc: int, backend: str, timeout
     if nproc < 2:
         raise ValueError(f"need at least 2 ranks, got --nproc {nproc}")
     backend = resolve_backend(backend)
-    if backend == "nccl" and torch.cuda.device_count() < nproc:
-        raise ValueError(f"nccl needs one GPU per rank: {nproc} ranks, {torch.cuda.device_count()} GPUs")
-    mp = torch.multiprocessing.get_context("forkserver")
-    mp.set_forkserver_preload(["torch", "torch.distributed"])  # import torch once, fork ranks from it
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-    with tempfile.TemporaryDirectory(prefix="spd-netbench-") as tmp:
-        procs = [mp.Process(target=_child, args=(r, nproc, init_method, backend, timeout_s, target,
-                                                payload, tmp, nice)) for r in range(nproc)]
-        for p in procs:
-            p.start()
-        end = time.monotonic() + deadline_s
-        for p in procs:
-            p.join(max(0.0, end - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for r in hung:  # safety net only: ranks time out by themselves long before this
-            procs[r].terminate()
-            procs[r].join(5)
-        codes = [p.exitcode for p in procs]
-        if hung or any(c != 0 for c in codes):
-            lines = [f"rank {r}: " + ("hung, terminated" if r in hung else f"exit code {c}")
-                     + _read_error(tmp, r) for r, c in enumerate(codes)]
-            raise RunFailed(f"run failed on {sum(c != 0 for c in codes)} of {nproc} ranks:\n  " + "\n  ".join(lines))
-        with open(os.path.join(tmp, "rank0.json")) as f:
-            return json.load(f)
-
-
-def _read_error(out_dir: str, rank: int) -> str:
-    path = os.path.join(out_dir, f"rank{rank}.err")
-    if not os.path.exists(path):
-        return ""
-    with open(path) as f:
-        return ": " + f.read().strip().splitlines()[0][:300] if os.path.getsize(path) else ""
+    if backend == "nccl":
+        check_gpus("cuda", nproc)
+    args = (nproc, local_init_method(), backend, timeout_s, target, payload, nice)
+    # forkserver: torch is imported once, every rank forked from it
+    with LocalRanks(_local_rank, range(nproc), args, "forkserver", ("torch", "torch.distributed")) as ranks:
+        ranks.join(deadline_s)
+        if ranks.failed():
+            raise RunFailed(ranks.failure_report())
+        return ranks.result(0)
 
 
 # ---------------------------------------------------------------- measurements

@@ -262,7 +262,8 @@ def test_a_failing_stage_thread_ends_the_request_with_rank_and_peer(monkeypatch)
 
 def test_one_gpu_per_rank_is_checked_before_anything_starts():
     from spd_engine.engine.run_config import RunConfig
-    from spd_engine.engine.launch import gpu_for_rank, launch
+    from spd_engine.engine.dist import gpu_for_rank
+    from spd_engine.engine.launch import launch
 
     assert gpu_for_rank(2, None, 4, 3) == 2  # one node: rank r on GPU r
     assert gpu_for_rank(5, 1, 2, 6) == 1  # torchrun: LOCAL_RANK on each node
@@ -284,7 +285,7 @@ def test_an_idle_rank_outlives_the_process_group_timeout(tmp_path):
     # timeout (here 2 s), so idle waits pass their own (days) and the late message still arrives
     import multiprocessing as mp
 
-    from spd_engine.engine.launch import free_port
+    from spd_engine.engine.dist import free_port
     from helpers import idle_wait_rank
 
     ctx, port, out = mp.get_context("spawn"), free_port(), tmp_path / "got.txt"
