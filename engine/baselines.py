@@ -14,6 +14,7 @@ import torch
 
 from spd_engine.engine.greedy import check_request, prefill_chunks
 from spd_engine.engine.messages import Header, Kind, sampling_payload
+from spd_engine.engine.run_config import RankOptions
 from spd_engine.engine.sampling import SamplingParams
 from spd_engine.engine.metrics import GenerationResult
 from spd_engine.engine.stage_worker import StageWorker, receive_stats
@@ -22,11 +23,10 @@ from spd_engine.engine.transport import Transport
 
 
 class PipelineDriver:
-    def __init__(self, topo: Topology, stage0: StageWorker, transport: Transport, capacity: int, chunk: int,
-                 timeout: float) -> None:
+    def __init__(self, topo: Topology, stage0: StageWorker, transport: Transport, opts: RankOptions) -> None:
         assert topo.colocate and stage0.stage == 0
         self.topo, self.stage0, self.t = topo, stage0, transport
-        self.capacity, self.chunk, self.timeout = capacity, chunk, timeout
+        self.capacity, self.chunk, self.timeout = opts.capacity, opts.prefill_chunk, opts.timeout_s
         self.last = topo.stage_rank(topo.n - 1)
         self.vocab = stage0.model.cfg.vocab_size
 
@@ -35,7 +35,9 @@ class PipelineDriver:
         self.stage0.step()  # stage 0 runs inline on this rank
 
     def _reply(self, tick: int) -> int:
-        return self.t.recv_header(self.last, self.timeout, tick).token
+        hdr = self.t.recv_header(self.last, self.timeout, tick)
+        assert not self.stage0.wire.to_driver(self.topo.n - 1, hdr), "a head stage replies with a header only"
+        return hdr.reply
 
     @torch.no_grad()
     def generate(self, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int] = (),
@@ -51,7 +53,7 @@ class PipelineDriver:
         ids = torch.tensor(prompt, dtype=torch.long)
         chunks = prefill_chunks(len(prompt), self.chunk)
         for start, count in chunks:
-            self._send(Header(Kind.PREFILL, start, 0, count), [ids[start:start + count]])
+            self._send(Header(Kind.PREFILL, start, 0, length=count), [ids[start:start + count]])
         token = [self._reply(0) for _ in chunks][-1]
         res.prefill_s = time.perf_counter() - t0
         eos = set(eos_ids)
@@ -59,9 +61,8 @@ class PipelineDriver:
         pos = len(prompt)
         while True:
             res.tokens.append(token)
-            if on_token is not None:
-                on_token(token)
-            if token in eos or len(res.tokens) >= max_new_tokens:
+            go_on = on_token(token) if on_token is not None else None  # False: stop after this token
+            if token in eos or len(res.tokens) >= max_new_tokens or go_on is False:
                 break
             res.ticks += 1
             self._send(Header(Kind.TOKEN, pos, 0, token))

@@ -1,9 +1,19 @@
-"""The fixed integer header every pipeline message carries (docs/design.md 3.4).
+"""The wire format: the integer header every pipeline message carries and what follows it
+(docs/design.md 3.4).
 
-`(kind, position, epoch, token)` travels as its own small int64 tensor, never inside a bf16
-payload (integers above 256 are not exact there). For a prefill chunk, `position` is the
-chunk's first position and `token` its token count; for a stats reply, `token` is the
-number of float64 values that follow.
+A message is a header, then zero or more payload tensors, in an order that is a function of
+the header and of who sends it to whom: `WireFormat` is that function, used by the driver,
+the stage workers and the pp/ar baselines alike, so sender and receiver cannot disagree on
+what follows (a disagreement would hang the end-of-request drain).
+
+The header travels as its own int64 tensor, never inside a bf16 payload (integers above 256
+are not exact there). Fields:
+- kind: what the message is (Kind)
+- position: TOKEN: the token's position; PREFILL: the chunk's first position
+- epoch: the driver's flush count when it sent the token; stale messages are recognised by it
+- token: TOKEN from the driver to stage 0: the token id entering the pipeline
+- length: PREFILL: tokens in the chunk; STATS: float64 values that follow
+- reply: a head stage's (pp/ar) token for the position after the message's last one
 """
 from __future__ import annotations
 
@@ -12,16 +22,18 @@ from enum import IntEnum
 
 import torch
 
-HEADER_LEN = 4
+HEADER_FIELDS = ("kind", "position", "epoch", "token", "length", "reply")
+HEADER_LEN = len(HEADER_FIELDS)
+CONFIG_LEN = 4  # int64 values of a CONFIG payload (sampling_payload)
 
 
 class Kind(IntEnum):
-    TOKEN = 1  # one token at `position`; stage 0 reads the id from the header
-    PREFILL = 2  # chunk of `token` tokens starting at `position`
+    TOKEN = 1  # one token at `position`; stage 0 reads the id from `token`
+    PREFILL = 2  # a chunk of `length` tokens starting at `position`
     END = 3  # end of request: stages reply with their stats and idle
     SHUTDOWN = 4  # stop the worker loop
-    STATS = 5  # a stage's per-request timing, float64 payload
-    CONFIG = 6  # per-request sampling parameters for a head stage, int64 payload (see sampling_payload)
+    STATS = 5  # a stage's per-request timing: `length` float64 values follow
+    CONFIG = 6  # per-request sampling parameters for a head stage: int64 [CONFIG_LEN] follows
 
 
 @dataclass(frozen=True)
@@ -30,23 +42,95 @@ class Header:
     position: int = 0
     epoch: int = 0
     token: int = 0
+    length: int = 0
+    reply: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose hidden states the message carries (0 for control messages)."""
+        if self.kind == Kind.TOKEN:
+            return 1
+        return self.length if self.kind == Kind.PREFILL else 0
 
     def to_tensor(self, out: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(HEADER_LEN, dtype=torch.int64) if out is None else out
-        out[0], out[1], out[2], out[3] = int(self.kind), self.position, self.epoch, self.token
+        for i, name in enumerate(HEADER_FIELDS):
+            out[i] = int(getattr(self, name))
         return out
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> "Header":
-        kind, position, epoch, token = (int(x) for x in t.tolist())
+        values = [int(x) for x in t.tolist()]
+        assert len(values) == HEADER_LEN, values
         try:
-            return cls(Kind(kind), position, epoch, token)
+            return cls(Kind(values[0]), *values[1:])
         except ValueError:
-            raise RuntimeError(f"corrupt message header {t.tolist()}") from None
+            raise RuntimeError(f"corrupt message header {values}") from None
+
+
+@dataclass(frozen=True)
+class Payload:
+    """One tensor that follows a header: `kind` act (the model's dtype), int64 or float64."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str = "act"
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """What follows each header on each link of one run.
+
+    stage_anchors[s]: how many anchor states stage s sends the driver per token (0 for pp/ar);
+    head_on_last: the last stage holds the head and replies with a token (pp/ar) instead of
+    its exit hidden state (spd).
+    """
+
+    hidden: int
+    stage_anchors: tuple[int, ...]
+    head_on_last: bool = False
+
+    @property
+    def n(self) -> int:
+        return len(self.stage_anchors)
+
+    def reports_to_driver(self, stage: int) -> bool:
+        """Whether every token / prefill message this stage computes produces one message to the driver."""
+        last = stage == self.n - 1
+        return last if self.head_on_last else (self.stage_anchors[stage] > 0 or last)
+
+    def from_driver(self, hdr: Header) -> tuple[Payload, ...]:
+        """What follows a header the driver sends to stage 0."""
+        if hdr.kind == Kind.PREFILL:
+            return (Payload("ids", (hdr.length,), "int64"),)
+        if hdr.kind == Kind.CONFIG:
+            return (Payload("sampling", (CONFIG_LEN,), "int64"),)
+        return ()  # TOKEN: the id is in the header
+
+    def downstream(self, hdr: Header) -> tuple[Payload, ...]:
+        """What follows a header stage s sends to stage s + 1."""
+        if hdr.kind in (Kind.TOKEN, Kind.PREFILL):
+            return (Payload("hidden", (hdr.num_tokens, self.hidden)),)
+        if hdr.kind == Kind.CONFIG:
+            return (Payload("sampling", (CONFIG_LEN,), "int64"),)
+        return ()
+
+    def to_driver(self, stage: int, hdr: Header) -> tuple[Payload, ...]:
+        """What follows a header stage `stage` sends to the driver."""
+        if hdr.kind == Kind.STATS:
+            return (Payload("stats", (hdr.length,), "float64"),)
+        assert hdr.kind in (Kind.TOKEN, Kind.PREFILL), hdr
+        T, k = hdr.num_tokens, self.stage_anchors[stage]
+        out = []
+        if k:
+            out.append(Payload("anchors", (T, k, self.hidden)))  # anchors in ascending order
+        if stage == self.n - 1 and not self.head_on_last:
+            out.append(Payload("exit", (T, self.hidden)))  # the last stage's output hidden state
+        return tuple(out)
 
 
 def sampling_payload(temperature: float, top_k: int, top_p: float, seed: int) -> torch.Tensor:
-    """Sampling parameters as an exact int64 [4] payload (floats travel as their bit patterns)."""
+    """Sampling parameters as an exact int64 [CONFIG_LEN] payload (floats travel as their bit patterns)."""
     bits = torch.tensor([temperature, top_p], dtype=torch.float64).view(torch.int64)
     return torch.tensor([int(bits[0]), top_k, int(bits[1]), seed], dtype=torch.int64)
 

@@ -36,16 +36,12 @@ def build_rank(ecfg: RunConfig, rank: int, transport: Transport, pdm=None
         model = build_stage_model(ecfg, topo.layers_of(stage), embedding=stage == 0, head=last and not spd)
         if rank == topo.driver_rank:
             driver_transport, transport = loopback_pair(transport)
-        min_step = ecfg.stage_ms[stage] / 1e3 if ecfg.stage_ms else 0.0
-        worker = StageWorker(stage, topo, plan, model, transport, ecfg.capacity, ecfg.prefill_chunk,
-                             ecfg.timeout_s, min_step_s=min_step, trace=ecfg.trace, step_mode=ecfg.resolved_step_mode())
+        worker = StageWorker(stage, topo, plan, model, transport, ecfg.rank_options(stage))
     if rank != topo.driver_rank:
         return None, worker
     if not spd:
-        return PipelineDriver(topo, worker, driver_transport, ecfg.capacity, ecfg.prefill_chunk,
-                              ecfg.timeout_s), None
+        return PipelineDriver(topo, worker, driver_transport, ecfg.rank_options()), None
     pdm = pdm if pdm is not None else build_pdm(ecfg)
-    driver = Driver(topo, plan, build_driver_head(ecfg), pdm, driver_transport, ecfg.capacity,
-                    ecfg.prefill_chunk, ecfg.timeout_s, local_stage0=worker, trace=ecfg.trace,
-                    step_mode=ecfg.resolved_step_mode())
+    driver = Driver(topo, plan, build_driver_head(ecfg), pdm, driver_transport, ecfg.rank_options(),
+                    local_stage0=worker)
     return driver, None

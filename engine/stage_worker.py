@@ -3,8 +3,9 @@ and the anchor states to the driver.
 
 Rollback is lazy (docs/design.md 3.4): a message at position `q` writes its K/V at slot `q`, so whatever
 a stale token left there is overwritten; there is no control message, collective or barrier.
-Every processed message produces exactly one message to the driver when this stage produces
-anchors or is the last stage; the driver counts on that to drain its links at the end.
+What each message carries is engine/messages.py's WireFormat: every token or prefill message a
+reporting stage computes produces exactly one message to the driver, which the driver counts
+on to drain its links at the end of a request.
 """
 from __future__ import annotations
 
@@ -14,45 +15,55 @@ import torch
 
 from spd_engine.engine.anchors import AnchorPlan
 from spd_engine.engine.graphs import StageStep
-from spd_engine.engine.messages import Header, Kind, parse_sampling_payload
+from spd_engine.engine.messages import CONFIG_LEN, Header, Kind, WireFormat, parse_sampling_payload
 from spd_engine.engine.sampling import SamplingParams, keyed_generator, sample, target_probs
 from spd_engine.engine.model import StageModel
+from spd_engine.engine.run_config import RankOptions, StepMode
 from spd_engine.engine.topology import Topology
 from spd_engine.engine.transport import Transport
 
 
+def wire_format(topo: Topology, plan: AnchorPlan | None, hidden: int) -> WireFormat:
+    """The run's wire format: SPD stages send their anchors (and the last its exit state) to the
+    driver; a plain pipeline (plan None) has the head on its last stage, which replies a token."""
+    if plan is None:
+        return WireFormat(hidden, (0,) * topo.n, head_on_last=True)
+    return WireFormat(hidden, tuple(len(plan.anchors_of_stage(s)) for s in range(topo.n)))
+
+
 class StageWorker:
     def __init__(self, stage: int, topo: Topology, plan: AnchorPlan | None, model: StageModel, transport: Transport,
-                 capacity: int, chunk: int, timeout: float, min_step_s: float = 0.0, trace: bool = False,
-                 step_mode: str = "eager") -> None:
+                 opts: RankOptions) -> None:
         """plan None: a plain pipeline-parallel stage (no anchors). A last stage that holds the
-        head replies to the driver with the argmax token id in the header instead of its hidden
-        state (the `pp` and `ar` baselines). step_mode (eager, static, graph): how one-token
-        steps run (engine/run_config.py STEP_MODES); prefill chunks always run eagerly."""
+        head replies to the driver with its token in the header instead of its hidden state (the
+        `pp` and `ar` baselines). opts.step_mode: how one-token steps run; prefill chunks always
+        run eagerly."""
         self.stage, self.topo, self.model, self.t = stage, topo, model, transport
-        self.capacity, self.timeout = capacity, timeout
-        self.min_step_s = min_step_s  # synthetic stage time (benchmarks, bubble tests): pad compute to this
+        self.capacity, self.timeout = opts.capacity, opts.timeout_s
+        self.min_step_s = opts.min_step_s  # synthetic stage time (benchmarks, bubble tests): pad compute to this
         self.prev = topo.driver_rank if stage == 0 else topo.stage_rank(stage - 1)
         self.next = topo.stage_rank(stage + 1) if stage + 1 < topo.n else None
         self.driver = topo.driver_rank
         self.anchor_ids = plan.anchors_of_stage(stage) if plan is not None else ()
         self.anchor_layers = [plan.anchor_layer(a) for a in self.anchor_ids] if plan is not None else []
         self.capture = frozenset(self.anchor_layers)
-        self.reports = bool(self.anchor_ids) or self.next is None
-        p = next(model.parameters())
         H = model.cfg.hidden_size
-        self.cache = model.new_cache(1, capacity)
+        self.wire = wire_format(topo, plan, H)
+        assert self.wire.head_on_last == model.has_head or self.next is not None
+        self.reports = self.wire.reports_to_driver(stage)
+        p = next(model.parameters())
+        chunk = opts.prefill_chunk
+        self.cache = model.new_cache(1, opts.capacity)
         self.h_in = torch.empty(chunk, H, device=p.device, dtype=p.dtype)  # [chunk, H] received hidden
         self.ids_in = torch.empty(chunk, dtype=torch.long, device=p.device)  # [chunk] stage 0 prefill ids
         self.tok = torch.empty(1, 1, dtype=torch.long, device=p.device)
         self.in_request = False
         self.sampling = SamplingParams()  # used only by a head stage (pp / ar baselines)
-        self.cfg_in = torch.empty(4, dtype=torch.int64)
+        self.cfg_in = torch.empty(CONFIG_LEN, dtype=torch.int64)
         self.stats = torch.zeros(3, dtype=torch.float64)  # compute seconds, messages, receive-wait seconds
-        self.trace: list[float] | None = [] if trace else None  # (recv start, compute start, compute end)*
-        assert step_mode in ("eager", "static", "graph"), step_mode
-        self.static = None if step_mode == "eager" else \
-            StageStep(model, self.cache, graphs=step_mode == "graph", capture=self.capture)
+        self.trace: list[float] | None = [] if opts.trace else None  # (recv start, compute start, compute end)*
+        self.static = None if opts.step_mode == StepMode.EAGER else \
+            StageStep(model, self.cache, graphs=opts.step_mode == StepMode.GRAPH, capture=self.capture)
         if self.static is not None:
             self.static.prepare()  # every length bucket now, not inside a timed request
 
@@ -81,7 +92,7 @@ class StageWorker:
             self.t.send(self.next, hdr)
         if hdr.kind == Kind.END:
             payload = torch.cat([self.stats, torch.tensor(self.trace or [], dtype=torch.float64)])
-            self.t.send(self.driver, Header(Kind.STATS, token=payload.numel()), [payload])
+            self.t.send(self.driver, Header(Kind.STATS, length=payload.numel()), [payload])
             self.t.flush()
             self.stats.zero_()
             if self.trace is not None:
@@ -94,7 +105,7 @@ class StageWorker:
 
     @torch.no_grad()
     def _compute(self, hdr: Header, t0: float) -> None:
-        T = 1 if hdr.kind == Kind.TOKEN else hdr.token
+        T = hdr.num_tokens
         pos = hdr.position
         if pos + T > self.capacity or T > self.h_in.shape[0]:
             raise RuntimeError(f"stage {self.stage}: message {hdr} exceeds KV capacity {self.capacity} "
@@ -130,15 +141,12 @@ class StageWorker:
             self.trace += [t0, t1, t2]
         if self.next is not None:
             self.t.send(self.next, hdr, [out[0]])
-        if self.model.has_head:
-            self.t.send(self.driver, Header(hdr.kind, hdr.position, hdr.epoch, token))
-        elif self.reports:
-            payloads = []
+        if self.reports:
+            reply = Header(hdr.kind, hdr.position, hdr.epoch, hdr.token, hdr.length, token if self.model.has_head else 0)
+            tensors = {"exit": lambda: out[0]}  # [T, H]
             if self.anchor_ids:  # [T, k, H], anchors in ascending order
-                payloads.append(torch.stack([caps[layer][0] for layer in self.anchor_layers], dim=1))
-            if self.next is None:
-                payloads.append(out[0])  # [T, H] exit hidden state
-            self.t.send(self.driver, hdr, payloads)
+                tensors["anchors"] = lambda: torch.stack([caps[layer][0] for layer in self.anchor_layers], dim=1)
+            self.t.send(self.driver, reply, [tensors[p.name]() for p in self.wire.to_driver(self.stage, reply)])
 
     def _next_token(self, logits: torch.Tensor, pos: int) -> int:
         """The head stage's token for position `pos` (argmax, or a keyed draw from p)."""
@@ -152,6 +160,6 @@ def receive_stats(t: Transport, rank: int, timeout: float) -> dict:
     """A stage's STATS reply: per-request compute/wait seconds, message count, optional trace."""
     hdr = t.recv_header(rank, timeout)
     assert hdr.kind == Kind.STATS, hdr
-    vals = t.recv_into(rank, torch.empty(hdr.token, dtype=torch.float64), timeout).tolist()
+    vals = t.recv_into(rank, torch.empty(hdr.length, dtype=torch.float64), timeout).tolist()
     trace = [tuple(vals[i:i + 3]) for i in range(3, len(vals), 3)]
     return {"compute_s": vals[0], "messages": vals[1], "wait_s": vals[2], "trace": trace}

@@ -4,9 +4,9 @@ At T=0 a verified draft is compared with the greedy reference token, and a draft
 verified when every in-flight token before it is correct (a wrong one is verified first and
 flushes the pipeline). So one greedy decode (tokens `y`, N of them), one teacher-forced target
 pass over prompt + y and, per fill `f = 1..n`, the simulated PDM draft for every position
-(train/pipeline_sim.py) decide everything: `replay` plays the driver's tick loop
-(engine/driver.py `_decode`) with booleans instead of tokens and returns the counts the driver
-would report (ticks, verified, accepted, rejections), plus verified / accepted drafts grouped by
+(train/pipeline_sim.py) decide everything: `replay` runs the driver's tick protocol
+(engine/tick.py, as engine/driver.py does) with correctness bits instead of tokens and returns
+the counts the driver would report (ticks, verified, accepted, rejections), plus verified / accepted drafts grouped by
 the fill at which each verified draft was made (fill < n: right after the start or a rejection,
 while the pipeline refills; fill == n: full pipeline).
 
@@ -15,7 +15,6 @@ at position P = len(prompt). `replay` is pure logic (no torch).
 """
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -24,6 +23,7 @@ import torch
 from spd_engine.engine.greedy import DEFAULT_PREFILL_CHUNK, greedy_generate
 from spd_engine.engine.model import StageModel
 from spd_engine.engine.pdm import PDM
+from spd_engine.engine.tick import Draft, TickState, Verdict
 from spd_engine.train.pipeline_sim import simulated_hidden, target_anchors
 
 # (fill, newest index t) -> whether the draft made then for index t + 1 equals y[t + 1].
@@ -52,11 +52,7 @@ class Acceptance:
         self.accepted_by_fill[fill] = self.accepted_by_fill.get(fill, 0) + int(accepted)
 
 
-@dataclass
-class _InFlight:
-    index: int
-    ok: bool  # the token equals y[index]
-    fill: int  # fill of the tick that drafted it (0: the first token or a correction, never verified)
+_WRONG, _RIGHT = 0, 1  # token ids of the replay: whether a token equals the reference's
 
 
 def replay(N: int, n: int, correct: DraftCorrect) -> Acceptance:
@@ -67,31 +63,22 @@ def replay(N: int, n: int, correct: DraftCorrect) -> Acceptance:
     acc = Acceptance(n=n, tokens=N)
     if N == 1:  # the prefill token ended the request (EOS or max_new_tokens == 1): no decode tick
         return acc
-    inflight: deque[_InFlight] = deque()
-    entry = _InFlight(0, True, 0)
-    committed, rejected_last = 1, False
-    while True:
-        acc.ticks += 1
-        inflight.append(entry)
-        L, t = len(inflight), entry.index
-        chain_ok = all(x.ok for x in inflight)
-        draft = _InFlight(t + 1, chain_ok and t + 1 <= N - 1 and correct(L, t), L)
-        if L < n:  # filling: no token leaves the pipeline this tick
-            entry = draft
-            continue
-        oldest = inflight.popleft()
-        assert oldest.ok and oldest.index == committed - 1, "the token leaving the pipeline is committed"
-        proposed = inflight[0] if inflight else draft
-        if rejected_last:
-            acc.rejections += 1
-        acc.count(proposed.fill, proposed.ok)
-        committed += 1  # the target's token at index oldest + 1: the draft or the correction
-        if committed == N:  # the reference stopped here (EOS or max_new_tokens)
-            return acc
-        rejected_last = not proposed.ok
-        if not proposed.ok:
-            inflight.clear()  # flush
-        entry = draft if inflight else _InFlight(oldest.index + 1, True, 0)
+    state = TickState(n, 0, _RIGHT)  # positions are token indices: y[0] is the first token
+    while state.committed < N:  # the reference stopped at N tokens (EOS or max_new_tokens)
+        plan = state.plan()
+        t = plan.draft_pos - 1  # index of the newest live token
+        chain_ok = all(e.token == _RIGHT for e in plan.inflight)
+        ok = chain_ok and t + 1 <= N - 1 and correct(plan.fill, t)
+        verdict = None
+        if plan.exit is not None:
+            assert plan.exit.token == _RIGHT, "the token leaving the pipeline is committed"
+            proposed_ok = plan.proposed.token == _RIGHT if plan.proposed is not None else ok
+            verdict = Verdict(proposed_ok, _RIGHT)  # the target's token: the draft or the correction
+        state.advance([Draft(plan.draft_pos, _RIGHT if ok else _WRONG)], verdict)
+    c = state.finish()
+    acc.ticks, acc.verified, acc.accepted, acc.rejections = c.ticks, c.verified, c.accepted, c.rejections
+    acc.verified_by_fill, acc.accepted_by_fill = dict(c.verified_by_fill), dict(c.accepted_by_fill)
+    return acc
 
 
 @dataclass

@@ -220,3 +220,25 @@ def test_step_mode_is_validated_and_auto_resolves_by_device():
     assert tiny_engine_config("llama", 2, device="cuda").resolved_step_mode() == "graph"
     with pytest.raises(ValueError, match="step mode"):
         tiny_engine_config("llama", 2, step_mode="fast")
+
+
+@pytest.mark.parametrize("mode,n,colocate", [("spd", 3, False), ("spd", 2, True), ("pp", 2, True)])
+def test_on_token_false_stops_the_request_and_the_next_is_unaffected(mode, n, colocate, one_thread):
+    """Cancellation: on_token returning False ends the request right after that token; the
+    pipeline drains as at any end, so the next request on the same ranks is still lossless."""
+    ecfg = tiny_engine_config("llama", n, colocate, mode=mode)
+    prompts, refs = prompts_and_refs("llama")
+    seen: list[int] = []
+
+    def stop_after_five(token: int) -> bool:
+        seen.append(token)
+        return len(seen) < 5
+
+    with ReferenceExecutor(ecfg) as ex:
+        res = ex.generate(prompts[1], NEW, (), on_token=stop_after_five)
+        assert res.tokens == refs[1][:5] == seen
+        again = ex.generate(prompts[2], NEW, ())
+        assert again.tokens == refs[2]
+        first = ex.generate(prompts[1], NEW, (), on_token=lambda t: False)  # stop at the prefill token
+        assert first.tokens == refs[1][:1] and first.ticks == 0
+        assert ex.generate(prompts[3], NEW, ()).tokens == refs[3]

@@ -176,7 +176,7 @@ def accept_always(driver) -> None:
 
 
 def stale_q(driver) -> None:
-    driver._record_q = lambda pos, q: driver.q_store.setdefault(pos, q)
+    driver._record_q = lambda pos, q: driver.req.q_store.setdefault(pos, q)
 
 
 BROKEN: dict[str, Callable] = {"accept-always": accept_always, "stale-q": stale_q}
