@@ -95,7 +95,11 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = Non
     if base is not None and ModelConfig.from_hf(base) != cfg:
         base = None  # the source config describes another model; do not mix it in
     out = dict(base or {})
-    out.update(cfg.to_hf())
+    # keep the source's RoPE form: a transformers 5 config stays one, a 4.x config stays readable by 4.x
+    form = "parameters" if out.get("rope_parameters") else "legacy"
+    for key in ("rope_theta", "rope_scaling") if form == "parameters" else ("rope_parameters",):
+        out.pop(key, None)
+    out.update(cfg.to_hf(form))
     out["torch_dtype"] = dtype_name(dtype)
     if "dtype" in out:  # newer transformers name the field `dtype`
         out["dtype"] = dtype_name(dtype)

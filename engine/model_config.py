@@ -1,7 +1,8 @@
 """Model configuration: a validated, explicit description of a Llama-family target model.
 
-One object describes Llama (incl. llama3 RoPE scaling), Qwen2 (QKV bias) and Qwen3 (q/k norm).
-It is built from an HF `config.json` dict and written back to one, and it is what every
+One object describes Llama (incl. llama3 RoPE scaling), Mistral (Llama-shaped), Qwen2 (QKV bias)
+and Qwen3 (q/k norm). It is built from an HF `config.json` dict (read exactly or refused:
+engine/hf_config.py) and written back to one, and it is what every
 checkpoint index records, so a stage, a PDM head and a converted checkpoint can be checked
 against the model they were made for.
 """
@@ -12,8 +13,11 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+from spd_engine.engine.hf_config import read_hf_fields
+
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
@@ -68,38 +72,13 @@ class ModelConfig:
     # ---- HF config.json ----
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
-        archs = cfg.get("architectures") or []
-        model_type = cfg.get("model_type")
-        if model_type not in ARCHITECTURES:
-            raise ValueError(f"unknown architecture: model_type={model_type!r} architectures={archs!r}; "
-                             f"supported model types: {sorted(ARCHITECTURES)}")
-        num_heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        rope_scaling = cfg.get("rope_scaling")
-        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("default", None):
-            rope_scaling = None
-        return cls(
-            arch=model_type,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=dict(rope_scaling) if rope_scaling else None,
-            max_position=cfg.get("max_position_embeddings", 8192),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
+        """From an HF config.json dict, either form transformers writes (ValueError naming a field we cannot run)."""
+        return cls(**read_hf_fields(cfg))
 
-    def to_hf(self) -> dict:
+    def to_hf(self, rope_form: str = "legacy") -> dict:
+        """An HF config.json dict. rope_form "legacy" writes top-level rope_theta / rope_scaling (read by
+        transformers 4 and 5), "parameters" the 5.x `rope_parameters` dict."""
+        assert rope_form in ("legacy", "parameters"), rope_form
         cfg = {
             "architectures": [ARCHITECTURES[self.arch]],
             "model_type": self.arch,
@@ -111,8 +90,6 @@ class ModelConfig:
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "rms_norm_eps": self.rms_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
             "max_position_embeddings": self.max_position,
             "tie_word_embeddings": self.tie_embeddings,
             "hidden_act": "silu",
@@ -120,9 +97,18 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         }
+        if rope_form == "legacy":
+            cfg.update(rope_theta=self.rope_theta, rope_scaling=dict(self.rope_scaling) if self.rope_scaling else None)
+        else:
+            cfg["rope_parameters"] = {"rope_theta": self.rope_theta, **(self.rope_scaling or {"rope_type": "default"})}
+        if self.arch in ("llama", "qwen3"):
+            cfg["attention_bias"] = False
         if self.arch == "llama":
-            cfg["attention_bias"] = self.qkv_bias
             cfg["mlp_bias"] = False
+        if self.arch == "mistral":
+            cfg["sliding_window"] = None  # MistralConfig's default (4096) would switch it on
+        if self.arch in ("qwen2", "qwen3"):
+            cfg["use_sliding_window"] = False
         return cfg
 
     # ---- our own JSON (checkpoint index, PDM config) ----
