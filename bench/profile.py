@@ -20,14 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-from spd_engine.bench.cost_model import even_partition
 from spd_engine.engine.anchors import AnchorPlan
 from spd_engine.engine.model_config import ModelConfig
 from spd_engine.engine.run_config import DTYPES, RunConfig
 from spd_engine.engine.graphs import StageStep, PDMStep, VerifyStep
 from spd_engine.engine.model import StageModel
 from spd_engine.engine.pdm import PDM, PDMConfig
-from spd_engine.engine.topology import stage_bounds
+from spd_engine.engine.topology import default_stage_layers, stage_bounds
 
 SCHEMA = "spd-profile/1"
 Log = Callable[[str], None]
@@ -209,7 +208,7 @@ def _step_times(model: StageModel, s: DeviceSettings) -> tuple[float, float | No
 
 def _pdm_times(cfg: ModelConfig, n: int, s: DeviceSettings, seed: int) -> tuple[float, float | None, str]:
     """PDM step with n + 1 rows (pending full-depth row + n in-flight rows): K layers, draft head, argmax."""
-    counts = even_partition(cfg.num_layers, n)
+    counts = default_stage_layers(cfg.num_layers, n)
     plan = AnchorPlan.build(stage_bounds(counts), None)
     pdm = randomize_(PDM(cfg, PDMConfig(tuple(counts), plan.anchors, s.pdm_layers), device=s.device,
                          dtype=DTYPES[s.dtype]), seed).eval()
@@ -263,7 +262,7 @@ def measure_shape(cfg: ModelConfig, s: DeviceSettings, log: Log = lambda m: None
         if n > cfg.num_layers:
             log(f"  n={n} skipped: the model has {cfg.num_layers} layers")
             continue
-        counts, eager, graphed = even_partition(cfg.num_layers, n), [], []
+        counts, eager, graphed = default_stage_layers(cfg.num_layers, n), [], []
         for p, layers in enumerate(_ranges(counts)):
             stage = _stage(cfg, layers, p == 0, False, s, s.seed + p)
             e, g, mode = _step_times(stage, s)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spd_engine.bench.cost_model import HEADER_BYTES, message_bytes
+from spd_engine.bench.cost_inputs import HEADER_BYTES, message_bytes
 from spd_engine.bench.netbench import DistContext, PeerError
 
 KIND_TOKEN, KIND_END = 0, 3  # header kinds used here (docs/design.md 3.4: token, prefill, end, shutdown)

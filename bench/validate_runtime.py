@@ -20,7 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from statistics import median
 
-from spd_engine.bench.cost_model import AlphaCurve, LinkModel, Links, Profile, eal_for_request, message_bytes, plan
+from spd_engine.bench.cost_inputs import AlphaCurve, LinkModel, Profile, message_bytes
+from spd_engine.bench.cost_model import Links, plan
+from spd_engine.bench.cost_model_spd import eal_for_request
 from spd_engine.bench.profile import profile_from_bench
 from spd_engine.bench.speed import BenchCase, bench
 from spd_engine.engine.run_config import RunConfig

@@ -10,8 +10,9 @@ import json
 import os
 from statistics import median
 
-from spd_engine.bench.cost_model import (REFERENCE_PROFILES, AlphaCurve, LinkModel, Links, Profile, plan, predict_replay,
-                              recommendation)
+from spd_engine.bench.cost_inputs import REFERENCE_PROFILES, AlphaCurve, LinkModel, Profile
+from spd_engine.bench.cost_model import Links, plan, recommendation
+from spd_engine.bench.cost_model_spd import predict_replay
 from spd_engine.bench.stats import format_table
 
 

@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from spd_engine.bench.cost_model import (AlphaCurve, LinkModel, Profile, SpdCase, balanced_partition, eal_for_request,
-                              eal_from_alpha, simulate_spd, spd_cycles)
-from spd_engine.engine.schedule import decode_ticks
+from spd_engine.bench.cost_inputs import AlphaCurve, LinkModel, Profile
+from spd_engine.bench.cost_model_spd import SpdCase, eal_for_request, simulate_spd, spd_cycles
+from spd_engine.bench.cost_partitions import balanced_partition
+from spd_engine.engine.schedule import decode_ticks, expected_eal
 
 
 def sep_case(**kw) -> SpdCase:
@@ -75,21 +76,15 @@ def test_rejections_refill_the_pipeline_by_hand():
     assert n4["ticks"] == 10 + 3 * (1 + 9)
 
 
-def test_eal_formula():
-    assert eal_from_alpha(8, 1.0) == 8
-    assert eal_from_alpha(4, 0.8) == pytest.approx(4 / (1 + 3 * 0.2))
-
-
 def test_eal_for_request_counts_the_fill_and_tends_to_steady_state():
     # n=2, alpha=0.8, 32 tokens: 31 + 1 * (1 + 30 * 0.2) = 38 ticks -> 62 / 38
     assert eal_for_request(2, 0.8, 32) == pytest.approx(62 / 38)
     # with a whole number of rejections it is exactly the schedule's tick count
     assert eal_for_request(4, 0.5, 42) == pytest.approx(4 * 41 / decode_ticks(42, 4, 20))
     assert eal_for_request(4, 1.0, 10) == pytest.approx(4 * 9 / (9 + 3))  # only the fill is lost
-    assert eal_for_request(4, 0.7, 10**7) == pytest.approx(eal_from_alpha(4, 0.7), rel=1e-5)
+    assert eal_for_request(4, 0.7, 10**7) == pytest.approx(expected_eal(4, 0.7), rel=1e-5)
     with pytest.raises(ValueError):
         eal_for_request(4, 0.7, 1)
-    assert eal_from_alpha(4, 0.0) == pytest.approx(1.0)
 
 
 def test_balanced_partition_moves_layers_off_the_driver_stage():

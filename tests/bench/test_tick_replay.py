@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from spd_engine.bench.cost_model import LinkModel, predict_replay
+from spd_engine.bench.cost_inputs import LinkModel
+from spd_engine.bench.cost_model_spd import predict_replay
 from spd_engine.bench.netbench import NetbenchConfig, launch_local, netbench_rank
 from spd_engine.bench.tick_replay import ReplayConfig
 

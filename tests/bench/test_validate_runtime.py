@@ -7,9 +7,12 @@ import json
 
 import pytest
 
-from spd_engine.bench.cost_model import LinkModel, Profile, eal_for_request, eal_from_alpha
+from spd_engine.bench.cost_inputs import HEADER_BYTES, LinkModel, Profile
+from spd_engine.bench.cost_model_spd import eal_for_request
 from spd_engine.bench.validate_runtime import CONFIGS, ValidationSettings, compare, format_validation, predict, validate
+from spd_engine.engine.messages import HEADER_LEN
 from spd_engine.engine.run_config import PRESETS, RunConfig
+from spd_engine.engine.schedule import expected_eal
 from spd_engine.engine.topology import Topology
 
 HAND = {"schema": "spd-profile/1", "name": "hand", "num_layers": 4, "layer_ms": 1.0, "pdm_ms": {"2": 0.5},
@@ -26,7 +29,7 @@ def test_predict_from_a_hand_profile():
     assert pred["pp"]["tick_ms"] == pytest.approx(4.2 + hops)
     for name in ("spd-colocate", "spd"):
         p = pred[name]
-        assert p["eal"] == pytest.approx(eal_from_alpha(2, 0.5))
+        assert p["eal"] == pytest.approx(expected_eal(2, 0.5))
         assert p["tok_s"] == pytest.approx(1e3 * p["eal"] / (2 * p["tick_ms"]))
     # co-located rank 0: stage 0 (2) + PDM 0.5 + driver host work 0.1 per tick, + verify 0.2 on the
     # ticks that verify (refill ticks after a rejection do not)
@@ -128,7 +131,8 @@ def test_real_run_inputs_are_usable(tiny_validation):
         assert len(prof.pp_stage_ms[2]) == 2 and min(prof.pp_stage_ms[2]) > 0
     net = res["rounds"][0]["netbench"]
     assert net["schema"] == "spd-netbench/1" and {(r["src"], r["dst"]) for r in net["p2p"]} >= {(0, 1), (0, 2), (1, 2)}
-    assert {r["bytes"] for r in net["p2p"]} >= {32, PRESETS["tiny-llama"].hidden_size * 4 + 40}
+    # a header alone, and a header + one activation row (float32)
+    assert {r["bytes"] for r in net["p2p"]} >= {HEADER_LEN * 8, PRESETS["tiny-llama"].hidden_size * 4 + HEADER_BYTES}
     text = format_validation(res)
     assert "SYNTHETIC acceptance alpha=0.75" in text and "host load: before:" in text
     assert all(r["config"] in text for r in res["rows"]) and "configs within 15%" in text

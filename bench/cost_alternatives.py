@@ -1,0 +1,44 @@
+"""The resource-matched alternatives to SPD in the cost model, per generated token: one device
+autoregressive (AR), plain pipeline parallel (PP) and tensor parallel (TP) at batch 1. Pure
+arithmetic: no torch. Times are milliseconds.
+"""
+from __future__ import annotations
+
+from spd_engine.bench.cost_inputs import LinkModel, Profile, message_bytes, note
+
+
+def tp_shard_layer_ms(profile: Profile, g: int, notes: list[str]) -> tuple[float, ...]:
+    """Per-layer time of a 1/g-width shard: measured if given, else the ideal layer_ms / g (flagged)."""
+    if g in profile.tp_layer_ms:
+        scale = profile.tp_layer_ms[g] / (sum(profile.layer_ms) / profile.num_layers)
+        return tuple(t * scale for t in profile.layer_ms)
+    note(notes, "ASSUMPTION: TP shard compute = layer time / g where the profile has no tp_layer_ms for g "
+                "(ideal scaling; batch-1 shards scale worse, so this flatters TP)")
+    return tuple(t / g for t in profile.layer_ms)
+
+
+def ar_token_ms(profile: Profile) -> float:
+    """Autoregressive decoding on one device: every layer, then the head."""
+    return sum(profile.layer_ms) + profile.stage_fixed_ms + profile.verify_ms
+
+
+def pp_token_ms(profile: Profile, stage_ms: list[float], link_of, head_ms: float) -> float:
+    """Plain pipeline parallel on n devices (head on the last stage, `head_ms` unless the last
+    stage time includes it): one token through all stages, then its successor: n hops per token
+    (n-1 activations + the token back to stage 0)."""
+    n = len(stage_ms)
+    sizes = message_bytes(profile.hidden, profile.dtype_bytes, profile.anchors)
+    hops = sum(link_of(p, p + 1).hop_ms(sizes["activation"]) for p in range(n - 1))
+    hops += link_of(n - 1, 0).hop_ms(sizes["token"])
+    return sum(stage_ms) + head_ms + hops
+
+
+def tp_token_ms(profile: Profile, g: int, link: LinkModel, notes: list[str]) -> tuple[float, float]:
+    """Tensor parallel over g devices at batch 1: 1/g shards, two all-reduces of [1, H] per layer,
+    a vocab-parallel head (verify / g) and one small all-reduce to pick the argmax.
+    Returns (ms per token, ms of it in all-reduces)."""
+    shard = tp_shard_layer_ms(profile, g, notes)
+    act = profile.hidden * profile.dtype_bytes
+    comm = 2 * profile.num_layers * link.allreduce_ms(g, act, notes) + link.allreduce_ms(g, 8, notes)
+    note(notes, "ASSUMPTION: TP head = verify_ms / g (vocab-parallel) + one 8-byte all-reduce for the argmax")
+    return sum(shard) + profile.stage_fixed_ms + profile.verify_ms / g + comm, comm

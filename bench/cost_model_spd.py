@@ -1,0 +1,188 @@
+"""The SPD case of the cost model: one configuration's tick as a timed event graph, its
+steady-state cycle means, a simulation with seeded accept draws, tokens/s, and the prediction
+of a tick replay (bench/tick_replay.py). Pure arithmetic: no torch. Times are milliseconds.
+
+SPD is a timed event graph (docs/design.md 3.3). Stage p starts token e when its input arrived and it
+finished token e-1; the driver at tick t starts the PDM when it has posted the previous token
+and the anchors of tick t-1 that its rows need have arrived, then verifies the exit of the
+oldest token (in series: the next token for stage 0 is known only after verification) and
+sends the next token. `simulate_spd` evaluates these max-plus recurrences tick by tick on the
+engine's tick protocol (engine/tick.py) with seeded accept draws (rejections refill the
+pipeline for n-1 ticks without verification). With every draft accepted the tick converges
+to the largest cycle mean, `spd_cycles`:
+  stage p:            read its input + c_p + its send posts
+  driver:             PDM + verify + posts + reads       (co-located: + c_0)
+  verify loop:        (h_tok + sum c + (n-1) h_act + h_exit + verify) / n
+  anchor loop via p:  (h_tok + c_0..c_p + p h_act + h_anchor + PDM + verify) / (p + 2)
+(plus the per-message post and read costs on each path). The first-order rule "tick =
+max(slowest stage, driver work)" is the first two lines; the loops add the hop latencies.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from spd_engine.bench.cost_inputs import LinkModel, message_bytes
+from spd_engine.engine.schedule import eal, expected_eal
+from spd_engine.engine.tick import Draft, TickState, Verdict
+
+_DRAFT, _CORRECTION = 1, 2  # token ids that stand for a draft and a correction in the tick protocol
+
+
+def eal_for_request(n: int, alpha: float, tokens: int) -> float:
+    """Expected EAL of one request that commits `tokens` (N >= 2) tokens: n (N-1) / ticks with
+    ticks = (N-1) + (n-1)(1 + R) (engine/schedule.py decode_ticks) and R = (N-2)(1-alpha) expected
+    rejections followed by a token. The initial fill costs n-1 ticks whatever alpha is, so short
+    requests fall below the steady state (engine/schedule.py expected_eal), which this approaches
+    as N grows."""
+    if tokens < 2 or not 0 <= alpha <= 1:
+        raise ValueError(f"need tokens >= 2 and alpha in [0, 1], got tokens={tokens}, alpha={alpha}")
+    ticks = (tokens - 1) + (n - 1) * (1 + (tokens - 2) * (1 - alpha))
+    return eal(n, tokens - 1, ticks)
+
+
+@dataclass(frozen=True)
+class SpdCase:
+    """Everything one SPD configuration's tick depends on. Hops are one-way times in ms."""
+
+    stage_ms: tuple[float, ...]
+    pdm_ms: float
+    verify_ms: float
+    alpha: float
+    colocate: bool
+    hop_token_ms: float  # driver -> stage 0 (unused when co-located)
+    hop_act_ms: tuple[float, ...]  # stage p -> p+1, n-1 entries
+    hop_anchor_ms: tuple[float, ...]  # stage p -> driver, n-1 entries (last stage sends the exit)
+    hop_exit_ms: float  # last stage -> driver: exit + its anchors
+    post_ms: float = 0.0  # a rank's busy time per posted send
+    recv_ms: float = 0.0  # a rank's busy time per message it reads (and re-posting the receive)
+
+    @property
+    def n(self) -> int:
+        return len(self.stage_ms)
+
+
+def spd_cycles(case: SpdCase) -> dict[str, float]:
+    """Cycle means (ms per tick) of the steady state with every draft accepted; the tick
+    converges to the largest. Per tick the driver reads the anchors of stages first..n-2 in
+    order, runs the PDM, then reads the exit and verifies (docs/design.md 3.3)."""
+    c, n, po, rv = case.stage_ms, case.n, case.post_ms, case.recv_ms
+    first = 1 if case.colocate else 0
+    out = {}
+    for p in range(first, n):
+        out[f"stage {p} compute"] = rv + c[p] + (1 if p == n - 1 else 2) * po
+    reads = (n - first) * rv  # anchors of stages first..n-2, then the exit
+    if case.colocate:
+        out["rank 0: stage 0 + driver (PDM + verify)"] = c[0] + po + reads + case.pdm_ms + case.verify_ms
+    else:
+        out["driver: PDM + verify"] = po + reads + case.pdm_ms + case.verify_ms
+    tok = 0.0 if case.colocate else case.hop_token_ms
+    out["verify loop (token through all stages, verify, next token)"] = (
+        tok + sum(c) + sum(case.hop_act_ms) + case.hop_exit_ms + (n - first + 1) * rv + case.verify_ms) / n
+    for p in range(first, n - 1):
+        delay = (tok + sum(c[:p + 1]) + sum(case.hop_act_ms[:p]) + (p + 1 - first) * rv + po
+                 + case.hop_anchor_ms[p] + (n - 1 - p) * rv + case.pdm_ms + rv + case.verify_ms)
+        out[f"anchor loop via stage {p}"] = delay / (p + 2)
+    return out
+
+
+def simulate_spd(case: SpdCase, decode_tokens: int = 1000, seed: int = 0) -> dict:
+    """Evaluate the tick recurrences; returns mean tick time over all ticks incl. refills.
+    Which token enters, which anchor messages the rows need and which token leaves come from
+    the engine's tick protocol (engine/tick.py TickState); this adds only the timing. The
+    driver reads each stage's messages in FIFO order, paying `recv_ms` per message, stale
+    ones included, exactly when a later message of that stage is needed."""
+    n, c, po, rv = case.n, case.stage_ms, case.post_ms, case.recv_ms
+    rng = random.Random(seed)
+    first = 1 if case.colocate else 0
+    state = TickState(n, 0, _DRAFT, anchor_stages=range(first, n - 1))
+    free = [0.0] * n  # when each stage can start its next token
+    msgs = [[0.0] for _ in range(n)]  # msgs[p][k]: arrival at the driver of stage p's message for the tick-k token
+    read = [0] * n  # messages the driver has consumed per stage
+    prev_send = 0.0  # when the driver made the token of this tick known (x_P at time 0)
+
+    def consume(p: int, entered: int, t: float) -> float:
+        for m in range(read[p] + 1, entered + 1):
+            t = max(t, msgs[p][m]) + rv
+        read[p] = max(read[p], entered)
+        return t
+
+    while True:
+        tick = state.plan()
+        if case.colocate:  # rank 0 runs stage 0 on this tick's token first
+            end0 = prev_send + c[0]
+            arrive, ready = end0 + case.hop_act_ms[0], end0 + po
+        else:
+            arrive, ready = prev_send + case.hop_token_ms, prev_send + po
+        for p in range(first, n):  # every token flows through every stage, stale ones included
+            end = max(arrive, free[p]) + rv + c[p]  # take in the input (and re-post the receive), compute
+            if p == n - 1:
+                msgs[p].append(end + case.hop_exit_ms)
+                free[p] = end + po
+            else:
+                arrive = end + case.hop_act_ms[p]
+                msgs[p].append(end + po + case.hop_anchor_ms[p])
+                free[p] = end + 2 * po
+        for p, entry in tick.anchor_reads:  # anchors of tick-1 needed by current-epoch rows
+            ready = consume(p, entry.tick, ready)
+        done = ready + case.pdm_ms
+        verdict = None
+        if tick.exit is not None:
+            done = consume(n - 1, tick.exit.tick, done) + case.verify_ms
+            verdict = Verdict(True, _DRAFT) if rng.random() < case.alpha else Verdict(False, _CORRECTION)
+        state.advance([Draft(tick.draft_pos, _DRAFT)], verdict)
+        if state.committed - 1 == decode_tokens:  # the first token came from the prefill
+            return {"tick_ms": done / tick.tick, "ticks": tick.tick, "time_ms": done,
+                    "eal_sampled": n * decode_tokens / tick.tick}
+        prev_send = done
+
+
+def build_spd_case(stage_ms: list[float], pdm_ms: float, verify_ms: float, alpha: float, colocate: bool,
+                   hidden: int, dtype_bytes: int, anchors: int, link_of) -> SpdCase:
+    """`link_of(a, b)` gives the LinkModel between devices a and b (driver = device 0;
+    stage p is device p+1, or device p when co-located)."""
+    n = len(stage_ms)
+    sizes = message_bytes(hidden, dtype_bytes, anchors)
+    dev = (lambda p: p) if colocate else (lambda p: p + 1)
+    post = max(link_of(0, dev(p)).post_ms for p in range(n))
+    return SpdCase(
+        stage_ms=tuple(stage_ms), pdm_ms=pdm_ms, verify_ms=verify_ms, alpha=alpha, colocate=colocate,
+        hop_token_ms=link_of(0, dev(0)).hop_ms(sizes["token"]),
+        hop_act_ms=tuple(link_of(dev(p), dev(p + 1)).hop_ms(sizes["activation"]) for p in range(n - 1)),
+        hop_anchor_ms=tuple(link_of(0, dev(p)).hop_ms(sizes["anchors"]) for p in range(n - 1)),
+        hop_exit_ms=link_of(0, dev(n - 1)).hop_ms(sizes["exit"]), post_ms=post,
+        recv_ms=max(link_of(0, dev(p)).read_ms for p in range(n)))
+
+
+def predict_spd(case: SpdCase, decode_tokens: int = 1000, seed: int = 0) -> dict:
+    """Tick time (simulated, rejections included), EAL from alpha, tokens/s, critical cycle."""
+    sim = simulate_spd(case, decode_tokens, seed)
+    cycles = spd_cycles(case)
+    critical = max(cycles, key=cycles.get)
+    eal = expected_eal(case.n, case.alpha)
+    token_ms = case.n * sim["tick_ms"] / eal
+    driver = case.pdm_ms + case.verify_ms
+    return {"tick_ms": sim["tick_ms"], "steady_tick_ms": cycles[critical], "critical": critical,
+            "eal": eal, "token_ms": token_ms, "tok_s": 1e3 / token_ms,
+            "slowest_stage_ms": max(case.stage_ms), "driver_ms": driver,
+            "driver_slack_ms": max(case.stage_ms) - driver}
+
+
+def predict_replay(replay: dict, link: LinkModel, profiled: bool) -> dict:
+    """Predict a tick-replay result (bench/tick_replay.py JSON) from link measurements taken in
+    a separate netbench run. profiled=False uses the configured compute times; profiled=True
+    uses the compute durations the replay measured (what a profile of the stages would give).
+    The simulation draws the same seeded accept sequence as the replay, so it must land on the
+    same tick count: only timing is predicted, not luck."""
+    stage_ms = replay["stage_compute_ms_measured"] if profiled else replay["stage_ms"]
+    pdm = replay["pdm_ms_measured"] if profiled else replay["pdm_ms"]
+    verify = replay["verify_ms_measured"] if profiled else replay["verify_ms"]
+    if profiled and any(c is None for c in stage_ms):
+        raise ValueError("replay result lacks measured stage compute times")
+    case = build_spd_case(list(stage_ms), pdm, verify, replay["alpha"], replay["colocate"], replay["hidden"],
+                          replay["dtype_bytes"], replay["anchors"], lambda a, b: link)
+    sim = simulate_spd(case, replay["tokens"] - 1, replay["seed"])
+    assert sim["ticks"] == replay["ticks"], f"model ticks {sim['ticks']} != replay ticks {replay['ticks']}"
+    cycles = spd_cycles(case)
+    return {"tick_ms": sim["tick_ms"], "critical": max(cycles, key=cycles.get),
+            "error": sim["tick_ms"] / replay["tick_ms"] - 1.0}
