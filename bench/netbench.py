@@ -8,6 +8,9 @@ Definitions (also written into every JSON report):
 - bandwidth = bytes / p50 one-way time (GB/s = 1e9 B/s).
 - all-reduce latency: per iteration, the slowest member rank's time for one blocking
   all-reduce of `bytes` (float32) over the first `ranks` ranks.
+- algbw and busbw as nccl-tests define them: algbw = bytes / p50 time; busbw = algbw times the
+  share of the data each rank's links carry, 2 (r-1) / r for an all-reduce over r ranks (a
+  ring's), 1 for P2P. busbw is comparable with the link's peak bandwidth.
 - fan-in: rank 0 posts a 4-byte "go" to every other rank, each answers with a [k, H] payload
   at once; time = rank 0's time from the first go to the last payload.
 - jitter = p99 - p50.
@@ -42,6 +45,8 @@ TIME_DEFINITIONS = {
            "idle_*: the same ping-pong with both ends idle for idle_gap_ms first (every message wakes "
            "an idle peer, as in a pipeline tick)",
     "allreduce": "per iteration, the slowest member's time for one blocking float32 all-reduce",
+    "busbw": "algbw = bytes / p50_us; busbw = algbw * 2(r-1)/r for an all-reduce over r ranks, = algbw for P2P "
+             "(nccl-tests)",
     "fanin": "rank 0: first go message posted -> last [k,H] payload received; bw_GBps = all payload bytes / p50_us",
     "jitter": "p99_us - p50_us",
 }
@@ -243,6 +248,7 @@ def _p2p_row(a: int, b: int, nbytes: int, hot, idle, stream: float) -> dict:
     rtts, posts = hot
     row = {"src": a, "dst": b, "bytes": nbytes, **summarize_us([t / 2 for t in rtts])}
     row["bw_GBps"] = bandwidth_gbps(nbytes, row["p50_us"])
+    row.update(bus_bandwidth(row["bw_GBps"], ranks=2, allreduce=False))
     post = summarize_us(posts)
     row["post_us"], row["post_mean_us"] = post["p50_us"], post["mean_us"]  # sender busy time
     if idle is not None:
@@ -372,5 +378,14 @@ def _merge_allreduce(per_rank: list[dict]) -> list[dict]:
     for (g, nbytes), lists in sorted(by_key.items()):
         assert len(lists) == g, "every member of the group reports its times"
         slowest = [max(ts) for ts in zip(*lists)]
-        rows.append({"ranks": g, "bytes": nbytes, **summarize_us(slowest)})
+        row = {"ranks": g, "bytes": nbytes, **summarize_us(slowest)}
+        row.update(bus_bandwidth(bandwidth_gbps(nbytes, row["p50_us"]), ranks=g, allreduce=True))
+        rows.append(row)
     return rows
+
+
+def bus_bandwidth(algbw_gbps: float, ranks: int, allreduce: bool) -> dict[str, float]:
+    """nccl-tests' algbw and busbw (GB/s): an all-reduce over r ranks moves 2 (r-1)/r of the
+    data over each rank's links (reduce-scatter, then all-gather), a P2P message all of it once."""
+    factor = 2 * (ranks - 1) / ranks if allreduce else 1.0
+    return {"algbw_GBps": algbw_gbps, "busbw_GBps": algbw_gbps * factor}

@@ -60,17 +60,19 @@ def format_report(report: dict) -> str:
     lat = [("p50_us", "p50(us)", ".1f"), ("p90_us", "p90(us)", ".1f"), ("p99_us", "p99(us)", ".1f"),
            ("max_us", "max(us)", ".1f"), ("jitter_us", "jitter(us)", ".1f")]
     if report["p2p"]:
-        lines += ["", "# P2P ping-pong: " + TIME_DEFINITIONS["p2p"]]
+        lines += ["", "# P2P ping-pong: " + TIME_DEFINITIONS["p2p"], "# " + TIME_DEFINITIONS["busbw"]]
         rows = [{**r, "size": human_bytes(r["bytes"])} for r in report["p2p"]]
         lines.append(format_table(rows, [("src", "src", ""), ("dst", "dst", ""), ("size", "size", ""),
-                                         ("iters", "iters", "")] + lat + [("bw_GBps", "bw(GB/s)", ".3f"),
+                                         ("iters", "iters", "")] + lat + [("algbw_GBps", "algbw(GB/s)", ".3f"),
+                                                                          ("busbw_GBps", "busbw(GB/s)", ".3f"),
                                                                           ("stream_us", "stream(us)", ".1f"),
                                                                           ("idle_p50_us", "idle p50(us)", ".1f"),
                                                                           ("idle_mean_us", "idle mean(us)", ".1f")]))
     if report.get("allreduce"):
         lines += ["", "# all-reduce: " + TIME_DEFINITIONS["allreduce"]]
         rows = [{**r, "size": human_bytes(r["bytes"])} for r in report["allreduce"]]
-        lines.append(format_table(rows, [("ranks", "ranks", ""), ("size", "size", ""), ("iters", "iters", "")] + lat))
+        lines.append(format_table(rows, [("ranks", "ranks", ""), ("size", "size", ""), ("iters", "iters", "")] + lat
+                                  + [("algbw_GBps", "algbw(GB/s)", ".3f"), ("busbw_GBps", "busbw(GB/s)", ".3f")]))
     if report["fanin"]:
         lines += ["", "# fan-in to rank 0: " + TIME_DEFINITIONS["fanin"]]
         rows = [{**r, "shape": f"[{r['rows']},{r['hidden']}]"} for r in report["fanin"]]
@@ -89,7 +91,7 @@ def format_report(report: dict) -> str:
 
 
 CSV_FIELDS = ["kind", "src", "dst", "ranks", "senders", "bytes", "iters", "min_us", "p50_us", "p90_us",
-              "p99_us", "max_us", "mean_us", "std_us", "jitter_us", "bw_GBps", "post_us", "post_mean_us", "stream_us",
+              "p99_us", "max_us", "mean_us", "std_us", "jitter_us", "bw_GBps", "algbw_GBps", "busbw_GBps", "post_us", "post_mean_us", "stream_us",
               "idle_p50_us", "idle_mean_us", "idle_p99_us", "idle_post_mean_us"]
 
 

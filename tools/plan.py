@@ -8,12 +8,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 from statistics import median
+from typing import TYPE_CHECKING
 
 from spd_engine.bench.cost_inputs import REFERENCE_PROFILES, AlphaCurve, LinkModel, Profile
 from spd_engine.bench.cost_model import Links, plan, recommendation
 from spd_engine.bench.cost_model_spd import predict_replay
 from spd_engine.bench.stats import format_table
+
+if TYPE_CHECKING:  # the runtime's config imports torch; the plan itself does not need it
+    from spd_engine.engine.run_config import RunConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -232,6 +237,23 @@ VALIDATION_PROMPTS = ("Write a short story about a robot who learns to paint.",
                       "List ten ideas for a rainy weekend and say why each is fun.")
 
 
+def _runtime_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
+    """(the RunConfig of --validate-runtime's SPD runs, tokenizer directory or None): --model on
+    --stages stages with --spec (default: the shipped head for that n, else an untrained one),
+    --threads per rank, --seed; receives inside a request wait at least a minute."""
+    from spd_engine.engine.run_config import RunConfig
+    from spd_engine.engine.topology import Topology
+    from spd_engine.tools.common import default_head, model_config, resolve_model
+
+    engine_spec, tok_dir = resolve_model(args.model)
+    cfg = model_config(engine_spec)
+    topo = Topology.build(cfg.num_layers, n=args.stages)
+    ecfg = RunConfig(model=engine_spec, cfg=cfg, topology=topo, pdm=args.spec or default_head(args.model, topo.n),
+                     threads=args.threads, seed=args.seed, timeout_s=max(args.timeout, 60.0),
+                     capacity=min(RunConfig.capacity, cfg.max_position))
+    return ecfg, tok_dir
+
+
 def _validate_runtime(args: argparse.Namespace) -> int:
     """Cost model vs the real runtime (bench/validate_runtime.py); exit status 1 if a config is
     off by more than --tolerance."""
@@ -239,7 +261,6 @@ def _validate_runtime(args: argparse.Namespace) -> int:
 
     from spd_engine.bench.validate_runtime import ValidationSettings, format_validation, validate
     from spd_engine.engine.tokenizer import Tokenizer
-    from spd_engine.tools.common import add_engine_arguments, engine_config
     from spd_engine.tools.generate import encode_prompts
 
     alpha = None if args.synthetic_alpha.lower() == "none" else float(args.synthetic_alpha)
@@ -248,11 +269,7 @@ def _validate_runtime(args: argparse.Namespace) -> int:
     if args.stages < 2 or args.threads < 1 or args.max_new_tokens < 2 or args.repeats < 1:
         raise ValueError("--validate-runtime needs --stages >= 2, --threads >= 1, --max-new-tokens >= 2, "
                          "--repeats >= 1")
-    engine_args = argparse.ArgumentParser()
-    add_engine_arguments(engine_args)
-    argv = ["--model", args.model, "--stages", str(args.stages), "--threads", str(args.threads),
-            "--seed", str(args.seed), "--timeout", str(max(args.timeout, 60.0))]
-    ecfg, tok_dir = engine_config(engine_args.parse_args(argv + (["--spec", args.spec] if args.spec else [])))
+    ecfg, tok_dir = _runtime_config(args)
     tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
     prompts = encode_prompts(list(args.prompt or VALIDATION_PROMPTS), tok, True, ecfg.cfg.vocab_size)
     if args.nice:

@@ -47,10 +47,15 @@ def _check_report(report: dict, world: int) -> None:
     for row in report["p2p"]:
         assert row["bw_GBps"] == pytest.approx(bandwidth_gbps(row["bytes"], row["p50_us"]))
         assert row["bw_GBps"] == pytest.approx(row["bytes"] / (row["p50_us"] * 1e-6) / 1e9)
+        assert row["algbw_GBps"] == row["busbw_GBps"] == row["bw_GBps"]  # P2P: every byte crosses the link once
         if row["bytes"] <= 65536:  # idle (cold) ping-pong for the small sizes a tick sends
             assert 0 < row["idle_p50_us"] <= row["idle_p99_us"]
         else:
             assert "idle_p50_us" not in row
+    for row in report["allreduce"]:  # nccl-tests: busbw = algbw * 2(r-1)/r
+        assert row["algbw_GBps"] == pytest.approx(row["bytes"] / (row["p50_us"] * 1e-6) / 1e9)
+        r = row["ranks"]
+        assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * 2 * (r - 1) / r)
     for row in report["fanin"]:
         assert row["senders"] == world - 1
         assert row["bw_GBps"] == pytest.approx(row["bytes"] * row["senders"] / (row["p50_us"] * 1e-6) / 1e9)
@@ -75,7 +80,9 @@ def test_local_run_report_invariants(tmp_path, capfd):
     with open(tmp_path / "netbench.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == len(report["p2p"]) + len(report["allreduce"]) + len(report["fanin"])
-    assert "P2P ping-pong" in out.out and "bw(GB/s)" in out.out
+    assert "P2P ping-pong" in out.out and "algbw(GB/s)" in out.out and "busbw(GB/s)" in out.out
+    allreduce_table = out.out.split("# all-reduce")[1]
+    assert "algbw(GB/s)" in allreduce_table and "busbw(GB/s)" in allreduce_table
     assert (tmp_path / "netbench.png").stat().st_size > 1000  # matplotlib is a test dependency
 
 

@@ -174,3 +174,18 @@ def test_cli_argument_errors(capsys):
     assert main(["plan", "--validate-runtime", "--synthetic-alpha", "1.5"]) == 2
     assert "--synthetic-alpha" in capsys.readouterr().err
     assert main(["plan", "--validate-runtime", "--stages", "1"]) == 2
+
+
+def test_runtime_config_of_the_cli():
+    import argparse
+
+    from spd_engine.tools.plan import _runtime_config
+
+    args = argparse.Namespace(model="random:tiny-llama", stages=3, spec=None, threads=1, seed=5, timeout=30.0)
+    ecfg, tok_dir = _runtime_config(args)
+    cfg = PRESETS["tiny-llama"]
+    assert tok_dir is None and ecfg.model == "random:tiny-llama" and ecfg.cfg == cfg
+    assert ecfg.topology == Topology.build(cfg.num_layers, n=3) and ecfg.mode == "spd"
+    assert ecfg.pdm == "random"  # no shipped head for a random model: an untrained one
+    assert (ecfg.threads, ecfg.seed, ecfg.timeout_s) == (1, 5, 60.0)  # receives wait at least a minute
+    assert ecfg.capacity == min(2048, cfg.max_position) == 512  # the preset's positions bound the KV cache
