@@ -2,7 +2,11 @@
 same prompts and machine, one launch per configuration, medians over repeats.
 
 Every configuration must produce the ar baseline's tokens (T=0): the benchmark doubles as a
-losslessness check. A synthetic-acceptance option replaces the PDM's draft with the reference
+losslessness check. Latency is reported as the serving benchmarks do (vLLM's): TTFT (request
+start to the first token), TPOT (per request: (last - first token time) / (tokens - 1)) and the
+inter-token latency (ITL: every gap between consecutive tokens), as p50 / p90 / p99 through
+numpy.percentile over every request and gap of every repeat; token times are taken when the
+driver commits each token (its on_token callback). A synthetic-acceptance option replaces the PDM's draft with the reference
 token with probability alpha (seeded), so speed can be measured at a known alpha on random
 weights of any shape; results carry `synthetic_alpha` so they are never mistaken for a real head.
 """
@@ -10,8 +14,11 @@ from __future__ import annotations
 
 import random
 import statistics
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from spd_engine.engine.run_config import RunConfig
 from spd_engine.engine.launch import launch
@@ -20,10 +27,38 @@ from spd_engine.engine.metrics import GenerationResult
 Progress = Callable[[str], None]
 
 
+PERCENTILES = (50, 90, 99)
+
+
 @dataclass(frozen=True)
 class BenchCase:
     name: str  # ar | pp | spd | spd-colocate
     ecfg: RunConfig
+
+
+@dataclass
+class TokenClock:
+    """Wall times of one request: its start and the commit time of every token."""
+
+    start: float = field(default_factory=time.perf_counter)
+    times: list[float] = field(default_factory=list)
+
+    def on_token(self, _token: int) -> None:
+        self.times.append(time.perf_counter())
+
+
+def latency_summary(clocks: list[TokenClock]) -> dict:
+    """TTFT, TPOT and ITL percentiles (ms) and means over requests (numpy.percentile, linear)."""
+    ttft = [1e3 * (c.times[0] - c.start) for c in clocks if c.times]
+    tpot = [1e3 * (c.times[-1] - c.times[0]) / (len(c.times) - 1) for c in clocks if len(c.times) > 1]
+    itl = [1e3 * d for c in clocks for d in np.diff(c.times)]
+    out = {}
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        arr = np.asarray(values, dtype=np.float64)
+        out[f"{name}_mean_ms"] = float(arr.mean()) if arr.size else None
+        for q in PERCENTILES:
+            out[f"{name}_p{q}_ms"] = float(np.percentile(arr, q)) if arr.size else None
+    return out
 
 
 def synthetic_policy(reference: list[int], prompt_len: int, alpha: float, seed: int):
@@ -77,15 +112,21 @@ def run_case(case: BenchCase, prompts: Sequence[list[int]], max_new: int, eos: S
         assert reference is not None, "synthetic acceptance needs the reference tokens"
         policies = [synthetic_policy(ref, len(p), synthetic_alpha, seed) for ref, p in zip(reference, prompts)]
     runs: list[list[GenerationResult]] = []
+    clocks: list[TokenClock] = []
     trace = None
     with launch(case.ecfg) as rt:
         rt.generate(prompts[0], min(8, max_new), eos)  # warm-up: first-call allocations, page faults
         for rep in range(repeats):
             progress(f"{case.name}: repeat {rep + 1}/{repeats}")
-            runs.append([rt.generate(p, max_new, eos, draft_policy=pol) for p, pol in zip(prompts, policies)])
+            results = []
+            for p, pol in zip(prompts, policies):
+                clocks.append(TokenClock())
+                results.append(rt.generate(p, max_new, eos, draft_policy=pol, on_token=clocks[-1].on_token))
+            runs.append(results)
         if case.ecfg.trace:
             trace = [r.trace for r in runs[-1]]
     summary = summarize(runs, case.ecfg.topology.n)
+    summary.update(latency_summary(clocks))
     if case.ecfg.mode != "spd":
         summary["eal"] = None  # EAL is a property of speculation; pp and ar commit one token per pass
     summary.update(name=case.name, mode=case.ecfg.mode, n=case.ecfg.topology.n,
@@ -96,7 +137,8 @@ def run_case(case: BenchCase, prompts: Sequence[list[int]], max_new: int, eos: S
 
 def bench(cases: list[BenchCase], prompts: Sequence[list[int]], max_new: int, eos: Sequence[int], repeats: int,
           synthetic_alpha: float | None = None, seed: int = 0, progress: Progress = lambda m: None) -> dict:
-    """Run every case (the first must be `ar`); speedups are against ar and pp of this run."""
+    """Run every case (the first must be `ar`); speedups are against ar and pp of this run.
+    `eos` empty: every request runs to max_new tokens (--ignore-eos)."""
     assert cases and cases[0].ecfg.mode == "ar", "the ar baseline runs first: it is the reference"
     rows, traces, request_traces, reference, mismatches = [], {}, {}, None, []
     for case in cases:
@@ -116,5 +158,5 @@ def bench(cases: list[BenchCase], prompts: Sequence[list[int]], max_new: int, eo
         r["speedup_vs_ar"] = r["decode_tok_s"] / base["ar"] if base.get("ar") else None
         r["speedup_vs_pp"] = r["decode_tok_s"] / base["pp"] if base.get("pp") else None
     return {"rows": rows, "mismatches": mismatches, "traces": traces, "request_traces": request_traces,
-            "synthetic_alpha": synthetic_alpha,
+            "synthetic_alpha": synthetic_alpha, "ignore_eos": not eos,
             "prompts": len(prompts), "max_new_tokens": max_new, "repeats": repeats}

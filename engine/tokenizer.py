@@ -1,18 +1,22 @@
 """Tokenizer: text <-> token ids for the driver, on the `tokenizers` library (no transformers at runtime).
 
-Reads an HF directory: `tokenizer.json`, `tokenizer_config.json` (chat template, special tokens)
-and the EOS set from `generation_config.json` / `config.json`. The chat template is rendered with
-jinja2 the way HF renders it (sandboxed, trim_blocks + lstrip_blocks), so prompts are byte-identical.
-`IncrementalDetokenizer` turns a stream of generated ids into printable text pieces.
+Reads an HF directory: `tokenizer.json`, `tokenizer_config.json` (special tokens, BOS), the chat
+template (engine/chat_template.py: `chat_template.jinja` or tokenizer_config.json, rendered as HF
+renders it, so prompts are byte-identical) and the EOS set from `generation_config.json` /
+`config.json`. A directory with only a SentencePiece `tokenizer.model` is refused with the one
+command that writes its `tokenizer.json`. `chat_ids_messages` takes a whole multi-turn chat
+(the CLI's --messages-file, a server's messages). `IncrementalDetokenizer` turns a stream of
+generated ids into printable text pieces through the library's own `DecodeStream`.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as Backend
+from tokenizers.decoders import DecodeStream
+
+from spd_engine.engine.chat_template import _raise_exception, _tojson, find_chat_template, render  # noqa: F401
 
 
 def _read_json(path: Path) -> dict:
@@ -22,14 +26,6 @@ def _read_json(path: Path) -> dict:
 def _token_text(value) -> str | None:
     """A special-token entry of tokenizer_config.json: a string or an AddedToken dict."""
     return value.get("content") if isinstance(value, dict) else value
-
-
-def _raise_exception(message: str):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(value, indent: int | None = None) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
 class Tokenizer:
@@ -51,13 +47,18 @@ class Tokenizer:
         hf_dir = Path(hf_dir)
         path = hf_dir / "tokenizer.json"
         if not path.is_file():
+            if (hf_dir / "tokenizer.model").is_file():
+                raise ValueError(f"{hf_dir} has only a SentencePiece tokenizer.model; write its tokenizer.json once "
+                                 f"with transformers: python -c \"from transformers import AutoTokenizer; "
+                                 f"AutoTokenizer.from_pretrained('{hf_dir}').save_pretrained('{hf_dir}')\"")
             raise ValueError(f"{hf_dir}: no tokenizer.json (is this an HF model directory?)")
         backend = Backend.from_file(str(path))
         tok_cfg = _read_json(hf_dir / "tokenizer_config.json")
         special = {k: _token_text(tok_cfg[k]) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
                    if tok_cfg.get(k)}
         eos = cls._eos_ids(hf_dir, backend, special.get("eos_token"))
-        return cls(backend, tok_cfg.get("chat_template"), eos, special, bool(tok_cfg.get("add_bos_token", False)))
+        return cls(backend, find_chat_template(hf_dir, tok_cfg), eos, special,
+                   bool(tok_cfg.get("add_bos_token", False)))
 
     @staticmethod
     def _eos_ids(hf_dir: Path, backend: Backend, eos_token: str | None) -> tuple[int, ...]:
@@ -83,58 +84,57 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def text(self, ids: list[int]) -> str:
+        """Generated text as users see it: special tokens (EOS, <|im_end|>, ...) left out, as HF's skip_special_tokens."""
+        return self.decode(ids, skip_special_tokens=True)
+
+    def chat_text_messages(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template rendered for a multi-turn chat [{"role": ..., "content": ...}, ...]."""
+        if self.chat_template is None:
+            raise ValueError("this model's tokenizer has no chat template (neither chat_template.jinja nor "
+                             "tokenizer_config.json has one); use a plain prompt")
+        return render(self.chat_template, messages, add_generation_prompt, self.special_tokens)
+
+    def chat_ids_messages(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of `chat_text_messages`; the template itself places any BOS (as HF does)."""
+        text = self.chat_text_messages(messages, add_generation_prompt)
+        return self.backend.encode(text, add_special_tokens=False).ids
+
     def chat_text(self, user_text: str) -> str:
         """The chat template rendered for one user turn plus the generation prompt."""
-        if self.chat_template is None:
-            raise ValueError("this model's tokenizer has no chat template; use a plain prompt")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = _raise_exception
-        env.filters["tojson"] = _tojson
-        template = env.from_string(self.chat_template)
-        return template.render(messages=[{"role": "user", "content": user_text}],
-                               add_generation_prompt=True, **self.special_tokens)
+        return self.chat_text_messages([{"role": "user", "content": user_text}])
 
     def chat_ids(self, user_text: str) -> list[int]:
-        """Token ids of `chat_text(user_text)`; the template itself places any BOS (as HF does)."""
-        return self.backend.encode(self.chat_text(user_text), add_special_tokens=False).ids
+        """Token ids of `chat_text(user_text)`."""
+        return self.chat_ids_messages([{"role": "user", "content": user_text}])
 
 
 class IncrementalDetokenizer:
-    """Feed generated ids one at a time, get text pieces back.
+    """Feed generated ids one at a time, get text pieces back (the tokenizers library's DecodeStream).
 
     A piece never ends inside a multi-byte UTF-8 character (a token that carries only part of one
     yields "" until the rest arrives), and the pieces plus `flush()` concatenate to
-    `tokenizer.decode(all ids)`. Decoding a short window [prefix, end) and subtracting the text of
-    [prefix, read) keeps each step O(window) and lets decoders that look at neighbours (e.g. a
-    SentencePiece leading space) see one token of context.
+    `tokenizer.decode(all ids, skip_special_tokens)`.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
-        self._prefix = 0  # window start: already-emitted context
-        self._read = 0  # everything before this is emitted
-
-    def _pending(self) -> str:
-        decode = lambda ids: self.tokenizer.decode(ids, self.skip_special_tokens)  # noqa: E731
-        before = decode(self.ids[self._prefix:self._read])
-        window = decode(self.ids[self._prefix:])
-        assert window.startswith(before), "decoding a window must extend the decoded prefix"
-        return window[len(before):]
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._emitted: list[str] = []
 
     def push(self, token_id: int) -> str:
         """Add one id; return the newly completed text (possibly "")."""
         self.ids.append(int(token_id))
-        piece = self._pending()
-        if not piece or piece.endswith("\ufffd"):  # an incomplete character so far: wait for more bytes
-            return ""
-        self._prefix, self._read = self._read, len(self.ids)
+        piece = self._stream.step(self.tokenizer.backend, int(token_id)) or ""
+        self._emitted.append(piece)
         return piece
 
     def flush(self) -> str:
         """Whatever is still held back (a character the stream never completed decodes as U+FFFD)."""
-        piece = self._pending()
-        self._prefix = self._read = len(self.ids)
-        return piece
+        full = self.tokenizer.decode(self.ids, self.skip_special_tokens)
+        emitted = "".join(self._emitted)
+        assert full.startswith(emitted), "the streamed pieces must be a prefix of the decoded text"
+        self._emitted = [full]
+        return full[len(emitted):]

@@ -1,6 +1,8 @@
 """`spd bench`: ar, pp and spd (separate driver and co-located) in one run, same prompts and
-machine; decode tok/s medians over repeats, speedups against both baselines, per-tick
-breakdown, JSON and a PNG timeline of a few spd ticks.
+machine; decode tok/s medians over repeats, speedups against both baselines, TTFT / TPOT /
+inter-token latency percentiles, per-tick breakdown, JSON, a PNG timeline of a few spd ticks
+and the spd tick timeline as a Chrome trace (Perfetto). `--ignore-eos` runs every request to
+--max-new-tokens, as vLLM's latency benchmark does.
 """
 from __future__ import annotations
 
@@ -11,28 +13,35 @@ import sys
 
 from spd_engine.bench.speed import BenchCase, bench
 from spd_engine.bench.stats import format_table
-from spd_engine.tools.common import add_engine_arguments, engine_config, load_prompts
+from spd_engine.tools.common import add_engine_arguments, add_json_argument, engine_config, load_prompts, \
+    write_json
 
 COLUMNS = [("name", "config", ""), ("world_size", "ranks", ""), ("decode_tok_s", "tok/s", ".2f"),
            ("decode_tok_s_min", "min", ".2f"), ("decode_tok_s_max", "max", ".2f"),
            ("speedup_vs_ar", "x ar", ".2f"), ("speedup_vs_pp", "x pp", ".2f"), ("tick_ms", "ms/tick", ".2f"),
            ("prefill_s", "prefill s", ".2f"), ("tokens", "tokens", ""), ("ticks", "ticks", ""),
            ("alpha", "alpha", ".3f"), ("eal", "EAL", ".2f"), ("lossless", "lossless", "")]
+LATENCY_COLUMNS = [("name", "config", "")] + [
+    (f"{m}_p{q}_ms", f"{label} p{q}", ".2f") for m, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"))
+    for q in (50, 90, 99)]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_engine_arguments(p)
-    p.add_argument("--prompt", action="append")
-    p.add_argument("--prompts-file")
-    p.add_argument("--chat", action="store_true")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--configs", default="ar,pp,spd,spd-colocate", help="subset of ar,pp,spd,spd-colocate")
-    p.add_argument("--synthetic-alpha", type=float, default=None,
+    from spd_engine.tools.generate import add_request_arguments
+
+    add_engine_arguments(p, mode_flags=False)  # --configs names the modes and layouts
+    g = p.add_argument_group("benchmark")
+    add_request_arguments(g)
+    g.add_argument("--ignore-eos", action="store_true", help="generate --max-new-tokens for every request, past EOS")
+    g.add_argument("--repeats", type=int, default=3, help="timed runs of every prompt per configuration")
+    g.add_argument("--configs", default="ar,pp,spd,spd-colocate", help="subset of ar,pp,spd,spd-colocate")
+    g.add_argument("--synthetic-alpha", type=float, default=None,
                    help="replace drafts: reference token with this probability (labelled synthetic)")
-    p.add_argument("--json-out", help="write the full report here")
-    p.add_argument("--timeline", help="PNG timeline of a few spd ticks")
-    p.add_argument("--profile-out", help="write an spd-profile/1 JSON (spd plan's input) from this run: "
+    add_json_argument(g, "the full report")
+    g.add_argument("--timeline", metavar="PNG", help="PNG timeline of a few spd ticks")
+    g.add_argument("--chrome-trace", metavar="JSON", help="the first spd request's tick timeline as a Chrome "
+                                                         "trace (open in ui.perfetto.dev or chrome://tracing)")
+    g.add_argument("--profile-out", help="write an spd-profile/1 JSON (spd plan's input) from this run: "
                                           "needs ar and spd or spd-colocate (their ticks are traced)")
 
 
@@ -51,7 +60,7 @@ def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
         raise ValueError("--profile-out needs an spd or spd-colocate run in --configs")
     if "spd" in names:
         out.append(BenchCase("spd", ecfg.replace(mode="spd", topology=dataclasses.replace(topo, colocate=False),
-                                                 trace=bool(args.timeline) or profiling)))
+                                                 trace=bool(args.timeline or args.chrome_trace) or profiling)))
     if "spd-colocate" in names:
         out.append(BenchCase("spd-colocate", ecfg.replace(mode="spd", topology=dataclasses.replace(topo, colocate=True),
                                                           trace=profiling)))
@@ -79,31 +88,40 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--synthetic-alpha must be in [0, 1], got {args.synthetic_alpha}")
     if args.repeats < 1:
         raise ValueError("--repeats must be >= 1")
-    args.mode = "spd"
     ecfg, tok_dir = engine_config(args)
     tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
     prompts = encode_prompts(load_prompts(args), tok, args.chat, ecfg.cfg.vocab_size)
-    eos = tok.eos_ids if tok is not None else ecfg.cfg.eos_token_ids
+    eos = () if args.ignore_eos else tok.eos_ids if tok is not None else ecfg.cfg.eos_token_ids
     progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     report = bench(cases(args, ecfg), prompts, args.max_new_tokens, eos, args.repeats, args.synthetic_alpha,
                    args.seed, progress)
     report["model"], report["head"] = ecfg.model, ecfg.pdm
     label = f" (SYNTHETIC acceptance alpha={args.synthetic_alpha})" if args.synthetic_alpha is not None else ""
+    out = sys.stderr if args.json == "-" else sys.stdout  # stdout carries only the JSON then
     print(f"model {ecfg.model}, head {ecfg.pdm}, n={ecfg.topology.n}, {len(prompts)} prompts x "
-          f"{args.max_new_tokens} tokens, {args.repeats} repeats{label}")
-    print(format_table(report["rows"], COLUMNS))
+          f"{args.max_new_tokens} tokens{' (EOS ignored)' if args.ignore_eos else ''}, {args.repeats} repeats{label}",
+          file=out)
+    print(format_table(report["rows"], COLUMNS), file=out)
+    print("latency (ms; TTFT per request, TPOT per request, ITL per token gap; numpy percentiles):", file=out)
+    print(format_table(report["rows"], LATENCY_COLUMNS), file=out)
     spd = next((r for r in report["rows"] if r["name"] == "spd"), None)
     if spd:
         print("spd per-tick breakdown (ms, medians): " +
-              ", ".join(f"{k}={v:.2f}" for k, v in spd["breakdown_ms_per_tick"].items()))
+              ", ".join(f"{k}={v:.2f}" for k, v in spd["breakdown_ms_per_tick"].items()), file=out)
     if args.timeline and "spd" in report["traces"]:
         from spd_engine.bench.timeline import plot_timeline
 
         if plot_timeline(report["traces"]["spd"], args.timeline, f"spd n={ecfg.topology.n}{label}"):
-            print(f"timeline: {args.timeline}")
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(report, f, indent=1)
+            print(f"timeline: {args.timeline}", file=out)
+    if args.chrome_trace:
+        if "spd" not in report["traces"]:
+            raise ValueError("--chrome-trace needs spd in --configs")
+        from spd_engine.bench.chrome_trace import write_chrome_trace
+
+        write_chrome_trace(report["traces"]["spd"], args.chrome_trace, f"spd n={ecfg.topology.n}{label}")
+        print(f"chrome trace: {args.chrome_trace}", file=out)
+    if args.json:
+        write_json(args.json, report)
     if args.profile_out:
         write_profile(report, ecfg, args.profile_out)
     if report["mismatches"]:

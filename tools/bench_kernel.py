@@ -8,7 +8,7 @@ copies to exceed the L2 cache, so every call streams its weights from HBM as it 
 tick whose other work evicted them. Bandwidth is the unique bytes a call must move (weights
 of the types present, anchor states read, rows written, indices) over the graphed kernel
 time, also as a fraction of a measured device-to-device copy bandwidth.
-Prints a table and a JSON document; needs CUDA and triton.
+Prints a table, and with --json the JSON document (to stdout, or to FILE); needs CUDA and triton.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ SHAPES = {s.name: s for s in (
     Shape("qwen3-4b", 2560, 36, 8),
     Shape("llama-3.1-8b", 4096, 32, 8),
 )}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Tile configurations tried by --sweep: (block_n, block_k, num_warps, num_stages).
 SWEEP = [(32, 128, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (128, 64, 4, 4),
          (32, 256, 4, 4), (64, 64, 2, 4), (128, 256, 8, 3)]
@@ -46,10 +46,12 @@ SWEEP = [(32, 128, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (1
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES),
                         help=f"comma-separated model shapes (default: all of {', '.join(SHAPES)})")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    from spd_engine.tools.common import add_dtype_argument, add_json_argument
+
+    add_dtype_argument(parser, "bfloat16", "packed weights, ring and rows")
     parser.add_argument("--iters", type=int, default=200, help="timed calls per measurement")
     parser.add_argument("--sweep", action="store_true", help="also time the tile configurations in SWEEP")
-    parser.add_argument("--json", dest="json_path", default=None, help="also write the JSON result here")
+    add_json_argument(parser, "the results")
 
 
 def bench_rows(shape: Shape) -> tuple[int, list[int]]:
@@ -190,10 +192,10 @@ def run(args: argparse.Namespace) -> int:
     results = [bench_shape(s, dtype, args.iters, args.sweep, copy_bw) for s in shapes]
     _print_table(results, copy_bw)
     doc = {"device": torch.cuda.get_device_name(0), "copy_bandwidth_gbps": copy_bw / 1e9, "results": results}
-    print(json.dumps(doc, indent=1))
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(doc, f, indent=1)
+    if args.json:
+        from spd_engine.tools.common import write_json
+
+        write_json(args.json, doc)
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     bad = [r["shape"] for r in results if not r["rel_err_vs_torch"] <= tol]
     if bad:

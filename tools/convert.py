@@ -1,9 +1,9 @@
 """`spd convert`: checkpoint conversion between HF, the engine format and Megatron-core torch_dist.
 
-  spd convert hf2mcore HF_DIR OUT [--pp N | --stage-layers 8,8,7,7] [--tp N] [--dtype D]
+  spd convert hf2mcore HF_DIR OUT [--stages N | --stage-layers 8,8,7,7] [--tp N] [--dtype D]
   spd convert mcore2hf ENGINE_DIR OUT [--dtype D] [--max-shard-size GB]
   spd convert export-megatron SRC OUT [--release-layout]        (SRC: engine or HF directory)
-  spd convert import-megatron MEGATRON_DIR OUT [--pp/--stage-layers/--tp] [--dtype D] [--hf-config DIR]
+  spd convert import-megatron MEGATRON_DIR OUT [--stages/--stage-layers/--tp] [--dtype D] [--hf-config DIR]
   spd convert verify A B [--atol X] [--min-agreement F] [--prompts N] [--length T]
 """
 from __future__ import annotations
@@ -12,52 +12,58 @@ import argparse
 
 from spd_engine.checkpoint_tools import hf, megatron_dcp, shard, verify
 from spd_engine.engine.checkpoint import parse_dtype
+from spd_engine.tools.common import add_dtype_argument
 
 
 def _split_args(p: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--pp", type=int, default=None, help="number of pipeline stages (default split)")
+    group.add_argument("--stages", type=int, default=None,
+                       help="pipeline stages the checkpoint is stored in, evenly split (default 1)")
     group.add_argument("--stage-layers", default=None, help="explicit layer counts per stage, e.g. 8,8,7,7")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (default 1)")
 
 
 def _dtype_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="cast the weights (default: keep the source dtype; only then is a round trip bit-identical)")
+    add_dtype_argument(p, None, "cast the weights (default: keep the source dtype; only then is a round trip "
+                       "bit-identical)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    p = sub.add_parser("hf2mcore", help="HF directory -> engine checkpoint split by stage and TP rank")
+
+    def action(name: str, help_text: str) -> argparse.ArgumentParser:  # formatted and strict like every spd command
+        return sub.add_parser(name, help=help_text, formatter_class=parser.formatter_class, allow_abbrev=False)
+
+    p = action("hf2mcore", "HF directory -> engine checkpoint split by stage and TP rank")
     p.add_argument("src"), p.add_argument("dst")
     _split_args(p), _dtype_arg(p)
-    p = sub.add_parser("mcore2hf", help="engine checkpoint -> HF directory (stages and TP ranks merged)")
+    p = action("mcore2hf", "engine checkpoint -> HF directory (stages and TP ranks merged)")
     p.add_argument("src"), p.add_argument("dst")
     _dtype_arg(p)
     p.add_argument("--max-shard-size", type=float, default=5.0, help="max GB per safetensors file (default 5)")
-    p = sub.add_parser("export-megatron", help="engine or HF checkpoint -> Megatron-core torch_dist")
+    p = action("export-megatron", "engine or HF checkpoint -> Megatron-core torch_dist")
     p.add_argument("src"), p.add_argument("dst")
     p.add_argument("--release-layout", action="store_true",
                    help="write Megatron-LM's --load layout (DST/release + latest_checkpointed_iteration.txt)")
-    p = sub.add_parser("import-megatron", help="Megatron-core torch_dist -> engine checkpoint")
+    p = action("import-megatron", "Megatron-core torch_dist -> engine checkpoint")
     p.add_argument("src"), p.add_argument("dst")
     _split_args(p), _dtype_arg(p)
     p.add_argument("--hf-config", default=None,
                    help="HF directory whose config.json describes the model (for checkpoints that record none)")
-    p = sub.add_parser("verify", help="compare the logits of two checkpoints (HF, engine or Megatron)")
+    p = action("verify", "compare the logits of two checkpoints (HF, engine or Megatron)")
     p.add_argument("a"), p.add_argument("b")
     p.add_argument("--atol", type=float, default=1e-4, help="max allowed |logit difference| (default 1e-4)")
     p.add_argument("--min-agreement", type=float, default=1.0, help="min argmax agreement (default 1.0)")
     p.add_argument("--prompts", type=int, default=3, help="number of random prompts (default 3)")
     p.add_argument("--length", type=int, default=16, help="tokens per prompt (default 16)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--hf-config", default=None, help="HF directory describing a Megatron checkpoint's model")
 
 
 def run(args: argparse.Namespace) -> int:
     dtype = parse_dtype(args.dtype) if getattr(args, "dtype", None) else None
     if args.action == "hf2mcore":
-        index = shard.hf2mcore(args.src, args.dst, pp=args.pp, stage_layers=args.stage_layers, tp=args.tp, dtype=dtype)
+        index = shard.hf2mcore(args.src, args.dst, pp=args.stages, stage_layers=args.stage_layers, tp=args.tp, dtype=dtype)
         print(f"wrote {args.dst}: stages {list(index.stage_layers)}, tp {index.tp}, {index.dtype}, "
               f"content hash {index.content_hash[:16]}")
     elif args.action == "mcore2hf":
@@ -75,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = hf.read_hf_config(args.hf_config)[0] if args.hf_config else None
         cfg, state = megatron_dcp.import_megatron(args.src, cfg)
         state = shard.cast_state(state, dtype)
-        index = shard.write_engine(args.dst, cfg, state, pp=args.pp, stage_layers=args.stage_layers, tp=args.tp)
+        index = shard.write_engine(args.dst, cfg, state, pp=args.stages, stage_layers=args.stage_layers, tp=args.tp)
         tok = megatron_dcp.tokenizer_dir(args.src)
         if tok is not None:
             hf.copy_tokenizer_files(tok, args.dst)

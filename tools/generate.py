@@ -1,7 +1,10 @@
 """`spd generate`: text generation with SPD or a baseline (ar, pp), streamed as tokens commit.
 
 Starts its own ranks (one process each), or runs under `torchrun` (single or multi-node) when
-RANK/WORLD_SIZE are set. With --json, per-run stats follow the text as one JSON line per prompt.
+RANK/WORLD_SIZE are set. Text is streamed without special tokens (EOS, <|im_end|>: as HF's
+skip_special_tokens). With --json, one JSON line per prompt follows the text (or goes to FILE):
+the text, the token ids, the model and the head used, and the run's stats.
+Prompts: --prompt, --prompts-file, or --messages-file (multi-turn chats through the chat template).
 
 Sampling: the model's generation_config.json (next to its tokenizer) gives the defaults, read the
 way HF `generate` reads it (no `do_sample`: greedy; filters it leaves out take HF's defaults,
@@ -20,19 +23,26 @@ from dataclasses import asdict
 from pathlib import Path
 
 from spd_engine.engine.sampling import SamplingParams
-from spd_engine.tools.common import add_engine_arguments, engine_config, load_prompts
+from spd_engine.tools.common import add_engine_arguments, add_json_argument, engine_config, load_prompts
+
+
+def add_request_arguments(g) -> None:
+    """Prompt sources shared by generate and bench."""
+    g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    g.add_argument("--prompts-file", help="one prompt per line, or jsonl ('prompt', 'messages' or EAGLE 'turns')")
+    g.add_argument("--messages-file", help="JSON: one chat [{\"role\": ..., \"content\": ...}, ...], a list of "
+                                           "chats, or jsonl of {\"messages\": [...]}; always through the chat template")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt at most")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template to text prompts")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     g = p.add_argument_group("request")
-    g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
-    g.add_argument("--prompts-file", help="one prompt per line, or jsonl ('prompt' or EAGLE 'turns')")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    g.add_argument("--json", action="store_true", help="print per-run stats as JSON lines")
+    add_request_arguments(g)
+    add_json_argument(g, "per prompt: text, token ids, model, head and stats (one line each)")
     g.add_argument("--quiet", action="store_true", help="do not stream text")
-    s = p.add_argument_group("sampling", "defaults: the model's generation_config.json read as HF does (no "
+    s = p.add_argument_group("sampling", "each default: the model's generation_config.json read as HF does (no "
                              "do_sample: greedy; unset filters: top-k 50, top-p 1), else greedy")
     s.add_argument("--temperature", type=float, default=None, help="0 = greedy; > 0 samples")
     s.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
@@ -58,10 +68,26 @@ def sampling_params(overrides: dict, tok_dir: Path | None) -> SamplingParams:
     return SamplingParams.from_generation_config(config, **overrides)
 
 
-def encode_prompts(texts: list[str], tok, chat: bool, vocab_size: int) -> list[list[int]]:
+def encode_prompts(texts: list, tok, chat: bool, vocab_size: int) -> list[list[int]]:
+    """Prompt ids: text (chat template with `chat`) or a chat (a list of messages: always the template)."""
+    return [encode_prompt(t, tok, chat, vocab_size) for t in texts]
+
+
+def encode_prompt(prompt, tok, chat: bool, vocab_size: int) -> list[int]:
+    if isinstance(prompt, list):
+        if tok is None:
+            raise ValueError("a chat (--messages-file) needs a model with a tokenizer and chat template")
+        return tok.chat_ids_messages(prompt)
     if tok is None:  # random-weight models have no tokenizer: map bytes into the vocabulary
-        return [[3 + b % (vocab_size - 3) for b in t.encode()] for t in texts]
-    return [tok.chat_ids(t) if chat else tok.encode(t) for t in texts]
+        return [3 + b % (vocab_size - 3) for b in prompt.encode()]
+    return tok.chat_ids(prompt) if chat else tok.encode(prompt)
+
+
+def result_json(i: int, ecfg, res, tok, sampling: SamplingParams) -> dict:
+    """The --json record of one prompt: what was generated, by which model and head, and the stats."""
+    return {"prompt": i, "text": tok.text(res.tokens) if tok is not None else None, "token_ids": list(res.tokens),
+            "model": ecfg.model, "head": ecfg.pdm if ecfg.mode == "spd" else None, "mode": ecfg.mode,
+            "n": ecfg.topology.n, "colocate": ecfg.topology.colocate, "sampling": asdict(sampling), **res.to_json()}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,19 +112,22 @@ def run(args: argparse.Namespace) -> int:
     if ecfg.pdm == "random" and ecfg.mode == "spd":
         print("spd: no trained head for this model and n; using an untrained one (lossless, but slow)",
               file=sys.stderr)
+    records = []
     with launch(ecfg) as runtime:
         for i, ids in enumerate(prompts):
             if len(prompts) > 1:
                 print(f"[{i + 1}/{len(prompts)}]", file=sys.stderr, flush=True)
-            detok = IncrementalDetokenizer(tok) if tok is not None and not args.quiet else None
+            detok = IncrementalDetokenizer(tok, skip_special_tokens=True) if tok is not None and not args.quiet else None
             on_token = (lambda t, d=detok: print(d.push(t), end="", flush=True)) if detok else None
             res = runtime.generate(ids, args.max_new_tokens, eos, on_token=on_token, sampling=sampling)
             if detok is not None:
                 print(detok.flush(), flush=True)
             elif not args.quiet:
                 print(res.tokens, flush=True)
-            if args.json:
-                print(json.dumps({"prompt": i, "mode": ecfg.mode, "n": ecfg.topology.n,
-                                  "colocate": ecfg.topology.colocate, "sampling": asdict(sampling),
-                                  **res.to_json()}), flush=True)
+            if args.json == "-":
+                print(json.dumps(result_json(i, ecfg, res, tok, sampling)), flush=True)
+            elif args.json:
+                records.append(result_json(i, ecfg, res, tok, sampling))
+    if records:
+        Path(args.json).write_text("".join(json.dumps(r) + "\n" for r in records))
     return 0

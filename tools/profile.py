@@ -23,8 +23,9 @@ QUICK_CPU_SHAPES = "tiny-llama,tiny-qwen3"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="default bfloat16 on cuda, float32 on cpu")
+    from spd_engine.tools.common import add_dtype_argument
+
+    add_dtype_argument(p, None, "weights and activations (default bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--shapes", default=None,
                    help=f"presets (default {DEFAULT_SHAPES}; cpu --quick: {QUICK_CPU_SHAPES})")
     p.add_argument("--n", default="2,4,8", help="stage counts to time")
@@ -44,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="LAT_US,GBPS[,ALLREDUCE_US], an ASSUMED link ('' for none; default NVLink-like 3,400,8)")
     g.add_argument("--alpha", type=float, default=0.8, help="acceptance for the plans (ASSUMED)")
     g.add_argument("--alpha-json", help="eval JSON with alpha_by_n (measured acceptance)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the random weights and of the plans' request sampling")
 
 
 def _settings(args: argparse.Namespace):

@@ -16,34 +16,33 @@ import numpy as np
 import torch
 
 from spd_engine.engine.topology import Topology
-from spd_engine.tools.common import model_config, resolve_model
+from spd_engine.tools.common import add_dtype_argument, model_config, resolve_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="built-in name, checkpoint, HF dir, GGUF or random:<preset>")
     p.add_argument("--corpus", required=True, help="corpus directory from `spd data`")
     p.add_argument("--out", required=True, help="run directory (resumes if it holds state.pt)")
-    p.add_argument("--stages", type=int, default=4)
-    p.add_argument("--stage-layers", default=None)
-    p.add_argument("--anchors", default=None, help="explicit anchors, e.g. 0,8,23,29")
-    p.add_argument("--pdm-layers", type=int, default=1)
-    p.add_argument("--draft-vocab", default=None, help="JSON from `spd draft-vocab`")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=500)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages n the head is trained for")
+    p.add_argument("--stage-layers", default=None, help="explicit split, e.g. 8,8,7,7 (default: even split)")
+    p.add_argument("--anchors", default=None, help="explicit anchors, e.g. 0,8,23,29 (default: the stage bounds)")
+    p.add_argument("--pdm-layers", type=int, default=1, help="K: decoder layers of the head")
+    p.add_argument("--draft-vocab", default=None, help="JSON from `spd draft-vocab` (default: the full vocabulary)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence")
+    p.add_argument("--batch", type=int, default=4, help="sequences per step")
+    p.add_argument("--steps", type=int, default=500, help="optimizer steps in all (a resumed run continues to it)")
+    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
+    p.add_argument("--save-every", type=int, default=50, help="steps between resumable saves")
     p.add_argument("--keep-every", type=int, default=0,
                    help="also keep OUT/snapshots/step-N every N steps (for acceptance-vs-tokens curves)")
-    p.add_argument("--autocast", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="PDM compute dtype (weights stay fp32; float32 = autocast off)")
-    p.add_argument("--target-dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
+    add_dtype_argument(p, "bfloat16", "PDM compute dtype (weights stay fp32; float32 = autocast off)", "--autocast")
+    add_dtype_argument(p, "bfloat16", "dtype of the frozen target (bfloat16 or float32)", "--target-dtype")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--seed", type=int, default=0, help="seed of the head's initialisation and the batch order")
     p.add_argument("--self-distill", type=int, default=0, help="generate answers for N corpus prompts first")
     p.add_argument("--gen-tokens", type=int, default=192, help="max answer length for --self-distill")
     p.add_argument("--gen-batch", type=int, default=32, help="prompts per batched greedy decode")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
 
 
 def batches(corpus, seq_len: int, batch: int, seed: int) -> Iterator[torch.Tensor]:
@@ -69,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     from spd_engine.train.draft_vocab import load_draft_vocab
     from spd_engine.train.self_distill import self_distill
 
+    if args.target_dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"--target-dtype must be bfloat16 or float32, got {args.target_dtype}")
     if args.threads:
         torch.set_num_threads(args.threads)
     engine_dir, tok_dir = resolve_model(args.model)

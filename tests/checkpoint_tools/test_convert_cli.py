@@ -17,7 +17,7 @@ def test_all_actions_chain(tmp_path, capsys):
                  "--tp", "2"]) == 0
     assert "stages [2, 2, 1, 1], tp 2" in capsys.readouterr().out
     assert main(["convert", "export-megatron", str(tmp_path / "e"), str(tmp_path / "m"), "--release-layout"]) == 0
-    assert main(["convert", "import-megatron", str(tmp_path / "m"), str(tmp_path / "e2"), "--pp", "3"]) == 0
+    assert main(["convert", "import-megatron", str(tmp_path / "m"), str(tmp_path / "e2"), "--stages", "3"]) == 0
     assert ckpt.read_index(tmp_path / "e2").stage_layers == (2, 2, 2)
     assert (tmp_path / "e2" / "tokenizer_config.json").is_file()  # carried through the Megatron export
     assert main(["convert", "mcore2hf", str(tmp_path / "e2"), str(tmp_path / "hf2")]) == 0
@@ -36,7 +36,7 @@ def test_verify_exit_code_beyond_tolerance(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["hf2mcore", "{hf}", "{out}", "--tp", "4"], "--tp 4 does not divide num_kv_heads=2"),
-    (["hf2mcore", "{hf}", "{out}", "--pp", "9"], "9 stages is more than the model's 6 layers"),
+    (["hf2mcore", "{hf}", "{out}", "--stages", "9"], "9 stages is more than the model's 6 layers"),
     (["hf2mcore", "{hf}", "{out}", "--stage-layers", "3,4"], "sum to 7"),
     (["hf2mcore", "{hf}", "{out}", "--stage-layers", "3,x"], "comma-separated integers"),
     (["mcore2hf", "{hf}", "{out}"], "index.json is missing"),
@@ -53,4 +53,4 @@ def test_user_errors_exit_2_with_one_line(tmp_path, capsys, argv, message):
 
 def test_pp_and_stage_layers_are_exclusive(tmp_path):
     with pytest.raises(SystemExit):
-        main(["convert", "hf2mcore", "a", "b", "--pp", "2", "--stage-layers", "3,3"])
+        main(["convert", "hf2mcore", "a", "b", "--stages", "2", "--stage-layers", "3,3"])

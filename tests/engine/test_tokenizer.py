@@ -96,3 +96,95 @@ def test_matches_transformers_gguf_tokenizer_on_non_digit_text(tok: Tokenizer, s
     for text in NON_DIGIT_TEXTS + [MIXED]:
         assert tok.encode(text) == ref(text, add_special_tokens=False).input_ids, text
     assert tok.encode("x  1") != ref("x  1", add_special_tokens=False).input_ids
+
+
+# ---- chat templates from either file, multi-turn chats, text without special tokens ----
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🙂"},
+        {"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "2+2?"}]
+
+
+def tokenizer_copy(src: Path, dst: Path, template_in_jinja: bool) -> Path:
+    """The tokenizer files of `src`, with the chat template moved into chat_template.jinja if asked."""
+    import json
+    import shutil
+
+    dst.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        shutil.copyfile(src / name, dst / name)
+    if template_in_jinja:
+        cfg = json.loads((dst / "tokenizer_config.json").read_text())
+        (dst / "chat_template.jinja").write_text(cfg.pop("chat_template"))
+        (dst / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_chat_template_jinja_file_is_read_as_transformers_reads_it(tmp_path, tok, smollm2_dir) -> None:
+    transformers = pytest.importorskip("transformers")
+    d = tokenizer_copy(smollm2_dir, tmp_path / "tok", template_in_jinja=True)
+    assert "chat_template" not in (d / "tokenizer_config.json").read_text()
+    ours = Tokenizer.from_dir(d)
+    assert ours.chat_template == tok.chat_template
+    ref = transformers.AutoTokenizer.from_pretrained(str(d))
+    for messages in (CHAT[:2], CHAT):
+        want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert ours.chat_text_messages(messages) == want
+        assert ours.chat_ids_messages(messages) == ref(want, add_special_tokens=False).input_ids
+    whole = ref.apply_chat_template(CHAT[:3], tokenize=False, add_generation_prompt=False)
+    assert ours.chat_text_messages(CHAT[:3], add_generation_prompt=False) == whole
+
+
+def test_jinja_file_wins_and_named_templates(tmp_path, smollm2_dir) -> None:
+    import json
+
+    d = tokenizer_copy(smollm2_dir, tmp_path / "tok", template_in_jinja=False)
+    (d / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}")
+    assert Tokenizer.from_dir(d).chat_text("x") == "[user]x"  # transformers prefers the .jinja file too
+    (d / "chat_template.jinja").unlink()
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ bos_token }}"}]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert Tokenizer.from_dir(d).chat_text("x") == "D" + Tokenizer.from_dir(d).special_tokens["bos_token"]
+    del cfg["chat_template"]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer.from_dir(d).chat_ids("x")
+
+
+def test_bad_messages_and_template_errors_are_value_errors(tok) -> None:
+    with pytest.raises(ValueError, match="message 1"):
+        tok.chat_ids_messages([{"role": "user", "content": "a"}, {"content": "b"}])
+    with pytest.raises(ValueError, match="non-empty list"):
+        tok.chat_ids_messages([])
+    strict = Tokenizer(tok.backend, "{{ raise_exception('roles must alternate') }}", tok.eos_ids, tok.special_tokens)
+    with pytest.raises(ValueError, match="roles must alternate"):
+        strict.chat_ids("x")
+
+
+def test_text_leaves_special_tokens_out(tok) -> None:
+    ids = tok.encode("The answer is 4.<|im_end|>")
+    assert tok.decode(ids).endswith("<|im_end|>")
+    assert tok.text(ids) == "The answer is 4."
+
+
+def test_sentencepiece_only_directory_is_refused_with_the_fix(tmp_path) -> None:
+    (tmp_path / "tokenizer.model").write_bytes(b"\x00")
+    with pytest.raises(ValueError, match="only a SentencePiece tokenizer.model.*save_pretrained"):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_incremental_detokenizer_on_a_metaspace_tokenizer() -> None:
+    """A SentencePiece-style decoder (Metaspace: a leading '▁' becomes a space, the first one dropped)."""
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "</s>": 1, "▁hello": 2, "▁wor": 3, "ld": 4, "▁": 5, "<0xE4>": 6, "<0xB8>": 7, "<0x96>": 8}
+    backend = Backend(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Sequence([decoders.Metaspace(), decoders.ByteFallback(), decoders.Fuse()])
+    backend.add_special_tokens(["</s>"])
+    tok = Tokenizer(backend, None, (1,), {"eos_token": "</s>"})
+    ids = [2, 3, 4, 5, 6, 7, 8, 1]  # "hello world 世" then EOS; 世 arrives in three byte tokens
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=True)
+    pieces = [detok.push(i) for i in ids]
+    assert pieces[4:6] == ["", ""] and "\ufffd" not in "".join(pieces)
+    assert "".join(pieces) + detok.flush() == tok.text(ids) == "hello world 世"
