@@ -115,7 +115,7 @@ def resolve_model(spec: str) -> tuple[str, Path | None]:
                 raise ValueError(f"{err}; {spec!r} is also not a path, a built-in model ({', '.join(BUILTIN_MODELS)}) "
                                  f"or random:<{'|'.join(PRESETS)}>") from None
             name = spec.partition("@")[0].replace("/", "--")
-            return str(convert_cache.engine_checkpoint(snap, name, _cache())), snap
+            return str(convert_cache.engine_checkpoint(snap, name, _cache())), _tokenizer_dir(snap)
         raise ValueError(f"model not found: {spec} (give a checkpoint directory, an HF directory, a GGUF file, "
                          f"a model id in the local Hugging Face cache, one of {list(BUILTIN_MODELS)}, "
                          f"or random:<{'|'.join(PRESETS)}>)")
@@ -125,9 +125,14 @@ def resolve_model(spec: str) -> tuple[str, Path | None]:
     if (path / "index.json").is_file():
         return str(path), path if (path / "tokenizer.json").is_file() else None
     if (path / "config.json").is_file():
-        return str(convert_cache.engine_checkpoint(path, "hf", _cache())), path
+        return str(convert_cache.engine_checkpoint(path, "hf", _cache())), _tokenizer_dir(path)
     raise ValueError(f"{spec} is neither an engine checkpoint (index.json), an HF directory (config.json) "
                      f"nor a .gguf file")
+
+
+def _tokenizer_dir(hf_dir: Path) -> Path | None:
+    """The HF directory when it holds a tokenizer (a SentencePiece-only one is refused when loaded), else None."""
+    return hf_dir if any((hf_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model")) else None
 
 
 def model_config(engine_spec: str):

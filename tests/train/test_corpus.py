@@ -299,3 +299,33 @@ def test_real_corpus_has_no_eval_13gram(tmp_path: Path, smollm2_dir: Path) -> No
             assert not any(tuple(d[i:i + 13]) in banned for i in range(len(d) - 12))
     vocab = build_draft_vocab(corpus, 4096)
     assert {0, 1, 2} <= set(vocab["ids"]) and 0.5 < vocab["coverage"] < 1.0
+
+
+def test_spd_data_with_the_users_own_corpora(tmp_path: Path, hf_dir: Path, capsys) -> None:
+    """--input jsonl (prompts, texts, chats) and a directory of text files, decontaminated like any source."""
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "Write a haiku about rain."},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]},
+        {"text": "a plain document about sorting lists in place"},
+        {"prompt": f"Please answer: {EVAL_TURN}"},  # shares a 13-gram with the eval set: dropped
+    ]) + "\n")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("first paragraph\n\nsecond paragraph")
+    (docs / "notes.md").write_text("# notes\n\nsome markdown text")
+    out = tmp_path / "out"
+    rc = spd_main(["data", "--out", str(out), "--tokenizer", str(hf_dir), "--sources", "none",
+                   "--input", str(mine), "--input", str(docs), "--holdout", "0",
+                   "--eval-dir", str(write_eval_dir(tmp_path / "eval"))])
+    assert rc == 0
+    manifest = Corpus(out).manifest
+    by_name = {s["name"]: s for s in manifest["sources"]}
+    assert set(by_name) == {"user:mine.jsonl", "user:docs"}
+    assert by_name["user:mine.jsonl"]["samples"] == 3 and by_name["user:mine.jsonl"]["dropped"] == 1
+    assert by_name["user:docs"]["samples"] == 2 and by_name["user:docs"]["licence"] == "user-supplied"
+    assert f"--input {mine}" in manifest["build_command"]
+    assert spd_main(["data", "--out", str(tmp_path / "o2"), "--tokenizer", str(hf_dir), "--sources", "none"]) == 2
+    assert spd_main(["data", "--out", str(tmp_path / "o2"), "--tokenizer", str(hf_dir),
+                     "--input", str(tmp_path / "missing.jsonl")]) == 2
+    assert "corpus input not found" in capsys.readouterr().err

@@ -159,3 +159,47 @@ def test_cache_root_honours_env(monkeypatch, tmp_path: Path) -> None:
     assert sources.cache_root() == tmp_path
     monkeypatch.delenv("SPD_CACHE")
     assert sources.cache_root() == Path.home() / ".cache" / "spd-engine"
+
+
+# ---------------------------------------------------------------- the user's own corpora
+def test_user_records_from_jsonl_text_files_and_directories(tmp_path: Path) -> None:
+    from spd_engine.train.user_sources import chunk_paragraphs, user_records
+
+    f = tmp_path / "c.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "p1"}, {"turns": ["t1", "t2"]}, {"text": "x"},
+        {"messages": [{"role": "user", "content": "only a question"}]},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]) + "\n\n")
+    recs = list(user_records(f, licence="CC-BY-4.0"))
+    assert [r["kind"] for r in recs] == ["prompt", "prompt", "text", "prompt", "conversation"]
+    assert [r.get("text") for r in recs[:4]] == ["p1", "t1", "x", "only a question"]
+    for r in recs:
+        check_record(r, "user:c.jsonl")
+        assert r["licence"] == "CC-BY-4.0" and r["subset"] == "c.jsonl"
+    d = tmp_path / "d"
+    (d / "sub").mkdir(parents=True)
+    (d / "sub" / "b.txt").write_text("para one\n\npara two")
+    (d / "a.md").write_text("alpha")
+    (d / "skip.bin").write_bytes(b"\x00")
+    recs = list(user_records(d, max_chars=5))
+    assert [(r["subset"], r["text"]) for r in recs] == [("a.md", "alpha"), ("sub/b.txt", "para one"),
+                                                         ("sub/b.txt", "para two")]
+    text = "a" * 10 + "\n\n" + "b" * 10 + "\n\n" + "c" * 3
+    assert chunk_paragraphs(text, 15) == ["a" * 10, "b" * 10 + "\n\n" + "c" * 3]
+    assert "".join(chunk_paragraphs(text, 100)) == text
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"nothing": 1}', "c.jsonl:1: expected an object with 'prompt'"),
+    ('not json', "c.jsonl:1: not JSON"),
+    ('{"messages": [{"role": "user"}]}', "'messages' must be a list"),
+])
+def test_user_records_name_the_bad_line(tmp_path: Path, line: str, message: str) -> None:
+    from spd_engine.train.user_sources import user_records
+
+    (tmp_path / "c.jsonl").write_text(line + "\n")
+    with pytest.raises(ValueError, match=message):
+        list(user_records(tmp_path / "c.jsonl"))
+    (tmp_path / "x.csv").write_text("a,b")
+    with pytest.raises(ValueError, match="must be one of"):
+        list(user_records(tmp_path / "x.csv"))
