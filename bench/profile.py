@@ -72,7 +72,7 @@ def driver_tick_ms(traces: list[dict]) -> dict[str, float]:
         parts += list(by_tick.values())
         rest += [span[t] - sum(by_tick[t].values()) for t in span]
         spans += list(span.values())
-    out = {what: _mean([p.get(what, 0.0) for p in parts]) for what in ("pdm", "send", "wait")}
+    out = {what: _mean([p.get(what, 0.0) for p in parts]) for what in ("pdm", "send", "stage0", "wait")}
     out["verify"] = _mean([p["verify"] for p in parts if "verify" in p])
     out["other"] = max(0.0, _mean(rest))
     out["tick"] = _mean(spans)
@@ -98,7 +98,7 @@ def profile_from_bench(report: dict, ecfg: RunConfig, cores: int | None, host: s
     stage's includes the head; stages that idle between tokens, as pp's do, can compute slower
     than SPD's busy ones); pdm_ms[n] and verify_ms = the driver's means;
     driver_fixed_ms = the driver's untimed per-tick work (co-located: plus stage 0's step
-    overhead beyond its compute, which the driver's send includes); layer_ms = (AR decode ms
+    overhead beyond its compute: the driver's send and inline stage0 step minus stage 0's compute); layer_ms = (AR decode ms
     per token - verify_ms) / L, so the model's AR time (layers + verify) is the measured one
     (the embedding and the AR loop's host work are spread over the layers)."""
     rows = {r["name"]: r for r in report["rows"]}
@@ -110,7 +110,7 @@ def profile_from_bench(report: dict, ecfg: RunConfig, cores: int | None, host: s
     drv = driver_tick_ms(traces)
     n, L = len(stages), ecfg.cfg.num_layers
     assert n == ecfg.topology.n, (n, ecfg.topology.n)
-    fixed = drv["other"] + (max(0.0, drv["send"] - stages[0]) if row["colocate"] else 0.0)
+    fixed = drv["other"] + (max(0.0, drv["send"] + drv["stage0"] - stages[0]) if row["colocate"] else 0.0)
     ar_ms = rows["ar"]["tick_ms"]
     plan = AnchorPlan.build(stage_bounds(list(ecfg.topology.stage_layers)), ecfg.anchors)
     out = {

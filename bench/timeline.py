@@ -7,7 +7,7 @@ one clock across the processes of a host.
 from __future__ import annotations
 
 COLORS = {"compute": "tab:blue", "wait": "tab:gray", "pdm": "tab:orange", "verify": "tab:red",
-          "send": "tab:green"}
+          "send": "tab:green", "stage0": "tab:cyan"}
 
 
 def lanes(trace: dict, first_tick: int, ticks: int) -> tuple[list[str], list[list[tuple[str, float, float]]]]:

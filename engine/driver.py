@@ -59,7 +59,10 @@ class Request:
     tick: int = 0
     sent: int = 0  # token / prefill messages sent to stage 0
     consumed: list[int] = field(default_factory=list)  # messages read from each stage
-    timers: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("pdm", "verify", "wait", "send"), 0.0))
+    # seconds per part of the tick: send (posting to stage 0), stage0 (co-located stage 0 inline),
+    # wait (receiving what the plan needs), pdm (rows + PDM step + draft), verify
+    timers: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("send", "stage0", "wait", "pdm", "verify"), 0.0))
     q_store: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> q [V] of its current draft
 
     def __post_init__(self) -> None:
@@ -89,6 +92,16 @@ class Driver:
         self.anchor_stages = [s for s in range(self.n) if self.stage_anchors[s]]
         self.full_type = plan.type_at_depth(self.n)
         self.depth_types = [plan.type_at_depth(d) for d in range(self.n + 1)]
+        # Per-tick index tensors, built once: a tick's rows are consecutive positions from the PDM
+        # cache end (the pending row, then the staircase oldest -> newest), so their ring slots
+        # depend only on (first slot, row count) and their types on (pending, fill).
+        dev = p.device
+        self._row_slots = {(a, R): torch.tensor([(a + i) % self.num_slots for i in range(R)], device=dev)
+                           for a in range(self.num_slots) for R in range(1, self.n + 2)}
+        self._row_types = {(pending, L): torch.tensor([self.full_type] * pending +
+                                                      [self.depth_types[j] for j in range(L - 1, -1, -1)], device=dev)
+                           for pending in (0, 1) for L in range(1, self.n + 1)}
+        self._token_in = torch.zeros(1, 1, dtype=torch.long, device=dev)  # [1, 1] the entering token
         self.pdm_cache = pdm.new_cache(opts.capacity)
         self.step_mode = opts.step_mode
         self.pdm_steps: dict[int, PDMStep] = {}  # static PDM steps by row count (1 .. n + 1)
@@ -110,12 +123,14 @@ class Driver:
     def _send_stage0(self, hdr: Header, payloads: Sequence[torch.Tensor] = ()) -> None:
         t0 = time.perf_counter()
         self.t.send(self.topo.stage_rank(0), hdr, payloads)
-        if hdr.num_tokens and self.req is not None:
-            self.req.sent += 1
-        if self.local_stage0 is not None:  # co-located: stage 0 runs inline, in series with the driver
-            self.local_stage0.step()
         if self.req is not None:
+            self.req.sent += int(hdr.num_tokens > 0)
             self._account("send", t0)
+        if self.local_stage0 is not None:  # co-located: stage 0 runs inline, in series with the driver
+            t1 = time.perf_counter()
+            self.local_stage0.step()
+            if self.req is not None:
+                self._account("stage0", t1)
 
     def _read_header(self, s: int) -> Header:
         self.req.consumed[s] += 1
@@ -233,15 +248,13 @@ class Driver:
         """One tick as planned: (this tick's draft, the verdict when a token left the pipeline)."""
         (entry,) = plan.enter
         self._send_stage0(Header(Kind.TOKEN, entry.pos, entry.epoch, entry.token))
-        tok = torch.tensor([[entry.token]], device=self.device)
-        self.ring[self._slot(entry.pos), 0] = self.head.embed(tok)[0, 0]  # anchor 0 of the newest token
+        self.ring[self._slot(entry.pos), 0] = self.head.embed(self._token_in.fill_(entry.token))[0, 0]  # anchor 0
         for s, e in plan.anchor_reads:  # the token at lag j finished stage j-1 last tick
             self._recv_stage(s, Kind.TOKEN, e.pos, self._slot(e.pos))
         tp = time.perf_counter()
-        slots = [self._slot(r.pos) for r in plan.rows]
-        types = [self.depth_types[r.depth] for r in plan.rows]
-        rows = self.pdm.rows_from_ring(self.ring, torch.tensor(slots, device=self.device),
-                                       torch.tensor(types, device=self.device))  # [R, H]
+        pending = int(plan.rows[0].pending)
+        slots = self._row_slots[(self._slot(plan.pdm_pos), len(plan.rows))]
+        rows = self.pdm.rows_from_ring(self.ring, slots, self._row_types[(pending, plan.fill)])  # [R, H]
         h_last, draft_id = self._pdm_step(rows, plan.pdm_pos)
         draft = self._draft(h_last, plan.draft_pos - 1, plan.fill, self.req.policy, draft_id)
         self._account("pdm", tp)

@@ -52,20 +52,23 @@ class Header:
             return 1
         return self.length if self.kind == Kind.PREFILL else 0
 
-    def to_tensor(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        out = torch.empty(HEADER_LEN, dtype=torch.int64) if out is None else out
-        for i, name in enumerate(HEADER_FIELDS):
-            out[i] = int(getattr(self, name))
-        return out
+    def to_ints(self) -> tuple[int, ...]:
+        return (int(self.kind), self.position, self.epoch, self.token, self.length, self.reply)
 
     @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> "Header":
-        values = [int(x) for x in t.tolist()]
+    def from_ints(cls, values: list[int]) -> "Header":
         assert len(values) == HEADER_LEN, values
         try:
             return cls(Kind(values[0]), *values[1:])
         except ValueError:
             raise RuntimeError(f"corrupt message header {values}") from None
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.to_ints(), dtype=torch.int64)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "Header":
+        return cls.from_ints([int(x) for x in t.tolist()])
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,17 @@ class WireFormat:
         if stage == self.n - 1 and not self.head_on_last:
             out.append(Payload("exit", (T, self.hidden)))  # the last stage's output hidden state
         return tuple(out)
+
+
+def payload_bytes(payloads: tuple[Payload, ...], act_itemsize: int) -> int:
+    """Bytes of a payload list: activations in the model's dtype, the rest 8-byte integers/floats."""
+    total = 0
+    for p in payloads:
+        count = 1
+        for d in p.shape:
+            count *= d
+        total += count * (act_itemsize if p.kind == "act" else 8)
+    return total
 
 
 def sampling_payload(temperature: float, top_k: int, top_p: float, seed: int) -> torch.Tensor:

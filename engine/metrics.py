@@ -41,10 +41,15 @@ class GenerationResult:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
     def breakdown_ms_per_tick(self) -> dict[str, float]:
-        """Per-tick means in milliseconds: driver parts, each stage's compute, and driver slack."""
+        """Per-tick means in milliseconds: the tick, the driver's parts (they add up to the tick:
+        `driver_other_ms` is what no timer covers), each stage's compute and receive wait, and
+        driver slack."""
         if not self.ticks:
             return {}
-        per = {f"driver_{k}_ms": 1e3 * v / self.ticks for k, v in self.driver.items()}
+        per = {"tick_ms": 1e3 * self.decode_s / self.ticks}
+        per.update({f"driver_{k}_ms": 1e3 * v / self.ticks for k, v in self.driver.items()})
+        if self.driver:
+            per["driver_other_ms"] = per["tick_ms"] - sum(1e3 * v / self.ticks for v in self.driver.values())
         stage_ms = []
         for i, s in enumerate(self.stages):
             msgs = max(1.0, s.get("messages", 1.0))
@@ -53,7 +58,7 @@ class GenerationResult:
             per[f"stage{i}_compute_ms"] = ms
             per[f"stage{i}_wait_ms"] = 1e3 * s.get("wait_s", 0.0) / msgs
         if stage_ms and "pdm" in self.driver:  # slack is SPD's: the pp/ar baselines have no PDM
-            driver_work = sum(per.get(f"driver_{k}_ms", 0.0) for k in ("pdm", "verify", "send"))
+            driver_work = sum(per.get(f"driver_{k}_ms", 0.0) for k in ("pdm", "verify", "send", "stage0"))
             per["driver_slack_ms"] = max(stage_ms) - driver_work
         return per
 

@@ -11,7 +11,8 @@ from spd_engine.engine.baselines import PipelineDriver
 from spd_engine.engine.build import build_driver_head, build_pdm, build_stage_model
 from spd_engine.engine.driver import Driver
 from spd_engine.engine.run_config import RunConfig
-from spd_engine.engine.stage_worker import StageWorker
+from spd_engine.engine.messages import Header, Kind, WireFormat, payload_bytes
+from spd_engine.engine.stage_worker import StageWorker, wire_format
 from spd_engine.engine.topology import Topology
 from spd_engine.engine.transport import Transport, loopback_pair
 
@@ -23,12 +24,34 @@ def rank_topology(ecfg: RunConfig) -> Topology:
     return dataclasses.replace(ecfg.topology, colocate=True)
 
 
+def link_frames(topo: Topology, wire: WireFormat, act_itemsize: int) -> dict[tuple[int, int], int]:
+    """Inline payload bytes of every directed link: what a decode-tick message carries there, so
+    that each tick costs one message per hop (larger messages, prefill chunks and statistics,
+    send their payloads after the frame)."""
+    frames: dict[tuple[int, int], int] = {}
+
+    def add(src: int, dst: int, payloads) -> None:
+        if src != dst:  # the co-located driver and stage 0 talk in-process
+            frames[(src, dst)] = max(frames.get((src, dst), 0), payload_bytes(payloads, act_itemsize))
+
+    token = Header(Kind.TOKEN)
+    add(topo.driver_rank, topo.stage_rank(0), wire.from_driver(token))
+    for s in range(topo.n):
+        if s + 1 < topo.n:
+            add(topo.stage_rank(s), topo.stage_rank(s + 1), wire.downstream(token))
+        if wire.reports_to_driver(s):
+            add(topo.stage_rank(s), topo.driver_rank, wire.to_driver(s, token))
+    return frames
+
+
 def build_rank(ecfg: RunConfig, rank: int, transport: Transport, pdm=None
                ) -> tuple[Driver | PipelineDriver | None, StageWorker | None]:
     """(driver-side runtime or None, stage worker to serve or None) for this rank."""
     topo = rank_topology(ecfg)
     spd = ecfg.mode == "spd"
     plan = ecfg.plan() if spd else None
+    wire = wire_format(topo, plan, ecfg.cfg.hidden_size)
+    transport.set_frames(link_frames(topo, wire, ecfg.torch_dtype.itemsize))
     stage = topo.stage_of_rank(rank)
     worker, driver_transport = None, transport
     if stage is not None:

@@ -60,7 +60,7 @@ class StageWorker:
         self.in_request = False
         self.sampling = SamplingParams()  # used only by a head stage (pp / ar baselines)
         self.cfg_in = torch.empty(CONFIG_LEN, dtype=torch.int64)
-        self.stats = torch.zeros(3, dtype=torch.float64)  # compute seconds, messages, receive-wait seconds
+        self.stats = [0.0, 0, 0.0]  # compute seconds, messages, receive-wait seconds (host floats: no per-tick tensors)
         self.trace: list[float] | None = [] if opts.trace else None  # (recv start, compute start, compute end)*
         self.static = None if opts.step_mode == StepMode.EAGER else \
             StageStep(model, self.cache, graphs=opts.step_mode == StepMode.GRAPH, capture=self.capture)
@@ -76,7 +76,7 @@ class StageWorker:
         """Handle one message; False after SHUTDOWN."""
         timeout = self.timeout if self.in_request else None  # no timeout while idle between requests
         t0 = time.perf_counter()
-        hdr = self.t.recv_header(self.prev, timeout, tick=int(self.stats[1]))
+        hdr = self.t.recv_header(self.prev, timeout, tick=self.stats[1])
         if hdr.kind in (Kind.TOKEN, Kind.PREFILL):
             self.in_request = True
             self._compute(hdr, t0)
@@ -91,10 +91,10 @@ class StageWorker:
         if self.next is not None:
             self.t.send(self.next, hdr)
         if hdr.kind == Kind.END:
-            payload = torch.cat([self.stats, torch.tensor(self.trace or [], dtype=torch.float64)])
+            payload = torch.tensor([*self.stats, *(self.trace or [])], dtype=torch.float64)
             self.t.send(self.driver, Header(Kind.STATS, length=payload.numel()), [payload])
             self.t.flush()
-            self.stats.zero_()
+            self.stats = [0.0, 0, 0.0]
             if self.trace is not None:
                 self.trace.clear()
             self.in_request = False
@@ -114,11 +114,11 @@ class StageWorker:
             if hdr.kind == Kind.TOKEN:
                 ids = self.tok.fill_(hdr.token)
             else:
-                ids = self.t.recv_into(self.prev, self.ids_in[:T], self.timeout, int(self.stats[1]))[None]
+                ids = self.t.recv_into(self.prev, self.ids_in[:T], self.timeout, self.stats[1])[None]
             t1 = time.perf_counter()
         else:
             ids = None
-            h = self.t.recv_into(self.prev, self.h_in[:T], self.timeout, int(self.stats[1]))[None]
+            h = self.t.recv_into(self.prev, self.h_in[:T], self.timeout, self.stats[1])[None]
             t1 = time.perf_counter()
         greedy_dev = None  # the static step's argmax token [1] (a head stage only)
         if self.static is not None and hdr.kind == Kind.TOKEN:
@@ -136,7 +136,9 @@ class StageWorker:
         if self.min_step_s > 0 and hdr.kind == Kind.TOKEN:
             time.sleep(max(0.0, self.min_step_s - (time.perf_counter() - t1)))
         t2 = time.perf_counter()
-        self.stats += torch.tensor([t2 - t1, 1.0, t1 - t0], dtype=torch.float64)
+        self.stats[0] += t2 - t1
+        self.stats[1] += 1
+        self.stats[2] += t1 - t0
         if self.trace is not None and hdr.kind == Kind.TOKEN:
             self.trace += [t0, t1, t2]
         if self.next is not None:

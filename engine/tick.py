@@ -139,7 +139,8 @@ class TickState:
         reads = tuple((j - 1, live[L - 1 - j]) for j in range(1, L) if j - 1 in self.anchor_stages)
         rows = ([Row(self.pdm_len, self.n, True)] if self.pending else []) + \
             [Row(live[L - 1 - j].pos, j) for j in range(L - 1, -1, -1)]
-        assert rows[0].pos == self.pdm_len, (rows[0], self.pdm_len)
+        # consecutive positions from the PDM cache end (the driver indexes its ring by that)
+        assert [r.pos for r in rows] == list(range(self.pdm_len, self.pdm_len + len(rows))), rows
         exiting = live[0] if L == self.n else None
         proposed = (live[1] if L > 1 else None) if exiting is not None else None
         self._plan = TickPlan(self.tick, (entry,), live, reads, tuple(rows), self.pdm_len,

@@ -2,7 +2,11 @@
 in-process one (threads in one process: tests and the reference executor).
 
 A message is a header plus zero or more payload tensors whose shapes the receiver derives
-from the header, so every receive lands in a preallocated buffer. Receives inside a request
+from the header (engine/messages.py WireFormat), so every receive lands in a preallocated buffer.
+The distributed transport sends each message as one fixed-size frame per link (header, then
+the payloads inline when they fit the link's frame capacity, else as further messages): a
+decode tick costs one message per hop, and the next frame's receive is posted as soon as the
+current one arrives, so data lands while the receiver computes. Receives inside a request
 time out with an error naming (rank, peer, tick); a dead peer surfaces as the same error.
 Per-link FIFO order is what the lazy rollback of docs/design.md 3.4 relies on: torch.distributed P2P
 within one process group between a fixed pair of ranks and the in-process queues both preserve
@@ -16,9 +20,14 @@ import queue
 import threading
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from spd_engine.engine.messages import HEADER_LEN, Header
+from spd_engine.engine.messages import HEADER_LEN, Header, Kind
+
+FRAME_INTS = HEADER_LEN + 1  # the header, then 1 if the payloads are inside the frame, 0 if they follow
+FRAME_HEAD = 8 * FRAME_INTS  # bytes before the inline payloads
+SEND_FRAMES = 8  # frames in flight per destination before a send waits for the oldest
 
 
 class TransportError(RuntimeError):
@@ -51,6 +60,10 @@ class Transport(abc.ABC):
     def close(self) -> None:
         self.flush()
 
+    def set_frames(self, capacities: dict[tuple[int, int], int]) -> None:
+        """Inline payload bytes per directed link (src rank, dst rank); both ends of a link must
+        be given the same value. Transports without frames ignore it."""
+
 
 # Idle waits (between requests) must outlast any pause of the caller; gloo bounds a wait
 # without an explicit timeout by the process group's timeout, so they pass this one instead.
@@ -76,30 +89,94 @@ def directional_groups(rank: int, world_size: int) -> dict[tuple[int, int], obje
     return groups
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as a flat uint8 view."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+class _Rx:
+    """Receive state of one link: two frames (one being read, one being filled), the posted
+    receive, and where the inline payloads of the current frame continue."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.frames = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.posted = None  # the irecv work filling frames[self.next]
+        self.next = 0
+        self.cur = 1
+        self.inline = False
+        self.offset = FRAME_HEAD
+
+
 class DistTransport(Transport):
     """torch.distributed isend/irecv (gloo on CPU, NCCL on GPU), one process group per direction
-    of each rank pair (directional_groups). Tensors on another device than the transport's
-    (small host-side payloads: sampling settings, stage statistics) are staged through its
-    device, since NCCL moves only GPU memory. Collective over the default group: every rank
-    constructs its transport."""
+    of each rank pair (directional_groups). Every message is one frame of FRAME_HEAD + capacity
+    bytes on its link (set_frames; capacity 0 by default: payloads follow as separate messages).
+    Tensors on another device than the transport's (small host-side payloads: sampling settings,
+    stage statistics) are staged through its device, since NCCL moves only GPU memory.
+    Collective over the default group: every rank constructs its transport."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device | str = "cpu") -> None:
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
-        self._pending: list[tuple[object, torch.Tensor]] = []  # (work, tensor kept alive)
-        self._hdr_in = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        self._pending: list[tuple[object, torch.Tensor]] = []  # (work, tensor kept alive): separate payloads
         self._groups = directional_groups(rank, world_size)
+        self._caps: dict[tuple[int, int], int] = {}
+        self._tx: dict[int, list[list]] = {}  # dst -> [[frame, work or None]] * SEND_FRAMES, round robin
+        self._tx_next: dict[int, int] = {}
+        self._rx: dict[int, _Rx] = {}
+
+    def set_frames(self, capacities: dict[tuple[int, int], int]) -> None:
+        assert not self._tx and not self._rx, "frames are fixed before the first message"
+        self._caps = {link: int(c) for link, c in capacities.items() if self.rank in link}
+
+    def _frame_bytes(self, src: int, dst: int) -> int:
+        return FRAME_HEAD + self._caps.get((src, dst), 0)
+
+    def _new_slot(self, nbytes: int) -> list:
+        """[frame, send work or None, host int64 view of the frame head, host staging or None]."""
+        frame = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        host = None if self.device.type == "cpu" else torch.zeros(FRAME_HEAD, dtype=torch.uint8).pin_memory()
+        head = (frame[:FRAME_HEAD] if host is None else host).numpy().view(np.int64)  # written in place
+        return [frame, None, head, host]
+
+    def _send_frame(self, dst: int) -> list:
+        """A free frame slot for dst (waits for the oldest send when all are in flight)."""
+        pool = self._tx.get(dst)
+        if pool is None:
+            pool = self._tx[dst] = [self._new_slot(self._frame_bytes(self.rank, dst)) for _ in range(SEND_FRAMES)]
+            self._tx_next[dst] = 0
+        i = self._tx_next[dst]
+        self._tx_next[dst] = (i + 1) % SEND_FRAMES
+        slot = pool[i]
+        if slot[1] is not None:
+            slot[1].wait()  # rare: SEND_FRAMES messages to dst still in flight
+            slot[1] = None
+        return slot
 
     def send(self, dst: int, header: Header, payloads: Sequence[torch.Tensor] = ()) -> None:
         import torch.distributed as dist
 
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
-        hdr = header.to_tensor().to(self.device)
+        cap = self._caps.get((self.rank, dst), 0)
+        sizes = [p.numel() * p.element_size() for p in payloads]
+        inline = sum(sizes) <= cap
+        slot = self._send_frame(dst)
+        frame, _, head, host = slot
+        head[:HEADER_LEN] = header.to_ints()
+        head[HEADER_LEN] = int(inline)
+        if host is not None:  # device frame: the head goes up from its own pinned staging buffer
+            frame[:FRAME_HEAD].copy_(host, non_blocking=True)
+        if inline:
+            offset = FRAME_HEAD
+            for p, nb in zip(payloads, sizes):
+                frame[offset:offset + nb].copy_(_bytes(p.to(self.device).contiguous()))
+                offset += nb
         group = self._groups[(self.rank, dst)]
         try:
-            self._pending.append((dist.isend(hdr, dst, group=group), hdr))
-            for p in payloads:
-                p = p.to(self.device).contiguous()
-                self._pending.append((dist.isend(p, dst, group=group), p))
+            slot[1] = dist.isend(frame, dst, group=group)
+            if not inline:
+                for p in payloads:
+                    p = p.to(self.device).contiguous()
+                    self._pending.append((dist.isend(p, dst, group=group), p))
         except RuntimeError as err:
             raise TransportError(self.rank, dst, -1, f"send failed: {err}") from err
 
@@ -113,16 +190,45 @@ class DistTransport(Transport):
             what = "timed out" if "Timed out" in str(err) else "peer failed"
             raise TransportError(self.rank, src, tick, f"receive {what} after {timeout}s: {err}") from err
 
-    def recv_header(self, src: int, timeout: float | None, tick: int = -1) -> Header:
+    def _post(self, src: int, rx: _Rx) -> None:
         import torch.distributed as dist
 
-        self._wait(dist.irecv(self._hdr_in, src, group=self._groups[(src, self.rank)]), src, timeout, tick)
-        return Header.from_tensor(self._hdr_in.cpu())  # host sync: the header decides what to do
+        try:
+            rx.posted = dist.irecv(rx.frames[rx.next], src, group=self._groups[(src, self.rank)])
+        except RuntimeError as err:
+            raise TransportError(self.rank, src, -1, f"receive failed at posting: {err}") from err
+
+    def recv_header(self, src: int, timeout: float | None, tick: int = -1) -> Header:
+        rx = self._rx.get(src)
+        if rx is None:
+            rx = self._rx[src] = _Rx(self._frame_bytes(src, self.rank), self.device)
+        if rx.posted is None:
+            self._post(src, rx)
+        work, rx.posted = rx.posted, None
+        self._wait(work, src, timeout, tick)
+        rx.cur, rx.next = rx.next, rx.cur
+        ints = rx.frames[rx.cur][:FRAME_HEAD].view(torch.int64).tolist()  # host sync: the header decides
+        hdr = Header.from_ints(ints[:HEADER_LEN])
+        rx.inline, rx.offset = bool(ints[HEADER_LEN]), FRAME_HEAD
+        if rx.inline and hdr.kind in (Kind.TOKEN, Kind.PREFILL):
+            self._post(src, rx)  # mid-request: the next frame lands while this one is used
+        return hdr
 
     def recv_into(self, src: int, out: torch.Tensor, timeout: float | None, tick: int = -1) -> torch.Tensor:
         import torch.distributed as dist
 
         assert out.is_contiguous()
+        rx = self._rx[src]
+        if rx.inline:  # the payload came inside the frame
+            nb = out.numel() * out.element_size()
+            assert rx.offset + nb <= rx.frames[rx.cur].numel(), (rx.offset, nb, "payload beyond the frame")
+            data = rx.frames[rx.cur][rx.offset:rx.offset + nb]
+            rx.offset += nb
+            if out.device == self.device:
+                _bytes(out).copy_(data)
+            else:
+                out.copy_(data.view(out.dtype).view(out.shape))
+            return out
         group = self._groups[(src, self.rank)]
         if out.device != self.device:  # e.g. a host buffer on an NCCL transport
             staged = torch.empty_like(out, device=self.device)
@@ -135,12 +241,20 @@ class DistTransport(Transport):
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
+        for pool in self._tx.values():
+            for slot in pool:
+                if slot[1] is not None:
+                    slot[1].wait()
+                    slot[1] = None
 
     def abandon(self) -> None:
-        """Forget queued sends without waiting (the run is failing; the peers may be gone), and
-        drop the groups, so that destroying the process group really closes their connections
-        (a peer blocked on one of them then fails at once instead of waiting for its timeout)."""
+        """Forget queued sends and posted receives without waiting (the run is failing; the peers
+        may be gone), and drop the groups, so that destroying the process group really closes
+        their connections (a peer blocked on one of them then fails at once instead of waiting
+        for its timeout)."""
         self._pending.clear()
+        self._tx.clear()
+        self._rx.clear()
         self._groups.clear()
 
 
@@ -244,6 +358,9 @@ class LoopbackTransport(Transport):
 
     def flush(self) -> None:
         self.inner.flush()
+
+    def set_frames(self, capacities: dict[tuple[int, int], int]) -> None:
+        self.inner.set_frames(capacities)
 
     def mark_dead(self) -> None:
         if hasattr(self.inner, "mark_dead"):
