@@ -1,0 +1,94 @@
+"""A `spd serve` process on 127.0.0.1 for tests and load benchmarks: start it, wait until it is
+ready, find its address, stop it, and check that none of its processes is left behind.
+
+The server leads a new process group (its spawned ranks included), so everything it started can
+be found and, as a last resort, killed by group.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+READY = re.compile(r"spd serve: ready on (http://[\d.]+:\d+)")
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended while we looked
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+class ServerProcess:
+    """`spd serve ARGS --host 127.0.0.1 --port 0`; stderr lines are kept with their arrival times."""
+
+    def __init__(self, args: list[str], env: dict | None = None, ready_timeout: float = 300.0) -> None:
+        cmd = [sys.executable, "-m", "spd_engine.tools.cli", "serve", *args, "--host", "127.0.0.1", "--port", "0"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        self.lines: list[tuple[float, str]] = []
+        self.url: str | None = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(ready_timeout) or self.url is None:
+            self.kill()
+            raise RuntimeError(f"spd serve did not come up:\n{self.stderr()[-3000:]}")
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+            m = READY.search(line)
+            if m and self.url is None:
+                self.url = m.group(1)
+                self._ready.set()
+        self._ready.set()  # the process ended (before or after it was ready)
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def stderr(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def terminate(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM (a drain) and wait; the exit code, or None if it did not exit in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def leftovers(self, within: float = 10.0) -> list[int]:
+        """Processes of the server's group still alive after `within` seconds."""
+        deadline = time.monotonic() + within
+        while (left := group_members(self.proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return left
+
+    def kill(self) -> None:
+        """Last resort: SIGKILL the whole group."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def close(self) -> int | None:
+        """Drain and stop; kill whatever is left. The drain's exit code (None: it had to be killed)."""
+        code = self.terminate()
+        if code is None or self.leftovers(5.0):
+            self.kill()
+        return code
