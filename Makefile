@@ -3,15 +3,23 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+# Index the torch wheel comes from, for the torch install only; empty: pip's configured index
+# (PyPI by default, which serves the CUDA build of torch on Linux). The CPU build:
+#   make demo TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+TORCH_INDEX_URL ?=
+TORCH_PIP_ARGS := $(if $(strip $(TORCH_INDEX_URL)),--index-url $(strip $(TORCH_INDEX_URL)))
 
 .PHONY: install demo test test-slow clean
 
 install: $(STAMP)
 
+# torch first, on its own index if one is given; then the package (editable) with the test
+# extras, constrained to that torch so nothing replaces it.
 $(STAMP): setup.cfg pyproject.toml requirements-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -r requirements-cpu.txt -e '.[test]'
+	$(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) -r requirements-cpu.txt
+	$(BIN)/python -m pip install -q -c requirements-cpu.txt -e '.[test]'
 	$(BIN)/python -m pip install -q --no-deps megatron-core==0.16.1
 	touch $(STAMP)
 

@@ -1,0 +1,286 @@
+"""Packaging: the import graph of the spd_engine packages (fast, static) and a plain install into
+a fresh virtual environment (slow).
+
+Import rules (docs/design.md 4), checked on the source with `ast`, nothing imported:
+- no cycle among module-level imports (imports inside functions run late and do not count;
+  `if TYPE_CHECKING:` blocks never run and do not count either);
+- layering, over every import including those inside functions: a module of package X imports
+  only X itself and packages before X in `kernels < engine < checkpoint_tools < train < bench
+  < tools` (tools may import everything, nothing imports tools; engine never imports
+  checkpoint_tools, train, bench or tools; kernels import none of the others);
+- the packages are imported through their namespace only (`spd_engine.engine...`), never as
+  top-level `engine`, `tools`, ..., which do not exist once installed.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import venv
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMESPACE = "spd_engine"
+LAYERS = ("kernels", "engine", "checkpoint_tools", "train", "bench", "tools")
+
+
+# ---- the static import graph ----
+
+def package_modules() -> dict[str, Path]:
+    """spd_engine.<package>[.<module>] -> source file, for every module of every layer."""
+    mods = {}
+    for pkg in LAYERS:
+        for f in sorted((ROOT / pkg).glob("*.py")):
+            name = f"{NAMESPACE}.{pkg}" + ("" if f.stem == "__init__" else f".{f.stem}")
+            mods[name] = f
+    return mods
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imported_names(module: str, node: ast.Import | ast.ImportFrom, is_package: bool) -> Iterator[str]:
+    """Dotted names an import statement may load: `from a.b import c` gives a.b and a.b.c."""
+    if isinstance(node, ast.Import):
+        yield from (alias.name for alias in node.names)
+        return
+    if node.level:  # relative: resolve against the importing module's package
+        parts = module.split(".")
+        parts = parts[:len(parts) - node.level + int(is_package)]
+        base = ".".join(parts + ([node.module] if node.module else []))
+    else:
+        base = node.module or ""
+    yield base
+    yield from (f"{base}.{alias.name}" for alias in node.names)
+
+
+def imports_of(module: str, path: Path) -> Iterator[tuple[str, int, bool]]:
+    """(imported name, line, at module level) for every import statement in the file."""
+    def walk(nodes: list[ast.stmt], top: bool) -> Iterator[tuple[str, int, bool]]:
+        for node in nodes:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for name in _imported_names(module, node, path.stem == "__init__"):
+                    yield name, node.lineno, top
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield from walk(node.body, False)
+            elif isinstance(node, ast.If) and _is_type_checking(node.test):
+                yield from walk(node.body, False)
+                yield from walk(node.orelse, top)
+            else:  # class bodies, if / try / with / loops at module level run at import time
+                for field in ("body", "orelse", "finalbody"):
+                    yield from walk(getattr(node, field, None) or [], top)
+                for handler in getattr(node, "handlers", None) or []:
+                    yield from walk(handler.body, top)
+    yield from walk(ast.parse(path.read_text(), str(path)).body, True)
+
+
+def import_edges(mods: dict[str, Path]) -> list[tuple[str, str, int, bool]]:
+    """(importer, imported module, line, at module level), between modules of the package."""
+    edges = []
+    for mod, path in mods.items():
+        for name, line, top in imports_of(mod, path):
+            if name in mods and name != mod:
+                edges.append((mod, name, line, top))
+    return edges
+
+
+def strongly_connected(nodes: list[str], edges: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components, iteratively."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    comps: list[list[str]] = []
+    for root in nodes:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    comp.append(top)
+                    if top == node:
+                        break
+                comps.append(sorted(comp))
+    return comps
+
+
+def import_cycles(mods: dict[str, Path], edges: list[tuple[str, str, int, bool]]) -> list[list[str]]:
+    graph: dict[str, set[str]] = {}
+    for src, dst, _, top in edges:
+        if top:
+            graph.setdefault(src, set()).add(dst)
+    return [c for c in strongly_connected(sorted(mods), graph) if len(c) > 1]
+
+
+def layering_violations(edges: list[tuple[str, str, int, bool]]) -> list[str]:
+    rank = {pkg: i for i, pkg in enumerate(LAYERS)}
+    bad = []
+    for src, dst, line, _ in edges:
+        a, b = src.split(".")[1], dst.split(".")[1]
+        if rank[b] > rank[a]:
+            bad.append(f"{src}:{line} imports {dst} ({a} may not import {b})")
+    return bad
+
+
+def test_strongly_connected_finds_cycles_and_only_cycles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    comps = strongly_connected(["a", "b", "c", "d", "e"], graph)
+    assert sorted(c for c in comps if len(c) > 1) == [["a", "b", "c"]]
+    assert sorted(comps) == [["a", "b", "c"], ["d"], ["e"]]
+
+
+def test_import_scanner_tells_module_level_from_function_level(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("from __future__ import annotations\nfrom typing import TYPE_CHECKING\n"
+                   "import spd_engine.engine.tick\n"
+                   "try:\n    from spd_engine.engine import schedule\nexcept ImportError:\n    pass\n"
+                   "if TYPE_CHECKING:\n    from spd_engine.tools.common import x\n"
+                   "def f():\n    from ..train import evaluate\n")
+    found = {(name, top) for name, _, top in imports_of("spd_engine.bench.m", src)}
+    assert ("spd_engine.engine.tick", True) in found
+    assert ("spd_engine.engine.schedule", True) in found
+    assert ("spd_engine.tools.common", False) in found
+    assert ("spd_engine.train.evaluate", False) in found  # relative import resolved
+
+
+def test_layering_rule_flags_upward_imports_only():
+    edges = [("spd_engine.engine.driver", "spd_engine.tools.common", 3, False),
+             ("spd_engine.tools.common", "spd_engine.engine.driver", 4, True),
+             ("spd_engine.kernels.anchor_gather", "spd_engine.engine.pdm", 5, True),
+             ("spd_engine.bench.speed", "spd_engine.train.evaluate", 6, True)]
+    assert layering_violations(edges) == [
+        "spd_engine.engine.driver:3 imports spd_engine.tools.common (engine may not import tools)",
+        "spd_engine.kernels.anchor_gather:5 imports spd_engine.engine.pdm (kernels may not import engine)"]
+
+
+def test_no_import_cycle_among_module_level_imports():
+    mods = package_modules()
+    assert f"{NAMESPACE}.engine.tick" in mods and f"{NAMESPACE}.tools.cli" in mods
+    cycles = import_cycles(mods, import_edges(mods))
+    assert not cycles, f"import cycles (module-level imports): {cycles}"
+
+
+def test_no_package_imports_a_later_layer():
+    mods = package_modules()
+    edges = import_edges(mods)
+    assert any(e[0].startswith(f"{NAMESPACE}.tools.") for e in edges)  # the scan sees imports at all
+    assert not layering_violations(edges)
+
+
+def test_package_folders_are_imported_through_the_namespace_only():
+    bad = []
+    for mod, path in package_modules().items():
+        for name, line, _ in imports_of(mod, path):
+            if name.split(".")[0] in LAYERS:
+                bad.append(f"{mod}:{line} imports {name} (write {NAMESPACE}.{name})")
+    assert not bad, bad
+
+
+# ---- a plain install into a fresh virtual environment ----
+
+def _source_files() -> list[Path]:
+    """The checkout as a fresh clone would hold it: tracked and untracked, not ignored."""
+    if (ROOT / ".git").exists() and shutil.which("git"):
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                             cwd=ROOT, check=True, capture_output=True).stdout
+        return [Path(p) for p in out.decode().split("\0") if p and (ROOT / p).is_file()]
+    skip = {".venv", "build", "dist", ".git", "__pycache__", ".pytest_cache"}
+    return [p.relative_to(ROOT) for p in ROOT.rglob("*")
+            if p.is_file() and not skip & set(p.relative_to(ROOT).parts) and ".egg-info" not in str(p)]
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _run(cmd: list[str], cwd: Path, timeout: float = 1800) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    return subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+PROBE = """
+import json, sysconfig
+from spd_engine.train.evaluate import default_data_dir
+from spd_engine.tools.data import DEFAULT_EVAL_DIR
+from spd_engine.tools.common import default_head
+print(json.dumps({"purelib": sysconfig.get_paths()["purelib"], "eval_dir": str(default_data_dir()),
+                  "data_eval_dir": str(DEFAULT_EVAL_DIR), "head": default_head("smollm2-135m", 4)}))
+"""
+
+
+@pytest.mark.slow
+def test_plain_install_into_a_fresh_venv(tmp_path):
+    """`pip install .` (not editable) from a copy of the checkout: no generic top-level modules,
+    `spd` works, and the shipped head and prompt sets are found inside site-packages."""
+    import torch
+
+    src = tmp_path / "src"
+    for rel in _source_files():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, src / rel)
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    py, spd = env_dir / "bin" / "python", env_dir / "bin" / "spd"
+    # the torch this suite runs on (its public version), so the install needs no other build
+    torch_pin = "torch==" + torch.__version__.split("+")[0]
+    for cmd in ([py, "-m", "pip", "install", "-q", torch_pin], [py, "-m", "pip", "install", "-q", src]):
+        r = _run(cmd, tmp_path)
+        assert r.returncode == 0, r.stderr[-4000:]
+
+    outside = tmp_path / "elsewhere"  # not the checkout: nothing importable from the working directory
+    outside.mkdir()
+    for generic in ("tools", "train", "bench", "engine", "kernels", "checkpoint_tools", "heads"):
+        r = _run([py, "-c", f"import {generic}"], outside)
+        assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr, (generic, r.stdout, r.stderr)
+    purelib = Path(json.loads(_run([py, "-c", "import json, sysconfig; print(json.dumps(sysconfig.get_paths()"
+                                              "['purelib']))"], outside).stdout))
+    dist_info = next(purelib.glob("spd_engine-*.dist-info"))
+    tops = {line.split(",")[0].split("/")[0] for line in (dist_info / "RECORD").read_text().splitlines() if line}
+    assert tops <= {NAMESPACE, dist_info.name, ".."}, tops  # ../../../bin/spd: the entry point
+
+    for cmd in ([spd, "--help"], [spd, "eval", "--help"], [spd, "data", "--help"], [spd, "generate", "--help"]):
+        r = _run(cmd, outside, timeout=300)
+        assert r.returncode == 0 and "usage:" in r.stdout, (cmd, r.stdout, r.stderr)
+
+    r = _run([py, "-c", PROBE], outside, timeout=300)
+    assert r.returncode == 0, r.stderr
+    found = json.loads(r.stdout)
+    site = Path(found["purelib"]) / NAMESPACE
+    assert Path(found["eval_dir"]) == Path(found["data_eval_dir"]) == site / "train" / "evalsets"
+    for name in ("mt_bench", "humaneval", "gsm8k"):
+        shipped = ROOT / "train" / "evalsets" / f"{name}.jsonl"
+        assert _sha(site / "train" / "evalsets" / f"{name}.jsonl") == _sha(shipped), name
+    head = Path(found["head"])
+    assert head == site / "heads" / "smollm2-135m-n4", found["head"]
+    for name in ("pdm.json", "pdm.safetensors"):
+        assert _sha(head / name) == _sha(ROOT / "heads" / "smollm2-135m-n4" / name), name
