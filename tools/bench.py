@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--synthetic-alpha must be in [0, 1], got {args.synthetic_alpha}")
     if args.repeats < 1:
         raise ValueError("--repeats must be >= 1")
-    ecfg, tok_dir = engine_config(args)
+    ecfg, tok_dir = engine_config(args, seed_used=args.synthetic_alpha is not None)  # it seeds the policy
     tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
     prompts = encode_prompts(load_prompts(args), tok, args.chat, ecfg.cfg.vocab_size)
     eos = () if args.ignore_eos else tok.eos_ids if tok is not None else ecfg.cfg.eos_token_ids

@@ -13,7 +13,6 @@ Prints a table, and with --json the JSON document (to stdout, or to FILE); needs
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import dataclass

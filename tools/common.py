@@ -183,7 +183,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
                         "fallback), or static (the graph path's buffers without capture)")
 
 
-def _check_ignored_engine_flags(args: argparse.Namespace, mode: str, spec: str) -> None:
+def _check_ignored_engine_flags(args: argparse.Namespace, mode: str, spec: str, seed_used: bool) -> None:
+    if not seed_used and random_preset(args.model) is None and (spec != "random" or mode != "spd"):
+        refuse_ignored(args, ["seed"], "with real weights and a trained head or no head (it seeds random "
+                                       "weights and untrained heads; --sampling-seed seeds sampling)")
     if mode != "spd":
         refuse_ignored(args, ["spec", "pdm_layers", "colocate"], f"with --mode {mode} (no speculation)")
     if mode == "ar" and args.stages != 1:
@@ -192,7 +195,9 @@ def _check_ignored_engine_flags(args: argparse.Namespace, mode: str, spec: str) 
         refuse_ignored(args, ["pdm_layers"], f"with a trained head ({spec}: its K is in its pdm.json)")
 
 
-def engine_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
+def engine_config(args: argparse.Namespace, seed_used: bool = False) -> tuple[RunConfig, Path | None]:
+    """The RunConfig of the engine flags (and the tokenizer directory); `seed_used`: the command reads
+    --seed for something else too, so it is never an ignored flag."""
     mode = getattr(args, "mode", "spd")
     engine_spec, tok_dir = resolve_model(args.model)
     cfg = model_config(engine_spec)
@@ -200,7 +205,7 @@ def engine_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
     topo = Topology.build(cfg.num_layers, n=None if args.stage_layers else n, stage_layers=args.stage_layers,
                           colocate=getattr(args, "colocate", False))
     spec = args.spec or default_head(args.model, topo.n)
-    _check_ignored_engine_flags(args, mode, spec)
+    _check_ignored_engine_flags(args, mode, spec, seed_used)
     backend = args.backend or ("nccl" if str(args.device).startswith("cuda") else run_default("backend"))
     ecfg = RunConfig(model=engine_spec, cfg=cfg, topology=topo, mode=mode, pdm=spec,
                      pdm_layers=args.pdm_layers, backend=backend, device=args.device, dtype=args.dtype,

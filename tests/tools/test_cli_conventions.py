@@ -102,6 +102,17 @@ def test_pdm_layers_with_a_trained_head_is_refused(tmp_path, capsys):
     assert rc == 2 and "--pdm-layers: not used with a trained head" in capsys.readouterr().err
 
 
+def test_seed_with_real_weights_and_a_trained_head_is_refused(tmp_path, capsys, monkeypatch):
+    from tests.checkpoint_tools.ckpt_helpers import write_tiny_hf
+    from spd_engine.engine.model_config import tiny_config
+
+    monkeypatch.setenv("SPD_CACHE", str(tmp_path / "cache"))
+    write_tiny_hf(tmp_path / "m", tiny_config("llama"))
+    rc = main(["generate", "--model", str(tmp_path / "m"), "--mode", "ar", "--stages", "1", "--prompt", "x",
+               "--seed", "3"])
+    assert rc == 2 and "--seed: not used with real weights" in capsys.readouterr().err
+
+
 def test_bench_and_eval_take_no_mode_flags(capsys):
     for cmd in ("bench", "eval"):
         with pytest.raises(SystemExit):
