@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spd_engine.engine.anchors import AnchorPlan
+from spd_engine.engine.drafting import PDM as PDM_SOURCE, SUFFIX
 from spd_engine.engine.greedy import check_request, prefill_chunks
 from spd_engine.engine.messages import Header, Kind
 from spd_engine.engine.metrics import GenerationResult
@@ -28,6 +29,7 @@ from spd_engine.engine.pdm import PDM, draft_probs_full, greedy_draft
 from spd_engine.engine.run_config import RankOptions, StepMode
 from spd_engine.engine.sampling import SamplingParams, keyed_generator, sample, target_probs
 from spd_engine.engine.stage_worker import StageWorker, receive_stats, wire_format
+from spd_engine.engine.suffix import SuffixIndex, SuffixProposal
 from spd_engine.engine.tick import Draft, TickPlan, TickState, Verdict
 from spd_engine.engine.topology import Topology
 from spd_engine.engine.transport import Transport
@@ -64,6 +66,8 @@ class Request:
     timers: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("send", "stage0", "wait", "pdm", "verify"), 0.0))
     q_store: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> q [V] of its current draft
+    suffix: SuffixIndex | None = None  # prompt + committed tokens, when suffix drafts are on
+    source_of: dict[int, str] = field(default_factory=dict)  # position -> source of its current draft
 
     def __post_init__(self) -> None:
         self.consumed = [0] * self.n
@@ -76,6 +80,7 @@ class Driver:
         self.topo, self.plan, self.head, self.pdm, self.t = topo, plan, head, pdm, transport
         self.capacity, self.chunk, self.timeout = opts.capacity, opts.prefill_chunk, opts.timeout_s
         self.local_stage0 = local_stage0
+        self.chooser = opts.drafting
         self.n = topo.n
         p = next(head.parameters())
         H, m = head.cfg.hidden_size, plan.num_types
@@ -202,7 +207,7 @@ class Driver:
         self.epoch += 1  # fresh epoch per request
         res = GenerationResult(tokens=[], n=self.n)
         self.req = req = Request(res, max_new_tokens, frozenset(eos_ids), sampling, draft_policy, on_token,
-                                 self.epoch, self.n)
+                                 self.epoch, self.n, suffix=self.chooser.new_index(prompt))
         if self.trace is not None:
             self.trace.clear()
         try:
@@ -227,6 +232,8 @@ class Driver:
         """Commit a token; False when the request ends here (EOS, max tokens, or on_token said stop)."""
         req = self.req
         req.res.tokens.append(token)
+        if req.suffix is not None:
+            req.suffix.extend((token,))
         go_on = req.on_token(token) if req.on_token is not None else None
         return token not in req.eos and len(req.res.tokens) < req.max_new and go_on is not False
 
@@ -256,7 +263,7 @@ class Driver:
         slots = self._row_slots[(self._slot(plan.pdm_pos), len(plan.rows))]
         rows = self.pdm.rows_from_ring(self.ring, slots, self._row_types[(pending, plan.fill)])  # [R, H]
         h_last, draft_id = self._pdm_step(rows, plan.pdm_pos)
-        draft = self._draft(h_last, plan.draft_pos - 1, plan.fill, self.req.policy, draft_id)
+        draft = self._draft(h_last, plan, self.req.policy, draft_id)
         self._account("pdm", tp)
         if plan.exit is None:  # filling: no token leaves the pipeline this tick
             return draft, None
@@ -265,6 +272,9 @@ class Driver:
         proposed = plan.proposed.token if plan.proposed is not None else draft
         accepted, target = self._verify_exit(plan.verify_pos, proposed)
         self._account("verify", tv)
+        cell = self.req.res.by_source.setdefault(self.req.source_of.pop(plan.verify_pos), [0, 0, 0])
+        cell[1] += 1
+        cell[2] += int(accepted)
         return draft, Verdict(accepted, target)
 
     # ---- drafting and verification (T = 0: argmax; T > 0: speculative sampling, docs/design.md 3.6) ----
@@ -282,22 +292,47 @@ class Driver:
             return self.pdm.forward_rows(rows[None], self.pdm_cache, pos)[0, -1], None
         return self.pdm_steps[rows.shape[0]].run(pos, rows)
 
-    def _draft(self, h_last: torch.Tensor, newest: int, fill: int, policy: DraftPolicy | None,
+    def _suffix_proposal(self, plan: TickPlan) -> SuffixProposal | None:
+        """The suffix draft for plan.draft_pos: committed history, then the unverified in-flight drafts."""
+        index = self.req.suffix
+        C = len(index.history)  # committed tokens (prompt included) = the first unverified position
+        unverified = [e.token for e in plan.inflight if e.pos >= C]
+        keep = max(index.settings.max_len, len(unverified))
+        tail = (index.history[-keep:] + unverified)[-keep:]
+        return index.propose(tail, C + len(unverified))
+
+    def _draft(self, h_last: torch.Tensor, plan: TickPlan, policy: DraftPolicy | None,
                draft_id: torch.Tensor | None = None) -> int:
-        """The draft for position newest + 1 from the PDM's last hidden state [H] (draft_id: the
-        static step's greedy draft [1], already on the device)."""
-        pos = newest + 1
+        """The draft for plan.draft_pos from the PDM's last hidden state [H] (draft_id: the static
+        step's greedy draft [1], already on the device) or from the suffix index (engine/drafting.py)."""
+        pos, req = plan.draft_pos, self.req
         if self.draft_observer is not None:
-            self.draft_observer(newest, fill, self.pdm.draft_logits(h_last))
-        sp = self.req.sampling
+            self.draft_observer(pos - 1, plan.fill, self.pdm.draft_logits(h_last))
+        proposal = self._suffix_proposal(plan) if req.suffix is not None else None
+        sp = req.sampling
+        token, source = None, PDM_SOURCE  # None: the PDM's greedy draft, read below (T=0) or sampled (T>0)
+        if proposal is not None:
+            top = self.pdm.draft_logits(h_last).topk(min(2, self.pdm.draft_ids.numel()))
+            vals = top.values.tolist()  # host sync: the choice needs the PDM's margin
+            margin = vals[0] - vals[1] if len(vals) > 1 else float("inf")
+            token, source = self.chooser.choose(int(self.pdm.draft_ids[top.indices[0]]), margin, proposal)
+        cell = req.res.by_source.setdefault(source, [0, 0, 0])
+        cell[0] += 1
+        req.source_of[pos] = source  # a re-draft after a flush replaces it
         if sp.greedy:
-            # host sync: the draft id goes in the next header
-            draft = int(draft_id) if draft_id is not None else greedy_draft(self.pdm, h_last)
-            return policy(pos, draft) if policy is not None else draft
-        q = draft_probs_full(self.pdm, target_probs(self.pdm.draft_logits(h_last), sp))  # [V]
+            if token is None:  # host sync: the draft id goes in the next header
+                token = int(draft_id) if draft_id is not None else greedy_draft(self.pdm, h_last)
+            return policy(pos, token) if policy is not None else token
+        if source == SUFFIX:  # a deterministic draft: q is the point mass on it
+            q = torch.zeros(self.pdm.target_cfg.vocab_size, device=self.device)
+            q[token] = 1.0
+        else:
+            q = draft_probs_full(self.pdm, target_probs(self.pdm.draft_logits(h_last), sp))  # [V]
         if policy is not None:
             q = policy(pos, q)
         self._record_q(pos, q)
+        if source == SUFFIX and policy is None:
+            return token
         return sample(q, keyed_generator(sp.seed, pos, "draft"))
 
     def _record_q(self, pos: int, q: torch.Tensor) -> None:

@@ -23,6 +23,9 @@ class GenerationResult:
     driver: dict[str, float] = field(default_factory=dict)
     stages: list[dict[str, float]] = field(default_factory=list)
     trace: dict | None = None  # per-tick timestamps (perf_counter, comparable across ranks of one host)
+    # draft source (engine/drafting.py) -> [drafted, verified, accepted]: how often each source drafted,
+    # and alpha per source over the verified drafts
+    by_source: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def decode_tokens(self) -> int:
@@ -68,5 +71,6 @@ class GenerationResult:
             "verified": self.verified, "accepted": self.accepted, "rejections": self.rejections,
             "alpha": self.alpha, "eal": self.eal, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
             "decode_tok_s": self.decode_tok_s, "breakdown_ms_per_tick": self.breakdown_ms_per_tick(),
+            "by_source": {k: dict(zip(("drafted", "verified", "accepted"), v)) for k, v in self.by_source.items()},
         }
 

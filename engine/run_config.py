@@ -14,6 +14,9 @@ from pathlib import Path
 
 import torch
 
+from spd_engine.engine.drafting import DraftChooser
+from spd_engine.engine.suffix import SuffixSettings
+
 from spd_engine.engine.anchors import AnchorPlan
 from spd_engine.engine.model_config import ModelConfig, tiny_config
 from spd_engine.engine.topology import Topology
@@ -88,6 +91,10 @@ class RunConfig:
     stage_ms: tuple[float, ...] | None = None  # synthetic per-stage decode step time (sleep-padded)
     trace: bool = False  # record per-tick timestamps on every rank (timeline plots)
     step_mode: StepMode = StepMode.AUTO  # one-token decode steps (a string is parsed once, here)
+    suffix_drafts: bool = False  # draft from the longest earlier occurrence of the context's suffix too
+    suffix_min_match: int = 2  # shortest suffix match that may draft
+    suffix_max_len: int = 16  # longest suffix looked up
+    suffix_pdm_margin: float = float("inf")  # suffix drafts only where the PDM's top-1 margin is below this
 
 
     def __post_init__(self) -> None:
@@ -98,6 +105,9 @@ class RunConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         object.__setattr__(self, "step_mode", StepMode.parse(self.step_mode))
+        self.chooser()  # SuffixSettings names a bad suffix setting
+        if not self.suffix_pdm_margin > 0:
+            raise ValueError(f"suffix PDM margin must be > 0, got {self.suffix_pdm_margin}")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
         if self.topology.num_layers != self.cfg.num_layers:
@@ -134,7 +144,13 @@ class RunConfig:
         """What a driver or stage worker needs of this run (stage None: the driver)."""
         min_step = self.stage_ms[stage] / 1e3 if self.stage_ms and stage is not None else 0.0
         return RankOptions(self.capacity, self.prefill_chunk, self.timeout_s, self.trace,
-                           self.resolved_step_mode(), min_step)
+                           self.resolved_step_mode(), min_step, self.chooser())
+
+    def chooser(self) -> DraftChooser:
+        """The draft sources of this run (engine/drafting.py)."""
+        if not self.suffix_drafts:
+            return DraftChooser()
+        return DraftChooser(SuffixSettings(self.suffix_max_len, self.suffix_min_match), self.suffix_pdm_margin)
 
     def plan(self) -> AnchorPlan:
         return AnchorPlan.build(self.topology.bounds, self.anchors)
@@ -159,6 +175,7 @@ class RankOptions:
     trace: bool = False  # per-tick timestamps (timelines)
     step_mode: StepMode = StepMode.EAGER  # resolved: never AUTO
     min_step_s: float = 0.0  # synthetic stage step time: compute is padded to this (benchmarks, bubble tests)
+    drafting: DraftChooser = DraftChooser()  # the driver's draft sources (PDM only by default)
 
     def __post_init__(self) -> None:
         assert self.step_mode != StepMode.AUTO, "resolve the step mode before building a rank"

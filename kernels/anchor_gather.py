@@ -1,7 +1,7 @@
 """Anchor gather + projection: PDM input rows straight from the driver's anchor ring buffer.
 
 Every tick the driver turns anchor hidden states of the in-flight positions into PDM input
-rows (DESIGN.md 3.5): row `r = W_{types[r]} · concat(ring[slots[r], 0..types[r]])`, with
+rows (docs/design.md 3.5): row `r = W_{types[r]} · concat(ring[slots[r], 0..types[r]])`, with
 `W_a` of shape `[H, (a+1)H]` and no bias. Stage receives write anchor states into the
 preallocated `ring [num_slots, num_anchors, H]`.
 

@@ -23,6 +23,8 @@ import torch
 from spd_engine.engine.greedy import DEFAULT_PREFILL_CHUNK, greedy_generate
 from spd_engine.engine.model import StageModel
 from spd_engine.engine.pdm import PDM
+from spd_engine.engine.drafting import DraftChooser
+from spd_engine.engine.suffix import SuffixProposal
 from spd_engine.engine.tick import Draft, TickState, Verdict
 from spd_engine.train.pipeline_sim import simulated_hidden, target_anchors
 
@@ -44,20 +46,28 @@ class Acceptance:
     rejections: int = 0  # rejections followed by at least one more committed token
     verified_by_fill: dict[int, int] = field(default_factory=dict)  # fill of the verified draft -> count
     accepted_by_fill: dict[int, int] = field(default_factory=dict)
+    # draft source (engine/drafting.py) -> [verified, accepted]; empty when not recorded
+    by_source: dict[str, list[int]] = field(default_factory=dict, compare=False)  # checked on its own
 
-    def count(self, fill: int, accepted: bool) -> None:
+    def count(self, fill: int, accepted: bool, source: str | None = None) -> None:
         self.verified += 1
         self.accepted += int(accepted)
         self.verified_by_fill[fill] = self.verified_by_fill.get(fill, 0) + 1
         self.accepted_by_fill[fill] = self.accepted_by_fill.get(fill, 0) + int(accepted)
+        if source is not None:
+            va = self.by_source.setdefault(source, [0, 0])
+            va[0] += 1
+            va[1] += int(accepted)
 
 
 _WRONG, _RIGHT = 0, 1  # token ids of the replay: whether a token equals the reference's
 
 
-def replay(N: int, n: int, correct: DraftCorrect) -> Acceptance:
+def replay(N: int, n: int, correct: DraftCorrect, on_verify: Callable[[int, int, bool], None] | None = None
+           ) -> Acceptance:
     """The driver's tick loop on correctness bits; `correct` is asked only for t <= N - 2 with
-    every in-flight token correct (otherwise the draft is never verified and its value is moot)."""
+    every in-flight token correct (otherwise the draft is never verified and its value is moot).
+    on_verify(fill, t, accepted): every verified draft, made at fill `fill` for index t + 1."""
     if N < 1 or n < 1:
         raise ValueError(f"need N >= 1 generated tokens and n >= 1 stages, got N={N}, n={n}")
     acc = Acceptance(n=n, tokens=N)
@@ -74,6 +84,10 @@ def replay(N: int, n: int, correct: DraftCorrect) -> Acceptance:
             assert plan.exit.token == _RIGHT, "the token leaving the pipeline is committed"
             proposed_ok = plan.proposed.token == _RIGHT if plan.proposed is not None else ok
             verdict = Verdict(proposed_ok, _RIGHT)  # the target's token: the draft or the correction
+            if on_verify is not None:
+                made = plan.proposed if plan.proposed is not None else None
+                fill, index = (made.fill, made.pos - 1) if made is not None else (plan.fill, t)
+                on_verify(fill, index, proposed_ok)
         state.advance([Draft(plan.draft_pos, _RIGHT if ok else _WRONG)], verdict)
     c = state.finish()
     acc.ticks, acc.verified, acc.accepted, acc.rejections = c.ticks, c.verified, c.accepted, c.rejections
@@ -88,6 +102,7 @@ class DraftTable:
 
     drafts: torch.Tensor  # [n, N-1] int64
     margins: torch.Tensor  # [n, N-1] fp32
+    top: torch.Tensor  # [n, N-1, k <= 4] int64: the k best draft ids, best first (recall of top-k)
 
 
 @torch.no_grad()
@@ -101,14 +116,38 @@ def draft_table(target: StageModel, pdm: PDM, prompt: Sequence[int], y: Sequence
     anchors = anchors.to(dtype)
     drafts = torch.zeros(n, N - 1, dtype=torch.long, device=device)
     margins = torch.full((n, N - 1), float("inf"), device=device)
-    k = min(2, pdm.draft_ids.numel())
+    k = min(4, pdm.draft_ids.numel())
+    tops = torch.zeros(n, N - 1, k, dtype=torch.long, device=device)
     for f in range(1, n + 1):
         h = simulated_hidden(pdm, anchors, f)[0, P:]  # [N-1, H]: newest token y[t] at position P + t
         top = pdm.draft_logits(h).topk(k, dim=-1)  # values/indices [N-1, k]
-        drafts[f - 1] = pdm.draft_ids[top.indices[:, 0]]
-        if k == 2:
+        tops[f - 1] = pdm.draft_ids[top.indices]
+        drafts[f - 1] = tops[f - 1, :, 0]
+        if k >= 2:
             margins[f - 1] = top.values[:, 0] - top.values[:, 1]
-    return DraftTable(drafts.cpu(), margins.float().cpu())
+    return DraftTable(drafts.cpu(), margins.float().cpu(), tops.cpu())
+
+
+def suffix_table(chooser: DraftChooser, prompt: Sequence[int], y: Sequence[int], n: int
+                 ) -> list[list[SuffixProposal | None]]:
+    """[f - 1][t]: the suffix proposal the driver sees at a tick with fill f whose newest token is
+    y[t] and every in-flight token correct: committed history = prompt + y[:t - f + 2], context =
+    prompt + y[:t + 1] (the same SuffixIndex calls as the runtime's)."""
+    N, P = len(y), len(prompt)
+    out: list[list[SuffixProposal | None]] = []
+    for f in range(1, n + 1):
+        index = chooser.new_index(prompt)
+        row: list[SuffixProposal | None] = []
+        keep = max(chooser.suffix.max_len, f)
+        for t in range(N - 1):
+            if t - f + 1 < 0:  # fill f needs f live tokens y[t-f+1..t]
+                row.append(None)
+                continue
+            index.extend(y[len(index.history) - P:t - f + 2])
+            context = [*prompt[max(0, P - keep):], *y[:t + 1]][-keep:]
+            row.append(index.propose(context, P + t + 1))
+        out.append(row)
+    return out
 
 
 @dataclass
@@ -129,12 +168,14 @@ class FastRun:
 @torch.no_grad()
 def fast_generate(target: StageModel, pdm: PDM, prompt: Sequence[int], max_new_tokens: int,
                   eos_ids: Sequence[int] = (), chunk: int = DEFAULT_PREFILL_CHUNK,
-                  draft_policy: DraftPolicy | None = None, reference: Sequence[int] | None = None) -> FastRun:
+                  draft_policy: DraftPolicy | None = None, reference: Sequence[int] | None = None,
+                  chooser: DraftChooser = DraftChooser()) -> FastRun:
     """SPD's T=0 counters for one request, from one greedy decode and one teacher-forced pass.
 
     `chunk` is the prefill chunk of the runtime being modelled (the reference decode then runs
     the same shapes as the pipelined prefill, so its first token is bit-identical). `reference`:
-    that greedy output when already known (train/reference_cache.py).
+    that greedy output when already known (train/reference_cache.py). `chooser`: the draft
+    sources, as the driver runs them (the PDM only by default).
     """
     y = list(reference) if reference is not None else \
         greedy_generate(target, prompt, max_new_tokens, eos_ids=eos_ids, chunk=chunk)
@@ -142,14 +183,30 @@ def fast_generate(target: StageModel, pdm: PDM, prompt: Sequence[int], max_new_t
     if N == 1:
         return FastRun(y, replay(1, pdm.plan.n, lambda f, t: False), None, frozenset())
     table = draft_table(target, pdm, prompt, y)
-    drafts = table.drafts.tolist()
+    return replay_table(table, y, P, pdm.plan.n, chooser, draft_policy, prompt)
+
+
+def replay_table(table: DraftTable, y: Sequence[int], P: int, n: int, chooser: DraftChooser = DraftChooser(),
+                 draft_policy: DraftPolicy | None = None, prompt: Sequence[int] = ()) -> FastRun:
+    """The replay of one request from its draft table (one table serves many choosers)."""
+    N = len(y)
+    drafts, margins = table.drafts.tolist(), table.margins.tolist()
+    proposals = suffix_table(chooser, prompt, y, n) if chooser.uses_suffix else None
     consulted: set[tuple[int, int]] = set()
+    source: dict[tuple[int, int], str] = {}
 
     def correct(f: int, t: int) -> bool:
         consulted.add((f, t))
-        d = drafts[f - 1][t]
+        d, source[(f, t)] = chooser.choose(drafts[f - 1][t], margins[f - 1][t],
+                                           proposals[f - 1][t] if proposals is not None else None)
         if draft_policy is not None:
             d = draft_policy(P + t + 1, d)
         return d == y[t + 1]
 
-    return FastRun(y, replay(N, pdm.plan.n, correct), table, frozenset(consulted))
+    acc_sources: list[tuple[str, bool]] = []
+    acc = replay(N, n, correct, lambda f, t, ok: acc_sources.append((source[(f, t)], ok)))
+    for src, ok in acc_sources:
+        va = acc.by_source.setdefault(src, [0, 0])
+        va[0] += 1
+        va[1] += int(ok)
+    return FastRun(list(y), acc, table, frozenset(consulted))

@@ -44,6 +44,7 @@ import numpy as np
 import pytest
 import torch
 
+from spd_engine.engine.drafting import SUFFIX
 from spd_engine.engine.run_config import RunConfig
 from spd_engine.engine.greedy import prefill
 from spd_engine.engine.messages import Kind
@@ -67,18 +68,21 @@ class Setup:
     name: str
     n: int
     params: SamplingParams
-    draft: str  # "poor" | "good"
+    draft: str  # "poor" | "good" (draft policies) | "pdm" (the untrained PDM's own q, no policy)
+    suffix: bool = False  # suffix drafts on (min match 1): point-mass drafts beside the PDM's
 
     def engine_config(self) -> RunConfig:
         # A random:<preset> source builds its weights from the config's shape (engine/build.py),
         # so a 6-token vocabulary needs no preset of its own. One layer per stage keeps it cheap.
         cfg = tiny_cfg("llama", vocab_size=V, num_layers=self.n)
-        return tiny_engine_config("llama", self.n, cfg=cfg, capacity=16, prefill_chunk=16, threads=1)
+        extra = dict(suffix_drafts=True, suffix_min_match=1) if self.suffix else {}
+        return tiny_engine_config("llama", self.n, cfg=cfg, capacity=16, prefill_chunk=16, threads=1, **extra)
 
 
 POOR_TOPK = Setup("poor-topk2", 2, SamplingParams(temperature=1.0, top_k=2), "poor")
 GOOD_TOPP = Setup("good-topk3-topp", 3, SamplingParams(temperature=1.0, top_k=3, top_p=0.7), "good")
 POOR_FULL = Setup("poor-unfiltered", 2, SamplingParams(temperature=0.5), "poor")
+SUFFIX_TOPK = Setup("suffix-topk2", 2, SamplingParams(temperature=1.0, top_k=2), "pdm", suffix=True)
 
 
 # ---- the exact distribution ----
@@ -179,7 +183,20 @@ def stale_q(driver) -> None:
     driver._record_q = lambda pos, q: driver.req.q_store.setdefault(pos, q)
 
 
-BROKEN: dict[str, Callable] = {"accept-always": accept_always, "stale-q": stale_q}
+def suffix_as_uniform(driver) -> None:
+    """A multi-source bug: a suffix draft verified as if drawn from the uniform distribution
+    instead of its point mass."""
+    record = driver._record_q
+
+    def broken(pos, q):
+        if driver.req.source_of.get(pos) == SUFFIX:
+            q = torch.full_like(q, 1.0 / q.numel())
+        record(pos, q)
+
+    driver._record_q = broken
+
+
+BROKEN: dict[str, Callable] = {"accept-always": accept_always, "stale-q": stale_q, "suffix-uniform": suffix_as_uniform}
 
 
 # ---- sampling runs ----
@@ -193,12 +210,13 @@ class Draws:
     redrafts: int
     changed: int
     seconds: float
+    suffix_verified: int = 0  # verified drafts that came from the suffix source
 
     @staticmethod
     def merge(parts: Sequence["Draws"]) -> "Draws":
         return Draws(sum(p.counts for p in parts), [o for p in parts for o in p.outputs],
                      *(sum(getattr(p, f) for p in parts) for f in ("verified", "accepted", "redrafts", "changed")),
-                     max(p.seconds for p in parts))
+                     max(p.seconds for p in parts), sum(p.suffix_verified for p in parts))
 
 
 def draw(setup: Setup, seeds: Sequence[int], broken: str | None = None) -> Draws:
@@ -206,21 +224,24 @@ def draw(setup: Setup, seeds: Sequence[int], broken: str | None = None) -> Draws
     torch.set_num_threads(1)
     cond = conditionals(setup) if setup.draft == "good" else {}
     counts = np.zeros(CELLS, dtype=np.int64)
-    outputs, verified, accepted = [], 0, 0
+    outputs, verified, accepted, from_suffix = [], 0, 0, 0
     t0 = time.perf_counter()
     with ReferenceExecutor(setup.engine_config()) as ex:
-        policy = DraftPolicy(setup.draft, cond, ContextSpy(ex.driver, len(PROMPT)))
+        policy = None if setup.draft == "pdm" else DraftPolicy(setup.draft, cond, ContextSpy(ex.driver, len(PROMPT)))
         if broken is not None:
             BROKEN[broken](ex.driver)
         for seed in seeds:
-            policy.reset()
+            if policy is not None:
+                policy.reset()
             params = dataclasses.replace(setup.params, seed=seed)
             res = ex.generate(list(PROMPT), NEW, (), draft_policy=policy, sampling=params)
             assert len(res.tokens) == NEW
             counts[np.ravel_multi_index(res.tokens, (V,) * NEW)] += 1
             outputs.append(tuple(res.tokens))
             verified, accepted = verified + res.verified, accepted + res.accepted
-    return Draws(counts, outputs, verified, accepted, policy.redrafts, policy.changed, time.perf_counter() - t0)
+            from_suffix += res.by_source.get(SUFFIX, [0, 0, 0])[1]
+    redrafts, changed = (policy.redrafts, policy.changed) if policy is not None else (0, 0)
+    return Draws(counts, outputs, verified, accepted, redrafts, changed, time.perf_counter() - t0, from_suffix)
 
 
 def draw_parallel(setup: Setup, seeds: Sequence[int], broken: str | None = None, workers: int = 2) -> Draws:
@@ -309,6 +330,23 @@ def test_spd_samples_the_target_distribution_small(one_thread):
     verdict = judge(stale, joint)
     report(f"{POOR_TOPK.name} stale-q", stale, verdict)
     assert stale.outputs != good.outputs[:STALE_PREFIX]  # the override really changes outputs
+    assert verdict.pvalue < TEST_LEVEL and not verdict.passes
+
+
+def test_suffix_drafts_sample_the_target_distribution_small(one_thread):
+    """Point-mass suffix drafts beside the PDM's sampled drafts (min match 1, so most requests have
+    one): 3,000 requests pass; verifying a suffix draft as if it were drawn from a uniform q (a
+    multi-source bug) fails on the first 500 seeds."""
+    joint = exact_joint(conditionals(SUFFIX_TOPK))
+    good = draw(SUFFIX_TOPK, range(SMALL))
+    verdict = judge(good, joint)
+    report(f"{SUFFIX_TOPK.name} correct", good, verdict)
+    assert verdict.passes, verdict
+    assert good.suffix_verified > 0.3 * good.verified  # the suffix source really drafts
+    bad = draw(SUFFIX_TOPK, range(STALE_PREFIX), broken="suffix-uniform")
+    verdict = judge(bad, joint)
+    report(f"{SUFFIX_TOPK.name} suffix-uniform", bad, verdict)
+    assert bad.outputs != good.outputs[:STALE_PREFIX]
     assert verdict.pvalue < TEST_LEVEL and not verdict.passes
 
 

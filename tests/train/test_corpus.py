@@ -274,7 +274,7 @@ def test_real_corpus_has_no_eval_13gram(tmp_path: Path, smollm2_dir: Path) -> No
     from spd_engine.train.sources import SOURCES
 
     if not DEFAULT_EVAL_DIR.is_dir():
-        pytest.skip(f"shared eval prompts not present at {DEFAULT_EVAL_DIR}")
+        pytest.skip(f"shipped eval prompts not present at {DEFAULT_EVAL_DIR}")
     tok = TargetTokenizer(smollm2_dir)
     planted = injected_eval_records(DEFAULT_EVAL_DIR)
     streams = [itertools.islice(SOURCES["evals"](max_per_eval=3), 400),

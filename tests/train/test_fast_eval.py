@@ -1,6 +1,6 @@
 """The T=0 fast path (train/fast_eval.py) against the schedule module and the runtime itself.
 
-`replay` is checked against engine.schedule.simulate on random verdict patterns and the DESIGN
+`replay` is checked against engine.schedule.simulate on random verdict patterns and the docs/design.md
 3.3 worked example; `fast_generate` against the reference executor (the real driver and stages)
 on tiny random models with untrained, oracle-mixed and policy-mixed heads, n = 1..4: tokens,
 ticks, verified, accepted, rejections and the per-fill counts must be equal, and so must every

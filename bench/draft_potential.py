@@ -1,0 +1,128 @@
+"""What drafting policies would buy, measured offline with the exact T=0 replay (train/draft_potential.py).
+
+    python -m spd_engine.bench.draft_potential [--stages 4] [--max-new-tokens 256] [--limit N]
+        [--reference-cache DIR] [--json OUT]
+
+Per dataset, overall, and over the prompts whose greedy output does not loop: alpha and pooled
+EAL of every policy in one run (the same references and draft tables), plus the PDM's top-1/2/4
+recall and the suffix draft's coverage and precision per fill.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+POLICY_GRID = {"pdm": None, **{f"suffix>={m}": (m, math.inf) for m in (1, 2, 3, 4, 6, 8)},
+               **{f"suffix>={m},margin<{x:g}": (m, x) for m in (1, 2, 3) for x in (1.0, 2.0, 4.0, 8.0)}}
+
+
+def _policies():
+    from spd_engine.engine.drafting import DraftChooser
+    from spd_engine.engine.suffix import SuffixSettings
+
+    return {name: DraftChooser() if spec is None else DraftChooser(SuffixSettings(16, spec[0]), spec[1])
+            for name, spec in POLICY_GRID.items()}
+
+
+def _pooled(accs, n: int) -> dict:
+    ver = sum(a.verified for a in accs)
+    acc = sum(a.accepted for a in accs)
+    ticks = sum(a.ticks for a in accs)
+    dec = sum(a.tokens - 1 for a in accs)
+    return {"prompts": len(accs), "alpha": acc / ver if ver else None, "eal": n * dec / ticks if ticks else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from spd_engine.tools.common import add_engine_arguments, engine_config
+
+    p = argparse.ArgumentParser(prog="python -m spd_engine.bench.draft_potential", description=__doc__.splitlines()[0])
+    add_engine_arguments(p, mode_flags=False)
+    p.add_argument("--datasets", default="mt_bench,humaneval,gsm8k")
+    p.add_argument("--limit", type=int, default=None, help="prompts per dataset (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--reference-cache", default=None, metavar="DIR", help="greedy outputs reused across runs")
+    p.add_argument("--json", default=None, metavar="OUT")
+    args = p.parse_args(argv)
+    try:
+        return _run(args)
+    except ValueError as err:
+        print(f"draft_potential: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    import torch
+
+    from spd_engine.engine.build import build_pdm
+    from spd_engine.engine.drafting import DraftChooser
+    from spd_engine.engine.greedy import greedy_generate
+    from spd_engine.engine.suffix import SuffixSettings
+    from spd_engine.engine.tokenizer import Tokenizer
+    from spd_engine.tools.common import engine_config, parse_names
+    from spd_engine.train.draft_potential import StateStats, loops, score_prompt
+    from spd_engine.train.evaluate import DATASETS, default_data_dir, encode_prompt, full_target, load_dataset
+    from spd_engine.train.fast_eval import draft_table
+    from spd_engine.train.reference_cache import ReferenceCache
+
+    ecfg, tok_dir = engine_config(args)
+    tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
+    eos = tok.eos_ids if tok is not None else ecfg.cfg.eos_token_ids
+    names = parse_names(args.datasets, DATASETS, "dataset(s)")
+    prompts = [p for name in names for p in load_dataset(default_data_dir(), name, args.limit)]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, pdm, n = full_target(ecfg), build_pdm(ecfg), ecfg.topology.n
+    cache = ReferenceCache(args.reference_cache, ecfg) if args.reference_cache else None
+    policies = _policies()
+    probe = DraftChooser(SuffixSettings(16, 2))
+    per: dict[str, dict[str, list]] = {}  # group -> policy -> [Acceptance]
+    stats: dict[str, StateStats] = {}
+    for i, pr in enumerate(prompts):
+        ids = encode_prompt(pr.text, tok, ecfg.cfg.vocab_size)
+        compute = lambda: greedy_generate(target, ids, args.max_new_tokens, eos_ids=eos,  # noqa: E731
+                                          chunk=ecfg.prefill_chunk)
+        y = cache.get_or_compute(ids, args.max_new_tokens, eos, ecfg.prefill_chunk, compute) if cache else compute()
+        if len(y) < 2:
+            continue
+        table = draft_table(target, pdm, ids, y)
+        accs, st = score_prompt(table, y, ids, n, policies, probe)
+        groups = [pr.dataset, "overall"] + ([] if loops(ids, y) else ["non-looping"])
+        for g in groups:
+            for name, a in accs.items():
+                per.setdefault(g, {}).setdefault(name, []).append(a)
+            stats.setdefault(g, StateStats()).merge(st)
+        print(f"[{i + 1}/{len(prompts)}] {pr.dataset}#{pr.index}: pdm alpha "
+              f"{accs['pdm'].accepted / max(1, accs['pdm'].verified):.3f}", file=sys.stderr, flush=True)
+    report = {"n": n, "head": ecfg.pdm, "max_new_tokens": args.max_new_tokens,
+              "groups": {g: {name: _pooled(a, n) for name, a in pol.items()} for g, pol in per.items()},
+              "states": {g: {str(f): row for f, row in sorted(s.by_fill.items())} | {"all": s.total()}
+                         for g, s in stats.items()},
+              "state_columns": ["count", "top1", "top2", "top4", "suffix_proposes", "suffix_correct"]}
+    _print(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+def _print(report: dict) -> None:
+    groups = list(report["groups"])
+    print("policy".ljust(24) + "".join(f"{g:>22}" for g in groups))
+    for name in POLICY_GRID:
+        cells = []
+        for g in groups:
+            r = report["groups"][g].get(name)
+            cells.append(f"{r['alpha']:.3f} / {r['eal']:.3f} ({r['prompts']})".rjust(22) if r and r["alpha"] else " " * 22)
+        print(name.ljust(24) + "".join(cells))
+    print("(alpha / pooled EAL (prompts))")
+    print("draft states of the pdm-only driver, per fill: count, PDM top-1/2/4 recall, suffix coverage, precision")
+    for g, by in report["states"].items():
+        for f, (c, t1, t2, t4, sp, sc) in by.items():
+            print(f"  {g:>12} fill {f:>3}: {c:6d}  {t1 / c:.3f} {t2 / c:.3f} {t4 / c:.3f}  "
+                  f"{sp / c:.3f} {sc / sp if sp else float('nan'):.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Suffix drafts: the token that followed the longest earlier occurrence of the context's suffix
+(in the spirit of prompt lookup and SuffixDecoding; training-free, no communication). Pure
+logic, no torch.
+
+`SuffixIndex` indexes the n-grams (n <= max_len) of a request's committed history (prompt +
+verified tokens) by where they end, keeping the two most recent ends of each. `propose(tail)`
+looks up the context's suffix, longest first: `tail` is the whole context in front of the
+position to draft (committed tokens, then the unverified in-flight drafts), of which only the
+last max_len tokens are read. An occurrence counts when it ends before the tail's own end and
+the token after it is known (committed or in flight). Deterministic: the same history gives
+the same proposal, which is what makes the exact T=0 replay (train/fast_eval.py) agree with the
+runtime.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SuffixSettings:
+    """max_len: longest suffix looked up; min_match: shortest match that proposes a token."""
+
+    max_len: int = 16
+    min_match: int = 2
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_match <= self.max_len:
+            raise ValueError(f"suffix drafts need 1 <= min_match <= max_len, got {self.min_match}, {self.max_len}")
+
+
+@dataclass(frozen=True)
+class SuffixProposal:
+    token: int
+    length: int  # tokens of the matched suffix
+
+
+class SuffixIndex:
+    def __init__(self, settings: SuffixSettings = SuffixSettings()) -> None:
+        self.settings = settings
+        self.history: list[int] = []  # committed tokens: prompt + verified
+        self._ends: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (latest end, previous end)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append committed tokens (they never roll back)."""
+        h, max_len = self.history, self.settings.max_len
+        for tok in tokens:
+            h.append(tok)
+            e = len(h) - 1
+            for n in range(1, min(max_len, len(h)) + 1):
+                key = tuple(h[e - n + 1:])
+                last = self._ends.get(key)
+                self._ends[key] = (e, last[0] if last is not None else -1)
+
+    def propose(self, tail: Sequence[int], context_len: int) -> SuffixProposal | None:
+        """tail: the last tokens of the context (at least the in-flight ones after the history);
+        context_len: the context's length, so tail[-1] sits at index context_len - 1."""
+        h = self.history
+        inflight = context_len - len(h)  # context = history + the last `inflight` tokens of tail
+        assert 0 <= inflight <= len(tail), (inflight, len(tail))
+        end = context_len - 1
+        top = min(self.settings.max_len, len(tail))
+        for n in range(top, self.settings.min_match - 1, -1):
+            ends = self._ends.get(tuple(tail[len(tail) - n:]))
+            if ends is None:
+                continue
+            for e in ends:
+                if 0 <= e < end:  # an earlier occurrence whose next token is known
+                    nxt = e + 1
+                    token = h[nxt] if nxt < len(h) else tail[len(tail) - inflight + (nxt - len(h))]
+                    return SuffixProposal(token, n)
+        return None
