@@ -162,7 +162,8 @@ def runtime_acceptance(driver, prompt: Sequence[int], max_new_tokens: int, eos_i
             del driver._verify
         else:
             driver._verify = previous
-    acc = Acceptance(n=res.n, tokens=len(res.tokens), ticks=res.ticks, rejections=res.rejections)
+    acc = Acceptance(n=res.n, tokens=len(res.tokens), ticks=res.ticks, rejections=res.rejections,
+                     by_source={k: v[1:] for k, v in res.by_source.items() if v[1]})
     P = len(prompt)
     for i in range(1, len(res.tokens)):
         acc.count(fills[P + i], verdicts[P + i])
@@ -173,6 +174,7 @@ def runtime_acceptance(driver, prompt: Sequence[int], max_new_tokens: int, eos_i
 class FastRunner:
     def __init__(self, ecfg: RunConfig, cache: ReferenceCache | None = None) -> None:
         self.target, self.pdm, self.chunk, self.cache = full_target(ecfg), build_pdm(ecfg), ecfg.prefill_chunk, cache
+        self.chooser = ecfg.chooser()  # the run's draft sources, as the driver would use them
 
     def run(self, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], request: int = 0
             ) -> Outcome:
@@ -180,7 +182,8 @@ class FastRunner:
         if self.cache is not None:
             ref = self.cache.get_or_compute(prompt, max_new_tokens, eos_ids, self.chunk, lambda: greedy_generate(
                 self.target, prompt, max_new_tokens, eos_ids=eos_ids, chunk=self.chunk))
-        fr = fast_generate(self.target, self.pdm, prompt, max_new_tokens, eos_ids, chunk=self.chunk, reference=ref)
+        fr = fast_generate(self.target, self.pdm, prompt, max_new_tokens, eos_ids, chunk=self.chunk, reference=ref,
+                           chooser=self.chooser)
         # a ceiling on alpha: no draft can equal a token outside the head's vocabulary
         outside = int((~torch.isin(torch.tensor(fr.tokens[1:], dtype=torch.long),
                                    self.pdm.draft_ids.cpu())).sum())
@@ -248,7 +251,8 @@ class PromptRecord:
         d.update(tokens=a.tokens, ticks=a.ticks, verified=a.verified, accepted=a.accepted,
                  rejections=a.rejections, alpha=a.accepted / a.verified if a.verified else None,
                  eal=a.n * (a.tokens - 1) / a.ticks if a.ticks else None,
-                 verified_by_fill=a.verified_by_fill, accepted_by_fill=a.accepted_by_fill)
+                 verified_by_fill=a.verified_by_fill, accepted_by_fill=a.accepted_by_fill,
+                 by_source=a.by_source)
         return d
 
 
@@ -272,6 +276,7 @@ class Summary:
     near_ties: int = 0
     outside_vocab: int = 0  # fast path: verified reference tokens outside the draft vocabulary
     by_fill: dict[int, list[int]] = field(default_factory=dict)  # fill -> [verified, accepted]
+    by_source: dict[str, list[int]] = field(default_factory=dict)  # draft source -> [verified, accepted]
 
     def add(self, r: PromptRecord) -> None:
         a = r.acceptance
@@ -285,6 +290,10 @@ class Summary:
             cell = self.by_fill.setdefault(int(f), [0, 0])
             cell[0] += v
             cell[1] += a.accepted_by_fill.get(f, 0)
+        for src, (v, acc) in a.by_source.items():
+            cell = self.by_source.setdefault(src, [0, 0])
+            cell[0] += v
+            cell[1] += acc
         self.verified_full += a.verified_by_fill.get(self.n, 0)
         self.accepted_full += a.accepted_by_fill.get(self.n, 0)
         self.seconds += r.seconds
@@ -316,7 +325,8 @@ class Summary:
 
     def to_json(self) -> dict:
         return {**asdict(self), "alpha": self.alpha, "eal": self.eal, "alpha_full": self.alpha_full,
-                "alpha_refill": self.alpha_refill, "alpha_by_fill": self.alpha_by_fill}
+                "alpha_refill": self.alpha_refill, "alpha_by_fill": self.alpha_by_fill,
+                "alpha_by_source": {k: acc / v for k, (v, acc) in self.by_source.items() if v}}
 
 
 def summarize(records: Sequence[PromptRecord], n: int) -> Summary:
@@ -383,5 +393,9 @@ def format_table(report: EvalReport) -> str:
         cells = (s.prompts, s.tokens, s.ticks, _fmt(s.alpha), _fmt(s.eal), _fmt(s.alpha_full),
                  _fmt(s.alpha_refill), s.failures)
         lines.append(f"{name:<12}" + "".join(f"{c:>13}" for c in cells))
+    overall = report.summary()
+    if len(overall.by_source) > 1:  # several draft sources: how often each drafted and was right
+        lines.append("by draft source (verified drafts, alpha): " + ", ".join(
+            f"{k} {v} ({_fmt(acc / v if v else None)})" for k, (v, acc) in sorted(overall.by_source.items())))
     return "\n".join(lines)
 
