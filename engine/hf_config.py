@@ -145,7 +145,7 @@ def _check_maths(cfg: dict, family: str) -> None:
                       "means quantised weights (the engine reads float weights)")
 
 
-def _positive_int(cfg: dict, key: str, value) -> int:
+def _positive_int(key: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise _refuse(key, value, "is not a positive integer")
     return value
@@ -160,11 +160,11 @@ def read_hf_fields(cfg: dict) -> dict:
     missing = [k for k in REQUIRED if k not in cfg]
     if missing:
         raise ValueError(f"config.json lacks the field(s) {missing}")
-    shape = {k: _positive_int(cfg, k, cfg[k]) for k in REQUIRED}
+    shape = {k: _positive_int(k, cfg[k]) for k in REQUIRED}
     heads = shape["num_attention_heads"]
     kv = _get(cfg, family, "num_key_value_heads") or heads
     head_dim = _get(cfg, family, "head_dim") or shape["hidden_size"] // heads
-    max_position = _positive_int(cfg, "max_position_embeddings", _get(cfg, family, "max_position_embeddings"))
+    max_position = _positive_int("max_position_embeddings", _get(cfg, family, "max_position_embeddings"))
     _check_maths(cfg, family)
     _check_sliding_window(cfg, family, shape["num_hidden_layers"], max_position)
     theta, scaling = read_rope(cfg, max_position)
@@ -175,8 +175,8 @@ def read_hf_fields(cfg: dict) -> dict:
     return dict(
         arch=family, vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
         intermediate_size=shape["intermediate_size"], num_layers=shape["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=_positive_int(cfg, "num_key_value_heads", kv),
-        head_dim=_positive_int(cfg, "head_dim", head_dim), rms_eps=float(eps), rope_theta=theta,
+        num_kv_heads=_positive_int("num_key_value_heads", kv),
+        head_dim=_positive_int("head_dim", head_dim), rms_eps=float(eps), rope_theta=theta,
         rope_scaling=scaling, max_position=max_position,
         tie_embeddings=bool(_get(cfg, family, "tie_word_embeddings")),
         qkv_bias=family == "qwen2", qk_norm=family == "qwen3", bos_token_id=_get(cfg, family, "bos_token_id"),

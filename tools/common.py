@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 from spd_engine.engine.run_config import MODES, PRESETS, STEP_MODES, RunConfig, random_preset
@@ -272,7 +271,3 @@ def load_prompts(args: argparse.Namespace) -> list:
     if not prompts:
         raise ValueError("no prompt given: use --prompt TEXT, --prompts-file FILE or --messages-file FILE")
     return prompts
-
-
-def print_error(command: str, err: Exception) -> None:
-    print(f"spd {command}: error: {err}", file=sys.stderr)
