@@ -8,13 +8,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-# int64 [kind, position, epoch, token] ahead of every payload (docs/design.md 3.4), plus the send time
-# the tick replay stamps for its hop diagnostics
-HEADER_BYTES = 40
+# The int64 header ahead of every message's payloads (engine/messages.py HEADER_FIELDS, six of
+# them; kept as a number here so the cost model needs no torch, and tested against the engine)
+HEADER_BYTES = 48
+
+
+# Tensors per message: the header, then its payloads (engine/messages.py WireFormat); the
+# runtime's transport receives them one after the other
+MESSAGE_PARTS = {"token": 1, "activation": 2, "anchors": 2, "exit": 3}
 
 
 def message_bytes(hidden: int, dtype_bytes: int, anchors: int) -> dict[str, int]:
-    """Wire sizes of SPD's per-tick messages."""
+    """Wire sizes of SPD's per-tick messages (engine/messages.py WireFormat): the token to stage
+    0 (a header alone), an activation between stages, a stage's anchors to the driver, and the
+    last stage's anchors + exit state. A message is its header and its payloads, modelled as
+    one hop of their total size."""
     row = hidden * dtype_bytes
     return {"token": HEADER_BYTES, "activation": HEADER_BYTES + row,
             "anchors": HEADER_BYTES + anchors * row, "exit": HEADER_BYTES + (1 + anchors) * row}
@@ -152,6 +160,9 @@ class LinkModel:
     post_ms: float  # a host's expected busy time to post one small send
     allreduce: dict[int, tuple[tuple[int, float], ...]]  # ranks -> ((bytes, ms), ...)
     read_ms: float = 0.0  # a host's typical busy time to take in one message that has arrived
+    # a receive posted after its send was, from posting to completion (0: not measured): what a
+    # rendezvous protocol (gloo moves the data once the receive is posted) costs the receiver
+    late_ms: float = 0.0
     assumed: bool = False
 
     def hop_ms(self, nbytes: int) -> float:
@@ -182,7 +193,8 @@ class LinkModel:
         """Hop times: `stat` averaged over the measured pairs. Default idle_mean_us: the mean one-way
         time when the receiver was idle-waiting, as a pipeline stage is (small sizes; larger ones
         fall back to mean_us). Host costs from messages up to 64 KiB: a send costs the mean post
-        time (idle variant with idle_* stats), a read of an arrived message the p50 post time."""
+        time (idle variant with idle_* stats), a read of an arrived message the p50 post time, a
+        late receive its mean (p50 with a p50 `stat`) time, where measured."""
         if report.get("schema") != "spd-netbench/1":
             raise ValueError(f"{name}: not an spd-netbench/1 report (schema {report.get('schema')!r})")
         hot = stat.removeprefix("idle_")  # idle statistics exist for small P2P sizes only
@@ -191,13 +203,16 @@ class LinkModel:
             return (row[stat] if stat in row else row[hot]) / 1e3
 
         by_size: dict[int, list[float]] = {}
-        posts, reads = [], []
+        posts, reads, lates = [], [], []
+        late_key = "late_p50_us" if "p50" in stat else "late_mean_us"
         for row in report.get("p2p", []):
             by_size.setdefault(row["bytes"], []).append(pick(row))
             if row["bytes"] <= 65536:
                 post = row.get("idle_post_mean_us") if stat in row and stat != hot else None
                 posts.append((post if post is not None else row.get("post_mean_us", row.get("post_us", 0.0))) / 1e3)
                 reads.append(row.get("post_us", 0.0) / 1e3)
+                if late_key in row:
+                    lates.append(row[late_key] / 1e3)
         if not by_size:
             raise ValueError(f"{name}: the netbench report has no P2P rows")
         allreduce: dict[int, list[tuple[int, float]]] = {}
@@ -206,6 +221,7 @@ class LinkModel:
         return cls(name=name, p2p=tuple((b, sum(v) / len(v)) for b, v in sorted(by_size.items())),
                    post_ms=sum(posts) / len(posts) if posts else 0.0,
                    read_ms=sum(reads) / len(reads) if reads else 0.0,
+                   late_ms=sum(lates) / len(lates) if lates else 0.0,
                    allreduce={r: tuple(sorted(v)) for r, v in allreduce.items()})
 
     @classmethod

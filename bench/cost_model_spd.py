@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from spd_engine.bench.cost_inputs import LinkModel, message_bytes
+from spd_engine.bench.cost_inputs import MESSAGE_PARTS, LinkModel, message_bytes
 from spd_engine.engine.schedule import eal, expected_eal
 from spd_engine.engine.tick import Draft, TickState, Verdict
 
@@ -56,32 +56,51 @@ class SpdCase:
     hop_exit_ms: float  # last stage -> driver: exit + its anchors
     post_ms: float = 0.0  # a rank's busy time per posted send
     recv_ms: float = 0.0  # a rank's busy time per message it reads (and re-posting the receive)
+    late_ms: float = 0.0  # a receive posted after its send was, from posting to completion (rendezvous)
 
     @property
     def n(self) -> int:
         return len(self.stage_ms)
 
 
+def _input_parts(p: int) -> int:
+    """Tensors of stage p's input message: the token (a header) for stage 0, else an activation."""
+    return MESSAGE_PARTS["token" if p == 0 else "activation"]
+
+
+def _received(posted: float, arrives: float, parts: int, rv: float, late: float) -> float:
+    """When a message of `parts` tensors, whose first would arrive at `arrives` were its receive
+    waiting, is taken in by a receiver that posts at `posted`: a receive posted after the send
+    waits `late` (the rendezvous), and every further tensor is such a receive."""
+    return max(posted + late, arrives) + rv + (parts - 1) * late
+
+
 def spd_cycles(case: SpdCase) -> dict[str, float]:
     """Cycle means (ms per tick) of the steady state with every draft accepted; the tick
     converges to the largest. Per tick the driver reads the anchors of stages first..n-2 in
-    order, runs the PDM, then reads the exit and verifies (docs/design.md 3.3)."""
-    c, n, po, rv = case.stage_ms, case.n, case.post_ms, case.recv_ms
+    order, runs the PDM, then reads the exit and verifies (docs/design.md 3.3). A message the
+    receiver finds waiting costs `late_ms` per tensor; on a loop the first tensor is awaited."""
+    c, n, po, rv, la = case.stage_ms, case.n, case.post_ms, case.recv_ms, case.late_ms
     first = 1 if case.colocate else 0
+    anchors, exits = MESSAGE_PARTS["anchors"], MESSAGE_PARTS["exit"]
     out = {}
     for p in range(first, n):
-        out[f"stage {p} compute"] = rv + c[p] + (1 if p == n - 1 else 2) * po
-    reads = (n - first) * rv  # anchors of stages first..n-2, then the exit
+        out[f"stage {p} compute"] = rv + c[p] + (1 if p == n - 1 else 2) * po + _input_parts(p) * la
+    reads = (n - first) * rv + ((n - 1 - first) * anchors + exits) * la  # anchors of stages first..n-2, the exit
     if case.colocate:
         out["rank 0: stage 0 + driver (PDM + verify)"] = c[0] + po + reads + case.pdm_ms + case.verify_ms
     else:
         out["driver: PDM + verify"] = po + reads + case.pdm_ms + case.verify_ms
     tok = 0.0 if case.colocate else case.hop_token_ms
+    extra = sum(_input_parts(p) - 1 for p in range(first, n)) + exits - 1  # tensors behind an awaited first one
     out["verify loop (token through all stages, verify, next token)"] = (
-        tok + sum(c) + sum(case.hop_act_ms) + case.hop_exit_ms + (n - first + 1) * rv + case.verify_ms) / n
+        tok + sum(c) + sum(case.hop_act_ms) + case.hop_exit_ms + (n - first + 1) * rv + case.verify_ms
+        + extra * la) / n
     for p in range(first, n - 1):
+        extra = sum(_input_parts(q) - 1 for q in range(first, p + 1)) + anchors - 1 \
+            + (n - 2 - p) * anchors + exits  # awaited on the loop, then the messages found waiting
         delay = (tok + sum(c[:p + 1]) + sum(case.hop_act_ms[:p]) + (p + 1 - first) * rv + po
-                 + case.hop_anchor_ms[p] + (n - 1 - p) * rv + case.pdm_ms + rv + case.verify_ms)
+                 + case.hop_anchor_ms[p] + (n - 1 - p) * rv + case.pdm_ms + rv + case.verify_ms + extra * la)
         out[f"anchor loop via stage {p}"] = delay / (p + 2)
     return out
 
@@ -90,9 +109,10 @@ def simulate_spd(case: SpdCase, decode_tokens: int = 1000, seed: int = 0) -> dic
     """Evaluate the tick recurrences; returns mean tick time over all ticks incl. refills.
     Which token enters, which anchor messages the rows need and which token leaves come from
     the engine's tick protocol (engine/tick.py TickState); this adds only the timing. The
-    driver reads each stage's messages in FIFO order, paying `recv_ms` per message, stale
-    ones included, exactly when a later message of that stage is needed."""
-    n, c, po, rv = case.n, case.stage_ms, case.post_ms, case.recv_ms
+    driver reads each stage's messages in FIFO order, paying `recv_ms` per message (and
+    `late_ms` per tensor that was waiting), stale ones included, exactly when a later message
+    of that stage is needed."""
+    n, c, po, rv, la = case.n, case.stage_ms, case.post_ms, case.recv_ms, case.late_ms
     rng = random.Random(seed)
     first = 1 if case.colocate else 0
     state = TickState(n, 0, _DRAFT, anchor_stages=range(first, n - 1))
@@ -102,8 +122,9 @@ def simulate_spd(case: SpdCase, decode_tokens: int = 1000, seed: int = 0) -> dic
     prev_send = 0.0  # when the driver made the token of this tick known (x_P at time 0)
 
     def consume(p: int, entered: int, t: float) -> float:
+        parts = MESSAGE_PARTS["exit" if p == n - 1 else "anchors"]
         for m in range(read[p] + 1, entered + 1):
-            t = max(t, msgs[p][m]) + rv
+            t = _received(t, msgs[p][m], parts, rv, la)
         read[p] = max(read[p], entered)
         return t
 
@@ -115,7 +136,7 @@ def simulate_spd(case: SpdCase, decode_tokens: int = 1000, seed: int = 0) -> dic
         else:
             arrive, ready = prev_send + case.hop_token_ms, prev_send + po
         for p in range(first, n):  # every token flows through every stage, stale ones included
-            end = max(arrive, free[p]) + rv + c[p]  # take in the input (and re-post the receive), compute
+            end = _received(free[p], arrive, _input_parts(p), rv, la) + c[p]  # take in the input, compute
             if p == n - 1:
                 msgs[p].append(end + case.hop_exit_ms)
                 free[p] = end + po
@@ -151,7 +172,8 @@ def build_spd_case(stage_ms: list[float], pdm_ms: float, verify_ms: float, alpha
         hop_act_ms=tuple(link_of(dev(p), dev(p + 1)).hop_ms(sizes["activation"]) for p in range(n - 1)),
         hop_anchor_ms=tuple(link_of(0, dev(p)).hop_ms(sizes["anchors"]) for p in range(n - 1)),
         hop_exit_ms=link_of(0, dev(n - 1)).hop_ms(sizes["exit"]), post_ms=post,
-        recv_ms=max(link_of(0, dev(p)).read_ms for p in range(n)))
+        recv_ms=max(link_of(0, dev(p)).read_ms for p in range(n)),
+        late_ms=max(link_of(0, dev(p)).late_ms for p in range(n)))
 
 
 def predict_spd(case: SpdCase, decode_tokens: int = 1000, seed: int = 0) -> dict:

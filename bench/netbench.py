@@ -1,10 +1,12 @@
-"""Interconnect benchmark: the P2P, all-reduce and fan-in measurements behind `spd netbench`,
-and its launch (local ranks or torchrun) on the process-group layer of engine/dist.py.
+"""Interconnect benchmark: the P2P, all-reduce and fan-in measurements behind `spd netbench` (the
+SPD tick replay is bench/tick_replay.py), and its launch (local ranks or torchrun) on the
+process-group layer of engine/dist.py.
 
 Definitions (also written into every JSON report):
 - P2P latency: one-way time = half the round trip of a ping-pong with `bytes` in each
   direction, receives posted before the matching send (as a pipeline stage does); for sizes
-  up to 64 KiB also "idle": both ends idle for a gap first, so each message wakes its peer.
+  up to 64 KiB also "idle": both ends idle for a gap first, so each message wakes its peer,
+  and "late": a receive posted a gap after its send, timed from posting to completion.
 - bandwidth = bytes / p50 one-way time (GB/s = 1e9 B/s).
 - all-reduce latency: per iteration, the slowest member rank's time for one blocking
   all-reduce of `bytes` (float32) over the first `ranks` ranks.
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from spd_engine.bench.stats import bandwidth_gbps, summarize_us
+from spd_engine.bench.tick_replay import ReplayConfig, run_scenarios
 from spd_engine.engine.dist import (LocalRanks, PeerError, RankContext, RunFailed, check_gpus, fail_rank, finish_group,
                                     join_group, local_init_method, resolve_backend, torchrun_rank)
 from spd_engine.engine.transport import directional_groups
@@ -43,7 +46,8 @@ TIME_DEFINITIONS = {
            "bw_GBps = bytes / p50_us; post_us = p50 time to post one send (post_mean_us: its mean); "
            "stream_us = time per message of a back-to-back stream (1 / message rate); "
            "idle_*: the same ping-pong with both ends idle for idle_gap_ms first (every message wakes "
-           "an idle peer, as in a pipeline tick)",
+           "an idle peer, as in a pipeline tick); late_*: a receive posted idle_gap_ms after its send, "
+           "from posting to completion (the runtime's transport receives a message's payloads so)",
     "allreduce": "per iteration, the slowest member's time for one blocking float32 all-reduce",
     "busbw": "algbw = bytes / p50_us; busbw = algbw * 2(r-1)/r for an all-reduce over r ranks, = algbw for P2P "
              "(nccl-tests)",
@@ -144,7 +148,7 @@ class NetbenchConfig:
     hidden: int = 4096
     dtype_bytes: int = 2
     fanin_rows: tuple[int, ...] = (1, 4)
-    replay: list = field(default_factory=list)  # tick_replay.ReplayConfig scenarios
+    replay: list[ReplayConfig] = field(default_factory=list)  # tick replay scenarios
     idle_gap_ms: float = 2.0  # idle ping-pong (sizes up to IDLE_MAX_BYTES): peers idle this long first
     timeout_s: float = 30.0
 
@@ -234,17 +238,43 @@ def p2p_bench(ctx: DistContext, cfg: NetbenchConfig) -> list[dict]:
             if ctx.rank in (a, b):
                 peer = b if ctx.rank == a else a
                 res = _pingpong(ctx, peer, nbytes, warmup, iters, ctx.rank == a)
-                idle = None
+                idle = late = None
                 if cfg.idle_gap_ms > 0 and nbytes <= IDLE_MAX_BYTES:
                     idle = _pingpong(ctx, peer, nbytes, 2, iters, ctx.rank == a, cfg.idle_gap_ms / 1e3)
+                    late = _late_receive(ctx, peer, nbytes, iters, ctx.rank == a, cfg.idle_gap_ms / 1e3)
                 stream = _stream(ctx, peer, nbytes, iters, ctx.rank == a)
                 if res is not None:
-                    rows.append(_p2p_row(a, b, nbytes, res, idle, stream))
+                    rows.append(_p2p_row(a, b, nbytes, res, idle, stream, late))
             ctx.barrier(f"barrier after p2p {a}-{b} {nbytes}B")
     return rows
 
 
-def _p2p_row(a: int, b: int, nbytes: int, hot, idle, stream: float) -> dict:
+def _late_receive(ctx: DistContext, peer: int, nbytes: int, iters: int, receiver: bool, gap_s: float):
+    """Receives posted `gap_s` after the peer posted its send, as the runtime's transport does
+    for every tensor of a message but the first (and for a message that came while its receiver
+    was busy). The receiver returns each receive's time from posting to completion: what a
+    rendezvous protocol (gloo's: the data moves once the receive is posted) costs it."""
+    what = f"p2p late receive {nbytes}B with rank {peer}"
+    ack = torch.zeros(4, dtype=torch.uint8, device=ctx.device)
+    if receiver:
+        buf, times = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device), []
+        for _ in range(iters):
+            time.sleep(gap_s)  # the peer's send is posted by now
+            ctx.sync()
+            t0 = time.perf_counter()
+            ctx.wait(ctx.irecv(buf, peer), what)
+            ctx.sync()
+            times.append(time.perf_counter() - t0)
+            ctx.wait(ctx.isend(ack, peer), what)  # the next send may go
+        return times
+    payload = torch.zeros(nbytes, dtype=torch.uint8, device=ctx.device)
+    for _ in range(iters):
+        ctx.wait(ctx.isend(payload, peer), what)
+        ctx.wait(ctx.irecv(ack, peer), what)
+    return None
+
+
+def _p2p_row(a: int, b: int, nbytes: int, hot, idle, stream: float, late: list[float] | None = None) -> dict:
     rtts, posts = hot
     row = {"src": a, "dst": b, "bytes": nbytes, **summarize_us([t / 2 for t in rtts])}
     row["bw_GBps"] = bandwidth_gbps(nbytes, row["p50_us"])
@@ -255,6 +285,9 @@ def _p2p_row(a: int, b: int, nbytes: int, hot, idle, stream: float) -> dict:
         one_way, idle_post = summarize_us([t / 2 for t in idle[0]]), summarize_us(idle[1])
         row.update(idle_p50_us=one_way["p50_us"], idle_mean_us=one_way["mean_us"], idle_p99_us=one_way["p99_us"],
                    idle_post_mean_us=idle_post["mean_us"])
+    if late is not None:
+        late_stats = summarize_us(late)
+        row.update(late_p50_us=late_stats["p50_us"], late_mean_us=late_stats["mean_us"])
     row["stream_us"] = stream * 1e6
     return row
 
@@ -326,8 +359,6 @@ def fanin_bench(ctx: DistContext, cfg: NetbenchConfig) -> list[dict]:
 
 def netbench_rank(ctx: DistContext, cfg: NetbenchConfig) -> dict | None:
     """Everything one rank does for `spd netbench`; rank 0 returns the assembled report."""
-    from spd_engine.bench.tick_replay import run_scenarios  # late import: tick_replay builds on this module
-
     local: dict[str, Any] = {"rank": ctx.rank, "host": socket.gethostname(), "node_rank": ctx.node_rank}
     ctx.barrier("start barrier")
     if "p2p" in cfg.tests:
@@ -337,7 +368,9 @@ def netbench_rank(ctx: DistContext, cfg: NetbenchConfig) -> dict | None:
     if "fanin" in cfg.tests and ctx.world_size > 1:
         local["fanin"] = fanin_bench(ctx, cfg)
     if "replay" in cfg.tests:
-        local["replay"] = run_scenarios(ctx, cfg.replay)
+        replay = run_scenarios(ctx, cfg.replay)  # the driver's results, with every stage's STATS
+        if replay is not None:
+            local["replay"] = replay
     gathered = [None] * ctx.world_size if ctx.rank == 0 else None
     try:
         dist.gather_object(local, gathered, dst=0)
@@ -362,10 +395,8 @@ def assemble_report(ctx: DistContext, cfg: NetbenchConfig, per_rank: list[dict])
     }
     if any("allreduce" in r for r in per_rank):
         report["allreduce"] = _merge_allreduce(per_rank)
-    if any("replay" in r for r in per_rank):
-        from spd_engine.bench.tick_replay import merge_replay
-
-        report["tick_replay"] = merge_replay([r["replay"] for r in per_rank])
+    if "replay" in per_rank[0]:
+        report["tick_replay"] = per_rank[0]["replay"]
     return report
 
 

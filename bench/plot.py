@@ -67,7 +67,8 @@ def format_report(report: dict) -> str:
                                                                           ("busbw_GBps", "busbw(GB/s)", ".3f"),
                                                                           ("stream_us", "stream(us)", ".1f"),
                                                                           ("idle_p50_us", "idle p50(us)", ".1f"),
-                                                                          ("idle_mean_us", "idle mean(us)", ".1f")]))
+                                                                          ("idle_mean_us", "idle mean(us)", ".1f"),
+                                                                          ("late_mean_us", "late mean(us)", ".1f")]))
     if report.get("allreduce"):
         lines += ["", "# all-reduce: " + TIME_DEFINITIONS["allreduce"]]
         rows = [{**r, "size": human_bytes(r["bytes"])} for r in report["allreduce"]]
@@ -92,7 +93,7 @@ def format_report(report: dict) -> str:
 
 CSV_FIELDS = ["kind", "src", "dst", "ranks", "senders", "bytes", "iters", "min_us", "p50_us", "p90_us",
               "p99_us", "max_us", "mean_us", "std_us", "jitter_us", "bw_GBps", "algbw_GBps", "busbw_GBps", "post_us", "post_mean_us", "stream_us",
-              "idle_p50_us", "idle_mean_us", "idle_p99_us", "idle_post_mean_us"]
+              "idle_p50_us", "idle_mean_us", "idle_p99_us", "idle_post_mean_us", "late_p50_us", "late_mean_us"]
 
 
 def write_outputs(report: dict, json_path: str | None, csv_path: str | None) -> None:

@@ -1,15 +1,18 @@
-"""SPD tick replay: the per-tick message pattern of docs/design.md 3.3 with synthetic (sleeping) compute.
+"""SPD tick replay: the runtime's per-tick message pattern (docs/design.md 3.3) with synthetic
+(sleeping) compute, on the engine's own wire code: its transport (engine/transport.py
+DistTransport), header and wire format (engine/messages.py), rank map (engine/topology.py)
+and tick protocol (engine/tick.py TickState).
 
-Stage ranks sleep their configured compute time per tick, then send their output [1, H]
-downstream and their anchor states [k, H] to the driver (the last stage sends its exit and
-its anchors to the driver as one message). The driver, per tick: waits for exactly the anchors
-its PDM rows need (those of current-epoch tokens from the previous tick), sleeps the PDM time,
-receives the exit of the oldest token if it is current, "verifies" it (sleeps the verify time,
-accepts with probability alpha from a seeded RNG), and sends the next token to stage 0. A
-rejection bumps the epoch; stale tokens keep flowing and are ignored (docs/design.md 3.4), so the
-pipeline refills for n-1 ticks without verification. Every message carries an int64 header
-(kind, position, epoch, token, send time) ahead of the payload bytes, as one buffer; the send
-time (one host, one monotonic clock) gives each stage its measured input hop latency.
+Stage ranks sleep their configured compute time per token, then send their output downstream
+and their anchor states to the driver (the last stage sends its anchors and its exit), each a
+header followed by the payloads the wire format gives. The driver, per tick as TickState
+plans it: sends the entering token to stage 0, waits for exactly the anchor messages the PDM
+rows need, sleeps the PDM time, and when a token leaves the last stage receives its exit,
+"verifies" it (sleeps the verify time, accepts with probability alpha from a seeded RNG) and
+advances the state. A rejection bumps the epoch; stale messages keep flowing and are dropped
+by epoch (docs/design.md 3.4), so the pipeline refills for n-1 ticks without verification.
+A scenario ends as a request does: END down the pipe, the driver drains every stage's link,
+and each stage replies with its STATS (measured compute, input wait, send posting).
 
 Sleeping stages use no CPU, so the pattern replays faithfully on a few shared cores. Layout:
 driver rank 0 and stage p on rank p+1, or co-located (stage 0 on rank 0, stage p on rank p).
@@ -20,15 +23,22 @@ import os
 import random
 import sys
 import time
-from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from spd_engine.bench.cost_inputs import HEADER_BYTES, message_bytes
-from spd_engine.bench.netbench import DistContext, PeerError
+from spd_engine.bench.cost_inputs import message_bytes
+from spd_engine.engine.dist import PeerError, RankContext
+from spd_engine.engine.messages import Header, Kind, Payload, WireFormat
+from spd_engine.engine.schedule import decode_ticks, eal, expected_eal
+from spd_engine.engine.tick import Draft, TickPlan, TickState, Verdict
+from spd_engine.engine.topology import Topology
+from spd_engine.engine.transport import DistTransport, TransportError
 
-KIND_TOKEN, KIND_END = 0, 3  # header kinds used here (docs/design.md 3.4: token, prefill, end, shutdown)
+_DRAFT, _CORRECTION = 1, 2  # token ids that stand for a draft and a correction
+_DTYPES = {1: torch.uint8, 2: torch.float16, 4: torch.float32, 8: torch.float64}  # synthetic activations
+_STATS = ("tokens", "compute_s", "wait_s", "post_s")  # a stage's STATS payload, float64
 
 
 @dataclass(frozen=True)
@@ -43,7 +53,7 @@ class ReplayConfig:
     seed: int = 0
     hidden: int = 4096
     dtype_bytes: int = 2
-    anchors: int = 1  # anchor rows k per stage message
+    anchors: int = 1  # anchor rows k each stage sends the driver per token
     colocate: bool = False
     fault_rank: int | None = None  # fault injection: this rank fails at tick `fault_tick`,
     fault_tick: int = 0  # by exiting ("exit") or by going silent for 3 timeouts ("stall")
@@ -53,11 +63,20 @@ class ReplayConfig:
     def n(self) -> int:
         return len(self.stage_ms)
 
+    @property
+    def topology(self) -> Topology:
+        """The rank map (layers do not matter here: one per stage)."""
+        return Topology((1,) * self.n, self.colocate)
+
+    @property
+    def wire(self) -> WireFormat:
+        return WireFormat(self.hidden, (self.anchors,) * self.n)
+
     def ranks_needed(self) -> int:
-        return self.n if self.colocate else self.n + 1
+        return self.topology.world_size
 
     def stage_rank(self, p: int) -> int:
-        return p if self.colocate else p + 1
+        return self.topology.stage_rank(p)
 
     def validate(self, world_size: int) -> None:
         if self.n < 2:
@@ -68,6 +87,8 @@ class ReplayConfig:
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
         if self.tokens < 2:
             raise ValueError(f"tick replay needs at least 2 tokens, got {self.tokens}")
+        if self.anchors < 1 or self.hidden < 1 or self.dtype_bytes not in _DTYPES:
+            raise ValueError(f"tick replay needs anchors >= 1, hidden >= 1 and dtype bytes in {sorted(_DTYPES)}")
         if self.fault not in ("exit", "stall"):
             raise ValueError(f"fault must be exit or stall, got {self.fault!r}")
         if self.ranks_needed() > world_size:
@@ -80,11 +101,7 @@ class ReplayConfig:
         return message_bytes(self.hidden, self.dtype_bytes, self.anchors)
 
 
-def _header(buf: torch.Tensor) -> list[int]:
-    return buf[:HEADER_BYTES].view(torch.int64).tolist()
-
-
-def _maybe_fail(ctx: DistContext, sc: ReplayConfig, tick: int) -> None:
+def _maybe_fail(ctx: RankContext, sc: ReplayConfig, tick: int) -> None:
     if sc.fault_rank != ctx.rank or tick != sc.fault_tick:
         return
     print(f"rank {ctx.rank}: injected fault: {sc.fault} at tick {tick}", file=sys.stderr, flush=True)
@@ -94,277 +111,236 @@ def _maybe_fail(ctx: DistContext, sc: ReplayConfig, tick: int) -> None:
     raise PeerError(f"injected stall at tick {tick} ended")
 
 
-class SendQueue:
-    """Outstanding isends from preallocated buffers. Waits only when more than `window` sends
-    are queued, so a stage never stalls on a driver that reads its (stale) anchors lazily; each
-    (dst, size) has a ring of window + 2 buffers, so a buffer is reused only after its send ended."""
-
-    def __init__(self, ctx: DistContext, window: int, who: str):
-        self.ctx, self.window, self.who, self.items = ctx, window, who, deque()  # who: "stage p" or "driver"
-        self.rings: dict[tuple[int, int], tuple[list[torch.Tensor], list]] = {}
-        self.turn: dict[tuple[int, int], int] = {}
-
-    def send(self, dst: int, nbytes: int, header: list[int]) -> None:
-        key = (dst, nbytes)
-        if key not in self.rings:
-            bufs = [torch.zeros(nbytes, dtype=torch.uint8, device=self.ctx.device) for _ in range(self.window + 2)]
-            self.rings[key] = (bufs, [b[:HEADER_BYTES].view(torch.int64) for b in bufs])
-            self.turn[key] = 0
-        bufs, headers = self.rings[key]
-        i = self.turn[key] = (self.turn[key] + 1) % len(bufs)
-        stamped = [*header[:4], time.perf_counter_ns()]
-        if headers[i].is_cpu:
-            headers[i].numpy()[:] = stamped  # a plain memory write; payload bytes stay zero
-        else:  # NCCL path (untested): a small host-to-device copy
-            headers[i].copy_(torch.tensor(stamped, dtype=torch.int64))
-        self.items.append((self.ctx.isend(bufs[i], dst, f"{self.who}: send to rank {dst}"), dst))
-        while len(self.items) > self.window:
-            self._retire()
-
-    def _retire(self) -> None:
-        work, dst = self.items.popleft()
-        self.ctx.wait(work, f"{self.who}: send to rank {dst}")
-
-    def drain(self) -> None:
-        while self.items:
-            self._retire()
+Follows = Callable[[Header], Sequence[Payload]]  # what follows a header on one link (a WireFormat method)
 
 
-class Link:
-    """In-order receiver of one stage's driver-bound messages (FIFO per pair), receive pre-posted."""
+class _Wire:
+    """This rank's end of the engine's transport: synthetic payloads (zeros, preallocated by
+    shape; received ones land in buffers of their own) and errors naming role and operation."""
 
-    def __init__(self, ctx: DistContext, src: int, nbytes: int, stage: int):
-        self.ctx, self.src, self.nbytes, self.stage = ctx, src, nbytes, stage
-        self.what = f"driver: receive from stage {stage} (rank {src})"
-        self.count = 0  # messages received = last entry index seen
-        self.last: list[int] = []
-        self.buf = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
-        self._post()
+    def __init__(self, ctx: RankContext, transport: DistTransport, sc: ReplayConfig) -> None:
+        self.t, self.timeout, self.dtype, self.device = transport, ctx.timeout_s, _DTYPES[sc.dtype_bytes], ctx.device
+        self._out: dict[tuple, torch.Tensor] = {}
+        self._in: dict[tuple, torch.Tensor] = {}
 
-    def _post(self) -> None:
-        self.work = self.ctx.irecv(self.buf, self.src, self.what)  # the header was read: the buffer is free
+    def _buffer(self, pool: dict, p: Payload) -> torch.Tensor:
+        key = (p.shape, p.kind)
+        if key not in pool:
+            dtype = {"int64": torch.int64, "float64": torch.float64}.get(p.kind, self.dtype)
+            pool[key] = torch.zeros(p.shape, dtype=dtype, device=self.device)
+        return pool[key]
 
-    def _next(self) -> list[int]:
-        self.ctx.wait(self.work, self.what)
-        header = _header(self.buf)
-        if header[0] != KIND_END:
-            self._post()
-        return header
+    def send(self, dst: int, hdr: Header, payloads: Sequence[Payload], what: str,
+             tensors: Sequence[torch.Tensor] = ()) -> None:
+        """The header, then `tensors` if given, else synthetic zeros of the `payloads` shapes."""
+        try:
+            self.t.send(dst, hdr, list(tensors) or [self._buffer(self._out, p) for p in payloads])
+        except TransportError as err:
+            raise PeerError(f"{what} failed: {err}") from err
 
-    def get(self, entry: int) -> list[int]:
-        """Header of the message for token `entry` (1-based), receiving older ones on the way."""
-        while self.count < entry:
-            self.last = self._next()
-            self.count += 1
-            assert self.last[0] == KIND_TOKEN and self.last[1] == self.count, \
-                f"stage {self.stage} sent {self.last} as message {self.count}: FIFO order broken"
-        return self.last
+    def recv(self, src: int, follows: Follows, what: str, tick: int) -> tuple[Header, list[torch.Tensor]]:
+        """The next header from src and the payloads that follow it."""
+        try:
+            hdr = self.t.recv_header(src, self.timeout, tick)
+            return hdr, [self.t.recv_into(src, self._buffer(self._in, p), self.timeout, tick) for p in follows(hdr)]
+        except TransportError as err:
+            raise PeerError(f"{what} failed: {err}") from err
 
-    def close(self) -> None:
-        while self._next()[0] != KIND_END:
-            self.count += 1
+    def flush(self, what: str) -> None:
+        try:
+            self.t.flush()
+        except RuntimeError as err:
+            raise PeerError(f"{what}: waiting for sends failed: {err}") from err
 
 
-def _stage_loop(ctx: DistContext, sc: ReplayConfig, p: int) -> dict:
-    n, sizes, last = sc.n, sc.message_bytes(), p == sc.n - 1
-    src = 0 if p == 0 else sc.stage_rank(p - 1)
-    dst = 0 if last else sc.stage_rank(p + 1)
-    in_bytes = sizes["token"] if p == 0 else sizes["activation"]
-    out_bytes = sizes["exit"] if last else sizes["activation"]
-    sends = SendQueue(ctx, window=4 * n + 8, who=f"stage {p}")
-    bufs = [torch.empty(in_bytes, dtype=torch.uint8, device=ctx.device) for _ in range(2)]
+def _stage_loop(ctx: RankContext, io: _Wire, sc: ReplayConfig, p: int) -> None:
+    """Stage p until END, then its STATS to the driver."""
+    topo, wire, driver = sc.topology, sc.wire, sc.topology.driver_rank
+    src = driver if p == 0 else topo.stage_rank(p - 1)
+    dst = topo.stage_rank(p + 1) if p + 1 < sc.n else None
+    incoming: Follows = wire.from_driver if p == 0 else wire.downstream
     what = f"stage {p}: receive from rank {src}"
-    work, i, compute = ctx.irecv(bufs[0], src, what), 0, []
-    waited = posting = 0.0
-    hops = []  # input latencies of messages this stage was idle-waiting for (ms)
+    count, compute, waited, posting = 0, 0.0, 0.0, 0.0
     while True:
-        t_wait = time.perf_counter_ns()
-        ctx.wait(work, what)
-        arrived = time.perf_counter_ns()
-        header = _header(bufs[i % 2])
-        if header[0] == KIND_END:
+        t_wait = time.perf_counter()
+        hdr, _ = io.recv(src, incoming, what, count + 1 + p)  # message k entered stage 0 at tick k
+        if hdr.kind == Kind.END:
             break
-        if i > 0:  # the wait for the first token is pipeline fill, not steady-state waiting
-            waited += (arrived - t_wait) / 1e9
-        if header[4] > t_wait:  # sent while we waited: wait return - send = one hop
-            hops.append((arrived - header[4]) / 1e6)
-        work = ctx.irecv(bufs[(i + 1) % 2], src, what)  # pre-post the next input before computing
+        if count > 0:  # the wait for the first token is pipeline fill, not steady-state waiting
+            waited += time.perf_counter() - t_wait
         t0 = time.perf_counter()
         time.sleep(sc.stage_ms[p] / 1e3)
         t1 = time.perf_counter()
-        compute.append(t1 - t0)
-        sends.send(dst, out_bytes, header)  # downstream first: it is on the critical path
-        if not last:
-            sends.send(0, sizes["anchors"], header)
+        compute += t1 - t0
+        if dst is not None:  # downstream first: it is on the critical path
+            io.send(dst, hdr, wire.downstream(hdr), f"stage {p}: send to rank {dst}")
+        io.send(driver, hdr, wire.to_driver(p, hdr), f"stage {p}: send to rank {driver}")
         posting += time.perf_counter() - t1
-        i += 1
-        _maybe_fail(ctx, sc, header[1] + p)  # token `entry` is at stage p in tick entry + p
-    end = [KIND_END, 0, 0, 0, 0]
-    if not last:
-        sends.send(dst, out_bytes, end)
-    sends.send(0, sizes["exit"] if last else sizes["anchors"], end)
-    sends.drain()
-    per_token_ms = 1e3 / max(1, i)  # seconds summed over tokens -> ms per token
-    return {"stage": p, "tokens_computed": i, "compute_ms": sum(compute) * per_token_ms,
-            "wait_input_ms": waited * per_token_ms, "post_ms": posting * per_token_ms,
-            "input_hop_ms": sum(hops) / len(hops) if hops else None}
+        count += 1
+        _maybe_fail(ctx, sc, count + p)
+    if dst is not None:
+        io.send(dst, hdr, (), f"stage {p}: send to rank {dst}")
+    stats = torch.tensor([count, compute, waited, posting], dtype=torch.float64)
+    io.send(driver, Header(Kind.STATS, length=len(_STATS)), (), f"stage {p}: send to rank {driver}", [stats])
+    io.flush(f"stage {p}")
 
 
 class _Driver:
-    """Rank 0's side of the replay: PDM rows, verification, epochs and its own timers."""
+    """Rank 0's side of the replay: the tick protocol, synthetic PDM and verification, the
+    message bookkeeping of the end-of-request drain, and its own timers."""
 
-    def __init__(self, ctx: DistContext, sc: ReplayConfig):
-        self.ctx, self.sc, self.n, self.sizes = ctx, sc, sc.n, sc.message_bytes()
+    def __init__(self, ctx: RankContext, io: _Wire, sc: ReplayConfig) -> None:
+        self.ctx, self.io, self.sc, self.n = ctx, io, sc, sc.n
+        self.topo, self.wire = sc.topology, sc.wire
+        self.first = 1 if sc.colocate else 0  # co-located: stage 0 runs here, its anchors are local
         self.rng = random.Random(sc.seed)
-        self.links = {p: Link(ctx, sc.stage_rank(p), self.sizes["exit" if p == sc.n - 1 else "anchors"], p)
-                      for p in range(1 if sc.colocate else 0, sc.n)}
-        self.sends = SendQueue(ctx, window=4 * sc.n + 8, who="driver")
-        self.epoch_of = [-1, 0]  # entry index (1-based) -> epoch it was sent with; entry 1 is x_P
-        self.epoch = self.committed = self.rejects = 0
-        self.last_rejected = False
+        self.state = TickState(sc.n, 0, _DRAFT, anchor_stages=range(self.first, sc.n - 1))
+        self.sent = 0
+        self.consumed = {s: 0 for s in range(self.first, sc.n) if self.wire.reports_to_driver(s)}
         self.stage0: list[float] = []
         self.busy = {"wait_anchors": 0.0, "pdm": 0.0, "wait_exit": 0.0, "verify": 0.0}  # seconds, summed
 
-    def send_token(self, entry: int) -> None:
-        dst = self.sc.stage_rank(0)
-        self.sends.send(dst, self.sizes["token"], [KIND_TOKEN, entry, self.epoch_of[entry], 0])
+    def enter(self, plan: TickPlan) -> None:
+        """The entering token to stage 0; co-located, stage 0 runs here first and its output leaves."""
+        (entry,) = plan.enter
+        hdr = Header(Kind.TOKEN, entry.pos, entry.epoch, entry.token)
+        if self.sc.colocate:
+            t0 = time.perf_counter()
+            time.sleep(self.sc.stage_ms[0] / 1e3)
+            self.stage0.append(time.perf_counter() - t0)
+            dst, payloads = self.topo.stage_rank(1), self.wire.downstream(hdr)
+        else:
+            dst, payloads = self.topo.stage_rank(0), self.wire.from_driver(hdr)
+        self.io.send(dst, hdr, payloads, f"driver: send to rank {dst}")
+        self.sent += 1
 
-    def run_stage0(self, tick: int) -> None:
-        """Co-located: stage 0 runs on this rank first, so its output leaves early."""
-        t0 = time.perf_counter()
-        time.sleep(self.sc.stage_ms[0] / 1e3)
-        self.stage0.append(time.perf_counter() - t0)
-        self.sends.send(self.sc.stage_rank(1), self.sizes["activation"], [KIND_TOKEN, tick, self.epoch_of[tick], 0])
+    def _read(self, s: int, tick: int) -> Header:
+        rank = self.topo.stage_rank(s)
+        self.consumed[s] += 1
+        hdr, _ = self.io.recv(rank, lambda h: self.wire.to_driver(s, h), f"driver: receive from stage {s} (rank {rank})",
+                              tick)
+        return hdr
 
-    def read_anchors(self, tick: int) -> None:
-        """The anchors of tick-1 that this tick's PDM rows need: current-epoch tokens only."""
-        t0 = time.perf_counter()
-        for p, link in self.links.items():
-            entry = tick - 1 - p
-            if p < self.n - 1 and entry >= 1 and self.epoch_of[entry] == self.epoch:
-                header = link.get(entry)
-                assert header[2] == self.epoch, f"stage {p} anchors carry epoch {header[2]}"
-        self.busy["wait_anchors"] += time.perf_counter() - t0
+    def read(self, s: int, pos: int, epoch: int, tick: int) -> None:
+        """Stage s's messages up to the current-epoch one for `pos`; stale ones are dropped."""
+        while True:
+            hdr = self._read(s, tick)
+            wanted = hdr.kind == Kind.TOKEN and hdr.epoch == epoch and hdr.position == pos
+            assert wanted or hdr.epoch < epoch, f"stage {s} sent {hdr}, the driver expected {pos} in epoch {epoch}"
+            if wanted:
+                return
 
-    def pdm(self) -> None:
+    def tick(self, plan: TickPlan) -> Verdict | None:
         t0 = time.perf_counter()
-        time.sleep(self.sc.pdm_ms / 1e3)
-        self.busy["pdm"] += time.perf_counter() - t0
-
-    def verify(self, tick: int) -> bool:
-        """Verify the oldest token if it is current; True when the run has all its tokens."""
-        exiting = tick - self.n + 1
-        if exiting < 1 or self.epoch_of[exiting] != self.epoch:
-            return False  # pipeline fill or refill: nothing to verify this tick
-        t0 = time.perf_counter()
-        header = self.links[self.n - 1].get(exiting)
-        assert header[2] == self.epoch, "exit epoch disagrees with the driver"
+        for s, e in plan.anchor_reads:  # the anchors of tick-1 that this tick's PDM rows need
+            self.read(s, e.pos, e.epoch, plan.tick)
         t1 = time.perf_counter()
+        time.sleep(self.sc.pdm_ms / 1e3)
+        t2 = time.perf_counter()
+        self.busy["wait_anchors"] += t1 - t0
+        self.busy["pdm"] += t2 - t1
+        if plan.exit is None:
+            return None  # pipeline fill or refill: nothing to verify this tick
+        self.read(self.n - 1, plan.exit.pos, plan.exit.epoch, plan.tick)
+        t3 = time.perf_counter()
         time.sleep(self.sc.verify_ms / 1e3)
-        self.busy["wait_exit"] += t1 - t0
-        self.busy["verify"] += time.perf_counter() - t1
-        self.committed += 1
-        self.last_rejected = self.rng.random() >= self.sc.alpha
-        if self.last_rejected:  # commit the correction; everything in flight is stale now
-            self.epoch += 1
-            self.rejects += 1
-        return self.committed == self.sc.tokens - 1
+        self.busy["wait_exit"] += t3 - t2
+        self.busy["verify"] += time.perf_counter() - t3
+        accepted = self.rng.random() < self.sc.alpha
+        proposed = plan.proposed.token if plan.proposed is not None else _DRAFT
+        return Verdict(accepted, proposed if accepted else _CORRECTION)
 
-    def close(self) -> None:
-        end = [KIND_END, 0, 0, 0, 0]
-        first = 1 if self.sc.colocate else 0
-        self.sends.send(self.sc.stage_rank(first), self.sizes["activation" if first else "token"], end)
-        for link in self.links.values():
-            link.close()
-        self.sends.drain()
+    def close(self) -> list[dict]:
+        """END down the pipe, drain every stage's link, collect the stages' STATS."""
+        dst = self.topo.stage_rank(self.first)
+        self.io.send(dst, Header(Kind.END), (), f"driver: send to rank {dst}")
+        stats = []
+        for s in range(self.first, self.n):
+            if s in self.consumed:
+                while self.consumed[s] < self.sent:
+                    self._read(s, self.state.tick)
+            rank = self.topo.stage_rank(s)
+            hdr, (values,) = self.io.recv(rank, lambda h: self.wire.to_driver(s, h),
+                                          f"driver: receive stats from stage {s} (rank {rank})", self.state.tick)
+            assert hdr.kind == Kind.STATS and hdr.length == len(_STATS), hdr
+            stats.append(dict(zip(_STATS, values.tolist())))
+        self.io.flush("driver")
+        return stats
 
 
-def _driver_loop(ctx: DistContext, sc: ReplayConfig) -> dict:
-    drv = _Driver(ctx, sc)
+def _driver_loop(ctx: RankContext, io: _Wire, sc: ReplayConfig) -> dict:
+    drv = _Driver(ctx, io, sc)
     ctx.barrier("replay start barrier")
     t_start = time.perf_counter()
-    if not sc.colocate:
-        drv.send_token(1)
-    tick = 0
-    while True:
-        tick += 1
-        _maybe_fail(ctx, sc, tick)
-        if sc.colocate:
-            drv.run_stage0(tick)
-        drv.read_anchors(tick)
-        drv.pdm()
-        if drv.verify(tick):
-            break
-        drv.epoch_of.append(drv.epoch)  # the next token (draft or correction) carries the current epoch
-        if not sc.colocate:
-            drv.send_token(tick + 1)
+    while drv.state.committed < sc.tokens:
+        plan = drv.state.plan()
+        _maybe_fail(ctx, sc, plan.tick)
+        drv.enter(plan)
+        drv.state.advance([Draft(plan.draft_pos, _DRAFT)], drv.tick(plan))
     wall = time.perf_counter() - t_start
-    drv.close()
-    return _driver_result(drv, tick, wall)
+    return _driver_result(drv, wall, drv.close())
 
 
-def _driver_result(drv: _Driver, ticks: int, wall_s: float) -> dict:
-    sc, n = drv.sc, drv.n
-    r_counted = drv.rejects - (1 if drv.last_rejected else 0)  # a final correction costs no refill
-    assert ticks == (sc.tokens - 1) + (n - 1) * (1 + r_counted), "tick count disagrees with docs/design.md 3.3"
+def _driver_result(drv: _Driver, wall_s: float, stage_stats: list[dict]) -> dict:
+    sc, n, counts = drv.sc, drv.n, drv.state.finish()
+    ticks = counts.ticks
+    assert ticks == decode_ticks(sc.tokens, n, counts.rejections), "tick count disagrees with docs/design.md 3.3"
     tick_ms = 1e3 * wall_s / ticks
     slowest = max(sc.stage_ms)
+    per_token = [1e3 / max(1.0, st["tokens"]) for st in stage_stats]  # seconds summed over tokens -> ms per token
+    stages = [None] * drv.first + stage_stats
+    scale = [None] * drv.first + per_token
+    measured = [None if st is None else st["compute_s"] * k for st, k in zip(stages, scale)]
+    if drv.stage0:
+        measured[0] = 1e3 * sum(drv.stage0) / len(drv.stage0)
     return {
         "n": n, "colocate": sc.colocate, "stage_ms": list(sc.stage_ms), "pdm_ms": sc.pdm_ms,
         "verify_ms": sc.verify_ms, "alpha": sc.alpha, "seed": sc.seed, "hidden": sc.hidden,
-        "dtype_bytes": sc.dtype_bytes, "anchors": sc.anchors, "message_bytes": drv.sizes,
-        "tokens": sc.tokens, "ticks": ticks, "rejections": r_counted,
-        "alpha_measured": 1.0 - drv.rejects / drv.committed,
-        "eal": n * (sc.tokens - 1) / ticks,
-        "eal_formula": n / (1 + (n - 1) * (1 - sc.alpha)),
+        "dtype_bytes": sc.dtype_bytes, "anchors": sc.anchors, "message_bytes": sc.message_bytes(),
+        "tokens": sc.tokens, "ticks": ticks, "rejections": counts.rejections,
+        "alpha_measured": counts.accepted / counts.verified,
+        "eal": eal(n, sc.tokens - 1, ticks),
+        "eal_formula": expected_eal(n, sc.alpha),
         "wall_ms": 1e3 * wall_s,
         "tick_ms": tick_ms,
         "decode_tok_s": (sc.tokens - 1) / wall_s,
         "pure_compute_ms": slowest,
         "overhead_ms": tick_ms - slowest,
         "overhead_pct": 100.0 * (tick_ms - slowest) / slowest if slowest > 0 else float("nan"),
-        "stage0_compute_ms": 1e3 * sum(drv.stage0) / len(drv.stage0) if drv.stage0 else None,
         "driver_ms_per_tick": {k: 1e3 * v / ticks for k, v in drv.busy.items()},
         "pdm_ms_measured": 1e3 * drv.busy["pdm"] / ticks,
-        "verify_ms_measured": 1e3 * drv.busy["verify"] / drv.committed,
+        "verify_ms_measured": 1e3 * drv.busy["verify"] / counts.verified,
+        "stage_compute_ms_measured": measured,
+        "stage_wait_input_ms": [None if st is None else st["wait_s"] * k for st, k in zip(stages, scale)],
+        "stage_post_ms": [None if st is None else st["post_s"] * k for st, k in zip(stages, scale)],
     }
 
 
-def run_scenario(ctx: DistContext, sc: ReplayConfig) -> dict | None:
-    """Run one scenario on this rank: the driver returns its result, a stage its compute stats."""
+def run_scenario(ctx: RankContext, io: _Wire, sc: ReplayConfig) -> dict | None:
+    """Run one scenario on this rank: the driver returns the result, every other rank None."""
     sc.validate(ctx.world_size)
-    stage = ctx.rank if sc.colocate else ctx.rank - 1
-    if ctx.rank == 0:
-        result = _driver_loop(ctx, sc)
+    stage = sc.topology.stage_of_rank(ctx.rank)
+    result = None
+    if ctx.rank == sc.topology.driver_rank:
+        result = _driver_loop(ctx, io, sc)
     else:
         ctx.barrier("replay start barrier")
-        result = _stage_loop(ctx, sc, stage) if 0 <= stage < sc.n else None  # spare ranks idle
+        if stage is not None:  # spare ranks idle
+            _stage_loop(ctx, io, sc, stage)
     ctx.barrier("replay end barrier")
     return result
 
 
-def run_scenarios(ctx: DistContext, scenarios: list[ReplayConfig]) -> list[dict | None]:
-    return [run_scenario(ctx, sc) for sc in scenarios]
-
-
-def merge_replay(per_rank: list[list[dict | None]]) -> list[dict]:
-    """Rank 0's results with each stage's measured compute time filled in."""
-    merged = []
-    for i, result in enumerate(per_rank[0]):
-        assert result is not None, "the driver always reports"
-        measured, waits, posts, hops = ([None] * result["n"] for _ in range(4))
-        if result["stage0_compute_ms"] is not None:
-            measured[0] = result["stage0_compute_ms"]
-        for rank_results in per_rank[1:]:
-            stats = rank_results[i]
-            if stats is not None:
-                measured[stats["stage"]] = stats["compute_ms"]
-                waits[stats["stage"]] = stats["wait_input_ms"]
-                posts[stats["stage"]] = stats["post_ms"]
-                hops[stats["stage"]] = stats["input_hop_ms"]
-        merged.append({**result, "stage_compute_ms_measured": measured, "stage_wait_input_ms": waits,
-                       "stage_post_ms": posts, "stage_input_hop_ms": hops})
-    return merged
+def run_scenarios(ctx: RankContext, scenarios: Sequence[ReplayConfig]) -> list[dict] | None:
+    """Every scenario in turn over one transport (its construction is collective: every rank
+    builds it); rank 0's results, None elsewhere."""
+    if not scenarios:
+        return [] if ctx.rank == 0 else None
+    transport = DistTransport(ctx.rank, ctx.world_size, ctx.device)
+    results = []
+    for sc in scenarios:
+        results.append(run_scenario(ctx, _Wire(ctx, transport, sc), sc))
+    return results if ctx.rank == 0 else None
 
 
 # Scenarios behind `spd plan --validate`: n = 2, 4, 8; several alpha; even and uneven stages;

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from spd_engine.bench.cost_inputs import AlphaCurve, LinkModel, Profile
+from spd_engine.bench.cost_inputs import HEADER_BYTES, MESSAGE_PARTS, AlphaCurve, LinkModel, Profile
 from spd_engine.bench.cost_model_spd import SpdCase, eal_for_request, simulate_spd, spd_cycles
 from spd_engine.bench.cost_partitions import balanced_partition
 from spd_engine.engine.schedule import decode_ticks, expected_eal
@@ -120,6 +120,11 @@ def test_link_model_from_netbench_interpolates():
     assert cold.hop_ms(100) == pytest.approx(0.060) and cold.hop_ms(1100) == pytest.approx(0.035)
     assert cold.post_ms == pytest.approx((9 + 7 + 9 + 7) / 4 / 1e3)
     assert LinkModel.from_netbench(report, "hot", "mean_us").hop_ms(100) == pytest.approx(0.015)
+    assert cold.late_ms == 0.0  # not measured
+    report["p2p"][0].update(late_mean_us=80.0, late_p50_us=60.0)
+    report["p2p"][2].update(late_mean_us=120.0, late_p50_us=90.0)
+    assert LinkModel.from_netbench(report, "late").late_ms == pytest.approx(0.100)  # mean of the means
+    assert LinkModel.from_netbench({**report, "allreduce": []}, "late", "idle_p50_us").late_ms == pytest.approx(0.075)
 
 
 def test_alpha_curve_and_profile_validation():
@@ -137,11 +142,11 @@ def test_alpha_curve_and_profile_validation():
 
 def _write_plan_inputs(tmp_path) -> tuple[str, str]:
     # 4 layers of 1 ms, PDM 0.5 ms, verify 0.2 ms, H = 64 in 2-byte dtype, one anchor row:
-    # messages are token 32 B, activation / anchors 32 + 128 = 160 B, exit 32 + 256 = 288 B.
+    # messages are token 48 B, activation / anchors 48 + 128 = 176 B, exit 48 + 256 = 304 B.
     profile = {"schema": "spd-profile/1", "name": "hand", "num_layers": 4, "layer_ms": 1.0, "pdm_ms": 0.5,
                "verify_ms": 0.2, "hidden_size": 64, "dtype_bytes": 2, "anchors_per_stage": 1}
     p2p = [{"src": 0, "dst": 1, "bytes": b, "mean_us": 100.0, "p50_us": 100.0, "post_us": 10.0, "post_mean_us": 10.0}
-           for b in (32, 160, 288)]
+           for b in (48, 176, 304)]
     allreduce = [{"ranks": 2, "bytes": 8, "mean_us": 40.0}, {"ranks": 2, "bytes": 128, "mean_us": 50.0}]
     (tmp_path / "profile.json").write_text(json.dumps(profile))
     (tmp_path / "net.json").write_text(json.dumps({"schema": "spd-netbench/1", "p2p": p2p, "allreduce": allreduce}))
@@ -223,7 +228,7 @@ def test_pp_uses_measured_stage_times_where_the_profile_has_them():
     link = LinkModel.assume("hand", 100.0, 1.0, None)  # 0.1 ms + bytes / 1 GB/s per hop
     base = {"schema": "spd-profile/1", "name": "hand", "num_layers": 4, "layer_ms": 1.0, "pdm_ms": 0.5,
             "verify_ms": 0.2, "hidden_size": 64, "dtype_bytes": 4}
-    hops = link.hop_ms(40 + 64 * 4) + link.hop_ms(40)  # activation to stage 1, token back to stage 0
+    hops = link.hop_ms(HEADER_BYTES + 64 * 4) + link.hop_ms(HEADER_BYTES)  # activation to stage 1, token back to stage 0
     spd_stages, pp_stages = {"stage_ms": {"2": [3.0, 2.5]}}, {"pp_stage_ms": {"2": [3.5, 3.4]}}
     # no measured stages: the layers' share + the head (verify); SPD-run stages + the head;
     # pp-run stages, whose last already includes the head
@@ -235,4 +240,33 @@ def test_pp_uses_measured_stage_times_where_the_profile_has_them():
         assert pp[2]["partition"] == partition
         assert pp[2]["token_ms"] == pytest.approx(want + hops)
         assert pp[4]["partition"] == "even"  # no measured stages at n = 4: the layers' share of AR
-        assert pp[4]["token_ms"] == pytest.approx(4.0 + 0.2 + 3 * link.hop_ms(40 + 64 * 4) + link.hop_ms(40))
+        assert pp[4]["token_ms"] == pytest.approx(4.0 + 0.2 + 3 * link.hop_ms(HEADER_BYTES + 64 * 4) + link.hop_ms(HEADER_BYTES))
+
+
+def test_message_sizes_are_the_engines_wire_format():
+    from spd_engine.bench.cost_inputs import message_bytes
+    from spd_engine.engine.messages import HEADER_LEN, Header, Kind, WireFormat, payload_bytes
+
+    assert HEADER_BYTES == 8 * HEADER_LEN
+    wire, tok = WireFormat(hidden=64, stage_anchors=(3, 3, 3)), Header(Kind.TOKEN, 5, token=9)
+    sizes = message_bytes(64, 2, 3)
+    for name, payloads in (("token", wire.from_driver(tok)), ("activation", wire.downstream(tok)),
+                           ("anchors", wire.to_driver(0, tok)), ("exit", wire.to_driver(2, tok))):
+        assert sizes[name] == HEADER_BYTES + payload_bytes(payloads, 2), name
+        assert MESSAGE_PARTS[name] == 1 + len(payloads), name  # the header, then each payload
+
+
+def test_late_receives_cost_every_tensor_found_waiting():
+    # the transport receives a message's tensors one after the other; a receive posted after its
+    # send waits late_ms (gloo's rendezvous). 3 + 2 ms stages, zero posts and reads, late 0.05 ms:
+    #   stage 0: its token (1 tensor) is waiting when it finishes: 0.05 + 3 = 3.05 per tick
+    #   stage 1: activation (header + hidden): 2 x 0.05 + 2 = 2.1
+    #   driver: stage 0's anchors (2 tensors) + the exit (3): 5 x 0.05 + PDM 0.5 + verify 0.2 = 0.95
+    #   verify loop: (5.9 as without, + the hidden behind stage 1's header + 2 exit tensors) / 2
+    case = sep_case(late_ms=0.05)
+    cycles = spd_cycles(case)
+    assert cycles["stage 0 compute"] == pytest.approx(3.05) and cycles["stage 1 compute"] == pytest.approx(2.1)
+    assert cycles["driver: PDM + verify"] == pytest.approx(0.95)
+    assert cycles["verify loop (token through all stages, verify, next token)"] == pytest.approx((5.9 + 0.15) / 2)
+    assert simulate_spd(case, 2000)["tick_ms"] == pytest.approx(3.05, rel=2e-3)
+    assert simulate_spd(sep_case(), 2000)["tick_ms"] == pytest.approx(3.0, rel=2e-3)  # late 0: as before

@@ -25,7 +25,7 @@ def test_predict_from_a_hand_profile():
     pred = predict(HAND, link, alpha=0.5, n=2)
     assert set(pred) == set(CONFIGS)
     assert pred["ar"]["tick_ms"] == pytest.approx(4.2)  # 4 layers + verify
-    hops = link.hop_ms(40 + 64 * 4) + link.hop_ms(40)  # activation to stage 1, token back to stage 0
+    hops = link.hop_ms(HEADER_BYTES + 64 * 4) + link.hop_ms(HEADER_BYTES)  # activation to stage 1, token back to stage 0
     assert pred["pp"]["tick_ms"] == pytest.approx(4.2 + hops)
     for name in ("spd-colocate", "spd"):
         p = pred[name]
