@@ -8,14 +8,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-# The int64 header ahead of every message's payloads (engine/messages.py HEADER_FIELDS, six of
-# them; kept as a number here so the cost model needs no torch, and tested against the engine)
-HEADER_BYTES = 48
+# The head of every frame on the wire: the six int64 header fields (engine/messages.py) and the
+# inline flag (engine/transport.py FRAME_HEAD); a number here so the cost model needs no torch,
+# tested against the engine
+HEADER_BYTES = 56
 
 
-# Tensors per message: the header, then its payloads (engine/messages.py WireFormat); the
-# runtime's transport receives them one after the other
-MESSAGE_PARTS = {"token": 1, "activation": 2, "anchors": 2, "exit": 3}
+# Tensors per decode-tick message: the runtime's transport sends each as one frame (header and
+# inline payloads, engine/transport.py; engine/messages.py link_frames sizes the links for them)
+MESSAGE_PARTS = {"token": 1, "activation": 1, "anchors": 1, "exit": 1}
 
 
 def message_bytes(hidden: int, dtype_bytes: int, anchors: int) -> dict[str, int]:
@@ -24,7 +25,7 @@ def message_bytes(hidden: int, dtype_bytes: int, anchors: int) -> dict[str, int]
     last stage's anchors + exit state. A message is its header and its payloads, modelled as
     one hop of their total size."""
     row = hidden * dtype_bytes
-    return {"token": HEADER_BYTES, "activation": HEADER_BYTES + row,
+    return {"token": HEADER_BYTES, "activation": HEADER_BYTES + row,  # HEADER_BYTES: the frame's head
             "anchors": HEADER_BYTES + anchors * row, "exit": HEADER_BYTES + (1 + anchors) * row}
 
 

@@ -30,7 +30,7 @@ import torch
 
 from spd_engine.bench.cost_inputs import message_bytes
 from spd_engine.engine.dist import PeerError, RankContext
-from spd_engine.engine.messages import Header, Kind, Payload, WireFormat
+from spd_engine.engine.messages import Header, Kind, Payload, WireFormat, link_frames
 from spd_engine.engine.schedule import decode_ticks, eal, expected_eal
 from spd_engine.engine.tick import Draft, TickPlan, TickState, Verdict
 from spd_engine.engine.topology import Topology
@@ -319,6 +319,7 @@ def _driver_result(drv: _Driver, wall_s: float, stage_stats: list[dict]) -> dict
 def run_scenario(ctx: RankContext, io: _Wire, sc: ReplayConfig) -> dict | None:
     """Run one scenario on this rank: the driver returns the result, every other rank None."""
     sc.validate(ctx.world_size)
+    io.t.set_frames(link_frames(sc.topology, sc.wire, sc.dtype_bytes))  # the runtime's frames for this layout
     stage = sc.topology.stage_of_rank(ctx.rank)
     result = None
     if ctx.rank == sc.topology.driver_rank:

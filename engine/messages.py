@@ -143,6 +143,27 @@ def payload_bytes(payloads: tuple[Payload, ...], act_itemsize: int) -> int:
     return total
 
 
+def link_frames(topo, wire: WireFormat, act_itemsize: int) -> dict[tuple[int, int], int]:
+    """Inline payload bytes of every directed link (src rank, dst rank) of a run on `topo`
+    (engine/topology.py Topology): what a decode-tick message carries there, so that each tick
+    costs one message per hop (larger messages, prefill chunks and statistics, send their
+    payloads after the frame)."""
+    frames: dict[tuple[int, int], int] = {}
+
+    def add(src: int, dst: int, payloads: tuple[Payload, ...]) -> None:
+        if src != dst:  # the co-located driver and stage 0 talk in-process
+            frames[(src, dst)] = max(frames.get((src, dst), 0), payload_bytes(payloads, act_itemsize))
+
+    token = Header(Kind.TOKEN)
+    add(topo.driver_rank, topo.stage_rank(0), wire.from_driver(token))
+    for s in range(topo.n):
+        if s + 1 < topo.n:
+            add(topo.stage_rank(s), topo.stage_rank(s + 1), wire.downstream(token))
+        if wire.reports_to_driver(s):
+            add(topo.stage_rank(s), topo.driver_rank, wire.to_driver(s, token))
+    return frames
+
+
 def sampling_payload(temperature: float, top_k: int, top_p: float, seed: int) -> torch.Tensor:
     """Sampling parameters as an exact int64 [CONFIG_LEN] payload (floats travel as their bit patterns)."""
     bits = torch.tensor([temperature, top_p], dtype=torch.float64).view(torch.int64)

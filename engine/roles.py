@@ -11,7 +11,7 @@ from spd_engine.engine.baselines import PipelineDriver
 from spd_engine.engine.build import build_driver_head, build_pdm, build_stage_model
 from spd_engine.engine.driver import Driver
 from spd_engine.engine.run_config import RunConfig
-from spd_engine.engine.messages import Header, Kind, WireFormat, payload_bytes
+from spd_engine.engine.messages import link_frames
 from spd_engine.engine.stage_worker import StageWorker, wire_format
 from spd_engine.engine.topology import Topology
 from spd_engine.engine.transport import Transport, loopback_pair
@@ -22,26 +22,6 @@ def rank_topology(ecfg: RunConfig) -> Topology:
     if ecfg.mode == "spd":
         return ecfg.topology
     return dataclasses.replace(ecfg.topology, colocate=True)
-
-
-def link_frames(topo: Topology, wire: WireFormat, act_itemsize: int) -> dict[tuple[int, int], int]:
-    """Inline payload bytes of every directed link: what a decode-tick message carries there, so
-    that each tick costs one message per hop (larger messages, prefill chunks and statistics,
-    send their payloads after the frame)."""
-    frames: dict[tuple[int, int], int] = {}
-
-    def add(src: int, dst: int, payloads) -> None:
-        if src != dst:  # the co-located driver and stage 0 talk in-process
-            frames[(src, dst)] = max(frames.get((src, dst), 0), payload_bytes(payloads, act_itemsize))
-
-    token = Header(Kind.TOKEN)
-    add(topo.driver_rank, topo.stage_rank(0), wire.from_driver(token))
-    for s in range(topo.n):
-        if s + 1 < topo.n:
-            add(topo.stage_rank(s), topo.stage_rank(s + 1), wire.downstream(token))
-        if wire.reports_to_driver(s):
-            add(topo.stage_rank(s), topo.driver_rank, wire.to_driver(s, token))
-    return frames
 
 
 def build_rank(ecfg: RunConfig, rank: int, transport: Transport, pdm=None

@@ -125,7 +125,12 @@ class DistTransport(Transport):
         self._rx: dict[int, _Rx] = {}
 
     def set_frames(self, capacities: dict[tuple[int, int], int]) -> None:
-        assert not self._tx and not self._rx, "frames are fixed before the first message"
+        """Between runs only: every send has left and no receive is posted (both ends of a link
+        switch at the same point of the message stream)."""
+        assert all(rx.posted is None for rx in self._rx.values()), "a frame receive is still posted"
+        self.flush()
+        self._tx.clear()
+        self._rx.clear()
         self._caps = {link: int(c) for link, c in capacities.items() if self.rank in link}
 
     def _frame_bytes(self, src: int, dst: int) -> int:

@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "draft-vocab": ("spd_engine.tools.draft_vocab", "build a draft vocabulary from the training corpus"),
     "train": ("spd_engine.tools.train", "train the speculation module (PDM) by distillation from the target"),
     "eval": ("spd_engine.tools.eval", "measure acceptance (alpha, EAL) on prompt sets"),
+    "draft-policies": ("spd_engine.tools.draft_policies", "score drafting policies offline with the exact T=0 replay"),
     "bench": ("spd_engine.tools.bench", "same-run speed benchmark: ar, pp and spd"),
     "netbench": ("spd_engine.tools.netbench", "interconnect benchmark: P2P, all-reduce, fan-in, SPD tick replay"),
     "plan": ("spd_engine.tools.plan", "cost model: predict tick time and speedup from measured inputs"),

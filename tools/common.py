@@ -180,6 +180,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
     g.add_argument("--step-mode", default=run_default("step_mode"), choices=STEP_MODES,
                    help="one-token decode steps: CUDA graphs (auto on cuda), eager (auto elsewhere; the "
                         "fallback), or static (the graph path's buffers without capture)")
+    d = p.add_argument_group("draft sources")
+    d.add_argument("--suffix-drafts", choices=("on", "off"), default="on" if run_default("suffix_drafts") else "off",
+                   help="also draft the token that followed the longest earlier occurrence of the context's suffix")
+    d.add_argument("--suffix-min-match", type=int, default=run_default("suffix_min_match"),
+                   help="shortest suffix match (tokens) that may draft")
+    d.add_argument("--suffix-pdm-margin", type=float, default=run_default("suffix_pdm_margin"),
+                   help="a suffix draft wins only where the PDM's top-1 minus top-2 logit is below this")
 
 
 def _check_ignored_engine_flags(args: argparse.Namespace, mode: str, spec: str, seed_used: bool) -> None:
@@ -187,7 +194,7 @@ def _check_ignored_engine_flags(args: argparse.Namespace, mode: str, spec: str, 
         refuse_ignored(args, ["seed"], "with real weights and a trained head or no head (it seeds random "
                                        "weights and untrained heads; --sampling-seed seeds sampling)")
     if mode != "spd":
-        refuse_ignored(args, ["spec", "pdm_layers", "colocate"], f"with --mode {mode} (no speculation)")
+        refuse_ignored(args, ["spec", "pdm_layers", "colocate", "suffix_drafts", "suffix_min_match", "suffix_pdm_margin"], f"with --mode {mode} (no speculation)")
     if mode == "ar" and args.stages != 1:
         refuse_ignored(args, ["stages", "stage_layers"], "with --mode ar (one rank runs the whole model)")
     if spec != "random":
@@ -210,7 +217,8 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False) -> tuple[Ru
                      pdm_layers=args.pdm_layers, backend=backend, device=args.device, dtype=args.dtype,
                      capacity=args.capacity or min(run_default("capacity"), cfg.max_position),
                      prefill_chunk=args.prefill_chunk, timeout_s=args.timeout, threads=args.threads,
-                     seed=args.seed, step_mode=args.step_mode)
+                     seed=args.seed, step_mode=args.step_mode, suffix_drafts=args.suffix_drafts == "on",
+                     suffix_min_match=args.suffix_min_match, suffix_pdm_margin=args.suffix_pdm_margin)
     return ecfg, tok_dir
 
 

@@ -245,28 +245,33 @@ def test_pp_uses_measured_stage_times_where_the_profile_has_them():
 
 def test_message_sizes_are_the_engines_wire_format():
     from spd_engine.bench.cost_inputs import message_bytes
-    from spd_engine.engine.messages import HEADER_LEN, Header, Kind, WireFormat, payload_bytes
+    from spd_engine.engine.messages import Header, Kind, WireFormat, link_frames, payload_bytes
+    from spd_engine.engine.topology import Topology
+    from spd_engine.engine.transport import FRAME_HEAD
 
-    assert HEADER_BYTES == 8 * HEADER_LEN
+    assert HEADER_BYTES == FRAME_HEAD  # the head of every frame on the wire
     wire, tok = WireFormat(hidden=64, stage_anchors=(3, 3, 3)), Header(Kind.TOKEN, 5, token=9)
+    topo = Topology((1, 1, 1), colocate=False)  # driver rank 0, stage p on rank p + 1
+    caps = link_frames(topo, wire, 2)
     sizes = message_bytes(64, 2, 3)
-    for name, payloads in (("token", wire.from_driver(tok)), ("activation", wire.downstream(tok)),
-                           ("anchors", wire.to_driver(0, tok)), ("exit", wire.to_driver(2, tok))):
+    for name, payloads, link in (("token", wire.from_driver(tok), (0, 1)), ("activation", wire.downstream(tok), (1, 2)),
+                                 ("anchors", wire.to_driver(0, tok), (1, 0)), ("exit", wire.to_driver(2, tok), (3, 0))):
         assert sizes[name] == HEADER_BYTES + payload_bytes(payloads, 2), name
-        assert MESSAGE_PARTS[name] == 1 + len(payloads), name  # the header, then each payload
+        assert caps[link] >= payload_bytes(payloads, 2), name  # the payloads ride inside the frame ...
+        assert MESSAGE_PARTS[name] == 1, name  # ... so a decode-tick message is one tensor on the wire
 
 
 def test_late_receives_cost_every_tensor_found_waiting():
-    # the transport receives a message's tensors one after the other; a receive posted after its
-    # send waits late_ms (gloo's rendezvous). 3 + 2 ms stages, zero posts and reads, late 0.05 ms:
-    #   stage 0: its token (1 tensor) is waiting when it finishes: 0.05 + 3 = 3.05 per tick
-    #   stage 1: activation (header + hidden): 2 x 0.05 + 2 = 2.1
-    #   driver: stage 0's anchors (2 tensors) + the exit (3): 5 x 0.05 + PDM 0.5 + verify 0.2 = 0.95
-    #   verify loop: (5.9 as without, + the hidden behind stage 1's header + 2 exit tensors) / 2
+    # a receive posted after its send waits late_ms (gloo's rendezvous); every decode-tick message
+    # is one frame (MESSAGE_PARTS). 3 + 2 ms stages, zero posts and reads, late 0.05 ms:
+    #   stage 0: its token is waiting when it finishes: 0.05 + 3 = 3.05 per tick
+    #   stage 1: its activation frame: 0.05 + 2 = 2.05
+    #   driver: stage 0's anchors + the exit, one frame each: 2 x 0.05 + PDM 0.5 + verify 0.2 = 0.8
+    #   verify loop: as without (5.9): every message on it is awaited, none found waiting
     case = sep_case(late_ms=0.05)
     cycles = spd_cycles(case)
-    assert cycles["stage 0 compute"] == pytest.approx(3.05) and cycles["stage 1 compute"] == pytest.approx(2.1)
-    assert cycles["driver: PDM + verify"] == pytest.approx(0.95)
-    assert cycles["verify loop (token through all stages, verify, next token)"] == pytest.approx((5.9 + 0.15) / 2)
+    assert cycles["stage 0 compute"] == pytest.approx(3.05) and cycles["stage 1 compute"] == pytest.approx(2.05)
+    assert cycles["driver: PDM + verify"] == pytest.approx(0.8)
+    assert cycles["verify loop (token through all stages, verify, next token)"] == pytest.approx(5.9 / 2)
     assert simulate_spd(case, 2000)["tick_ms"] == pytest.approx(3.05, rel=2e-3)
     assert simulate_spd(sep_case(), 2000)["tick_ms"] == pytest.approx(3.0, rel=2e-3)  # late 0: as before

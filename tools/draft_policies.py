@@ -1,7 +1,7 @@
-"""What drafting policies would buy, measured offline with the exact T=0 replay (train/draft_potential.py).
+"""`spd draft-policies`: what drafting policies would buy, measured offline with the exact T=0
+replay (train/draft_potential.py).
 
-    python -m spd_engine.bench.draft_potential [--stages 4] [--max-new-tokens 256] [--limit N]
-        [--reference-cache DIR] [--json OUT]
+    spd draft-policies [--stages 4] [--max-new-tokens 256] [--limit N] [--reference-cache DIR] [--json OUT]
 
 Per dataset, overall, and over the prompts whose greedy output does not loop: alpha and pooled
 EAL of every policy in one run (the same references and draft tables), plus the PDM's top-1/2/4
@@ -10,7 +10,8 @@ recall and the suffix draft's coverage and precision per fill.
 from __future__ import annotations
 
 import argparse
-import json
+import builtins
+import functools
 import math
 import sys
 
@@ -34,22 +35,20 @@ def _pooled(accs, n: int) -> dict:
     return {"prompts": len(accs), "alpha": acc / ver if ver else None, "eal": n * dec / ticks if ticks else None}
 
 
-def main(argv: list[str] | None = None) -> int:
-    from spd_engine.tools.common import add_engine_arguments, engine_config
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from spd_engine.tools.common import add_engine_arguments, add_json_argument
 
-    p = argparse.ArgumentParser(prog="python -m spd_engine.bench.draft_potential", description=__doc__.splitlines()[0])
     add_engine_arguments(p, mode_flags=False)
-    p.add_argument("--datasets", default="mt_bench,humaneval,gsm8k")
-    p.add_argument("--limit", type=int, default=None, help="prompts per dataset (default: all)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--reference-cache", default=None, metavar="DIR", help="greedy outputs reused across runs")
-    p.add_argument("--json", default=None, metavar="OUT")
-    args = p.parse_args(argv)
-    try:
-        return _run(args)
-    except ValueError as err:
-        print(f"draft_potential: {err}", file=sys.stderr)
-        return 2
+    g = p.add_argument_group("policies")
+    g.add_argument("--datasets", default="mt_bench,humaneval,gsm8k", help="comma-separated subset of the prompt sets")
+    g.add_argument("--limit", type=int, default=None, help="prompts per dataset (default: all)")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate per prompt at most")
+    g.add_argument("--reference-cache", default=None, metavar="DIR", help="greedy outputs reused across runs")
+    add_json_argument(g, "the policy table and the draft-state statistics")
+
+
+def run(args) -> int:
+    return _run(args)
 
 
 def _run(args) -> int:
@@ -60,7 +59,7 @@ def _run(args) -> int:
     from spd_engine.engine.greedy import greedy_generate
     from spd_engine.engine.suffix import SuffixSettings
     from spd_engine.engine.tokenizer import Tokenizer
-    from spd_engine.tools.common import engine_config, parse_names
+    from spd_engine.tools.common import engine_config, parse_names, write_json
     from spd_engine.train.draft_potential import StateStats, loops, score_prompt
     from spd_engine.train.evaluate import DATASETS, default_data_dir, encode_prompt, full_target, load_dataset
     from spd_engine.train.fast_eval import draft_table
@@ -100,15 +99,15 @@ def _run(args) -> int:
               "states": {g: {str(f): row for f, row in sorted(s.by_fill.items())} | {"all": s.total()}
                          for g, s in stats.items()},
               "state_columns": ["count", "top1", "top2", "top4", "suffix_proposes", "suffix_correct"]}
-    _print(report)
+    _print(report, file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.json, report)
     return 0
 
 
-def _print(report: dict) -> None:
+def _print(report: dict, file=sys.stdout) -> None:
     groups = list(report["groups"])
+    print = functools.partial(builtins.print, file=file)  # noqa: A001
     print("policy".ljust(24) + "".join(f"{g:>22}" for g in groups))
     for name in POLICY_GRID:
         cells = []
@@ -123,6 +122,3 @@ def _print(report: dict) -> None:
             print(f"  {g:>12} fill {f:>3}: {c:6d}  {t1 / c:.3f} {t2 / c:.3f} {t4 / c:.3f}  "
                   f"{sp / c:.3f} {sc / sp if sp else float('nan'):.3f}")
 
-
-if __name__ == "__main__":
-    sys.exit(main())
