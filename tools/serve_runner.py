@@ -61,10 +61,11 @@ def run_server(engine: EngineLoop, app, sock: socket.socket, drain_timeout_s: fl
 
     def on_fatal(reason: str) -> None:
         print(f"spd serve: unhealthy: {reason}", file=sys.stderr, flush=True)
-        threading.Timer(unhealthy_grace_s, lambda: setattr(server, "should_exit", True)).start()
-        watchdog = threading.Timer(exit_deadline_s, _hard_exit, args=(reason,))
-        watchdog.daemon = True
-        watchdog.start()
+        timers = (threading.Timer(unhealthy_grace_s, lambda: setattr(server, "should_exit", True)),
+                  threading.Timer(exit_deadline_s, _hard_exit, args=(reason,)))
+        for timer in timers:
+            timer.daemon = True
+            timer.start()
 
     engine.on_fatal = on_fatal
     if engine.state == "failed":  # failed between start-up and now
