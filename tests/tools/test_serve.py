@@ -6,7 +6,9 @@ deadline, SIGTERM draining to exit 0, and a killed stage rank failing the reques
 and ending the server with a non-zero exit within 30 s, nothing left running."""
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -17,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from spd_engine.bench.serve_process import ServerProcess
+from spd_engine.bench.serve_process import ServerProcess, group_members
 from spd_engine.engine.launch import FAULT_ENV
 from spd_engine.engine.run_config import PRESETS, RunConfig
 from spd_engine.engine.topology import Topology
@@ -212,6 +214,19 @@ def test_full_queue_answers_429_at_once_and_a_disconnect_frees_the_pipeline(tiny
     assert metric(tiny, "spd:request_total{outcome=\"queue_full\"}") >= 1
 
 
+def test_a_non_streaming_client_that_gives_up_cancels_its_request(tiny):
+    cancelled = metric(tiny, "spd:request_total{outcome=\"cancelled\"}")
+    tokens = metric(tiny, "spd:generation_tokens_total")
+    with pytest.raises(httpx.ReadTimeout):  # the client closes the connection after 0.5 s
+        httpx.post(f"{tiny.base_url}/completions", json={"model": TINY, "prompt": [4, 5], "max_tokens": 480},
+                   timeout=httpx.Timeout(60, read=0.5))
+    deadline = time.monotonic() + 30
+    while metric(tiny, "spd:request_total{outcome=\"cancelled\"}") == cancelled and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(tiny, "spd:request_total{outcome=\"cancelled\"}") == cancelled + 1
+    assert metric(tiny, "spd:generation_tokens_total") - tokens < 480  # it ended early
+
+
 # ---- the real model ----
 
 def spd_generate(*args: str) -> str:
@@ -303,7 +318,8 @@ def test_deadline_then_sigterm_drains_to_exit_0():
         server.kill()
 
 
-def test_killed_stage_fails_the_request_in_flight_and_the_server_exits_within_30s():
+@pytest.mark.parametrize("stream", [False, True])
+def test_killed_stage_fails_the_request_in_flight_and_the_server_exits_within_30s(stream):
     killed = 2  # stage 1 of 3: a stage on either side and the driver
     server = ServerProcess(["--model", TINY, "--stages", "3", "--threads", "1", "--capacity", "512",
                             "--timeout", "10"], env={FAULT_ENV: f"{killed}:120"})
@@ -312,10 +328,13 @@ def test_killed_stage_fails_the_request_in_flight_and_the_server_exits_within_30
 
         def ask(i: int) -> None:
             try:
-                results.append(client(server).completions.create(model=TINY, prompt=[5 + i, 6], max_tokens=400))
-            except openai.APIStatusError as err:
-                results.append(err)
-            except openai.APIConnectionError as err:  # sent after the server stopped listening
+                kw = dict(model=TINY, prompt=[5 + i, 6], max_tokens=400)
+                if stream:
+                    results.append("".join(ch.choices[0].text for ch in client(server).completions.create(
+                        stream=True, **kw) if ch.choices))
+                else:
+                    results.append(client(server).completions.create(**kw))
+            except openai.APIError as err:  # a status, an error event mid-stream, or no connection
                 results.append(err)
 
         threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(4)]
@@ -327,13 +346,33 @@ def test_killed_stage_fails_the_request_in_flight_and_the_server_exits_within_30
         failed_at = next((t for t, line in server.lines if "unhealthy" in line), None)
         code = server.proc.wait(60)
         ended = time.monotonic()
-        statuses = [getattr(r, "status_code", None) for r in results]
         assert code not in (0, None) and failed_at is not None, server.stderr()[-3000:]
         assert ended - failed_at < 30
-        errors = [r for r in results if getattr(r, "status_code", 0) == 500]
-        assert len(errors) == 1, statuses  # the one in flight
-        assert errors[0].code == "rank_failed" and re.search(r"lost stage rank \d", errors[0].message)
-        assert all(s in (200, 500, 503, None) for s in statuses), statuses  # the others: served before, or refused
+        refused = lambda r: isinstance(r, openai.APIConnectionError) or getattr(r, "status_code", 0) == 503  # noqa: E731
+        failed = [r for r in results if isinstance(r, openai.APIError) and not refused(r)]
+        assert len(failed) == 1, results  # the one in flight, failed naming the rank the driver lost
+        assert re.search(r"lost stage rank \d", failed[0].message), failed[0].message
+        if not stream:
+            assert failed[0].status_code == 500 and failed[0].code == "rank_failed"
+        # the others: served before, refused as queued (503), or sent after the server stopped listening
+        assert all(refused(r) or not isinstance(r, openai.APIError) for r in results if r is not failed[0])
         assert server.leftovers() == [], "processes left behind"
+    finally:
+        server.kill()
+
+
+def test_a_rank_dying_while_idle_ends_the_server():
+    server = ServerProcess(["--model", TINY, "--stages", "2", "--threads", "1", "--capacity", "256"])
+    try:
+        assert client(server).completions.create(model=TINY, prompt=[5, 6], max_tokens=4).choices[0].text
+        ranks = [pid for pid in group_members(server.proc.pid) if pid != server.proc.pid
+                 and "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        assert len(ranks) == 2, ranks  # the stage ranks (2 stages, the driver is the server itself)
+        os.kill(ranks[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        code = server.proc.wait(30)
+        assert code == 1 and time.monotonic() - t0 < 30
+        assert "a stage rank died" in server.stderr() and "killed by signal 9" in server.stderr()
+        assert server.leftovers() == []
     finally:
         server.kill()
