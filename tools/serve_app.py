@@ -105,11 +105,11 @@ def build_app(engine: EngineLoop, info: ModelInfo, metrics: ServeMetrics, reques
 
     async def _serve(request: Request, chat: bool) -> Response:
         try:
-            body = json.loads(await request.body())
+            try:
+                body = json.loads(await request.body())
+            except ValueError as err:  # not JSON, or not UTF-8
+                raise ApiError(400, f"the request body is not valid JSON: {err}") from None
             req = prepare(parse_request(body, chat), info)
-        except json.JSONDecodeError as err:
-            metrics.outcome("bad_request")
-            raise ApiError(400, f"the request body is not valid JSON: {err}") from None
         except ApiError:
             metrics.outcome("bad_request")
             raise

@@ -159,8 +159,9 @@ def test_chat_unsupported_field_or_bad_value_is_a_400_naming_it(tiny, kwargs, pa
 def test_unknown_model_is_404_and_bad_json_400(tiny):
     with pytest.raises(openai.NotFoundError):
         client(tiny).completions.create(model="gpt-4", prompt="x")
-    r = httpx.post(f"{tiny.base_url}/completions", content=b"{not json", headers={"content-type": "application/json"})
-    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    for junk in (b"{not json", b"\xff\xfe"):
+        r = httpx.post(f"{tiny.base_url}/completions", content=junk, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
 
 def _stream_in_background(server: ServerProcess, prompt, max_tokens: int, first: threading.Event, out: dict):
