@@ -14,7 +14,9 @@ Parameter names are the checkpoint keys (`StageModel.state_dict()` == engine che
 Layer indices are global. A `StageModel` builds only the layers it owns (plus the embedding
 and/or final norm + head where asked), so no process materialises layers it does not run.
 Every code path (reference decoder, stages, baselines, PDM) runs the same `DecoderLayer`
-with the same shapes, so hidden states agree bit for bit between them on one device.
+with the same shapes, so hidden states agree bit for bit between them on one device, given
+weights at the same addresses modulo 64 bytes and the same thread count (a BLAS library may
+pick its kernel by either; docs/testing.md).
 """
 from __future__ import annotations
 

@@ -1,148 +1,22 @@
-"""Capturable decode steps (engine/graphs.py) against the eager path, compute profiles from a
-bench report and from `spd profile` (CPU: graphs skipped), and the profile's use by the cost model."""
+"""Compute profiles from a bench report and from `spd profile` (CPU: graphs skipped), and the
+profile's use by the cost model. The decode steps themselves are tested in tests/engine/test_graphs.py."""
 from __future__ import annotations
 
 import json
 
 import pytest
-import torch
 
 from spd_engine.bench.cost_model import AlphaCurve, LinkModel, Links, Profile, plan
 from spd_engine.bench.profile import (DeviceSettings, choose_spd_row, driver_tick_ms, fully_graphed, measure_shape,
                            profile_from_bench, profile_json)
 from spd_engine.engine.run_config import PRESETS, RunConfig
-from spd_engine.engine.graphs import (DevicePositionCache, PDMStep, StageStep, StepGraph, VerifyStep, bucket_for,
-                           length_buckets)
-from spd_engine.engine.model import StageModel, init_random_
-from spd_engine.engine.pdm import greedy_draft, random_pdm
 from spd_engine.engine.topology import Topology
-
-# The masked static step sums attention over a longer, partly masked cache prefix: equal up to
-# fp32 summation order. Observed differences are ~1e-7; the bound leaves room for other BLAS.
-ATOL = 1e-5
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
+def _threads(one_thread):
     # tiny shapes: extra intra-op threads only spin against other jobs on a shared host
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield
-    torch.set_num_threads(before)
-
-
-# ---------------------------------------------------------------- engine/graphs.py on CPU (eager)
-
-def test_length_buckets():
-    assert length_buckets(1024) == (128, 256, 512, 1024)
-    assert length_buckets(1000, smallest=256) == (256, 512, 1000)
-    assert length_buckets(64) == (64,)
-    assert bucket_for((8, 16, 64), 8) == 8 and bucket_for((8, 16, 64), 9) == 16
-    with pytest.raises(ValueError, match="exceeds the KV capacity 64"):
-        bucket_for((8, 16, 64), 65)
-
-
-def test_device_position_cache_writes_only_its_slots():
-    cfg = PRESETS["tiny-llama"]
-    model = init_random_(StageModel(cfg, range(0, 1))).eval()
-    cache = model.new_cache(1, 16)
-    k = torch.randn(1, cfg.num_kv_heads, 2, cfg.head_dim)
-    view = DevicePositionCache(cache, torch.tensor([5, 6]), 8)
-    keys, values = view.write(0, 0, k, -k)
-    assert keys.shape[2] == 8 and torch.equal(cache.k[0][:, :, 5:7], k) and torch.equal(cache.v[0][:, :, 5:7], -k)
-    untouched = torch.cat([cache.k[0][:, :, :5], cache.k[0][:, :, 7:]], dim=2)
-    assert torch.count_nonzero(untouched) == 0
-
-
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
-def test_stage_step_matches_eager_path_with_rollback(preset):
-    """Same outputs, anchors and KV contents as forward_layers, across bucket changes and a
-    rollback (stale slots above the position are written with junk first, and masked)."""
-    cfg = PRESETS[preset]
-    model = init_random_(StageModel(cfg, range(1, 4))).eval()
-    ref_cache, cache = model.new_cache(1, 64), model.new_cache(1, 64)
-    for i in model.layer_range:  # junk in every slot: only written slots may matter
-        cache.k[i].normal_(0, 50)
-        cache.v[i].normal_(0, 50)
-    step = StageStep(model, cache, buckets=(8, 16, 64), capture=frozenset({2}))
-    gen = torch.Generator().manual_seed(1)
-    worst = 0.0
-    with torch.no_grad():
-        for pos in [*range(12), 7, 8, 9, 10, 11, 12, 13]:  # 7..: a flush, then new tokens over stale ones
-            h = torch.randn(1, 1, cfg.hidden_size, generator=gen)
-            ref, caps = model.forward_layers(h, ref_cache, pos, capture=frozenset({2}))
-            out, caps2, token = step.run(pos, h=h)
-            assert token is None
-            worst = max(worst, (ref - out).abs().max().item(), (caps[2] - caps2[2]).abs().max().item())
-    assert worst <= ATOL
-    for i in model.layer_range:
-        assert torch.allclose(cache.k[i][:, :, :14], ref_cache.k[i][:, :, :14], atol=ATOL)
-    assert set(step.modes()) == {8, 16}  # one step function per bucket used
-    assert all("skipped on cpu" in m for m in step.modes().values())
-
-
-def test_prepare_builds_every_bucket_and_its_writes_are_harmless():
-    cfg = PRESETS["tiny-llama"]
-    model = init_random_(StageModel(cfg, range(1, 4))).eval()
-    ref_cache, cache = model.new_cache(1, 64), model.new_cache(1, 64)
-    step = StageStep(model, cache, buckets=(8, 16, 64))
-    step.h_in.normal_(0, 50)  # junk input: prepare's warm-up runs write K/V from it
-    assert set(step.prepare()) == {8, 16, 64}  # every bucket, before any real step
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for pos in range(20):  # positions 7, 15 (written by prepare) are rewritten before being read
-            h = torch.randn(1, 1, cfg.hidden_size, generator=gen)
-            ref, _ = model.forward_layers(h, ref_cache, pos)
-            out, _, _ = step.run(pos, h=h)
-            assert (ref - out).abs().max().item() <= ATOL
-    pdm = random_pdm(cfg, (3, 3), num_layers=1)
-    assert set(PDMStep(pdm, pdm.new_cache(32), rows=3, buckets=(16, 32)).prepare()) == {16, 32}
-
-
-def test_full_model_step_and_verify_give_the_eager_tokens():
-    cfg = PRESETS["tiny-qwen3"]
-    full = init_random_(StageModel.full(cfg)).eval()
-    ref_cache = full.new_cache(1, 32)
-    step = StageStep(full, full.new_cache(1, 32))
-    verify = VerifyStep(full)
-    with torch.no_grad():
-        for pos, tok in enumerate([5, 17, 33, 8, 90, 41]):
-            ref, _ = full.forward_layers(full.embed(torch.tensor([[tok]])), ref_cache, pos)
-            out, _, token = step.run(pos, token=tok)
-            assert (ref - out).abs().max().item() <= ATOL
-            assert int(token) == int(full.logits(ref[0, -1]).argmax())
-            assert int(verify.run(ref[0, -1])) == int(full.logits(ref[0, -1]).argmax())
-    assert "skipped on cpu" in verify.mode
-
-
-@pytest.mark.parametrize("draft_vocab", [None, tuple(range(0, 96, 3))])
-def test_pdm_step_matches_forward_rows(draft_vocab):
-    cfg = PRESETS["tiny-llama"]
-    pdm = random_pdm(cfg, (3, 3), num_layers=2, draft_vocab=draft_vocab)
-    ref_cache = pdm.new_cache(32)
-    step = PDMStep(pdm, pdm.new_cache(32), rows=3, buckets=(16, 32))
-    gen = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for pos in [0, 3, 4, 5, 4, 14, 15]:  # the driver appends rows and crops back to pending + 1
-            rows = torch.randn(1, 3, cfg.hidden_size, generator=gen)
-            h = pdm.forward_rows(rows, ref_cache, pos)
-            last, draft = step.run(pos, rows)
-            assert torch.allclose(last, h[0, -1], atol=1e-5)
-            assert int(draft) == greedy_draft(pdm, h[0, -1])
-            if draft_vocab is not None:
-                assert int(draft) in draft_vocab
-
-
-def test_step_graph_is_eager_off_cuda_and_when_disabled():
-    calls = []
-    g = StepGraph(lambda: calls.append(1) or len(calls), torch.device("cpu"))
-    assert not g.graphed and g.mode == "eager (graphs skipped on cpu)"
-    assert g() == 1 and g() == 2  # runs the function every time
-    assert StepGraph(lambda: 0, torch.device("cuda"), enabled=False).mode == "eager (graphs disabled)"
-    cfg = PRESETS["tiny-llama"]
-    model = init_random_(StageModel(cfg, range(0, 2))).eval()
-    with pytest.raises(ValueError, match="exceeds the KV capacity"):
-        StageStep(model, model.new_cache(1, 8)).run(8, h=torch.zeros(1, 1, cfg.hidden_size))
 
 
 # ---------------------------------------------------------------- profile from a bench report
@@ -246,10 +120,10 @@ def test_bench_profile_out_needs_an_spd_run():
     from spd_engine.tools.bench import cases
 
     ecfg = _ecfg()
-    args = argparse.Namespace(configs="ar,pp", timeline=None, profile_out="x.json")
+    args = argparse.Namespace(configs="ar,pp", timeline=None, chrome_trace=None, profile_out="x.json")
     with pytest.raises(ValueError, match="--profile-out needs an spd"):
         cases(args, ecfg)
-    traced = cases(argparse.Namespace(configs="ar,pp,spd,spd-colocate", timeline=None, profile_out="x.json"), ecfg)
+    traced = cases(argparse.Namespace(configs="ar,pp,spd,spd-colocate", timeline=None, chrome_trace=None, profile_out="x.json"), ecfg)
     assert [c.ecfg.trace for c in traced] == [False, True, True, True]  # pp too: its stage times
 
 

@@ -7,6 +7,7 @@ import torch
 from spd_engine.checkpoint_tools import megatron_dcp, shard, verify
 from spd_engine.engine.model_config import tiny_config
 from ckpt_helpers import tiny_state, write_tiny_hf
+from near_ties import count_near_ties
 
 
 @pytest.fixture
@@ -27,11 +28,23 @@ def test_detect_kind(three_kinds):
         verify.detect_kind(path / "missing")
 
 
+SAME_BOUND = 1e-6  # tiny logits O(1); measured 0 on an AVX-512 Intel host
+
+
 def test_same_weights_agree_across_kinds(three_kinds):
-    path, _ = three_kinds
+    """The three kinds hold bit-identical weights; each loader leaves them at its own addresses,
+    which may pick another BLAS kernel (docs/testing.md), so the logits are held to a bound, and
+    the argmax may differ only at near-ties of these prompts (there are none)."""
+    path, cfg = three_kinds
+    states = {k: verify.load_any(path / k)[1] for k in ("hf", "engine", "megatron")}
+    assert all(sorted(states[k]) == sorted(states["hf"]) for k in states)
+    assert all(torch.equal(states[k][name], t) for k in states for name, t in states["hf"].items())
+    model = verify.build_model(cfg, states["hf"])
+    logits = torch.cat([verify.prompt_logits(model, p) for p in verify.default_prompts(cfg)])
+    ties = count_near_ties(logits, SAME_BOUND)
     for a, b in (("hf", "engine"), ("engine", "megatron"), ("megatron", "hf")):
-        result = verify.verify(path / a, path / b, atol=0.0)
-        assert result.passed and result.max_abs_diff == 0.0 and result.argmax_agreement == 1.0
+        result = verify.verify(path / a, path / b, atol=SAME_BOUND, min_agreement=1 - ties / len(logits))
+        assert result.passed and result.max_abs_diff <= SAME_BOUND, result.summary()
         assert result.positions == 3 * 16
 
 

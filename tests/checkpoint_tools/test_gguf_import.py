@@ -20,6 +20,7 @@ from spd_engine.checkpoint_tools.gguf_import import (LAYER_TENSORS, gguf_to_hf, 
                                           rope_unpermute)
 from spd_engine.engine.model_config import ModelConfig, tiny_config
 from spd_engine.tools import cli
+from near_ties import assert_close_and_argmax_agrees
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = [("Ġ", "Ġ"), ("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o")]
@@ -213,8 +214,8 @@ def test_smollm2_logits_match_transformers_gguf_loader(smollm2_dir: Path, smollm
         a, b = ours(ids).logits, ref(ids).logits  # [1, T, vocab]
     diff = (a - b).abs().max().item()
     print(f"max |logit difference| vs transformers' GGUF loader: {diff:.3g}")
-    assert diff < 1e-5, diff  # same dequantised values, same float32 graph: measured 0
-    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    # same dequantised values, same float32 graph, other addresses: measured 0; argmax up to near-ties
+    assert_close_and_argmax_agrees(a[0], b[0], 1e-5, "ours vs the GGUF loader")
 
 
 @pytest.mark.slow

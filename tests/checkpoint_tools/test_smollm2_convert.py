@@ -17,9 +17,11 @@ import torch
 from spd_engine.checkpoint_tools import hf, megatron_dcp, shard, verify
 from spd_engine.engine import checkpoint as ckpt
 from ckpt_helpers import assert_same_tensors
+from near_ties import count_near_ties
 
 ROOT = Path(__file__).resolve().parents[2]
 MB = 1024 * 1024
+SAME_BOUND = 1e-4  # logits of the same weights at other addresses (logit scale ~40; measured 0 here)
 
 RSS_PROBE = """
 import json, resource, sys
@@ -90,9 +92,13 @@ def test_megatron_round_trip_and_verify(pp4, smollm2_dir, tmp_path):
     megatron_dcp.export_megatron(tmp_path / "m", cfg, state)
     cfg2, back = megatron_dcp.import_megatron(tmp_path / "m")
     assert cfg2 == cfg
-    assert_same_tensors(back, state)
-    result = verify.verify(smollm2_dir, tmp_path / "m", atol=0.0)
+    assert_same_tensors(back, state)  # bit-identical weights; the logits to a bound (other addresses, docs/testing.md)
+    model = verify.build_model(cfg, state)
+    logits = torch.cat([verify.prompt_logits(model, p) for p in verify.default_prompts(cfg)])
+    ties = count_near_ties(logits, SAME_BOUND)  # the only positions whose argmax may differ (1 of 48 here)
+    result = verify.verify(smollm2_dir, tmp_path / "m", atol=SAME_BOUND, min_agreement=1 - ties / len(logits))
     assert result.passed, result.summary()
+    print(f"{result.summary()}; {ties} near-ties within {2 * SAME_BOUND:g}")
 
 
 @pytest.mark.slow

@@ -69,8 +69,14 @@ def full_model(ecfg: RunConfig):
 
 
 def reference(ecfg: RunConfig, prompt: Sequence[int], max_new: int, eos: Sequence[int] = ()) -> list[int]:
-    """greedy_generate on the full model, same prefill chunk: the output SPD must reproduce."""
-    return greedy_generate(full_model(ecfg), prompt, max_new, eos_ids=eos, chunk=ecfg.prefill_chunk)
+    """greedy_generate on the full model, same prefill chunk and the ranks' intra-op thread count
+    (a BLAS call's bits depend on it, docs/testing.md): the output SPD must reproduce."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(ecfg.threads or before)  # threads None: ranks are threads of this process
+    try:
+        return greedy_generate(full_model(ecfg), prompt, max_new, eos_ids=eos, chunk=ecfg.prefill_chunk)
+    finally:
+        torch.set_num_threads(before)
 
 
 def random_prompts(cfg: ModelConfig, lengths: Iterable[int], seed: int = 0) -> list[list[int]]:

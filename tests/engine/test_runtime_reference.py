@@ -9,8 +9,9 @@ import pytest
 
 from spd_engine.engine.reference import ReferenceExecutor
 from spd_engine.engine.schedule import decode_ticks
-from helpers import (ARCHS, CHUNK, Policy, check_run, expected_ticks, random_prompts,  # noqa: F401
+from helpers import (ARCHS, CHUNK, Policy, check_run, expected_ticks, full_model, random_prompts,  # noqa: F401
                      reference, tiny_engine_config)
+from near_ties import assert_greedy_agrees, teacher_forced
 
 TOPOLOGIES = [(2, False), (3, False), (4, False), (4, True)]
 TOPOLOGY_IDS = ["n2", "n3", "n4", "n4-colocated"]
@@ -22,6 +23,7 @@ FORCED = [frozenset({1, 20, 21, NEW - 1}), frozenset({2, 3, 4, 40})]
 # The untrained PDM rejects nearly every draft (about n ticks per token), so the default run covers
 # two (family, topology) pairs; the slow run covers every (family, topology) pair.
 UNTRAINED_DEFAULT = {("qwen2", "n3"), ("llama", "n4-colocated")}
+STATIC_LOGIT_BOUND = 1e-5  # static (masked bucket) vs eager steps, tiny logits O(1): observed ~1e-7
 
 
 def matrix(default: set | None = None) -> list:
@@ -187,8 +189,10 @@ def test_ar_and_pp_baselines_equal_the_reference(arch, one_thread):
 @pytest.mark.parametrize("arch,n,colocate", [("llama", 3, False), ("qwen2", 4, True), ("qwen3", 2, False)])
 def test_static_steps_are_lossless(arch, n, colocate, one_thread, monkeypatch):
     """--step-mode static runs the CUDA-graph path's code (static buffers, device-side positions
-    and masks, one PDM step per row count) without capture: same tokens, same ticks, and with
-    the untrained head the same drafts as the eager steps."""
+    and masks, one PDM step per row count) without capture. Its steps attend over a masked length
+    bucket (other sums than the eager steps), so its greedy decoding, the pp baseline on the same
+    steps, equals eager greedy decoding up to near-ties; SPD on the static steps equals that
+    greedy decoding token for token, with the tick counts of the formula."""
     from spd_engine.engine.graphs import PDMStep, VerifyStep
 
     rows_run, verified = set(), []  # the row counts of the PDM steps that really ran; static verifications
@@ -197,22 +201,22 @@ def test_static_steps_are_lossless(arch, n, colocate, one_thread, monkeypatch):
     monkeypatch.setattr(VerifyStep, "run", lambda self, h: verified.append(1) or verify(self, h))
     _, prompts, refs = setup(arch, n, colocate)
     ecfg = tiny_engine_config(arch, n, colocate, step_mode="static")
-    eager_cfg = tiny_engine_config(arch, n, colocate, step_mode="eager")
     V = ecfg.cfg.vocab_size
-    with ReferenceExecutor(ecfg) as ex, ReferenceExecutor(eager_cfg) as eager:
-        assert ex.driver.step_mode == "static" and eager.driver.step_mode == "eager"
-        for k, (p, ref) in enumerate(zip(prompts[:3], refs[:3])):
+    with ReferenceExecutor(tiny_engine_config(arch, n, mode="pp", step_mode="static")) as ex:
+        static_refs = [ex.generate(p, NEW).tokens for p in prompts[:3]]
+    model = full_model(ecfg)
+    for p, sref, ref in zip(prompts, static_refs, refs):
+        assert_greedy_agrees(sref, ref, teacher_forced(model, p, ref), STATIC_LOGIT_BOUND, "static vs eager greedy")
+    with ReferenceExecutor(ecfg) as ex:
+        assert ex.driver.step_mode == "static"
+        for k, (p, ref) in enumerate(zip(prompts[:3], static_refs)):
             policy = Policy(ref, len(p), V, wrong=FORCED[k % 2])
             res = ex.generate(p, NEW, (), draft_policy=policy)
             check_run(res, ref, policy, n)
-            free, free_eager = ex.generate(p, NEW), eager.generate(p, NEW)  # the head's own drafts
-            assert free.tokens == ref and (free.ticks, free.accepted) == (free_eager.ticks, free_eager.accepted)
+            assert ex.generate(p, NEW).tokens == ref  # the head's own drafts
         assert sorted(ex.driver.pdm_steps) == list(range(1, n + 2))  # built (prepared) when the driver starts
         assert sorted(rows_run) == list(range(1, n + 2))  # and every one ran: fills 1..n, with and without pending
         assert len(verified) > 0  # T=0 verification went through the static step
-    pp = tiny_engine_config(arch, n, mode="pp", step_mode="static")
-    with ReferenceExecutor(pp) as ex:
-        assert all(ex.generate(p, 32).tokens == ref[:32] for p, ref in zip(prompts[:2], refs[:2]))
 
 
 def test_step_mode_is_validated_and_auto_resolves_by_device():
