@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from spd_engine.bench.serve_process import ServerProcess, group_members
+from spd_engine.tools.serve_process import ServerProcess, group_members
 from spd_engine.engine.launch import FAULT_ENV
 from spd_engine.engine.run_config import PRESETS, RunConfig
 from spd_engine.engine.topology import Topology

@@ -1,4 +1,4 @@
-"""The `spd serve` load test (bench/serve_load.py) end to end on the tiny model: 16 concurrent
+"""The `spd serve` load test (tools/serve_load.py) end to end on the tiny model: 16 concurrent
 clients with a small queue, then with random disconnects; it finds no problem and reports its
 latency percentiles. Its checks are the ones that would catch lost, cut or mixed replies."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from spd_engine.bench.serve_load import Outcome, check, main
+from spd_engine.tools.serve_load import Outcome, check, main
 
 @pytest.mark.multiproc
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 `spd generate` runs it, and streamed through the server, side by side in one process on the
 same ranks.
 
-    python -m spd_engine.bench.serve_overhead --prompt "Why is the sky blue?" --max-tokens 64 --repeats 5 \\
+    python -m spd_engine.tools.serve_overhead --prompt "Why is the sky blue?" --max-tokens 64 --repeats 5 \\
         -- --model smollm2-135m --stages 4
 
 One server (arguments after `--` are `spd serve`'s) is started in this process: its engine
@@ -112,7 +112,7 @@ def start_server(serve_argv: list[str]):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m spd_engine.bench.serve_overhead", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m spd_engine.tools.serve_overhead", description=__doc__.split("\n")[0])
     p.add_argument("--prompt", default="Why is the sky blue?")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)

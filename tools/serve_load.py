@@ -1,7 +1,7 @@
 """Bounded load test of `spd serve` on 127.0.0.1: concurrent streaming clients, optionally
 disconnecting at random, every response checked against the same request served alone.
 
-    python -m spd_engine.bench.serve_load --clients 16 --requests 3 --max-tokens 16 --max-queue 8 \\
+    python -m spd_engine.tools.serve_load --clients 16 --requests 3 --max-tokens 16 --max-queue 8 \\
         --disconnect 0.3 --json-out serve_load.json -- --model smollm2-135m --stages 4
 
 Starts the server (arguments after `--`), serves every prompt once alone (the reference: greedy,
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from spd_engine.bench.serve_process import ServerProcess
+from spd_engine.tools.serve_process import ServerProcess
 from spd_engine.bench.stats import percentile
 
 
@@ -202,7 +202,7 @@ def metric(url: str, name: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m spd_engine.bench.serve_load", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m spd_engine.tools.serve_load", description=__doc__.split("\n")[0])
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--requests", type=int, default=3, help="requests per client and phase")
     p.add_argument("--max-tokens", type=int, default=16)
