@@ -214,6 +214,7 @@ class Driver:
             t0 = time.perf_counter()
             first = self._sample_target(self._prefill(prompt), len(prompt))
             res.prefill_s = time.perf_counter() - t0
+            req.timers = dict.fromkeys(req.timers, 0.0)  # the per-tick breakdown is the decode's
             t1 = time.perf_counter()
             if self._commit(first):
                 self._decode(len(prompt), first)

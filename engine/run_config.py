@@ -91,7 +91,7 @@ class RunConfig:
     stage_ms: tuple[float, ...] | None = None  # synthetic per-stage decode step time (sleep-padded)
     trace: bool = False  # record per-tick timestamps on every rank (timeline plots)
     step_mode: StepMode = StepMode.AUTO  # one-token decode steps (a string is parsed once, here)
-    suffix_drafts: bool = False  # draft from the longest earlier occurrence of the context's suffix too
+    suffix_drafts: bool = True  # draft from the longest earlier occurrence of the context's suffix too (engine/suffix.py)
     suffix_min_match: int = 2  # shortest suffix match that may draft
     suffix_max_len: int = 16  # longest suffix looked up
     suffix_pdm_margin: float = float("inf")  # suffix drafts only where the PDM's top-1 margin is below this

@@ -60,7 +60,10 @@ class StageWorker:
         self.in_request = False
         self.sampling = SamplingParams()  # used only by a head stage (pp / ar baselines)
         self.cfg_in = torch.empty(CONFIG_LEN, dtype=torch.int64)
-        self.stats = [0.0, 0, 0.0]  # compute seconds, messages, receive-wait seconds (host floats: no per-tick tensors)
+        # decode (TOKEN) messages only: compute seconds, count, receive-wait seconds (host floats:
+        # no per-tick tensors); prefill chunks are timed by the driver's prefill_s
+        self.stats = [0.0, 0, 0.0]
+        self.handled = 0  # messages handled this request (the tick named in receive errors)
         self.trace: list[float] | None = [] if opts.trace else None  # (recv start, compute start, compute end)*
         self.static = None if opts.step_mode == StepMode.EAGER else \
             StageStep(model, self.cache, graphs=opts.step_mode == StepMode.GRAPH, capture=self.capture)
@@ -76,7 +79,7 @@ class StageWorker:
         """Handle one message; False after SHUTDOWN."""
         timeout = self.timeout if self.in_request else None  # no timeout while idle between requests
         t0 = time.perf_counter()
-        hdr = self.t.recv_header(self.prev, timeout, tick=self.stats[1])
+        hdr = self.t.recv_header(self.prev, timeout, tick=self.handled)
         if hdr.kind in (Kind.TOKEN, Kind.PREFILL):
             self.in_request = True
             self._compute(hdr, t0)
@@ -95,6 +98,7 @@ class StageWorker:
             self.t.send(self.driver, Header(Kind.STATS, length=payload.numel()), [payload])
             self.t.flush()
             self.stats = [0.0, 0, 0.0]
+            self.handled = 0
             if self.trace is not None:
                 self.trace.clear()
             self.in_request = False
@@ -114,11 +118,11 @@ class StageWorker:
             if hdr.kind == Kind.TOKEN:
                 ids = self.tok.fill_(hdr.token)
             else:
-                ids = self.t.recv_into(self.prev, self.ids_in[:T], self.timeout, self.stats[1])[None]
+                ids = self.t.recv_into(self.prev, self.ids_in[:T], self.timeout, self.handled)[None]
             t1 = time.perf_counter()
         else:
             ids = None
-            h = self.t.recv_into(self.prev, self.h_in[:T], self.timeout, self.stats[1])[None]
+            h = self.t.recv_into(self.prev, self.h_in[:T], self.timeout, self.handled)[None]
             t1 = time.perf_counter()
         greedy_dev = None  # the static step's argmax token [1] (a head stage only)
         if self.static is not None and hdr.kind == Kind.TOKEN:
@@ -136,9 +140,11 @@ class StageWorker:
         if self.min_step_s > 0 and hdr.kind == Kind.TOKEN:
             time.sleep(max(0.0, self.min_step_s - (time.perf_counter() - t1)))
         t2 = time.perf_counter()
-        self.stats[0] += t2 - t1
-        self.stats[1] += 1
-        self.stats[2] += t1 - t0
+        self.handled += 1
+        if hdr.kind == Kind.TOKEN:
+            self.stats[0] += t2 - t1
+            self.stats[1] += 1
+            self.stats[2] += t1 - t0
         if self.trace is not None and hdr.kind == Kind.TOKEN:
             self.trace += [t0, t1, t2]
         if self.next is not None:
@@ -159,7 +165,7 @@ class StageWorker:
 
 
 def receive_stats(t: Transport, rank: int, timeout: float) -> dict:
-    """A stage's STATS reply: per-request compute/wait seconds, message count, optional trace."""
+    """A stage's STATS reply: per-request decode compute/wait seconds, decode message count, optional trace."""
     hdr = t.recv_header(rank, timeout)
     assert hdr.kind == Kind.STATS, hdr
     vals = t.recv_into(rank, torch.empty(hdr.length, dtype=torch.float64), timeout).tolist()

@@ -151,7 +151,7 @@ def compare(driver, target, pdm, prompt, max_new, chunk, tally: Counter, eos=(),
     the drafts compared bit for bit and the near ties among them."""
     res, want, drafts = runtime_counts(driver, prompt, max_new, eos, policy)
     assert (want.verified, want.accepted) == (res.verified, res.accepted)
-    fast = fast_generate(target, pdm, prompt, max_new, eos, chunk=chunk, draft_policy=policy)
+    fast = fast_generate(target, pdm, prompt, max_new, eos, chunk=chunk, draft_policy=policy, chooser=driver.chooser)
     assert fast.tokens == res.tokens
     assert fast.acceptance == want
     for f, t in fast.consulted:  # every draft whose correctness decided something, bit for bit
