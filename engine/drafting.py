@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from spd_engine.engine.suffix import SuffixIndex, SuffixProposal, SuffixSettings
+from spd_engine.engine.suffix import CrossRequestHistory, SuffixIndex, SuffixProposal, SuffixSettings
 
 PDM, SUFFIX = "pdm", "suffix"
 SOURCES = (PDM, SUFFIX)
@@ -22,6 +22,7 @@ SOURCES = (PDM, SUFFIX)
 class DraftChooser:
     suffix: SuffixSettings | None = None  # None: the PDM drafts every token
     pdm_margin: float = math.inf  # the suffix draft wins only below this PDM margin
+    cross_request: bool = False  # also look up earlier requests of the process (CrossRequestHistory)
 
     @property
     def uses_suffix(self) -> bool:
@@ -32,6 +33,10 @@ class DraftChooser:
         if proposal is not None and proposal.length >= self.suffix.min_match and pdm_margin < self.pdm_margin:
             return proposal.token, SUFFIX
         return pdm_token, PDM
+
+    def new_history(self) -> CrossRequestHistory | None:
+        """The process's cross-request history (None unless cross_request)."""
+        return CrossRequestHistory(self.suffix) if self.suffix is not None and self.cross_request else None
 
     def new_index(self, prompt: Sequence[int]) -> SuffixIndex | None:
         """A request's suffix index over its prompt (None without suffix drafts)."""

@@ -81,6 +81,7 @@ class Driver:
         self.capacity, self.chunk, self.timeout = opts.capacity, opts.prefill_chunk, opts.timeout_s
         self.local_stage0 = local_stage0
         self.chooser = opts.drafting
+        self.cross = self.chooser.new_history()  # earlier requests' tokens, when cross-request drafts are on
         self.n = topo.n
         p = next(head.parameters())
         H, m = head.cfg.hidden_size, plan.num_types
@@ -222,6 +223,8 @@ class Driver:
             res.ticks = req.tick
             res.driver = dict(req.timers)
             res.stages = self._finish_request()
+            if self.cross is not None:
+                self.cross.add(prompt, res.tokens)
         finally:
             self.epoch = req.epoch
             self.req = None
@@ -300,7 +303,8 @@ class Driver:
         unverified = [e.token for e in plan.inflight if e.pos >= C]
         keep = max(index.settings.max_len, len(unverified))
         tail = (index.history[-keep:] + unverified)[-keep:]
-        return index.propose(tail, C + len(unverified))
+        own = index.propose(tail, C + len(unverified))
+        return own if own is not None or self.cross is None else self.cross.propose(tail)
 
     def _draft(self, h_last: torch.Tensor, plan: TickPlan, policy: DraftPolicy | None,
                draft_id: torch.Tensor | None = None) -> int:

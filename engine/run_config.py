@@ -95,6 +95,7 @@ class RunConfig:
     suffix_min_match: int = 2  # shortest suffix match that may draft
     suffix_max_len: int = 16  # longest suffix looked up
     suffix_pdm_margin: float = float("inf")  # suffix drafts only where the PDM's top-1 margin is below this
+    suffix_cross_request: bool = False  # also draft from the process's earlier requests (a server's)
 
 
     def __post_init__(self) -> None:
@@ -150,7 +151,8 @@ class RunConfig:
         """The draft sources of this run (engine/drafting.py)."""
         if not self.suffix_drafts:
             return DraftChooser()
-        return DraftChooser(SuffixSettings(self.suffix_max_len, self.suffix_min_match), self.suffix_pdm_margin)
+        return DraftChooser(SuffixSettings(self.suffix_max_len, self.suffix_min_match), self.suffix_pdm_margin,
+                            self.suffix_cross_request)
 
     def plan(self) -> AnchorPlan:
         return AnchorPlan.build(self.topology.bounds, self.anchors)

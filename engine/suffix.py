@@ -9,12 +9,16 @@ position to draft (committed tokens, then the unverified in-flight drafts), of w
 last max_len tokens are read. An occurrence counts when it ends before the tail's own end and
 the token after it is known (committed or in flight). Deterministic: the same history gives
 the same proposal, which is what makes the exact T=0 replay (train/fast_eval.py) agree with the
-runtime.
+runtime. `CrossRequestHistory` optionally adds the prompts and outputs of the process's earlier
+requests (a server's), consulted when the request's own history has no match.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+
+SEPARATOR = -1  # between requests in a cross-request history: never matched, never proposed
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,23 @@ class SuffixProposal:
     length: int  # tokens of the matched suffix
 
 
+class CrossRequestHistory:
+    """Earlier requests' prompts and outputs of this process, bounded: when adding a request
+    would pass `max_tokens`, the history starts over with it."""
+
+    def __init__(self, settings: SuffixSettings, max_tokens: int = 1 << 16) -> None:
+        self.settings, self.max_tokens = settings, max_tokens
+        self.index = SuffixIndex(settings)
+
+    def add(self, prompt: Sequence[int], output: Sequence[int]) -> None:
+        if len(self.index.history) + len(prompt) + len(output) + 1 > self.max_tokens:
+            self.index = SuffixIndex(self.settings)
+        self.index.extend([*prompt, *output, SEPARATOR])
+
+    def propose(self, tail: Sequence[int]) -> SuffixProposal | None:
+        return self.index.propose_elsewhere(tail)
+
+
 class SuffixIndex:
     def __init__(self, settings: SuffixSettings = SuffixSettings()) -> None:
         self.settings = settings
@@ -51,6 +72,16 @@ class SuffixIndex:
                 key = tuple(h[e - n + 1:])
                 last = self._ends.get(key)
                 self._ends[key] = (e, last[0] if last is not None else -1)
+
+    def propose_elsewhere(self, tail: Sequence[int]) -> SuffixProposal | None:
+        """The longest suffix of `tail` (a context this index does not hold: another request's)
+        that occurred here, and the token after it; separators (SEPARATOR) are never proposed."""
+        h = self.history
+        for n in range(min(self.settings.max_len, len(tail)), self.settings.min_match - 1, -1):
+            for e in self._ends.get(tuple(tail[len(tail) - n:]), ()):
+                if 0 <= e < len(h) - 1 and h[e + 1] != SEPARATOR:
+                    return SuffixProposal(h[e + 1], n)
+        return None
 
     def propose(self, tail: Sequence[int], context_len: int) -> SuffixProposal | None:
         """tail: the last tokens of the context (at least the in-flight ones after the history);

@@ -187,6 +187,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
                    help="shortest suffix match (tokens) that may draft")
     d.add_argument("--suffix-pdm-margin", type=float, default=run_default("suffix_pdm_margin"),
                    help="a suffix draft wins only where the PDM's top-1 minus top-2 logit is below this")
+    d.add_argument("--suffix-cross-request", choices=("on", "off"),
+                   default="on" if run_default("suffix_cross_request") else "off",
+                   help="suffix drafts also from this process's earlier requests (prompts and outputs)")
 
 
 def _check_ignored_engine_flags(args: argparse.Namespace, mode: str, spec: str, seed_used: bool) -> None:
@@ -194,7 +197,8 @@ def _check_ignored_engine_flags(args: argparse.Namespace, mode: str, spec: str, 
         refuse_ignored(args, ["seed"], "with real weights and a trained head or no head (it seeds random "
                                        "weights and untrained heads; --sampling-seed seeds sampling)")
     if mode != "spd":
-        refuse_ignored(args, ["spec", "pdm_layers", "colocate", "suffix_drafts", "suffix_min_match", "suffix_pdm_margin"], f"with --mode {mode} (no speculation)")
+        refuse_ignored(args, ["spec", "pdm_layers", "colocate", "suffix_drafts", "suffix_min_match", "suffix_pdm_margin",
+                                "suffix_cross_request"], f"with --mode {mode} (no speculation)")
     if mode == "ar" and args.stages != 1:
         refuse_ignored(args, ["stages", "stage_layers"], "with --mode ar (one rank runs the whole model)")
     if spec != "random":
@@ -218,7 +222,8 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False) -> tuple[Ru
                      capacity=args.capacity or min(run_default("capacity"), cfg.max_position),
                      prefill_chunk=args.prefill_chunk, timeout_s=args.timeout, threads=args.threads,
                      seed=args.seed, step_mode=args.step_mode, suffix_drafts=args.suffix_drafts == "on",
-                     suffix_min_match=args.suffix_min_match, suffix_pdm_margin=args.suffix_pdm_margin)
+                     suffix_min_match=args.suffix_min_match, suffix_pdm_margin=args.suffix_pdm_margin,
+                     suffix_cross_request=args.suffix_cross_request == "on")
     return ecfg, tok_dir
 
 

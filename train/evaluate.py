@@ -175,6 +175,7 @@ class FastRunner:
     def __init__(self, ecfg: RunConfig, cache: ReferenceCache | None = None) -> None:
         self.target, self.pdm, self.chunk, self.cache = full_target(ecfg), build_pdm(ecfg), ecfg.prefill_chunk, cache
         self.chooser = ecfg.chooser()  # the run's draft sources, as the driver would use them
+        self.cross = self.chooser.new_history()  # earlier requests' tokens, as a driver keeps them
 
     def run(self, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], request: int = 0
             ) -> Outcome:
@@ -183,7 +184,9 @@ class FastRunner:
             ref = self.cache.get_or_compute(prompt, max_new_tokens, eos_ids, self.chunk, lambda: greedy_generate(
                 self.target, prompt, max_new_tokens, eos_ids=eos_ids, chunk=self.chunk))
         fr = fast_generate(self.target, self.pdm, prompt, max_new_tokens, eos_ids, chunk=self.chunk, reference=ref,
-                           chooser=self.chooser)
+                           chooser=self.chooser, cross=self.cross)
+        if self.cross is not None:
+            self.cross.add(prompt, fr.tokens)
         # a ceiling on alpha: no draft can equal a token outside the head's vocabulary
         outside = int((~torch.isin(torch.tensor(fr.tokens[1:], dtype=torch.long),
                                    self.pdm.draft_ids.cpu())).sum())

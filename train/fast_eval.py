@@ -24,7 +24,7 @@ from spd_engine.engine.greedy import DEFAULT_PREFILL_CHUNK, greedy_generate
 from spd_engine.engine.model import StageModel
 from spd_engine.engine.pdm import PDM
 from spd_engine.engine.drafting import DraftChooser
-from spd_engine.engine.suffix import SuffixProposal
+from spd_engine.engine.suffix import CrossRequestHistory, SuffixProposal
 from spd_engine.engine.tick import Draft, TickState, Verdict
 from spd_engine.train.pipeline_sim import simulated_hidden, target_anchors
 
@@ -128,11 +128,12 @@ def draft_table(target: StageModel, pdm: PDM, prompt: Sequence[int], y: Sequence
     return DraftTable(drafts.cpu(), margins.float().cpu(), tops.cpu())
 
 
-def suffix_table(chooser: DraftChooser, prompt: Sequence[int], y: Sequence[int], n: int
-                 ) -> list[list[SuffixProposal | None]]:
+def suffix_table(chooser: DraftChooser, prompt: Sequence[int], y: Sequence[int], n: int,
+                 cross: CrossRequestHistory | None = None) -> list[list[SuffixProposal | None]]:
     """[f - 1][t]: the suffix proposal the driver sees at a tick with fill f whose newest token is
     y[t] and every in-flight token correct: committed history = prompt + y[:t - f + 2], context =
-    prompt + y[:t + 1] (the same SuffixIndex calls as the runtime's)."""
+    prompt + y[:t + 1] (the same SuffixIndex calls as the runtime's); `cross`: the earlier
+    requests' history, consulted when the request's own has no match, as the driver does."""
     N, P = len(y), len(prompt)
     out: list[list[SuffixProposal | None]] = []
     for f in range(1, n + 1):
@@ -145,7 +146,8 @@ def suffix_table(chooser: DraftChooser, prompt: Sequence[int], y: Sequence[int],
                 continue
             index.extend(y[len(index.history) - P:t - f + 2])
             context = [*prompt[max(0, P - keep):], *y[:t + 1]][-keep:]
-            row.append(index.propose(context, P + t + 1))
+            own = index.propose(context, P + t + 1)
+            row.append(own if own is not None or cross is None else cross.propose(context))
         out.append(row)
     return out
 
@@ -169,7 +171,7 @@ class FastRun:
 def fast_generate(target: StageModel, pdm: PDM, prompt: Sequence[int], max_new_tokens: int,
                   eos_ids: Sequence[int] = (), chunk: int = DEFAULT_PREFILL_CHUNK,
                   draft_policy: DraftPolicy | None = None, reference: Sequence[int] | None = None,
-                  chooser: DraftChooser = DraftChooser()) -> FastRun:
+                  chooser: DraftChooser = DraftChooser(), cross: CrossRequestHistory | None = None) -> FastRun:
     """SPD's T=0 counters for one request, from one greedy decode and one teacher-forced pass.
 
     `chunk` is the prefill chunk of the runtime being modelled (the reference decode then runs
@@ -183,15 +185,16 @@ def fast_generate(target: StageModel, pdm: PDM, prompt: Sequence[int], max_new_t
     if N == 1:
         return FastRun(y, replay(1, pdm.plan.n, lambda f, t: False), None, frozenset())
     table = draft_table(target, pdm, prompt, y)
-    return replay_table(table, y, P, pdm.plan.n, chooser, draft_policy, prompt)
+    return replay_table(table, y, P, pdm.plan.n, chooser, draft_policy, prompt, cross)
 
 
 def replay_table(table: DraftTable, y: Sequence[int], P: int, n: int, chooser: DraftChooser = DraftChooser(),
-                 draft_policy: DraftPolicy | None = None, prompt: Sequence[int] = ()) -> FastRun:
+                 draft_policy: DraftPolicy | None = None, prompt: Sequence[int] = (),
+                 cross: CrossRequestHistory | None = None) -> FastRun:
     """The replay of one request from its draft table (one table serves many choosers)."""
     N = len(y)
     drafts, margins = table.drafts.tolist(), table.margins.tolist()
-    proposals = suffix_table(chooser, prompt, y, n) if chooser.uses_suffix else None
+    proposals = suffix_table(chooser, prompt, y, n, cross) if chooser.uses_suffix else None
     consulted: set[tuple[int, int]] = set()
     source: dict[tuple[int, int], str] = {}
 

@@ -85,3 +85,34 @@ def test_fast_replay_equals_the_runtime_with_suffix_drafts(n, margin, one_thread
             assert (a.ticks, a.verified, a.accepted, a.rejections) == (res.ticks, res.verified, res.accepted,
                                                                        res.rejections)
             assert {k: v for k, v in a.by_source.items()} == {k: v[1:] for k, v in res.by_source.items() if v[1]}
+
+
+def test_cross_request_history_never_proposes_a_separator_and_is_bounded():
+    from spd_engine.engine.suffix import CrossRequestHistory
+
+    cross = CrossRequestHistory(SuffixSettings(max_len=4, min_match=2), max_tokens=10)
+    cross.add([1, 2], [3, 4])  # history 1 2 3 4 SEP
+    assert cross.propose([9, 2, 3]).token == 4  # "2 3" was followed by 4
+    assert cross.propose([9, 3, 4]) is None  # "3 4" was followed by the separator only
+    cross.add([5, 6], [7, 8, 9])  # 5 + 6 tokens > 10: the history starts over with this request
+    assert cross.propose([0, 2, 3]) is None and cross.propose([0, 6, 7]).token == 8
+
+
+def test_fast_replay_equals_the_runtime_with_cross_request_drafts(one_thread):
+    ecfg = tiny_engine_config("llama", 3, suffix_drafts=True, suffix_min_match=2, suffix_cross_request=True)
+    target = full_model(ecfg)
+    prompts = random_prompts(ecfg.cfg, (9, 12, 9), seed=7)
+    prompts[2] = list(prompts[0])  # a repeated request: its whole answer is in the history
+    cross = ecfg.chooser().new_history()
+    alphas = []
+    with ReferenceExecutor(ecfg) as ex:
+        for p in prompts:
+            res = ex.generate(p, NEW, ())
+            assert res.tokens == reference(ecfg, p, NEW)
+            fast = fast_generate(target, ex.driver.pdm, p, NEW, (), chunk=ecfg.prefill_chunk, chooser=ecfg.chooser(),
+                                 cross=cross)
+            cross.add(p, fast.tokens)
+            a = fast.acceptance
+            assert (a.ticks, a.verified, a.accepted) == (res.ticks, res.verified, res.accepted)
+            alphas.append(res.alpha)
+    assert alphas[2] > alphas[0]  # the repeated request drafts from the first one's answer
