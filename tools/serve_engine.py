@@ -186,6 +186,7 @@ class EngineLoop:
         self.current: Job | DirectCall | None = None
         self._start_error: BaseException | None = None
         self._ready = threading.Event()
+        self._leaving = threading.Event()  # set once the loop is done and the runtime shuts its ranks down
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._main, name="spd-engine", daemon=True)
 
@@ -253,6 +254,7 @@ class EngineLoop:
                     self.current = item
                     self._run(runtime, item)
                     self.current = None
+                self._leaving.set()  # the ranks shut down next, with exit code 0: not a death
                 if self.failure is not None:
                     raise EngineFailure(self.failure)  # leave the runtime through its error path
         except BaseException as err:  # noqa: B036 - the engine thread must record every way it ends
@@ -324,7 +326,7 @@ class EngineLoop:
             threading.Thread(target=self._watch, args=(procs,), name="spd-rank-watch", daemon=True).start()
 
     def _watch(self, procs: list) -> None:
-        while self.state in ("ready", "draining"):
+        while self.state in ("ready", "draining") and not self._leaving.is_set():
             dead = [p for p in procs if p.exitcode is not None]
             if not dead:
                 time.sleep(0.5)
@@ -335,6 +337,6 @@ class EngineLoop:
                 deadline = time.monotonic() + self.rank_grace_s
                 while self.current is busy and self.state != "failed" and time.monotonic() < deadline:
                     time.sleep(0.1)
-            if self.state in ("ready", "draining"):
+            if self.state in ("ready", "draining") and not self._leaving.is_set():
                 self._fail(f"a stage rank died: {what}")
             return
