@@ -43,16 +43,6 @@ def first_difference(got: Sequence[int], want: Sequence[int]) -> int | None:
     for k, (a, b) in enumerate(zip(got, want)):
         if a != b:
             return k
-
-
-@torch.no_grad()
-def teacher_forced(model, prompt: Sequence[int], tokens: Sequence[int]) -> Callable[[int], torch.Tensor]:
-    """`logits_at` for `assert_greedy_agrees`: the logits [V] that chose tokens[k], from one forward
-    of a full `StageModel` over prompt + tokens."""
-    ids = torch.tensor([list(prompt) + list(tokens)])
-    h, _ = model.forward_layers(model.embed(ids), model.new_cache(1, ids.shape[1]), 0)
-    logits = model.logits(h)[0]  # [T, V]
-    return lambda k: logits[len(prompt) - 1 + k]
     return None if len(got) == len(want) else min(len(got), len(want))
 
 
