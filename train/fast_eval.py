@@ -49,15 +49,11 @@ class Acceptance:
     # draft source (engine/drafting.py) -> [verified, accepted]; empty when not recorded
     by_source: dict[str, list[int]] = field(default_factory=dict, compare=False)  # checked on its own
 
-    def count(self, fill: int, accepted: bool, source: str | None = None) -> None:
+    def count(self, fill: int, accepted: bool) -> None:
         self.verified += 1
         self.accepted += int(accepted)
         self.verified_by_fill[fill] = self.verified_by_fill.get(fill, 0) + 1
         self.accepted_by_fill[fill] = self.accepted_by_fill.get(fill, 0) + int(accepted)
-        if source is not None:
-            va = self.by_source.setdefault(source, [0, 0])
-            va[0] += 1
-            va[1] += int(accepted)
 
 
 _WRONG, _RIGHT = 0, 1  # token ids of the replay: whether a token equals the reference's
