@@ -79,5 +79,8 @@ class DataParallel:
         return float(t) / self.world
 
     def close(self) -> None:
+        """Leave together: a gloo rank that closes its connections while the main rank still
+        saves (and then tears down its own) can abort the peer mid-teardown."""
         if self.world > 1 and dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
