@@ -1,8 +1,10 @@
 """Same-run speed benchmark: ar, pp and spd (driver on its own rank and co-located) on the
-same prompts and machine, one launch per configuration, medians over repeats.
+same prompts and machine, one launch per configuration, medians over repeats; optionally
+transformers' own generate beside them (bench/hf_peer.py: `hf`, `hf-lookup`).
 
-Every configuration must produce the ar baseline's tokens (T=0): the benchmark doubles as a
-losslessness check. Latency is reported as the serving benchmarks do (vLLM's): TTFT (request
+Every engine configuration must produce the ar baseline's tokens (T=0): the benchmark doubles as a
+losslessness check. An external peer's equality with them is reported (`equal_prompts`), not
+required: its kernels round differently. Latency is reported as the serving benchmarks do (vLLM's): TTFT (request
 start to the first token), TPOT (per request: (last - first token time) / (tokens - 1)) and the
 inter-token latency (ITL: every gap between consecutive tokens), as p50 / p90 / p99 through
 numpy.percentile over every request and gap of every repeat; token times are taken when the
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from spd_engine.bench.hf_peer import HFPeer
 from spd_engine.engine.run_config import RunConfig
 from spd_engine.engine.launch import launch
 from spd_engine.engine.metrics import GenerationResult
@@ -32,8 +35,16 @@ PERCENTILES = (50, 90, 99)
 
 @dataclass(frozen=True)
 class BenchCase:
-    name: str  # ar | pp | spd | spd-colocate
-    ecfg: RunConfig
+    name: str  # ar | pp | spd | spd-colocate | hf | hf-lookup
+    ecfg: RunConfig  # for an external peer: the ar row's (its thread count and dtype)
+    peer: HFPeer | None = None  # transformers' generate instead of the engine (bench/hf_peer.py)
+
+    @property
+    def mode(self) -> str:
+        return "hf" if self.peer is not None else self.ecfg.mode
+
+    def open(self):
+        return self.peer.open() if self.peer is not None else launch(self.ecfg)
 
 
 @dataclass
@@ -114,7 +125,7 @@ def run_case(case: BenchCase, prompts: Sequence[list[int]], max_new: int, eos: S
     runs: list[list[GenerationResult]] = []
     clocks: list[TokenClock] = []
     trace = None
-    with launch(case.ecfg) as rt:
+    with case.open() as rt:
         rt.generate(prompts[0], min(8, max_new), eos)  # warm-up: first-call allocations, page faults
         for rep in range(repeats):
             progress(f"{case.name}: repeat {rep + 1}/{repeats}")
@@ -127,9 +138,9 @@ def run_case(case: BenchCase, prompts: Sequence[list[int]], max_new: int, eos: S
             trace = [r.trace for r in runs[-1]]
     summary = summarize(runs, case.ecfg.topology.n)
     summary.update(latency_summary(clocks))
-    if case.ecfg.mode != "spd":
+    if case.ecfg.mode != "spd" and not (case.peer and case.peer.lookup_tokens):
         summary["eal"] = None  # EAL is a property of speculation; pp and ar commit one token per pass
-    summary.update(name=case.name, mode=case.ecfg.mode, n=case.ecfg.topology.n,
+    summary.update(name=case.name, mode=case.mode, n=case.ecfg.topology.n,
                    colocate=case.ecfg.topology.colocate, world_size=case.ecfg.world_size,
                    threads_per_rank=case.ecfg.threads_per_rank(), synthetic_alpha=synthetic_alpha)
     return summary, [r.tokens for r in runs[0]], trace
@@ -140,15 +151,16 @@ def bench(cases: list[BenchCase], prompts: Sequence[list[int]], max_new: int, eo
     """Run every case (the first must be `ar`); speedups are against ar and pp of this run.
     `eos` empty: every request runs to max_new tokens (--ignore-eos)."""
     assert cases and cases[0].ecfg.mode == "ar", "the ar baseline runs first: it is the reference"
-    rows, traces, request_traces, reference, mismatches = [], {}, {}, None, []
+    rows, traces, request_traces, reference, mismatches, peer_mismatches = [], {}, {}, None, [], []
     for case in cases:
         summary, tokens, trace = run_case(case, prompts, max_new, eos, repeats, reference, synthetic_alpha,
                                           seed, progress)
         if reference is None:
             reference = tokens
-        elif tokens != reference:
-            mismatches.append(case.name)
+        summary["equal_prompts"] = sum(a == b for a, b in zip(tokens, reference))
         summary["lossless"] = tokens == reference
+        if not summary["lossless"]:  # an external peer computes with other kernels: reported, not a failure
+            (peer_mismatches if case.peer else mismatches).append(case.name)
         rows.append(summary)
         if trace is not None:
             traces[case.name] = trace[0]  # one request: the timeline plot
@@ -157,6 +169,6 @@ def bench(cases: list[BenchCase], prompts: Sequence[list[int]], max_new: int, eo
     for r in rows:
         r["speedup_vs_ar"] = r["decode_tok_s"] / base["ar"] if base.get("ar") else None
         r["speedup_vs_pp"] = r["decode_tok_s"] / base["pp"] if base.get("pp") else None
-    return {"rows": rows, "mismatches": mismatches, "traces": traces, "request_traces": request_traces,
+    return {"rows": rows, "mismatches": mismatches, "peer_mismatches": peer_mismatches, "traces": traces, "request_traces": request_traces,
             "synthetic_alpha": synthetic_alpha, "ignore_eos": not eos,
             "prompts": len(prompts), "max_new_tokens": max_new, "repeats": repeats}

@@ -1,7 +1,8 @@
 """`spd bench`: ar, pp and spd (separate driver and co-located) in one run, same prompts and
 machine; decode tok/s medians over repeats, speedups against both baselines, TTFT / TPOT /
 inter-token latency percentiles, per-tick breakdown, JSON, a PNG timeline of a few spd ticks
-and the spd tick timeline as a Chrome trace (Perfetto). `--ignore-eos` runs every request to
+and the spd tick timeline as a Chrome trace (Perfetto). `hf` and `hf-lookup` add transformers'
+own greedy generate, plain and with prompt-lookup decoding, on the same prompts and threads. `--ignore-eos` runs every request to
 --max-new-tokens, as vLLM's latency benchmark does.
 """
 from __future__ import annotations
@@ -11,16 +12,20 @@ import dataclasses
 import json
 import sys
 
+from spd_engine.bench.hf_peer import DEFAULT_LOOKUP_TOKENS, HFPeer
 from spd_engine.bench.speed import BenchCase, bench
 from spd_engine.bench.stats import format_table
-from spd_engine.tools.common import add_engine_arguments, add_json_argument, engine_config, load_prompts, \
-    write_json
+from spd_engine.tools.common import add_engine_arguments, add_json_argument, engine_config, hf_model_dir, \
+    load_prompts, write_json
+
+CONFIGS = ("ar", "pp", "spd", "spd-colocate", "hf", "hf-lookup")
 
 COLUMNS = [("name", "config", ""), ("world_size", "ranks", ""), ("decode_tok_s", "tok/s", ".2f"),
            ("decode_tok_s_min", "min", ".2f"), ("decode_tok_s_max", "max", ".2f"),
            ("speedup_vs_ar", "x ar", ".2f"), ("speedup_vs_pp", "x pp", ".2f"), ("tick_ms", "ms/tick", ".2f"),
            ("prefill_s", "prefill s", ".2f"), ("tokens", "tokens", ""), ("ticks", "ticks", ""),
-           ("alpha", "alpha", ".3f"), ("eal", "EAL", ".2f"), ("lossless", "lossless", "")]
+           ("alpha", "alpha", ".3f"), ("eal", "EAL", ".2f"), ("equal_prompts", "= ar", ""),
+           ("lossless", "lossless", "")]
 LATENCY_COLUMNS = [("name", "config", "")] + [
     (f"{m}_p{q}_ms", f"{label} p{q}", ".2f") for m, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"))
     for q in (50, 90, 99)]
@@ -34,7 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_request_arguments(g)
     g.add_argument("--ignore-eos", action="store_true", help="generate --max-new-tokens for every request, past EOS")
     g.add_argument("--repeats", type=int, default=3, help="timed runs of every prompt per configuration")
-    g.add_argument("--configs", default="ar,pp,spd,spd-colocate", help="subset of ar,pp,spd,spd-colocate")
+    g.add_argument("--configs", default="ar,pp,spd,spd-colocate",
+                   help=f"subset of {','.join(CONFIGS)} (hf, hf-lookup: transformers' generate, needs an HF model)")
+    g.add_argument("--lookup-tokens", type=int, default=DEFAULT_LOOKUP_TOKENS,
+                   help="hf-lookup: prompt_lookup_num_tokens (tokens drafted per lookup)")
     g.add_argument("--synthetic-alpha", type=float, default=None,
                    help="replace drafts: reference token with this probability (labelled synthetic)")
     add_json_argument(g, "the full report")
@@ -47,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
-    bad = set(names) - {"ar", "pp", "spd", "spd-colocate"}
+    bad = set(names) - set(CONFIGS)
     if bad:
         raise ValueError(f"unknown bench configs {sorted(bad)}")
     topo = ecfg.topology
@@ -64,6 +72,10 @@ def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
     if "spd-colocate" in names:
         out.append(BenchCase("spd-colocate", ecfg.replace(mode="spd", topology=dataclasses.replace(topo, colocate=True),
                                                           trace=profiling)))
+    for name, lookup in (("hf", None), ("hf-lookup", args.lookup_tokens)):
+        if name in names:
+            peer = HFPeer(hf_model_dir(args.model), ecfg.torch_dtype, out[0].ecfg.threads_per_rank(), lookup)
+            out.append(BenchCase(name, out[0].ecfg, peer))
     return out
 
 
@@ -124,6 +136,9 @@ def run(args: argparse.Namespace) -> int:
         write_json(args.json, report)
     if args.profile_out:
         write_profile(report, ecfg, args.profile_out)
+    if report["peer_mismatches"]:
+        print(f"note: transformers' tokens differ from the engine's greedy tokens for {report['peer_mismatches']} "
+              f"(other kernels, other rounding: see equal_prompts)", file=out)
     if report["mismatches"]:
         print(f"LOSSLESS CHECK FAILED for {report['mismatches']}", file=sys.stderr)
         return 1

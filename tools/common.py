@@ -96,15 +96,36 @@ def parse_names(text: str, choices, what: str) -> list[str]:
 
 def resolve_model(spec: str) -> tuple[str, Path | None]:
     """(engine checkpoint dir or random:<preset>, tokenizer dir or None)."""
-    from spd_engine.checkpoint_tools import convert_cache, hf_cache
+    from spd_engine.checkpoint_tools import convert_cache
 
     if random_preset(spec) is not None:
         return spec, None
+    path = Path(spec).expanduser()
+    if (path / "index.json").is_file():
+        return str(path), path if (path / "tokenizer.json").is_file() else None
+    hf_dir, name, tok_dir = _hf_source(spec)
+    return str(convert_cache.engine_checkpoint(hf_dir, name, _cache())), tok_dir
+
+
+def hf_model_dir(spec: str) -> Path:
+    """The HF-layout directory a model spec comes from (what transformers itself would load);
+    a ValueError for random presets and engine checkpoints, which have none."""
+    if random_preset(spec) is not None or (Path(spec).expanduser() / "index.json").is_file():
+        raise ValueError(f"{spec} has no Hugging Face form for transformers to load: give a built-in model, "
+                         f"an HF directory, a model id in the local HF cache or a GGUF file")
+    return _hf_source(spec)[0]
+
+
+def _hf_source(spec: str) -> tuple[Path, str, Path | None]:
+    """(HF directory, conversion-cache name, tokenizer dir or None) of a spec that is not a random
+    preset nor an engine checkpoint."""
+    from spd_engine.checkpoint_tools import convert_cache, hf_cache
+
     if spec in BUILTIN_MODELS:
         from spd_engine.checkpoint_tools.fetch import fetch_model
 
         hf_dir = fetch_model(spec)
-        return str(convert_cache.engine_checkpoint(hf_dir, spec, _cache())), hf_dir
+        return hf_dir, spec, hf_dir
     path = Path(spec).expanduser()
     if not path.exists():
         if hf_cache.looks_like_repo_id(spec):
@@ -113,18 +134,15 @@ def resolve_model(spec: str) -> tuple[str, Path | None]:
             except ValueError as err:
                 raise ValueError(f"{err}; {spec!r} is also not a path, a built-in model ({', '.join(BUILTIN_MODELS)}) "
                                  f"or random:<{'|'.join(PRESETS)}>") from None
-            name = spec.partition("@")[0].replace("/", "--")
-            return str(convert_cache.engine_checkpoint(snap, name, _cache())), _tokenizer_dir(snap)
+            return snap, spec.partition("@")[0].replace("/", "--"), _tokenizer_dir(snap)
         raise ValueError(f"model not found: {spec} (give a checkpoint directory, an HF directory, a GGUF file, "
                          f"a model id in the local Hugging Face cache, one of {list(BUILTIN_MODELS)}, "
                          f"or random:<{'|'.join(PRESETS)}>)")
     if path.is_file() and path.suffix == ".gguf":
         hf_dir = convert_cache.gguf_hf_dir(path, _cache())
-        return str(convert_cache.engine_checkpoint(hf_dir, "gguf", _cache())), hf_dir
-    if (path / "index.json").is_file():
-        return str(path), path if (path / "tokenizer.json").is_file() else None
+        return hf_dir, "gguf", hf_dir
     if (path / "config.json").is_file():
-        return str(convert_cache.engine_checkpoint(path, "hf", _cache())), _tokenizer_dir(path)
+        return path, "hf", _tokenizer_dir(path)
     raise ValueError(f"{spec} is neither an engine checkpoint (index.json), an HF directory (config.json) "
                      f"nor a .gguf file")
 

@@ -41,7 +41,8 @@ class ServerProcess:
         self.lines: list[tuple[float, str]] = []
         self.url: str | None = None
         self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         if not self._ready.wait(ready_timeout) or self.url is None:
             self.kill()
             raise RuntimeError(f"spd serve did not come up:\n{self.stderr()[-3000:]}")
@@ -62,14 +63,21 @@ class ServerProcess:
     def stderr(self) -> str:
         return "\n".join(line for _, line in self.lines)
 
+    def wait(self, timeout: float = 60.0) -> int | None:
+        """The exit code once the process has ended and its last stderr line is in `lines`
+        (None if it did not end in time)."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        self._reader.join(timeout)  # the pipe's end: every line read
+        return code
+
     def terminate(self, timeout: float = 60.0) -> int | None:
         """SIGTERM (a drain) and wait; the exit code, or None if it did not exit in time."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
+        return self.wait(timeout)
 
     def leftovers(self, within: float = 10.0) -> list[int]:
         """Processes of the server's group still alive after `within` seconds."""

@@ -75,3 +75,59 @@ def test_bench_ignore_eos_latency_columns_and_chrome_trace(tmp_path, eos_first_m
     lanes = {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
     assert lanes == {"driver", "stage 0", "stage 1"}
     assert {e["name"] for e in doc["traceEvents"] if e["ph"] == "X"} >= {"pdm", "verify", "compute", "wait"}
+
+
+@pytest.mark.multiproc
+def test_bench_hf_rows_beside_the_engine(tmp_path, eos_first_model, monkeypatch):
+    """transformers' generate, plain and with prompt lookup, in the same run: every logit of this model
+    is 0, so greedy decoding repeats id 0 and a lookup round commits several tokens per target pass."""
+    monkeypatch.setenv("SPD_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "hf.json"
+    assert main(["bench", "--model", str(eos_first_model), "--stages", "2", "--threads", "1", "--prompt", "hello",
+                 "--ignore-eos", "--max-new-tokens", "24", "--repeats", "1", "--configs", "ar,hf,hf-lookup", "--lookup-tokens", "4",
+                 "--json", str(out)]) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"ar", "hf", "hf-lookup"}
+    for r in rows.values():
+        assert r["tokens"] == 24 and r["equal_prompts"] == 1 and r["lossless"] and r["decode_tok_s"] > 0
+    assert rows["hf"]["ticks"] == 23 and rows["hf"]["eal"] is None  # one target pass per decode token
+    lookup = rows["hf-lookup"]
+    assert lookup["ticks"] < 23 / 2 and lookup["eal"] == pytest.approx(23 / lookup["ticks"])
+    assert lookup["itl_p50_ms"] < 0.1 * rows["hf"]["itl_p50_ms"]  # tokens of one lookup pass arrive together
+
+
+def test_a_peer_that_differs_is_reported_not_failed(tmp_path, monkeypatch):
+    import contextlib
+
+    from spd_engine.bench import speed
+    from spd_engine.bench.hf_peer import HFPeer
+    from spd_engine.engine.metrics import GenerationResult
+    from spd_engine.engine.run_config import RunConfig
+
+    class Fake:
+        def __init__(self, shift: int) -> None:
+            self.shift = shift
+
+        def generate(self, prompt, max_new, eos, draft_policy=None, on_token=None):
+            toks = [(t + self.shift) % 7 for t in range(max_new)]
+            for t in toks if on_token else ():
+                on_token(t)
+            return GenerationResult(tokens=toks, n=1, ticks=max_new - 1, decode_s=1.0)
+
+    from spd_engine.engine.topology import Topology
+
+    cfg = tiny_config("llama", num_layers=2)
+    ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(2, n=1), mode="ar", capacity=64)
+    cases = [speed.BenchCase("ar", ecfg), speed.BenchCase("hf", ecfg, HFPeer(tmp_path, torch.float32, 1))]
+    monkeypatch.setattr(speed, "launch", lambda e: contextlib.nullcontext(Fake(0)))
+    monkeypatch.setattr(HFPeer, "open", lambda self: contextlib.nullcontext(Fake(1)))
+    report = speed.bench(cases, [[1, 2]], 5, (), 1)
+    assert report["mismatches"] == [] and report["peer_mismatches"] == ["hf"]
+    assert [r["equal_prompts"] for r in report["rows"]] == [1, 0]
+
+
+def test_hf_rows_need_a_model_in_hf_form():
+    from spd_engine.tools.common import hf_model_dir
+
+    with pytest.raises(ValueError, match="no Hugging Face form"):
+        hf_model_dir("random:tiny-llama")

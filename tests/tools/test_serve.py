@@ -344,9 +344,9 @@ def test_killed_stage_fails_the_request_in_flight_and_the_server_exits_within_30
             time.sleep(0.05)
         for t in threads:
             t.join(120)
-        failed_at = next((t for t, line in server.lines if "unhealthy" in line), None)
-        code = server.proc.wait(60)
+        code = server.wait(60)  # then every stderr line is read: the request can fail before "unhealthy" is logged
         ended = time.monotonic()
+        failed_at = next((t for t, line in server.lines if "unhealthy" in line), None)
         assert code not in (0, None) and failed_at is not None, server.stderr()[-3000:]
         assert ended - failed_at < 30
         refused = lambda r: isinstance(r, openai.APIConnectionError) or getattr(r, "status_code", 0) == 503  # noqa: E731
@@ -371,7 +371,7 @@ def test_a_rank_dying_while_idle_ends_the_server():
         assert len(ranks) == 2, ranks  # the stage ranks (2 stages, the driver is the server itself)
         os.kill(ranks[0], signal.SIGKILL)
         t0 = time.monotonic()
-        code = server.proc.wait(30)
+        code = server.wait(30)
         assert code == 1 and time.monotonic() - t0 < 30
         assert "a stage rank died" in server.stderr() and "killed by signal 9" in server.stderr()
         assert server.leftovers() == []
