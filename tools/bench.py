@@ -72,8 +72,9 @@ def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
     if "spd-colocate" in names:
         out.append(BenchCase("spd-colocate", ecfg.replace(mode="spd", topology=dataclasses.replace(topo, colocate=True),
                                                           trace=profiling)))
-    for name, lookup in (("hf", None), ("hf-lookup", args.lookup_tokens)):
+    for name in ("hf", "hf-lookup"):
         if name in names:
+            lookup = args.lookup_tokens if name == "hf-lookup" else None
             peer = HFPeer(hf_model_dir(args.model), ecfg.torch_dtype, out[0].ecfg.threads_per_rank(), lookup)
             out.append(BenchCase(name, out[0].ecfg, peer))
     return out

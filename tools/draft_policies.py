@@ -2,10 +2,13 @@
 replay (train/draft_potential.py).
 
     spd draft-policies [--stages 4] [--max-new-tokens 256] [--limit N] [--reference-cache DIR] [--json OUT]
+                       [--branches 2,4] [--branch-when refill,always]
 
 Per dataset, overall, and over the prompts whose greedy output does not loop: alpha and pooled
 EAL of every policy in one run (the same references and draft tables), plus the PDM's top-1/2/4
-recall and the suffix draft's coverage and precision per fill.
+recall and the suffix draft's coverage and precision per fill; with --branches, the same for
+branch width W (train/branch_replay.py: what W chains would buy, with the stage tokens per step
+they cost), for the PDM alone and for the default suffix chooser.
 """
 from __future__ import annotations
 
@@ -35,6 +38,19 @@ def _pooled(accs, n: int) -> dict:
     return {"prompts": len(accs), "alpha": acc / ver if ver else None, "eal": n * dec / ticks if ticks else None}
 
 
+def _branch_policies(widths: str, whens: str) -> list:
+    from spd_engine.engine.branching import WHEN, BranchPolicy
+    from spd_engine.tools.common import parse_names
+
+    try:
+        ws = [int(w) for w in widths.split(",") if w.strip()]
+    except ValueError:
+        raise ValueError(f"--branches takes comma-separated integers, got {widths!r}") from None
+    if any(w < 2 or w > 4 for w in ws):
+        raise ValueError(f"--branches: each W must be in 2..4 (the draft table ranks 4 PDM drafts), got {widths!r}")
+    return [BranchPolicy(w, when) for w in ws for when in parse_names(whens, WHEN, "branch polic(ies)")]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from spd_engine.tools.common import add_engine_arguments, add_json_argument
 
@@ -44,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--limit", type=int, default=None, help="prompts per dataset (default: all)")
     g.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate per prompt at most")
     g.add_argument("--reference-cache", default=None, metavar="DIR", help="greedy outputs reused across runs")
+    g.add_argument("--branches", default="", help="comma-separated branch widths W > 1 to score too (at most 4)")
+    g.add_argument("--branch-when", default="refill,always", help="where a branch may start: refill, always")
     add_json_argument(g, "the policy table and the draft-state statistics")
 
 
@@ -60,6 +78,8 @@ def _run(args) -> int:
     from spd_engine.engine.suffix import SuffixSettings
     from spd_engine.engine.tokenizer import Tokenizer
     from spd_engine.tools.common import engine_config, parse_names, write_json
+    from spd_engine.train.branch_replay import pooled as branch_pooled
+    from spd_engine.train.branch_replay import score_branches
     from spd_engine.train.draft_potential import StateStats, loops, score_prompt
     from spd_engine.train.evaluate import DATASETS, default_data_dir, encode_prompt, full_target, load_dataset
     from spd_engine.train.fast_eval import draft_table
@@ -76,6 +96,9 @@ def _run(args) -> int:
     cache = ReferenceCache(args.reference_cache, ecfg) if args.reference_cache else None
     policies = _policies()
     probe = DraftChooser(SuffixSettings(16, 2))
+    branch_policies = _branch_policies(args.branches, args.branch_when)
+    branch_choosers = {"pdm": DraftChooser(), "suffix>=2": probe}
+    per_branch: dict[str, dict[str, list]] = {}  # group -> "W=.. when chooser" -> [BranchRun]
     per: dict[str, dict[str, list]] = {}  # group -> policy -> [Acceptance]
     stats: dict[str, StateStats] = {}
     for i, pr in enumerate(prompts):
@@ -88,7 +111,10 @@ def _run(args) -> int:
         table = draft_table(target, pdm, ids, y)
         accs, st = score_prompt(table, y, ids, n, policies, probe)
         groups = [pr.dataset, "overall"] + ([] if loops(ids, y) else ["non-looping"])
+        branch_runs = score_branches(table, y, ids, n, branch_choosers, branch_policies)
         for g in groups:
+            for name, r in branch_runs.items():
+                per_branch.setdefault(g, {}).setdefault(name, []).append(r)
             for name, a in accs.items():
                 per.setdefault(g, {}).setdefault(name, []).append(a)
             stats.setdefault(g, StateStats()).merge(st)
@@ -98,7 +124,8 @@ def _run(args) -> int:
               "groups": {g: {name: _pooled(a, n) for name, a in pol.items()} for g, pol in per.items()},
               "states": {g: {str(f): row for f, row in sorted(s.by_fill.items())} | {"all": s.total()}
                          for g, s in stats.items()},
-              "state_columns": ["count", "top1", "top2", "top4", "suffix_proposes", "suffix_correct"]}
+              "state_columns": ["count", "top1", "top2", "top4", "suffix_proposes", "suffix_correct"],
+              "branches": {g: {name: branch_pooled(r, n) for name, r in pol.items()} for g, pol in per_branch.items()}}
     _print(report, file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json:
         write_json(args.json, report)
@@ -116,6 +143,15 @@ def _print(report: dict, file=sys.stdout) -> None:
             cells.append(f"{r['alpha']:.3f} / {r['eal']:.3f} ({r['prompts']})".rjust(22) if r and r["alpha"] else " " * 22)
         print(name.ljust(24) + "".join(cells))
     print("(alpha / pooled EAL (prompts))")
+    for name in next(iter(report["branches"].values()), {}):
+        cells = []
+        for g in groups:
+            r = report["branches"].get(g, {}).get(name)
+            cells.append(f"{r['alpha']:.3f} / {r['eal']:.3f} x{r['tokens_per_step']:.2f}".rjust(22)
+                         if r and r["alpha"] else " " * 22)
+        print(name.ljust(24) + "".join(cells))
+    if report["branches"]:
+        print("(branch width W: alpha / pooled EAL x stage tokens per step)")
     print("draft states of the pdm-only driver, per fill: count, PDM top-1/2/4 recall, suffix coverage, precision")
     for g, by in report["states"].items():
         for f, (c, t1, t2, t4, sp, sc) in by.items():

@@ -25,7 +25,7 @@ from spd_engine.engine.model import StageModel
 from spd_engine.engine.pdm import PDM
 from spd_engine.engine.drafting import DraftChooser
 from spd_engine.engine.suffix import CrossRequestHistory, SuffixProposal
-from spd_engine.engine.tick import Draft, TickState, Verdict
+from spd_engine.engine.tick import Draft, TickPlan, TickState, Verdict
 from spd_engine.train.pipeline_sim import simulated_hidden, target_anchors
 
 # (fill, newest index t) -> whether the draft made then for index t + 1 equals y[t + 1].
@@ -59,11 +59,12 @@ class Acceptance:
 _WRONG, _RIGHT = 0, 1  # token ids of the replay: whether a token equals the reference's
 
 
-def replay(N: int, n: int, correct: DraftCorrect, on_verify: Callable[[int, int, bool], None] | None = None
-           ) -> Acceptance:
+def replay(N: int, n: int, correct: DraftCorrect, on_verify: Callable[[int, int, bool], None] | None = None,
+           on_plan: Callable[[TickPlan], None] | None = None) -> Acceptance:
     """The driver's tick loop on correctness bits; `correct` is asked only for t <= N - 2 with
     every in-flight token correct (otherwise the draft is never verified and its value is moot).
-    on_verify(fill, t, accepted): every verified draft, made at fill `fill` for index t + 1."""
+    on_verify(fill, t, accepted): every verified draft, made at fill `fill` for index t + 1;
+    on_plan(plan): every tick's plan, before its draft (token ids: 1 right, 0 wrong)."""
     if N < 1 or n < 1:
         raise ValueError(f"need N >= 1 generated tokens and n >= 1 stages, got N={N}, n={n}")
     acc = Acceptance(n=n, tokens=N)
@@ -72,6 +73,8 @@ def replay(N: int, n: int, correct: DraftCorrect, on_verify: Callable[[int, int,
     state = TickState(n, 0, _RIGHT)  # positions are token indices: y[0] is the first token
     while state.committed < N:  # the reference stopped at N tokens (EOS or max_new_tokens)
         plan = state.plan()
+        if on_plan is not None:
+            on_plan(plan)
         t = plan.draft_pos - 1  # index of the newest live token
         chain_ok = all(e.token == _RIGHT for e in plan.inflight)
         ok = chain_ok and t + 1 <= N - 1 and correct(plan.fill, t)
