@@ -28,6 +28,7 @@ from spd_engine.engine.graphs import PDMStep, VerifyStep
 from spd_engine.engine.pdm import PDM, draft_probs_full, greedy_draft
 from spd_engine.engine.run_config import RankOptions, StepMode
 from spd_engine.engine.sampling import SamplingParams, keyed_generator, sample, target_probs
+from spd_engine.engine.stage0_overlap import Stage0Runner
 from spd_engine.engine.stage_worker import StageWorker, receive_stats, wire_format
 from spd_engine.engine.suffix import SuffixIndex, SuffixProposal
 from spd_engine.engine.tick import Draft, TickPlan, TickState, Verdict
@@ -80,6 +81,9 @@ class Driver:
         self.topo, self.plan, self.head, self.pdm, self.t = topo, plan, head, pdm, transport
         self.capacity, self.chunk, self.timeout = opts.capacity, opts.prefill_chunk, opts.timeout_s
         self.local_stage0 = local_stage0
+        # co-located, n >= 2: stage 0 steps on its own thread while the driver drafts and verifies
+        self.stage0_runner = Stage0Runner(local_stage0.step, next(head.parameters()).device) \
+            if local_stage0 is not None and opts.overlap_stage0 and topo.n >= 2 else None
         self.chooser = opts.drafting
         self.cross = self.chooser.new_history()  # earlier requests' tokens, when cross-request drafts are on
         self.n = topo.n
@@ -126,17 +130,28 @@ class Driver:
         self.trace: list[tuple[int, str, float, float]] | None = [] if opts.trace else None  # (tick, what, t0, t1)
 
     # ---- transport helpers ----
-    def _send_stage0(self, hdr: Header, payloads: Sequence[torch.Tensor] = ()) -> None:
+    def _send_stage0(self, hdr: Header, payloads: Sequence[torch.Tensor] = (), overlap: bool = False) -> None:
+        """Post a message to stage 0; co-located, stage 0 steps on it now, inline, or (overlap, a
+        decode tick) on its runner thread until `_join_stage0` at the end of the tick."""
         t0 = time.perf_counter()
         self.t.send(self.topo.stage_rank(0), hdr, payloads)
         if self.req is not None:
             self.req.sent += int(hdr.num_tokens > 0)
             self._account("send", t0)
-        if self.local_stage0 is not None:  # co-located: stage 0 runs inline, in series with the driver
+        if overlap and self.stage0_runner is not None:
+            self.stage0_runner.start()
+        elif self.local_stage0 is not None:  # co-located: stage 0 runs inline, in series with the driver
             t1 = time.perf_counter()
             self.local_stage0.step()
             if self.req is not None:
                 self._account("stage0", t1)
+
+    def _join_stage0(self) -> None:
+        """The end of an overlapped tick: `stage0` then counts only the wait for stage 0's step."""
+        if self.stage0_runner is not None:
+            t0 = time.perf_counter()
+            self.stage0_runner.join()
+            self._account("stage0", t0)
 
     def _read_header(self, s: int) -> Header:
         self.req.consumed[s] += 1
@@ -248,6 +263,7 @@ class Driver:
             plan = state.plan()
             req.tick = plan.tick
             draft, verdict = self._tick(plan)
+            self._join_stage0()
             committed = state.advance([Draft(plan.draft_pos, draft)], verdict)
             req.epoch = state.epoch
             if committed is not None and not self._commit(committed.token):
@@ -258,7 +274,7 @@ class Driver:
     def _tick(self, plan: TickPlan) -> tuple[int, Verdict | None]:
         """One tick as planned: (this tick's draft, the verdict when a token left the pipeline)."""
         (entry,) = plan.enter
-        self._send_stage0(Header(Kind.TOKEN, entry.pos, entry.epoch, entry.token))
+        self._send_stage0(Header(Kind.TOKEN, entry.pos, entry.epoch, entry.token), overlap=True)
         self.ring[self._slot(entry.pos), 0] = self.head.embed(self._token_in.fill_(entry.token))[0, 0]  # anchor 0
         for s, e in plan.anchor_reads:  # the token at lag j finished stage j-1 last tick
             self._recv_stage(s, Kind.TOKEN, e.pos, self._slot(e.pos))
@@ -378,5 +394,7 @@ class Driver:
         return stats
 
     def shutdown(self) -> None:
+        if self.stage0_runner is not None:
+            self.stage0_runner.close()
         self._send_stage0(Header(Kind.SHUTDOWN))
         self.t.flush()

@@ -96,6 +96,7 @@ class RunConfig:
     suffix_max_len: int = 16  # longest suffix looked up
     suffix_pdm_margin: float = float("inf")  # suffix drafts only where the PDM's top-1 margin is below this
     suffix_cross_request: bool = False  # also draft from the process's earlier requests (a server's)
+    overlap_stage0: bool = False  # co-located, n >= 2: stage 0's decode step overlaps the driver's draft and verify
 
 
     def __post_init__(self) -> None:
@@ -145,7 +146,7 @@ class RunConfig:
         """What a driver or stage worker needs of this run (stage None: the driver)."""
         min_step = self.stage_ms[stage] / 1e3 if self.stage_ms and stage is not None else 0.0
         return RankOptions(self.capacity, self.prefill_chunk, self.timeout_s, self.trace,
-                           self.resolved_step_mode(), min_step, self.chooser())
+                           self.resolved_step_mode(), min_step, self.chooser(), self.overlap_stage0)
 
     def chooser(self) -> DraftChooser:
         """The draft sources of this run (engine/drafting.py)."""
@@ -178,6 +179,7 @@ class RankOptions:
     step_mode: StepMode = StepMode.EAGER  # resolved: never AUTO
     min_step_s: float = 0.0  # synthetic stage step time: compute is padded to this (benchmarks, bubble tests)
     drafting: DraftChooser = DraftChooser()  # the driver's draft sources (PDM only by default)
+    overlap_stage0: bool = False  # co-located: stage 0 steps on its own thread (engine/stage0_overlap.py)
 
     def __post_init__(self) -> None:
         assert self.step_mode != StepMode.AUTO, "resolve the step mode before building a rank"

@@ -16,9 +16,9 @@ from spd_engine.bench.hf_peer import DEFAULT_LOOKUP_TOKENS, HFPeer
 from spd_engine.bench.speed import BenchCase, bench
 from spd_engine.bench.stats import format_table
 from spd_engine.tools.common import add_engine_arguments, add_json_argument, engine_config, hf_model_dir, \
-    load_prompts, write_json
+    load_prompts, refuse_ignored, write_json
 
-CONFIGS = ("ar", "pp", "spd", "spd-colocate", "hf", "hf-lookup")
+CONFIGS = ("ar", "pp", "spd", "spd-colocate", "spd-overlap", "hf", "hf-lookup")
 
 COLUMNS = [("name", "config", ""), ("world_size", "ranks", ""), ("decode_tok_s", "tok/s", ".2f"),
            ("decode_tok_s_min", "min", ".2f"), ("decode_tok_s_max", "max", ".2f"),
@@ -70,8 +70,12 @@ def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
         out.append(BenchCase("spd", ecfg.replace(mode="spd", topology=dataclasses.replace(topo, colocate=False),
                                                  trace=bool(args.timeline or args.chrome_trace) or profiling)))
     if "spd-colocate" in names:
-        out.append(BenchCase("spd-colocate", ecfg.replace(mode="spd", topology=dataclasses.replace(topo, colocate=True),
+        out.append(BenchCase("spd-colocate", ecfg.replace(mode="spd", overlap_stage0=False,
+                                                          topology=dataclasses.replace(topo, colocate=True),
                                                           trace=profiling)))
+    if "spd-overlap" in names:  # co-located, stage 0 on its own thread (engine/stage0_overlap.py)
+        out.append(BenchCase("spd-overlap", ecfg.replace(mode="spd", overlap_stage0=True,
+                                                         topology=dataclasses.replace(topo, colocate=True))))
     for name in ("hf", "hf-lookup"):
         if name in names:
             lookup = args.lookup_tokens if name == "hf-lookup" else None
@@ -101,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--synthetic-alpha must be in [0, 1], got {args.synthetic_alpha}")
     if args.repeats < 1:
         raise ValueError("--repeats must be >= 1")
+    refuse_ignored(args, ["overlap_stage0"], "by spd bench: its spd-overlap config is the overlapped driver")
     ecfg, tok_dir = engine_config(args, seed_used=args.synthetic_alpha is not None)  # it seeds the policy
     tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
     prompts = encode_prompts(load_prompts(args), tok, args.chat, ecfg.cfg.vocab_size)

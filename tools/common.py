@@ -198,6 +198,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
     g.add_argument("--step-mode", default=run_default("step_mode"), choices=STEP_MODES,
                    help="one-token decode steps: CUDA graphs (auto on cuda), eager (auto elsewhere; the "
                         "fallback), or static (the graph path's buffers without capture)")
+    g.add_argument("--overlap-stage0", choices=("on", "off"), default="on" if run_default("overlap_stage0") else "off",
+                   help="co-located (n >= 2): stage 0 steps on its own thread while the driver drafts and verifies")
     d = p.add_argument_group("draft sources")
     d.add_argument("--suffix-drafts", choices=("on", "off"), default="on" if run_default("suffix_drafts") else "off",
                    help="also draft the token that followed the longest earlier occurrence of the context's suffix")
@@ -216,7 +218,9 @@ def _check_ignored_engine_flags(args: argparse.Namespace, mode: str, spec: str, 
                                        "weights and untrained heads; --sampling-seed seeds sampling)")
     if mode != "spd":
         refuse_ignored(args, ["spec", "pdm_layers", "colocate", "suffix_drafts", "suffix_min_match", "suffix_pdm_margin",
-                                "suffix_cross_request"], f"with --mode {mode} (no speculation)")
+                                "suffix_cross_request", "overlap_stage0"], f"with --mode {mode} (no speculation)")
+    elif hasattr(args, "colocate") and not args.colocate:
+        refuse_ignored(args, ["overlap_stage0"], "without --colocate (stage 0 has a rank of its own)")
     if mode == "ar" and args.stages != 1:
         refuse_ignored(args, ["stages", "stage_layers"], "with --mode ar (one rank runs the whole model)")
     if spec != "random":
@@ -241,7 +245,8 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False) -> tuple[Ru
                      prefill_chunk=args.prefill_chunk, timeout_s=args.timeout, threads=args.threads,
                      seed=args.seed, step_mode=args.step_mode, suffix_drafts=args.suffix_drafts == "on",
                      suffix_min_match=args.suffix_min_match, suffix_pdm_margin=args.suffix_pdm_margin,
-                     suffix_cross_request=args.suffix_cross_request == "on")
+                     suffix_cross_request=args.suffix_cross_request == "on",
+                     overlap_stage0=args.overlap_stage0 == "on")
     return ecfg, tok_dir
 
 
