@@ -37,6 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also keep OUT/snapshots/step-N every N steps (for acceptance-vs-tokens curves)")
     add_dtype_argument(p, "bfloat16", "PDM compute dtype (weights stay fp32; float32 = autocast off)", "--autocast")
     add_dtype_argument(p, "bfloat16", "dtype of the frozen target (bfloat16 or float32)", "--target-dtype")
+    p.add_argument("--fill-weights", default=None,
+                   help="n comma-separated weights of the fills 1..n a batch simulates (default: half full, "
+                        "the rest uniform), e.g. how often `spd eval --json` says the driver drafts at each")
+    p.add_argument("--schedule", default="cosine", choices=("cosine", "wsd"),
+                   help="learning rate after warmup: cosine over the run, or warmup-stable-decay (extendable)")
+    p.add_argument("--decay-frac", type=float, default=0.2, help="wsd: the last fraction of the steps decays")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--seed", type=int, default=0, help="seed of the head's initialisation and the batch order")
     p.add_argument("--self-distill", type=int, default=0, help="generate answers for N corpus prompts first")
@@ -57,6 +63,15 @@ def batches(corpus, seq_len: int, batch: int, seed: int) -> Iterator[torch.Tenso
     for i in itertools.count():
         s = streams[i % len(streams)]
         yield torch.from_numpy(np.stack(list(itertools.islice(s, batch))).astype(np.int64))
+
+
+def _fill_weights(text: str | None) -> tuple[float, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--fill-weights takes comma-separated numbers, got {text!r}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,7 +113,9 @@ def run(args: argparse.Namespace) -> int:
     tcfg = TrainConfig(out=args.out, stage_layers=tuple(topo.stage_layers), anchors=anchors,
                        pdm_layers=args.pdm_layers, seq_len=args.seq_len, batch=args.batch, steps=args.steps,
                        lr=args.lr, target_dtype=args.target_dtype, device=device, seed=args.seed,
-                       save_every=args.save_every, keep_every=args.keep_every, autocast=args.autocast)
+                       save_every=args.save_every, keep_every=args.keep_every, autocast=args.autocast,
+                       fill_weights=_fill_weights(args.fill_weights), schedule=args.schedule,
+                       decay_frac=args.decay_frac)
     stream = dp.shard(batches(corpus, args.seq_len, args.batch, args.seed))
     Trainer(target, tcfg, stream, dv, log=log, dp=dp).run()
     dp.close()

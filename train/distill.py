@@ -1,15 +1,16 @@
 """PDM training: knowledge distillation from the frozen target over the exact pipeline simulation.
 
 Each step: a batch of token sequences goes through the frozen target once (anchors + teacher
-logits); a fill `f` is drawn (half the batches `f = n`, the rest `f ~ U{1..n-1}`); the PDM runs
+logits); a fill `f` is drawn (train/schedule.py: by default half the batches `f = n`, the rest
+`f ~ U{1..n-1}`; or by given weights per fill); the PDM runs
 the simulation of train/pipeline_sim.py and the loss is KL(target || PDM) on next-token
 distributions restricted to the draft vocabulary. Logged: loss and top-1 agreement with the
-target's argmax per fill. Checkpoints (`state.pt` + an exported PDM dir) make runs resumable.
+target's argmax per fill. Checkpoints (`state.pt` + an exported PDM dir) make runs resumable;
+under the wsd schedule `stable.pt` (the state where the decay starts) lets a run be extended.
 """
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from spd_engine.engine.model import StageModel
 from spd_engine.engine.pdm import PDM, PDMConfig, save_pdm
 from spd_engine.train.data_parallel import DataParallel
 from spd_engine.train.pipeline_sim import simulated_hidden, target_anchors
+from spd_engine.train.schedule import SCHEDULES, check_fill_weights, decay_start, draw_fill, schedule_lr
 
 
 @dataclass
@@ -47,6 +49,9 @@ class TrainConfig:
     export_dtype: str = "float16"  # dtype of the exported pdm/ directory (training state stays fp32)
     autocast: str = "bfloat16"  # PDM compute dtype under torch.autocast ("float32": off); weights stay fp32
     keep_every: int = 0  # also keep the exported head of every keep_every-th step (0: off)
+    fill_weights: tuple[float, ...] | None = None  # weights of fills 1..n (None: full_fill_frac, then uniform)
+    schedule: str = "cosine"  # learning-rate schedule after the warmup: cosine | wsd (train/schedule.py)
+    decay_frac: float = 0.2  # wsd: the last fraction of the steps decays
 
     def __post_init__(self) -> None:
         if self.seq_len < 2 or self.batch < 1 or self.steps < 1 or self.lr <= 0:
@@ -57,20 +62,17 @@ class TrainConfig:
             raise ValueError(f"autocast must be bfloat16, float16 or float32, got {self.autocast!r}")
         if self.keep_every < 0 or self.save_every < 1:
             raise ValueError("save_every >= 1 and keep_every >= 0 are required")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if not 0 < self.decay_frac < 1:
+            raise ValueError(f"decay_frac must be in (0, 1), got {self.decay_frac}")
+        check_fill_weights(self.fill_weights, len(self.stage_layers))
 
 
-def draw_fill(n: int, full_frac: float, rng: random.Random) -> int:
-    if n == 1 or rng.random() < full_frac:
-        return n
-    return rng.randint(1, n - 1)
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup, then cosine decay to 10%."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+def lr_at(step: int, cfg) -> float:
+    """Linear warmup, then the run's schedule (train/schedule.py; cosine unless the config says)."""
+    return schedule_lr(step, cfg.lr, cfg.steps, cfg.warmup, getattr(cfg, "schedule", "cosine"),
+                       getattr(cfg, "decay_frac", 0.2))
 
 
 def new_pdm(target: StageModel, cfg: TrainConfig, draft_vocab: tuple[int, ...] | None) -> PDM:
@@ -129,6 +131,7 @@ class Trainer:
         st = torch.load(state_path, weights_only=False)
         if st["config"]["stage_layers"] != list(self.cfg.stage_layers):
             raise ValueError(f"{state_path} belongs to a run with stage layers {st['config']['stage_layers']}")
+        st = self._extension_start(st, state_path)
         self.pdm.load_state_dict(st["pdm"])
         self.opt.load_state_dict(st["opt"])
         self.rng.setstate(st["rng"])
@@ -136,6 +139,35 @@ class Trainer:
         for _ in range(self.step):  # replay the data stream to where the run stopped
             next(self.batches)
         self.log(f"resumed from step {self.step}")
+
+    def _extension_start(self, st: dict, state_path: Path) -> dict:
+        """The state to resume from: `st`, or under wsd, when --steps grew past a run that had
+        begun its decay, the state saved where that decay began (stable.pt)."""
+        old = st["config"]
+        schedule, steps = old.get("schedule", "cosine"), old["steps"]
+        if schedule != self.cfg.schedule:
+            raise ValueError(f"{state_path} was trained with the {schedule} schedule: resume it with --schedule {schedule}")
+        if steps == self.cfg.steps:
+            return st
+        if schedule == "cosine":
+            raise ValueError(f"{state_path}: a cosine run of {steps} steps cannot continue to --steps {self.cfg.steps} "
+                             f"(its decay depends on the total); train with --schedule wsd to extend runs")
+        if st["step"] > decay_start(steps, old["warmup"], old["decay_frac"]):
+            stable_path = self.out / "stable.pt"
+            if not stable_path.is_file():
+                raise ValueError(f"{state_path} is past the start of its decay and {stable_path} is missing")
+            st = torch.load(stable_path, weights_only=False)
+            self.log(f"extending a {steps}-step run: back to step {st['step']}, where its decay began")
+        if st["step"] > decay_start(self.cfg.steps, self.cfg.warmup, self.cfg.decay_frac):
+            raise ValueError(f"{state_path}: step {st['step']} is past the start of the decay of a "
+                             f"{self.cfg.steps}-step run; give more --steps")
+        return st
+
+    def _stable_step(self) -> int | None:
+        """wsd: the step whose state is kept as stable.pt (the decay starts right after it)."""
+        if self.cfg.schedule != "wsd":
+            return None
+        return decay_start(self.cfg.steps, self.cfg.warmup, self.cfg.decay_frac)
 
     def save(self) -> None:
         cfg = asdict(self.cfg)
@@ -145,6 +177,9 @@ class Trainer:
         tmp = self.out / "state.pt.tmp"
         torch.save(st, tmp)
         tmp.replace(self.out / "state.pt")
+        if self.step == self._stable_step():
+            torch.save(st, self.out / "stable.pt.tmp")
+            (self.out / "stable.pt.tmp").replace(self.out / "stable.pt")
         extra = {"train": {"step": self.step, "tokens": self.tokens_seen(), "config": cfg}}
         save_pdm(self.pdm, self.out / "pdm", extra=extra, dtype=getattr(torch, self.cfg.export_dtype))
         if self.cfg.keep_every and self.step % self.cfg.keep_every == 0:  # for acceptance-vs-tokens curves
@@ -162,7 +197,7 @@ class Trainer:
         tokens_seen = self.tokens_seen()
         while self.step < self.cfg.steps:
             tokens = next(self.batches).to(self.cfg.device)
-            f = draw_fill(n, self.cfg.full_fill_frac, self.rng)
+            f = draw_fill(n, self.cfg.full_fill_frac, self.rng, self.cfg.fill_weights)
             for g in self.opt.param_groups:
                 g["lr"] = lr_at(self.step, self.cfg)
             loss, agree = distill_loss(self.pdm, self.target, tokens, f, self.cfg.autocast)
@@ -182,6 +217,7 @@ class Trainer:
                          f"tokens {tokens_seen / 1e6:.3f}M {time.time() - t0:.0f}s")
                 window.clear()
             if self.dp.is_main and (self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps or
+                                    self.step == self._stable_step() or
                                     (self.cfg.keep_every and self.step % self.cfg.keep_every == 0)):
                 self.save()
         return self.pdm.eval()

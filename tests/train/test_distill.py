@@ -216,14 +216,15 @@ def test_cli_self_distills_trains_and_resumes(tmp_path: Path, capsys) -> None:
 
     corpus_dir, _ = build(tmp_path, tok=ModTokenizer())
     out = tmp_path / "run"
-    rc = main(["train", *TRAIN_ARGS, "--corpus", str(corpus_dir), "--out", str(out),
+    wsd = ["--schedule", "wsd", "--decay-frac", "0.25", "--fill-weights", "1,1"]  # extendable: decays from step 3
+    rc = main(["train", *TRAIN_ARGS, *wsd, "--corpus", str(corpus_dir), "--out", str(out),
                "--self-distill", "5", "--gen-tokens", "6", "--gen-batch", "2"])
     assert rc == 0 and capsys.readouterr().out.strip() == f"{out}/pdm"
     gen = [s for s in Corpus(corpus_dir).manifest["sources"] if s["name"] == "self-distilled"]
     assert gen and gen[0]["samples"] == 5
     assert json_steps(out) == [1, 2, 3, 4]
-    rc = main(["train", *TRAIN_ARGS, "--steps", "6", "--corpus", str(corpus_dir), "--out", str(out),
-               "--self-distill", "5"])  # the same answers are not generated again
+    rc = main(["train", *TRAIN_ARGS, *wsd, "--steps", "6", "--corpus", str(corpus_dir), "--out", str(out),
+               "--self-distill", "5"])  # the same answers are not generated again; back to step 3, on to 6
     assert rc == 0 and json_steps(out) == [1, 2, 3, 4, 5, 6]
     assert sum(s["samples"] for s in Corpus(corpus_dir).manifest["sources"] if s["name"] == "self-distilled") == 5
     assert main(["eval", "--model", "random:tiny-llama", "--stages", "2", "--spec", f"{out}/pdm", "--limit", "1",
