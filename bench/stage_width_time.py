@@ -1,4 +1,4 @@
-"""What a stage step costs when it carries W tokens (branch width W, docs/design.md 3.9): one
+"""What a stage step costs when it carries W tokens (branch width W, docs/design.md 3.11): one
 stage of a preset's shape (random weights, real sizes) runs a decode step of 1, 2 and 4 tokens
 in the shape a tree step has: W tokens at the same position, each seeing the shared prefix and
 itself (a tree attention mask). The widths are timed in alternation so host drift hits them

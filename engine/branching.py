@@ -1,5 +1,5 @@
 """Branch width W: which candidates a draft position gets when several chains may travel the
-pipeline at once (docs/design.md 3.9). Pure logic, no torch.
+pipeline at once (docs/design.md 3.11). Pure logic, no torch.
 
 A branch point is a draft position that gets up to W candidate tokens instead of one; each
 candidate starts a chain, every chain drafts its own next tokens (one per tick), and when the

@@ -1,4 +1,4 @@
-"""Verification of several candidates for one position (branch width W, docs/design.md 3.9):
+"""Verification of several candidates for one position (branch width W, docs/design.md 3.11):
 recursive rejection sampling. Pure logic, no torch.distributed.
 
 Candidates x_1..x_k of one position come in a fixed order; x_i was drawn from q_i given

@@ -40,7 +40,7 @@ def test_width_one_is_todays_replay(n, chooser):
 
 def test_a_branch_point_is_right_when_any_candidate_is():
     """n=2, the PDM's top-1 always wrong and its top-2 always right: W=1 rejects every draft
-    (two ticks per token); W=2 at refill saves every branch point (worked in docs/design.md 3.9)."""
+    (two ticks per token); W=2 at refill saves every branch point (worked in docs/design.md 3.11)."""
     N, n = 6, 2
     y = list(range(10, 10 + N))
     top = torch.tensor([[[99, y[t + 1], 98, 97] for t in range(N - 1)] for _ in range(n)])
