@@ -84,6 +84,9 @@ class Profile:
     # measured stage times of plain pipeline-parallel runs by n (the last includes the head)
     pp_stage_ms: dict[int, tuple[float, ...]] = field(default_factory=dict)
     tp_layer_ms: dict[int, float] = field(default_factory=dict)  # measured 1/g-width shard per layer
+    # one host sync (a device-to-host read that waits for the queue), measured by spd profile; every
+    # measured step above already includes one, so only the syncs beyond those are charged with it
+    sync_ms: float = 0.0
 
     @property
     def num_layers(self) -> int:
@@ -93,7 +96,7 @@ class Profile:
     def from_dict(cls, d: dict) -> "Profile":
         known = {"schema", "name", "num_layers", "layer_ms", "pdm_ms", "verify_ms", "hidden_size", "dtype_bytes",
                  "anchors_per_stage", "stage_fixed_ms", "driver_fixed_ms", "stage_ms", "pp_stage_ms", "tp_layer_ms",
-                 "source", "measured"}  # source / measured: provenance and raw numbers, not used by the model
+                 "sync_ms", "source", "measured"}  # source / measured: provenance and raw numbers, not used by the model
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"profile: unknown keys {sorted(unknown)} (schema spd-profile/1)")
@@ -114,18 +117,21 @@ class Profile:
                    anchors=int(d.get("anchors_per_stage", 1)), stage_fixed_ms=float(d.get("stage_fixed_ms", 0.0)),
                    driver_fixed_ms=float(d.get("driver_fixed_ms", 0.0)),
                    stage_ms=stage_ms, pp_stage_ms=pp_stage_ms,
-                   tp_layer_ms={int(k): float(v) for k, v in d.get("tp_layer_ms", {}).items()})
-        if not prof.layer_ms or min(prof.layer_ms) < 0 or prof.verify_ms < 0 or prof.driver_fixed_ms < 0:
-            raise ValueError("profile: layer_ms must be a non-empty list of times >= 0, verify_ms and "
-                             "driver_fixed_ms >= 0")
+                   tp_layer_ms={int(k): float(v) for k, v in d.get("tp_layer_ms", {}).items()},
+                   sync_ms=float(d.get("sync_ms", 0.0)))
+        if not prof.layer_ms or min(prof.layer_ms) < 0 or min(prof.verify_ms, prof.driver_fixed_ms, prof.sync_ms) < 0:
+            raise ValueError("profile: layer_ms must be a non-empty list of times >= 0, verify_ms, "
+                             "driver_fixed_ms and sync_ms >= 0")
         return prof
 
     def pdm_for(self, n: int, notes: list[str]) -> float:
         return interp_by_n(self.pdm_ms, n, "pdm_ms", notes)
 
     def driver_work_for(self, n: int, notes: list[str]) -> float:
-        """The driver's per-tick work before verification: PDM + its other host work."""
-        return self.pdm_for(n, notes) + self.driver_fixed_ms
+        """The driver's per-tick work before verification: PDM + its other host work + the host
+        syncs of reading a full tick's n frame headers (n - 1 anchor messages and the exit; the
+        PDM's draft id and the verification's argmax are inside their own measured times)."""
+        return self.pdm_for(n, notes) + self.driver_fixed_ms + n * self.sync_ms
 
 
 # Reference profiles from docs/design.md 6 (one H200, bf16, batch 1, context 1024, CUDA graphs): the

@@ -158,6 +158,10 @@ def run(args: argparse.Namespace) -> int:
                    f"CUDA graphs: skipped ({'disabled' if not s.graphs else 'not on ' + s.device}); eager times only")
     log(f"# spd profile on {dev_name}, {s.dtype}, context {s.context}, {s.iters} iters, n = {list(s.ns)}, "
         f"PDM K={s.pdm_layers}, random weights\n# {graphs_note}")
+    from spd_engine.bench.sync_time import host_sync_ms
+
+    sync_ms = host_sync_ms(torch.device(s.device))
+    log(f"# one host sync (one-element read after a tiny kernel): {1e3 * sync_ms:.1f} us")
     os.makedirs(args.out_dir, exist_ok=True)
     t_start, run_report, rows = time.perf_counter(), {"device": dev_name, "settings": asdict(s), "shapes": {}}, []
     for name in shapes:
@@ -171,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
         profiles = {"eager": profile_json(name, cfg, raw, s, False, dev_name)}
         if fully_graphed(raw):
             profiles["graphs"] = profile_json(name, cfg, raw, s, True, dev_name)
+        for prof in profiles.values():  # the cost model charges the runtime's host syncs with it
+            prof["sync_ms"] = sync_ms
         files = {}
         for kind, prof in profiles.items():
             path = os.path.join(args.out_dir, f"{name}-{kind}.json")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from spd_engine.bench.cost_model import AlphaCurve, LinkModel, Links, Profile, plan
 from spd_engine.bench.profile import (DeviceSettings, choose_spd_row, driver_tick_ms, fully_graphed, measure_shape,
@@ -100,6 +101,25 @@ def test_driver_fixed_time_lengthens_the_driver_cycle():
         Profile.from_dict({**base, "driver_fixed_ms": -1})
 
 
+def test_host_syncs_are_charged_per_frame_header():
+    """A full tick reads n frame headers on the driver, each a host sync beyond the measured steps."""
+    base = {"schema": "spd-profile/1", "num_layers": 4, "layer_ms": 1.0, "pdm_ms": 0.5, "verify_ms": 0.2,
+            "hidden_size": 64}
+    notes: list[str] = []
+    plain, synced = Profile.from_dict(base), Profile.from_dict({**base, "sync_ms": 0.05})
+    for n in (2, 4):
+        assert synced.driver_work_for(n, notes) == pytest.approx(plain.driver_work_for(n, notes) + n * 0.05)
+    with pytest.raises(ValueError, match="sync_ms"):
+        Profile.from_dict({**base, "sync_ms": -1})
+
+
+def test_host_sync_is_measured():
+    from spd_engine.bench.sync_time import host_sync_ms, main
+
+    assert 0 < host_sync_ms(torch.device("cpu"), iters=20, warmup=2) < 50
+    assert main(["--device", "cpu"]) == 0
+
+
 def test_eval_json_alpha_by_n_feeds_the_plan():
     from spd_engine.train.evaluate import EvalReport, PromptRecord
     from spd_engine.train.fast_eval import Acceptance
@@ -165,7 +185,7 @@ def test_spd_profile_cli_on_cpu(tmp_path, capsys):
     run = json.loads((out / "profile-run.json").read_text())
     assert set(run["shapes"]["tiny-llama"]["plans"]) == {f"measured links {net}",
                                                         "ASSUMED link (3 us, 400 GB/s, all-reduce 8 us)"}
-    assert min(prof["stage_ms"]["4"]) > 0 and prof["verify_ms"] > 0
+    assert min(prof["stage_ms"]["4"]) > 0 and prof["verify_ms"] > 0 and prof["sync_ms"] > 0
     assert main(["profile", "--device", "cpu", "--shapes", "nope"]) == 2
     assert main(["profile", "--device", "cpu", "--quick", "--assume-link", ""]) == 2  # no links for the plans
 
