@@ -37,6 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     acc = p.add_argument_group("acceptance")
     acc.add_argument("--alpha", help="one alpha (0.8) or per n (2:0.9,4:0.85,8:0.8)")
     acc.add_argument("--alpha-json", help="eval JSON with alpha_by_n or results[{n, alpha}]")
+    br = p.add_argument_group("branch width W (PREDICTED: the runtime does not carry chains yet)")
+    br.add_argument("--branches-json", help="spd draft-policies --branches --json report: EAL and stage tokens "
+                                            "per step for each W, at its n")
+    br.add_argument("--branch-policy", default="refill suffix>=2", help="branch rule and chooser of the report rows")
+    br.add_argument("--width-cost", default="2:1.0,4:1.0",
+                    help="W:RATIO, a W-token stage step's time over a one-token step's (default ASSUMED 1.0: "
+                         "memory-bound GPU decode; python -m spd_engine.bench.stage_width_time measures it)")
     p.add_argument("--n", default="2-16", help="stage counts, e.g. 2-16 or 2,4,8")
     p.add_argument("--sim-tokens", type=int, default=1000, help="decode tokens simulated per configuration")
     p.add_argument("--seed", type=int, default=0)
@@ -306,6 +313,28 @@ def _revalidate(args: argparse.Namespace) -> int:
     return 1 if any(r["ok"] != "yes" for r in result["rows"]) else 0
 
 
+def _branches(args: argparse.Namespace, profile: Profile, links: Links) -> dict:
+    """Predicted rows for each W of a draft-policies report (bench/cost_branches.py), printed."""
+    from spd_engine.bench.cost_branches import branch_rows, parse_width_cost, read_branch_report
+
+    report = _load_json(args.branches_json)
+    measured = read_branch_report(report, args.branch_policy)
+    n, cost, notes = int(report["n"]), parse_width_cost(args.width_cost), []
+    out = {"n": n, "policy": args.branch_policy, "width_cost": cost, "source": args.branches_json, "rows": {}}
+    for colocate in (False, True):
+        rows = branch_rows(profile, links.of_devices, n, colocate, measured, cost, notes)
+        for r in rows:
+            r["x_w1"] = r["tok_s"] / rows[0]["tok_s"]
+        out["rows"]["coloc" if colocate else "sep"] = rows
+        print(f"\nbranch width at n={n}, {'co-located' if colocate else 'separate'} driver, {args.branch_policy} "
+              f"(PREDICTED: EAL and tokens per step from the offline replay {args.branches_json}; W-token step "
+              f"cost {args.width_cost}{' ASSUMED' if args.width_cost == '2:1.0,4:1.0' else ''}):")
+        print(format_table(rows, [("W", "W", ""), ("eal", "EAL", ".3f"), ("tokens_per_step", "tok/step", ".2f"),
+                                  ("tick_ms", "tick ms", ".3f"), ("tok_s", "tok/s", ".1f"), ("x_w1", "x W=1", ".3f")]))
+    out["notes"] = notes
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     if sum(map(bool, (args.validate, args.validate_runtime, args.revalidate))) > 1:
         raise ValueError("give one of --validate (tick replays), --validate-runtime (real runs) and --revalidate")
@@ -321,9 +350,12 @@ def run(args: argparse.Namespace) -> int:
         profile = Profile.from_dict(_load_json(args.profile))
     else:
         profile = Profile.from_dict({**REFERENCE_PROFILES[args.reference], "name": args.reference})
-    result = plan(profile, _links(args), _alpha(args), _ns(args.n), args.sim_tokens, args.seed)
+    links = _links(args)
+    result = plan(profile, links, _alpha(args), _ns(args.n), args.sim_tokens, args.seed)
     result["recommendation"] = recommendation(result)
     print_plan(result, args.details)
+    if args.branches_json:
+        result["branches"] = _branches(args, profile, links)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
