@@ -22,6 +22,7 @@ from spd_engine.engine.anchors import AnchorPlan
 from spd_engine.engine.model_config import ModelConfig
 from spd_engine.engine.kv_cache import KVCache
 from spd_engine.engine.model import RMSNorm, StageModel
+from spd_engine.engine.pdm_quant import dequantize_state, quantize_state
 from spd_engine.kernels.anchor_gather import anchor_rows, pack_projection_weights
 
 PDM_FORMAT = "spd-pdm-v1"
@@ -139,10 +140,14 @@ class PDM(nn.Module):
 
 
 def save_pdm(pdm: PDM, out_dir: str | Path, extra: dict | None = None, dtype: torch.dtype | None = None) -> Path:
-    """Write pdm.safetensors (optionally cast, e.g. float16 to halve a shipped head) + pdm.json."""
+    """Write pdm.safetensors (optionally cast, e.g. float16 to halve a shipped head, or int8 rows
+    with scales, engine/pdm_quant.py) + pdm.json."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in pdm.state_dict().items()}
+    if dtype == torch.int8:
+        state = quantize_state(pdm.state_dict())
+    else:
+        state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in pdm.state_dict().items()}
     save_file(state, str(out / "pdm.safetensors"))
     meta = {"format": PDM_FORMAT, "config": pdm.pcfg.to_dict(), **(extra or {})}
     (out / "pdm.json").write_text(json.dumps(meta, indent=1))
@@ -182,7 +187,7 @@ def load_pdm(path: str | Path, target: ModelConfig, stage_layers: tuple[int, ...
     if not wpath.is_file():
         raise ValueError(f"PDM weights missing: {wpath}")
     try:
-        state = load_file(str(wpath))
+        state = dequantize_state(load_file(str(wpath)), dtype)
     except (SafetensorError, OSError) as err:
         raise ValueError(f"corrupt PDM weights {wpath}: {err}") from None
     expected = pdm.state_dict()

@@ -5,6 +5,7 @@
   spd convert export-megatron SRC OUT [--release-layout]        (SRC: engine or HF directory)
   spd convert import-megatron MEGATRON_DIR OUT [--stages/--stage-layers/--tp] [--dtype D] [--hf-config DIR]
   spd convert verify A B [--atol X] [--min-agreement F] [--prompts N] [--length T]
+  spd convert head SRC OUT --dtype int8|float16|bfloat16|float32     (a PDM head's weights, engine/pdm_quant.py)
 """
 from __future__ import annotations
 
@@ -58,9 +59,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--length", type=int, default=16, help="tokens per prompt (default 16)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--hf-config", default=None, help="HF directory describing a Megatron checkpoint's model")
+    p = action("head", "a PDM head directory -> the same head with its weights stored as --dtype")
+    p.add_argument("src"), p.add_argument("dst")
+    p.add_argument("--dtype", required=True, choices=("int8", "float16", "bfloat16", "float32"),
+                   help="int8: per-row int8 matrices with fp16 scales, dequantized when loaded")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "head":
+        import torch
+
+        from spd_engine.engine.pdm_quant import convert_head
+
+        print(f"wrote {convert_head(args.src, args.dst, getattr(torch, args.dtype))}")
+        return 0
     dtype = parse_dtype(args.dtype) if getattr(args, "dtype", None) else None
     if args.action == "hf2mcore":
         index = shard.hf2mcore(args.src, args.dst, pp=args.stages, stage_layers=args.stage_layers, tp=args.tp, dtype=dtype)
