@@ -1,4 +1,4 @@
-"""`spd bench`: ar, pp and spd (separate driver and co-located) in one run, same prompts and
+"""`spd bench`: ar, pp, spd (separate driver and co-located) and the serial eagle baseline in one run, same prompts and
 machine; decode tok/s medians over repeats, speedups against both baselines, TTFT / TPOT /
 inter-token latency percentiles, per-tick breakdown, JSON, a PNG timeline of a few spd ticks
 and the spd tick timeline as a Chrome trace (Perfetto). `--ignore-eos` runs every request to
@@ -20,7 +20,8 @@ COLUMNS = [("name", "config", ""), ("world_size", "ranks", ""), ("decode_tok_s",
            ("decode_tok_s_min", "min", ".2f"), ("decode_tok_s_max", "max", ".2f"),
            ("speedup_vs_ar", "x ar", ".2f"), ("speedup_vs_pp", "x pp", ".2f"), ("tick_ms", "ms/tick", ".2f"),
            ("prefill_s", "prefill s", ".2f"), ("tokens", "tokens", ""), ("ticks", "ticks", ""),
-           ("alpha", "alpha", ".3f"), ("eal", "EAL", ".2f"), ("lossless", "lossless", "")]
+           ("alpha", "alpha", ".3f"), ("eal", "EAL", ".2f"), ("acceptance_length", "acc len", ".2f"),
+           ("lossless", "lossless", "")]
 LATENCY_COLUMNS = [("name", "config", "")] + [
     (f"{m}_p{q}_ms", f"{label} p{q}", ".2f") for m, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"))
     for q in (50, 90, 99)]
@@ -34,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_request_arguments(g)
     g.add_argument("--ignore-eos", action="store_true", help="generate --max-new-tokens for every request, past EOS")
     g.add_argument("--repeats", type=int, default=3, help="timed runs of every prompt per configuration")
-    g.add_argument("--configs", default="ar,pp,spd,spd-colocate", help="subset of ar,pp,spd,spd-colocate")
+    g.add_argument("--configs", default="ar,pp,spd,spd-colocate", help="subset of ar,pp,spd,spd-colocate,eagle")
     g.add_argument("--synthetic-alpha", type=float, default=None,
                    help="replace drafts: reference token with this probability (labelled synthetic)")
     add_json_argument(g, "the full report")
@@ -45,9 +46,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                           "needs ar and spd or spd-colocate (their ticks are traced)")
 
 
+def config_names(args: argparse.Namespace) -> list[str]:
+    return [c.strip() for c in args.configs.split(",") if c.strip()]
+
+
 def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
-    names = [c.strip() for c in args.configs.split(",") if c.strip()]
-    bad = set(names) - {"ar", "pp", "spd", "spd-colocate"}
+    names = config_names(args)
+    bad = set(names) - {"ar", "pp", "spd", "spd-colocate", "eagle"}
     if bad:
         raise ValueError(f"unknown bench configs {sorted(bad)}")
     topo = ecfg.topology
@@ -64,6 +69,8 @@ def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
     if "spd-colocate" in names:
         out.append(BenchCase("spd-colocate", ecfg.replace(mode="spd", topology=dataclasses.replace(topo, colocate=True),
                                                           trace=profiling)))
+    if "eagle" in names:  # the serial baseline on one rank (engine/eagle_driver.py)
+        out.append(BenchCase("eagle", ecfg.replace(mode="eagle", topology=one)))
     return out
 
 
@@ -88,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--synthetic-alpha must be in [0, 1], got {args.synthetic_alpha}")
     if args.repeats < 1:
         raise ValueError("--repeats must be >= 1")
-    ecfg, tok_dir = engine_config(args, seed_used=args.synthetic_alpha is not None)  # it seeds the policy
+    ecfg, tok_dir = engine_config(args, seed_used=args.synthetic_alpha is not None,  # it seeds the policy
+                                  eagle_used="eagle" in config_names(args))
     tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
     prompts = encode_prompts(load_prompts(args), tok, args.chat, ecfg.cfg.vocab_size)
     eos = () if args.ignore_eos else tok.eos_ids if tok is not None else ecfg.cfg.eos_token_ids
@@ -96,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     report = bench(cases(args, ecfg), prompts, args.max_new_tokens, eos, args.repeats, args.synthetic_alpha,
                    args.seed, progress)
     report["model"], report["head"] = ecfg.model, ecfg.pdm
+    if "eagle" in config_names(args):
+        report["eagle_head"], report["eagle_k"] = ecfg.eagle_head, ecfg.eagle_k
     label = f" (SYNTHETIC acceptance alpha={args.synthetic_alpha})" if args.synthetic_alpha is not None else ""
     out = sys.stderr if args.json == "-" else sys.stdout  # stdout carries only the JSON then
     print(f"model {ecfg.model}, head {ecfg.pdm}, n={ecfg.topology.n}, {len(prompts)} prompts x "
