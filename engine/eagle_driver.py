@@ -60,6 +60,8 @@ class EagleDriver:
         self.target, self.head, self.k = target, head, k
         self.capacity, self.chunk = capacity, prefill_chunk
         self.device = next(target.parameters()).device
+        # allocated once: a request only reads slots it wrote itself (the slot rule, 3.4)
+        self.tcache, self.dcache = target.new_cache(1, capacity), head.new_cache(capacity)
         self.req: _Request | None = None
 
     # ---- generation ----
@@ -73,8 +75,7 @@ class EagleDriver:
                                   list(prompt))
         try:
             t0 = time.perf_counter()
-            tcache = self.target.new_cache(1, self.capacity)
-            dcache = self.head.new_cache(self.capacity)
+            tcache, dcache = self.tcache, self.dcache
             logits, pending = self._prefill(prompt, tcache)
             first = self._sample_target(logits, len(prompt))
             res.prefill_s = time.perf_counter() - t0
