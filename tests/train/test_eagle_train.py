@@ -4,6 +4,7 @@ trained on the target's own greedy outputs drafts better and stays lossless, and
 (`spd train --method eagle`, then `spd eval --mode eagle`)."""
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -161,3 +162,12 @@ def test_cli_trains_resumes_and_evaluates(tmp_path: Path, capsys) -> None:
                  "--limit", "1", "--max-new-tokens", "4", "--capacity", "256", "--data-dir", str(tmp_path / "eval"),
                  "--datasets", "mt_bench"]) == 0
     assert "acceptance length" in capsys.readouterr().out
+    js = tmp_path / "eval.json"
+    assert main(["eval", "--mode", "eagle", "--model", "random:tiny-llama", "--limit", "1", "--max-new-tokens", "6",
+                 "--capacity", "256", "--data-dir", str(tmp_path / "eval"), "--datasets", "mt_bench",
+                 "--temperature", "1", "--sampling-seed", "5", "--json", str(js)]) == 0
+    report = json.loads(js.read_text())
+    assert report["mode"] == "eagle" and [r["seed"] for r in report["records"]] == [5]
+    overall = report["overall"]
+    assert overall["eal"] == pytest.approx((overall["tokens"] - 1) / overall["ticks"])  # the acceptance length
+    assert main(["eval", "--mode", "eagle", "--model", "random:tiny-llama", "--executor", "fast"]) == 2
