@@ -22,7 +22,7 @@ from spd_engine.engine.model_config import ModelConfig, tiny_config
 from spd_engine.engine.topology import Topology
 
 MODES = ("spd", "pp", "ar", "eagle")
-EAGLE_K = 4  # draft chain length of --mode eagle (docs/design.md 3.9)
+EAGLE_K = 2  # draft chain length of --mode eagle: the shipped head accepts nothing past step 2 (README, docs/eval.md)
 
 
 class StepMode(str, enum.Enum):
