@@ -2,7 +2,8 @@
 
 Model sources: an engine checkpoint directory, or `random:<preset>` (seeded random weights of a
 named shape; every rank builds the same tensors independently, so no weights travel). PDM
-sources: a PDM checkpoint directory, or `random` (an untrained head; output stays lossless).
+sources: a PDM checkpoint directory, or `random` (an untrained head; output stays lossless); the
+same for the eagle baseline's head (`--mode eagle`, engine/eagle_head.py).
 """
 from __future__ import annotations
 
