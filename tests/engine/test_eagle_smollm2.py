@@ -58,8 +58,8 @@ def test_shipped_eagle_head_is_lossless_and_accepts_drafts(smollm2, refs, one_th
     if head == "random":
         pytest.skip("no trained EAGLE head shipped for smollm2-135m")
     accepted = verified = 0
-    with ReferenceExecutor(eagle_config(smollm2, 4, head)) as ex:
-        for text in PROMPTS[:3]:
+    with ReferenceExecutor(eagle_config(smollm2, 2, head)) as ex:  # the default k
+        for text in PROMPTS[:2]:
             res = check(ex, smollm2, refs, text, NEW)
             accepted, verified = accepted + res.accepted, verified + res.verified
     assert verified > 0 and accepted / verified > 0.1, (accepted, verified)
