@@ -35,7 +35,7 @@ PERCENTILES = (50, 90, 99)
 
 @dataclass(frozen=True)
 class BenchCase:
-    name: str  # ar | pp | spd | spd-colocate | hf | hf-lookup
+    name: str  # ar | pp | spd | spd-colocate | spd-overlap | eagle | hf | hf-lookup
     ecfg: RunConfig  # for an external peer: the ar row's (its thread count and dtype)
     peer: HFPeer | None = None  # transformers' generate instead of the engine (bench/hf_peer.py)
 
@@ -119,7 +119,7 @@ def run_case(case: BenchCase, prompts: Sequence[list[int]], max_new: int, eos: S
              progress: Progress) -> tuple[dict, list[list[int]], list[dict] | None]:
     """(summary, tokens per prompt, the traces of the last repeat's requests or None) for one configuration."""
     policies = [None] * len(prompts)
-    if synthetic_alpha is not None and case.ecfg.mode == "spd":
+    if synthetic_alpha is not None and case.ecfg.mode in ("spd", "eagle"):
         assert reference is not None, "synthetic acceptance needs the reference tokens"
         policies = [synthetic_policy(ref, len(p), synthetic_alpha, seed) for ref, p in zip(reference, prompts)]
     runs: list[list[GenerationResult]] = []
@@ -138,8 +138,10 @@ def run_case(case: BenchCase, prompts: Sequence[list[int]], max_new: int, eos: S
             trace = [r.trace for r in runs[-1]]
     summary = summarize(runs, case.ecfg.topology.n)
     summary.update(latency_summary(clocks))
-    if case.ecfg.mode != "spd" and not (case.peer and case.peer.lookup_tokens):
-        summary["eal"] = None  # EAL is a property of speculation; pp and ar commit one token per pass
+    if case.ecfg.mode == "eagle" or (case.peer is not None and case.peer.lookup_tokens):
+        summary["acceptance_length"] = summary["eal"]  # ticks are target passes and n = 1: tokens per pass
+    if case.ecfg.mode != "spd":
+        summary["eal"] = None  # EAL is SPD's; pp and ar commit one token per pass
     summary.update(name=case.name, mode=case.mode, n=case.ecfg.topology.n,
                    colocate=case.ecfg.topology.colocate, world_size=case.ecfg.world_size,
                    threads_per_rank=case.ecfg.threads_per_rank(), synthetic_alpha=synthetic_alpha)

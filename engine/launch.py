@@ -62,12 +62,16 @@ def _stage_rank(rank: int, world: int, ecfg: RunConfig, init_method: str) -> Non
 
 
 def check_head(ecfg: RunConfig) -> None:
-    """A PDM head made for another model or another stage split is a user error: say so up front."""
+    """A PDM or EAGLE head made for another model (or another stage split) is a user error: say so up front."""
     if ecfg.mode == "spd" and ecfg.pdm != "random":
         from spd_engine.engine.pdm import check_pdm_matches, read_pdm_config
 
         pcfg, _ = read_pdm_config(ecfg.pdm)
         check_pdm_matches(pcfg, ecfg.cfg, tuple(ecfg.topology.stage_layers))
+    if ecfg.mode == "eagle" and ecfg.eagle_head != "random":
+        from spd_engine.engine.eagle_head import check_eagle_matches, read_eagle_config
+
+        check_eagle_matches(read_eagle_config(ecfg.eagle_head)[0], ecfg.cfg)
 
 
 @contextlib.contextmanager

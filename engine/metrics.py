@@ -2,7 +2,9 @@
 
 tokens N includes the first token (from the prefill logits) and a final EOS, never an
 unverified draft; decode tokens = N - 1; ticks counts decode ticks including fill and refill;
-alpha = accepted / verified drafts; EAL = n * decode tokens / ticks.
+alpha = accepted / verified drafts; EAL = n * decode tokens / ticks. The serial eagle baseline
+counts target passes (one per draft-then-verify round) and its acceptance length = decode tokens /
+target passes; its ticks are its target passes and n = 1, so its EAL is that acceptance length.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ class GenerationResult:
     verified: int = 0
     accepted: int = 0
     rejections: int = 0  # rejections followed by at least one more committed token
+    target_passes: int = 0  # decode forwards of the whole target (the eagle baseline's rounds)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     # per-tick breakdown, summed over the run (seconds); stage entries come from the stages
@@ -38,6 +41,11 @@ class GenerationResult:
     @property
     def eal(self) -> float:
         return self.n * self.decode_tokens / self.ticks if self.ticks else 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens committed per target pass (the eagle baseline; 0 where no pass was counted)."""
+        return self.decode_tokens / self.target_passes if self.target_passes else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -69,7 +77,8 @@ class GenerationResult:
         return {
             "tokens": len(self.tokens), "decode_tokens": self.decode_tokens, "ticks": self.ticks,
             "verified": self.verified, "accepted": self.accepted, "rejections": self.rejections,
-            "alpha": self.alpha, "eal": self.eal, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
+            "alpha": self.alpha, "eal": self.eal,
+            "target_passes": self.target_passes, "acceptance_length": self.acceptance_length, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
             "decode_tok_s": self.decode_tok_s, "breakdown_ms_per_tick": self.breakdown_ms_per_tick(),
             "by_source": {k: dict(zip(("drafted", "verified", "accepted"), v)) for k, v in self.by_source.items()},
         }

@@ -10,6 +10,7 @@ import dataclasses
 from spd_engine.engine.baselines import PipelineDriver
 from spd_engine.engine.build import build_driver_head, build_pdm, build_stage_model
 from spd_engine.engine.driver import Driver
+from spd_engine.engine.eagle_driver import EagleDriver, build_eagle_driver
 from spd_engine.engine.run_config import RunConfig
 from spd_engine.engine.messages import link_frames
 from spd_engine.engine.stage_worker import StageWorker, wire_format
@@ -25,8 +26,11 @@ def rank_topology(ecfg: RunConfig) -> Topology:
 
 
 def build_rank(ecfg: RunConfig, rank: int, transport: Transport, pdm=None
-               ) -> tuple[Driver | PipelineDriver | None, StageWorker | None]:
+               ) -> tuple[Driver | PipelineDriver | EagleDriver | None, StageWorker | None]:
     """(driver-side runtime or None, stage worker to serve or None) for this rank."""
+    if ecfg.mode == "eagle":  # one rank, no stages and no messages (engine/eagle_driver.py)
+        assert rank == 0 and ecfg.world_size == 1
+        return build_eagle_driver(ecfg, head=pdm), None
     topo = rank_topology(ecfg)
     spd = ecfg.mode == "spd"
     plan = ecfg.plan() if spd else None

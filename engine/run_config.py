@@ -2,7 +2,8 @@
 
 Model sources: an engine checkpoint directory, or `random:<preset>` (seeded random weights of a
 named shape; every rank builds the same tensors independently, so no weights travel). PDM
-sources: a PDM checkpoint directory, or `random` (an untrained head; output stays lossless).
+sources: a PDM checkpoint directory, or `random` (an untrained head; output stays lossless); the
+same for the eagle baseline's head (`--mode eagle`, engine/eagle_head.py).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from spd_engine.engine.anchors import AnchorPlan
 from spd_engine.engine.model_config import ModelConfig, tiny_config
 from spd_engine.engine.topology import Topology
 
-MODES = ("spd", "pp", "ar")
+MODES = ("spd", "pp", "ar", "eagle")
+EAGLE_K = 2  # draft chain length of --mode eagle: the shipped head accepts nothing past step 2 (README, docs/eval.md)
 
 
 class StepMode(str, enum.Enum):
@@ -97,6 +99,8 @@ class RunConfig:
     suffix_pdm_margin: float = float("inf")  # suffix drafts only where the PDM's top-1 margin is below this
     suffix_cross_request: bool = False  # also draft from the process's earlier requests (a server's)
     overlap_stage0: bool = False  # co-located, n >= 2: stage 0's decode step overlaps the driver's draft and verify
+    eagle_head: str = "random"  # --mode eagle: EAGLE head directory or "random" (engine/eagle_head.py)
+    eagle_k: int = EAGLE_K  # --mode eagle: drafts per round
 
 
     def __post_init__(self) -> None:
@@ -115,8 +119,12 @@ class RunConfig:
         if self.topology.num_layers != self.cfg.num_layers:
             raise ValueError(f"stage layers {list(self.topology.stage_layers)} sum to {self.topology.num_layers}, "
                              f"the model has {self.cfg.num_layers} layers")
-        if self.mode == "ar" and self.topology.n != 1:
-            raise ValueError("--mode ar runs the whole model on one rank: use --stages 1")
+        if self.mode in ("ar", "eagle") and self.topology.n != 1:
+            raise ValueError(f"--mode {self.mode} runs the whole model on one rank: use --stages 1")
+        if self.eagle_k < 1:
+            raise ValueError(f"--eagle-k must be >= 1, got {self.eagle_k}")
+        if self.eagle_head != "random" and not Path(self.eagle_head).is_dir():
+            raise ValueError(f"EAGLE head not found: {self.eagle_head}")
         if self.capacity < 2 or self.capacity > self.cfg.max_position:
             raise ValueError(f"KV capacity {self.capacity} must be in [2, max_position={self.cfg.max_position}]")
         if self.prefill_chunk < 1 or self.timeout_s <= 0:
@@ -134,7 +142,7 @@ class RunConfig:
     def world_size(self) -> int:
         if self.mode == "spd":
             return self.topology.world_size
-        return self.topology.n  # pp: n stage ranks (head on the last); ar: one rank
+        return self.topology.n  # pp: n stage ranks (head on the last); ar, eagle: one rank
 
     def resolved_step_mode(self) -> StepMode:
         """eager, static or graph: auto is graph on CUDA and eager elsewhere."""

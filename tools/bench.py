@@ -1,4 +1,4 @@
-"""`spd bench`: ar, pp and spd (separate driver and co-located) in one run, same prompts and
+"""`spd bench`: ar, pp, spd (separate driver and co-located) and the serial eagle baseline in one run, same prompts and
 machine; decode tok/s medians over repeats, speedups against both baselines, TTFT / TPOT /
 inter-token latency percentiles, per-tick breakdown, JSON, a PNG timeline of a few spd ticks
 and the spd tick timeline as a Chrome trace (Perfetto). `hf` and `hf-lookup` add transformers'
@@ -18,13 +18,14 @@ from spd_engine.bench.stats import format_table
 from spd_engine.tools.common import add_engine_arguments, add_json_argument, engine_config, hf_model_dir, \
     load_prompts, refuse_ignored, write_json
 
-CONFIGS = ("ar", "pp", "spd", "spd-colocate", "spd-overlap", "hf", "hf-lookup")
+CONFIGS = ("ar", "pp", "spd", "spd-colocate", "spd-overlap", "eagle", "hf", "hf-lookup")
 
 COLUMNS = [("name", "config", ""), ("world_size", "ranks", ""), ("decode_tok_s", "tok/s", ".2f"),
            ("decode_tok_s_min", "min", ".2f"), ("decode_tok_s_max", "max", ".2f"),
            ("speedup_vs_ar", "x ar", ".2f"), ("speedup_vs_pp", "x pp", ".2f"), ("tick_ms", "ms/tick", ".2f"),
            ("prefill_s", "prefill s", ".2f"), ("tokens", "tokens", ""), ("ticks", "ticks", ""),
-           ("alpha", "alpha", ".3f"), ("eal", "EAL", ".2f"), ("equal_prompts", "= ar", ""),
+           ("alpha", "alpha", ".3f"), ("eal", "EAL", ".2f"), ("acceptance_length", "acc len", ".2f"),
+           ("equal_prompts", "= ar", ""),
            ("lossless", "lossless", "")]
 LATENCY_COLUMNS = [("name", "config", "")] + [
     (f"{m}_p{q}_ms", f"{label} p{q}", ".2f") for m, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"))
@@ -53,8 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                           "needs ar and spd or spd-colocate (their ticks are traced)")
 
 
+def config_names(args: argparse.Namespace) -> list[str]:
+    return [c.strip() for c in args.configs.split(",") if c.strip()]
+
+
 def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
-    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    names = config_names(args)
     bad = set(names) - set(CONFIGS)
     if bad:
         raise ValueError(f"unknown bench configs {sorted(bad)}")
@@ -76,6 +81,8 @@ def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
     if "spd-overlap" in names:  # co-located, stage 0 on its own thread (engine/stage0_overlap.py)
         out.append(BenchCase("spd-overlap", ecfg.replace(mode="spd", overlap_stage0=True,
                                                          topology=dataclasses.replace(topo, colocate=True))))
+    if "eagle" in names:  # the serial baseline on one rank (engine/eagle_driver.py)
+        out.append(BenchCase("eagle", ecfg.replace(mode="eagle", topology=one)))
     for name in ("hf", "hf-lookup"):
         if name in names:
             lookup = args.lookup_tokens if name == "hf-lookup" else None
@@ -106,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ValueError("--repeats must be >= 1")
     refuse_ignored(args, ["overlap_stage0"], "by spd bench: its spd-overlap config is the overlapped driver")
-    ecfg, tok_dir = engine_config(args, seed_used=args.synthetic_alpha is not None)  # it seeds the policy
+    ecfg, tok_dir = engine_config(args, seed_used=args.synthetic_alpha is not None,  # it seeds the policy
+                                  eagle_used="eagle" in config_names(args))
     tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
     prompts = encode_prompts(load_prompts(args), tok, args.chat, ecfg.cfg.vocab_size)
     eos = () if args.ignore_eos else tok.eos_ids if tok is not None else ecfg.cfg.eos_token_ids
@@ -114,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
     report = bench(cases(args, ecfg), prompts, args.max_new_tokens, eos, args.repeats, args.synthetic_alpha,
                    args.seed, progress)
     report["model"], report["head"] = ecfg.model, ecfg.pdm
+    if "eagle" in config_names(args):
+        report["eagle_head"], report["eagle_k"] = ecfg.eagle_head, ecfg.eagle_k
     label = f" (SYNTHETIC acceptance alpha={args.synthetic_alpha})" if args.synthetic_alpha is not None else ""
     out = sys.stderr if args.json == "-" else sys.stdout  # stdout carries only the JSON then
     print(f"model {ecfg.model}, head {ecfg.pdm}, n={ecfg.topology.n}, {len(prompts)} prompts x "

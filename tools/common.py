@@ -161,8 +161,12 @@ def model_config(engine_spec: str):
     return read_index(engine_spec).cfg
 
 
-def default_head(model: str, n: int) -> str:
-    """The shipped trained head for a built-in model at this n, else an untrained one."""
+def default_head(model: str, n: int, mode: str = "spd") -> str:
+    """The shipped trained head for a built-in model at this n (--mode eagle: its EAGLE head), else
+    an untrained one."""
+    if mode == "eagle":
+        candidate = REPO_HEADS / f"{model}-eagle"
+        return str(candidate) if (candidate / "eagle.json").is_file() else "random"
     candidate = REPO_HEADS / f"{model}-n{n}"
     return str(candidate) if (candidate / "pdm.json").is_file() else "random"
 
@@ -180,7 +184,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
     g.add_argument("--stage-layers", default=None, help="explicit split, e.g. 8,8,7,7 (default: even split)")
     if mode_flags:
         g.add_argument("--mode", choices=MODES, default=default_mode,
-                       help="spd, or a baseline: pp (pipeline-parallel autoregressive), ar (one rank)")
+                       help="spd, or a baseline: pp (pipeline-parallel autoregressive), ar (one rank), eagle "
+                            "(serial draft-then-verify with an EAGLE-3-style head, one rank)")
         g.add_argument("--colocate", action="store_true", help="driver on the same rank as stage 0 (world size n)")
     g.add_argument("--pdm-layers", type=int, default=run_default("pdm_layers"), help="K of an untrained head")
     g.add_argument("--capacity", type=int, default=None,
@@ -200,6 +205,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
                         "fallback), or static (the graph path's buffers without capture)")
     g.add_argument("--overlap-stage0", choices=("on", "off"), default="on" if run_default("overlap_stage0") else "off",
                    help="co-located (n >= 2): stage 0 steps on its own thread while the driver drafts and verifies")
+    e = p.add_argument_group("eagle baseline (serial draft-then-verify on one rank)")
+    e.add_argument("--eagle-head", default=None,
+                   help="EAGLE head directory, or 'random' (default: the shipped head for the model, else an untrained one)")
+    e.add_argument("--eagle-k", type=int, default=run_default("eagle_k"),
+                   help="drafts per round, verified in one target pass of k+1 tokens")
     d = p.add_argument_group("draft sources")
     d.add_argument("--suffix-drafts", choices=("on", "off"), default="on" if run_default("suffix_drafts") else "off",
                    help="also draft the token that followed the longest earlier occurrence of the context's suffix")
@@ -212,34 +222,45 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
                    help="suffix drafts also from this process's earlier requests (prompts and outputs)")
 
 
-def _check_ignored_engine_flags(args: argparse.Namespace, mode: str, spec: str, seed_used: bool) -> None:
-    if not seed_used and random_preset(args.model) is None and (spec != "random" or mode != "spd"):
+def _check_ignored_engine_flags(args: argparse.Namespace, mode: str, spec: str, seed_used: bool,
+                                eagle_head: str | None) -> None:
+    """eagle_head: the eagle baseline's head when the command runs it, else None."""
+    seeds_head = (mode == "spd" and spec == "random") or eagle_head == "random"
+    if not seed_used and random_preset(args.model) is None and not seeds_head:
         refuse_ignored(args, ["seed"], "with real weights and a trained head or no head (it seeds random "
                                        "weights and untrained heads; --sampling-seed seeds sampling)")
+    if eagle_head is None:
+        refuse_ignored(args, ["eagle_head", "eagle_k"], "without the eagle baseline (--mode eagle)")
+    if mode == "eagle":
+        refuse_ignored(args, ["step_mode"], "with --mode eagle (its steps run eagerly)")
     if mode != "spd":
         refuse_ignored(args, ["spec", "pdm_layers", "colocate", "suffix_drafts", "suffix_min_match", "suffix_pdm_margin",
-                                "suffix_cross_request", "overlap_stage0"], f"with --mode {mode} (no speculation)")
+                                "suffix_cross_request", "overlap_stage0"], f"with --mode {mode} (no SPD speculation module)")
     elif hasattr(args, "colocate") and not args.colocate:
         refuse_ignored(args, ["overlap_stage0"], "without --colocate (stage 0 has a rank of its own)")
-    if mode == "ar" and args.stages != 1:
-        refuse_ignored(args, ["stages", "stage_layers"], "with --mode ar (one rank runs the whole model)")
+    if mode in ("ar", "eagle") and args.stages != 1:
+        refuse_ignored(args, ["stages", "stage_layers"], f"with --mode {mode} (one rank runs the whole model)")
     if spec != "random":
         refuse_ignored(args, ["pdm_layers"], f"with a trained head ({spec}: its K is in its pdm.json)")
 
 
-def engine_config(args: argparse.Namespace, seed_used: bool = False) -> tuple[RunConfig, Path | None]:
+def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used: bool = False
+                  ) -> tuple[RunConfig, Path | None]:
     """The RunConfig of the engine flags (and the tokenizer directory); `seed_used`: the command reads
-    --seed for something else too, so it is never an ignored flag."""
+    --seed for something else too, so it is never an ignored flag; `eagle_used`: the command runs
+    the eagle baseline beside the mode's run (its flags are not ignored)."""
     mode = getattr(args, "mode", "spd")
     engine_spec, tok_dir = resolve_model(args.model)
     cfg = model_config(engine_spec)
-    n = 1 if mode == "ar" else args.stages
+    n = 1 if mode in ("ar", "eagle") else args.stages
     topo = Topology.build(cfg.num_layers, n=None if args.stage_layers else n, stage_layers=args.stage_layers,
                           colocate=getattr(args, "colocate", False))
     spec = args.spec or default_head(args.model, topo.n)
-    _check_ignored_engine_flags(args, mode, spec, seed_used)
+    eagle_head = args.eagle_head or default_head(args.model, 1, "eagle")
+    _check_ignored_engine_flags(args, mode, spec, seed_used, eagle_head if eagle_used or mode == "eagle" else None)
     backend = args.backend or ("nccl" if str(args.device).startswith("cuda") else run_default("backend"))
-    ecfg = RunConfig(model=engine_spec, cfg=cfg, topology=topo, mode=mode, pdm=spec,
+    ecfg = RunConfig(model=engine_spec, cfg=cfg, topology=topo, mode=mode, pdm=spec, eagle_head=eagle_head,
+                     eagle_k=args.eagle_k,
                      pdm_layers=args.pdm_layers, backend=backend, device=args.device, dtype=args.dtype,
                      capacity=args.capacity or min(run_default("capacity"), cfg.max_position),
                      prefill_chunk=args.prefill_chunk, timeout_s=args.timeout, threads=args.threads,

@@ -13,7 +13,7 @@ import argparse
 
 from spd_engine.checkpoint_tools import hf, megatron_dcp, shard, verify
 from spd_engine.engine.checkpoint import parse_dtype
-from spd_engine.tools.common import add_dtype_argument
+from spd_engine.tools.common import add_dtype_argument, dtype_name
 
 
 def _split_args(p: argparse.ArgumentParser) -> None:
@@ -27,6 +27,11 @@ def _split_args(p: argparse.ArgumentParser) -> None:
 def _dtype_arg(p: argparse.ArgumentParser) -> None:
     add_dtype_argument(p, None, "cast the weights (default: keep the source dtype; only then is a round trip "
                        "bit-identical)")
+
+
+def _head_dtype(text: str) -> str:
+    """int8, or a float dtype under any of its spellings (tools/common.py dtype_name)."""
+    return "int8" if text == "int8" else dtype_name(text)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,8 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-config", default=None, help="HF directory describing a Megatron checkpoint's model")
     p = action("head", "a PDM head directory -> the same head with its weights stored as --dtype")
     p.add_argument("src"), p.add_argument("dst")
-    p.add_argument("--dtype", required=True, choices=("int8", "float16", "bfloat16", "float32"),
-                   help="int8: per-row int8 matrices with fp16 scales, dequantized when loaded")
+    p.add_argument("--dtype", required=True, type=_head_dtype, metavar="{int8,float16,bfloat16,float32}",
+                   help="int8: per-row int8 matrices with fp16 scales, dequantized when loaded (aliases fp32, bf16, fp16)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""`spd eval`: acceptance (alpha, EAL) of a PDM head on prompt sets, per dataset and overall.
+"""`spd eval`: acceptance (alpha, EAL) of a PDM head on prompt sets, per dataset and overall; with
+`--mode eagle`, the eagle baseline's alpha and acceptance length (train/eagle_eval.py).
 
 Prompts: `<data-dir>/{mt_bench,humaneval,gsm8k}.jsonl` (EAGLE format, first turn, chat template
 applied). `--executor fast` (default at T=0) computes the exact T=0 counts from one greedy decode
@@ -20,8 +21,10 @@ from spd_engine.train.evaluate import DATASETS, EXECUTORS, EvalSettings, check_s
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from spd_engine.tools.common import add_engine_arguments, add_json_argument
 
-    add_engine_arguments(p, mode_flags=False)  # acceptance is SPD's, and does not depend on the layout
+    add_engine_arguments(p, mode_flags=False)  # acceptance does not depend on the layout
     g = p.add_argument_group("evaluation")
+    g.add_argument("--mode", choices=("spd", "eagle"), default="spd",
+                   help="spd: the PDM head's alpha and EAL; eagle: the eagle baseline's alpha and acceptance length")
     g.add_argument("--data-dir", default=None,
                    help=f"directory with {', '.join(d + '.jsonl' for d in DATASETS)} "
                         f"(default: the prompt sets shipped in the package, train/evalsets)")
@@ -66,7 +69,11 @@ def run(args: argparse.Namespace) -> int:
     from spd_engine.tools.common import engine_config, write_json
     from spd_engine.train.evaluate import encode_prompt, evaluate, format_table, load_dataset, open_runner
 
-    executor = args.executor or default_executor(args.temperature)
+    if args.mode == "eagle":
+        from spd_engine.tools.common import refuse_ignored
+
+        refuse_ignored(args, ["executor"], "with --mode eagle (its runtime runs in this process)")
+    executor = "reference" if args.mode == "eagle" else args.executor or default_executor(args.temperature)
     settings = EvalSettings(args.max_new_tokens, args.temperature, executor, args.limit, args.top_k, args.top_p,
                             args.sampling_seed)
     check_settings(settings)  # before any model is loaded
@@ -84,28 +91,37 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     n = ecfg.topology.n
+    head = f"eagle head {ecfg.eagle_head}, k={ecfg.eagle_k}" if ecfg.mode == "eagle" else f"head {ecfg.pdm}"
     log(f"spd eval: {len(encoded)} prompts from {data_dir}, n={n} {list(ecfg.topology.stage_layers)}, "
-        f"head {ecfg.pdm}, executor {executor}")
+        f"{head}, executor {executor}")
     t0 = time.perf_counter()
     with open_runner(ecfg, settings, args.reference_cache) as runner:
         report = evaluate(runner, encoded, n, settings, eos, progress=log)
     wall = time.perf_counter() - t0
-    print(format_table(report))
+    if ecfg.mode == "eagle":
+        from spd_engine.train.eagle_eval import format_eagle_table
+
+        print(format_eagle_table(report))
+    else:
+        print(format_table(report))
     footer = f"n={n}, {settings.max_new_tokens} max new tokens, executor {executor}, {wall:.1f}s"
     if settings.temperature > 0:  # samples: reproducible from the seeds, not comparable token by token
         footer += (f", sampling T={settings.temperature} top-k {settings.top_k} top-p {settings.top_p} "
                    f"seeds {settings.seed}+k (not checked against greedy)")
+    if ecfg.mode == "eagle":
+        footer = f"eagle k={ecfg.eagle_k}, " + footer
     if executor == "fast":  # where the runtime's other shapes could flip a draft's argmax
         total = report.summary()
         footer += (f", {total.near_ties} consulted drafts within 1e-4 of a tie, {total.outside_vocab} of "
                    f"{total.verified} verified tokens outside the draft vocabulary")
     print(footer)
     if args.json:
-        meta = {"model": args.model, "spec": ecfg.pdm, "n": n, "stage_layers": list(ecfg.topology.stage_layers),
+        meta = {"model": args.model, "mode": ecfg.mode, "spec": ecfg.eagle_head if ecfg.mode == "eagle" else ecfg.pdm,
+                "eagle_k": ecfg.eagle_k if ecfg.mode == "eagle" else None, "n": n, "stage_layers": list(ecfg.topology.stage_layers),
                 "executor": executor, "max_new_tokens": settings.max_new_tokens,
                 "temperature": settings.temperature, "top_k": settings.top_k, "top_p": settings.top_p,
                 "seed": settings.seed, "data_dir": str(data_dir), "wall_s": wall}
         write_json(args.json, report.to_json(meta))
     for r in report.failures:
-        print(f"FAIL: {r.dataset}#{r.index}: SPD output differs from greedy decoding", file=sys.stderr)
+        print(f"FAIL: {r.dataset}#{r.index}: {ecfg.mode} output differs from greedy decoding", file=sys.stderr)
     return 1 if report.failures else 0

@@ -86,7 +86,7 @@ def encode_prompt(prompt, tok, chat: bool, vocab_size: int) -> list[int]:
 def result_json(i: int, ecfg, res, tok, sampling: SamplingParams) -> dict:
     """The --json record of one prompt: what was generated, by which model and head, and the stats."""
     return {"prompt": i, "text": tok.text(res.tokens) if tok is not None else None, "token_ids": list(res.tokens),
-            "model": ecfg.model, "head": ecfg.pdm if ecfg.mode == "spd" else None, "mode": ecfg.mode,
+            "model": ecfg.model, "head": {"spd": ecfg.pdm, "eagle": ecfg.eagle_head}.get(ecfg.mode), "mode": ecfg.mode,
             "n": ecfg.topology.n, "colocate": ecfg.topology.colocate, "sampling": asdict(sampling), **res.to_json()}
 
 
@@ -109,8 +109,8 @@ def run(args: argparse.Namespace) -> int:
         if len(ids) + args.max_new_tokens > ecfg.capacity:
             raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds "
                              f"--capacity {ecfg.capacity}")
-    if ecfg.pdm == "random" and ecfg.mode == "spd":
-        print("spd: no trained head for this model and n; using an untrained one (lossless, but slow)",
+    if (ecfg.pdm if ecfg.mode == "spd" else ecfg.eagle_head if ecfg.mode == "eagle" else "") == "random":
+        print(f"spd: no trained {ecfg.mode} head for this model and n; using an untrained one (lossless, but slow)",
               file=sys.stderr)
     records = []
     with launch(ecfg) as runtime:

@@ -1,5 +1,6 @@
 """`spd plan`: predict SPD tick time, tokens/s and speedup against TP, PP and TP x SPD hybrids
-from a compute profile, netbench link measurements and an acceptance alpha; or, with
+from a compute profile, netbench link measurements and an acceptance alpha (and, given its
+acceptance, the serial eagle baseline on one device: bench/cost_eagle.py); or, with
 `--validate`, check the model against tick replays with sleeping stages on this host; or, with
 `--validate-runtime`, against real ar / pp / SPD runs (bench/validate_runtime.py).
 """
@@ -37,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     acc = p.add_argument_group("acceptance")
     acc.add_argument("--alpha", help="one alpha (0.8) or per n (2:0.9,4:0.85,8:0.8)")
     acc.add_argument("--alpha-json", help="eval JSON with alpha_by_n or results[{n, alpha}]")
+    acc.add_argument("--eagle-alpha", type=float, help="eagle baseline row: per-draft acceptance (i.i.d. drafts)")
+    acc.add_argument("--eagle-json", help="eagle baseline row: `spd eval --mode eagle --json` (its acceptance length)")
+    acc.add_argument("--eagle-k", type=int, help="eagle drafts per round (default: the eval's k, or the best k in 1..8)")
     br = p.add_argument_group("branch width W (PREDICTED: the runtime does not carry chains yet)")
     br.add_argument("--branches-json", help="spd draft-policies --branches --json report: EAL and stage tokens "
                                             "per step for each W, at its n")
@@ -118,6 +122,28 @@ def _alpha(args: argparse.Namespace) -> AlphaCurve:
         return AlphaCurve({int(k): float(v) for k, v in (item.split(":") for item in args.alpha.split(","))})
     except ValueError as err:
         raise ValueError(f"--alpha: {err}") from None
+
+
+def _eagle(args: argparse.Namespace):
+    """EagleInputs from --eagle-alpha / --eagle-json, or None (no eagle row)."""
+    from spd_engine.bench.cost_eagle import EagleInputs, eagle_inputs_from_eval
+
+    if args.eagle_alpha is not None and args.eagle_json:
+        raise ValueError("give --eagle-alpha or --eagle-json, not both")
+    if args.eagle_json:
+        return eagle_inputs_from_eval(_load_json(args.eagle_json), args.eagle_k)
+    if args.eagle_alpha is not None:
+        return EagleInputs(alpha=args.eagle_alpha, k=args.eagle_k)
+    if args.eagle_k is not None:
+        raise ValueError("--eagle-k needs --eagle-alpha or --eagle-json")
+    return None
+
+
+def print_eagle(row: dict) -> None:
+    print(f"\n# eagle (serial draft-then-verify, one device, {row['source']}): k={row['k']}, acceptance length "
+          f"{row['acceptance_length']:.2f} per round of {row['round_ms']:.3f} ms ({row['k']} x "
+          f"{row['draft_step_ms']:.3f} ms draft steps + {row['target_pass_ms']:.3f} ms target pass): "
+          f"{row['tok_s']:.1f} tok/s, {row['speedup_vs_ar']:.2f}x AR")
 
 
 def _ns(text: str) -> list[int]:
@@ -350,10 +376,16 @@ def run(args: argparse.Namespace) -> int:
         profile = Profile.from_dict(_load_json(args.profile))
     else:
         profile = Profile.from_dict({**REFERENCE_PROFILES[args.reference], "name": args.reference})
+    eagle = _eagle(args)
     links = _links(args)
     result = plan(profile, links, _alpha(args), _ns(args.n), args.sim_tokens, args.seed)
     result["recommendation"] = recommendation(result)
     print_plan(result, args.details)
+    if eagle is not None:
+        from spd_engine.bench.cost_eagle import eagle_row
+
+        result["eagle"] = eagle_row(profile, eagle, result["notes"])
+        print_eagle(result["eagle"])
     if args.branches_json:
         result["branches"] = _branches(args, profile, links)
     if args.json:

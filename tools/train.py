@@ -2,7 +2,8 @@
 
 Batches alternate between self-distilled sequences (the target's own answers; generated first
 with --self-distill N) and the offline corpus text. The result is a PDM directory under
-OUT/pdm that `spd generate --spec` and `spd eval --spec` take. Under torchrun every process is
+OUT/pdm that `spd generate --spec` and `spd eval --spec` take; `--method eagle` trains the eagle
+baseline's head instead (train/eagle.py), exported to OUT/eagle for `--eagle-head`. Under torchrun every process is
 one data-parallel rank (train/data_parallel.py; gloo on CPU, NCCL with --device cuda).
 """
 from __future__ import annotations
@@ -21,12 +22,15 @@ from spd_engine.tools.common import add_dtype_argument, model_config, resolve_mo
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="built-in name, checkpoint, HF dir, GGUF or random:<preset>")
+    p.add_argument("--method", choices=("pdm", "eagle"), default="pdm",
+                   help="pdm: SPD's speculation module; eagle: the serial eagle baseline's head")
     p.add_argument("--corpus", required=True, help="corpus directory from `spd data`")
     p.add_argument("--out", required=True, help="run directory (resumes if it holds state.pt)")
     p.add_argument("--stages", type=int, default=4, help="pipeline stages n the head is trained for")
     p.add_argument("--stage-layers", default=None, help="explicit split, e.g. 8,8,7,7 (default: even split)")
     p.add_argument("--anchors", default=None, help="explicit anchors, e.g. 0,8,23,29 (default: the stage bounds)")
     p.add_argument("--pdm-layers", type=int, default=1, help="K: decoder layers of the head")
+    p.add_argument("--ttt-steps", type=int, default=3, help="--method eagle: draft steps unrolled in training")
     p.add_argument("--draft-vocab", default=None, help="JSON from `spd draft-vocab` (default: the full vocabulary)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence")
     p.add_argument("--batch", type=int, default=4, help="sequences per step")
@@ -83,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from spd_engine.train.draft_vocab import load_draft_vocab
     from spd_engine.train.self_distill import self_distill
 
+    _check_method_flags(args)
     if args.target_dtype not in ("bfloat16", "float32"):
         raise ValueError(f"--target-dtype must be bfloat16 or float32, got {args.target_dtype}")
     if args.threads:
@@ -109,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
         self_distill(corpus, target, args.self_distill - done, args.gen_tokens, eos, batch=args.gen_batch,
                      seed=args.seed, skip=done, log=log)
     dv = tuple(load_draft_vocab(args.draft_vocab)) if args.draft_vocab else None
+    if args.method == "eagle":
+        return _train_eagle(args, target, corpus, dv, device, dp, log)
     anchors = tuple(int(x) for x in args.anchors.split(",")) if args.anchors else None
     tcfg = TrainConfig(out=args.out, stage_layers=tuple(topo.stage_layers), anchors=anchors,
                        pdm_layers=args.pdm_layers, seq_len=args.seq_len, batch=args.batch, steps=args.steps,
@@ -121,4 +128,28 @@ def run(args: argparse.Namespace) -> int:
     dp.close()
     if dp.is_main:
         print(f"{args.out}/pdm")
+    return 0
+
+
+def _check_method_flags(args: argparse.Namespace) -> None:
+    from spd_engine.tools.common import refuse_ignored
+
+    if args.method == "eagle":
+        refuse_ignored(args, ["stages", "stage_layers", "anchors", "pdm_layers"], "with --method eagle (one rank)")
+    else:
+        refuse_ignored(args, ["ttt_steps"], "with --method pdm")
+
+
+def _train_eagle(args: argparse.Namespace, target, corpus, dv, device: str, dp, log) -> int:
+    from spd_engine.train.eagle import EagleTrainConfig, EagleTrainer
+
+    tcfg = EagleTrainConfig(out=args.out, ttt_steps=args.ttt_steps, seq_len=args.seq_len, batch=args.batch,
+                            steps=args.steps, lr=args.lr, target_dtype=args.target_dtype, device=device,
+                            seed=args.seed, save_every=args.save_every, keep_every=args.keep_every,
+                            autocast=args.autocast)
+    stream = dp.shard(batches(corpus, args.seq_len, args.batch, args.seed))
+    EagleTrainer(target, tcfg, stream, dv, log=log, dp=dp).run()
+    dp.close()
+    if dp.is_main:
+        print(f"{args.out}/eagle")
     return 0

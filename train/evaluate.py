@@ -215,8 +215,13 @@ def open_runner(ecfg: RunConfig, settings: EvalSettings, reference_cache: str | 
                 ) -> Iterator[FastRunner | RuntimeRunner]:
     """`reference_cache` (fast executor only): a directory of greedy outputs reused across heads."""
     check_settings(settings)
+    if ecfg.mode == "eagle":  # the serial baseline: its own runtime in this process (train/eagle_eval.py)
+        from spd_engine.train.eagle_eval import EagleRunner
+
+        yield EagleRunner(ecfg, settings, ReferenceCache(reference_cache, ecfg) if reference_cache is not None else None)
+        return
     if ecfg.mode != "spd":
-        raise ValueError(f"evaluation measures SPD acceptance: mode must be spd, got {ecfg.mode!r}")
+        raise ValueError(f"evaluation measures SPD or eagle acceptance: mode must be spd or eagle, got {ecfg.mode!r}")
     if reference_cache is not None and settings.executor != "fast":
         raise ValueError("--reference-cache applies to the fast executor only (the runtimes decode for real)")
     if settings.executor == "fast":

@@ -113,11 +113,13 @@ def test_seed_with_real_weights_and_a_trained_head_is_refused(tmp_path, capsys, 
     assert rc == 2 and "--seed: not used with real weights" in capsys.readouterr().err
 
 
-def test_bench_and_eval_take_no_mode_flags(capsys):
-    for cmd in ("bench", "eval"):
-        with pytest.raises(SystemExit):
-            main([cmd, "--model", "random:tiny-llama", "--mode", "pp"])
-        assert "unrecognized arguments: --mode" in capsys.readouterr().err
+def test_bench_takes_no_mode_flag_and_eval_only_spd_or_eagle(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--model", "random:tiny-llama", "--mode", "pp"])
+    assert "unrecognized arguments: --mode" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["eval", "--model", "random:tiny-llama", "--mode", "pp"])
+    assert "invalid choice: 'pp'" in capsys.readouterr().err
 
 
 def test_generate_json_has_text_token_ids_and_head(capsys, tmp_path):

@@ -1,0 +1,195 @@
+"""The EAGLE-3-style draft head of the serial baseline (`--mode eagle`, docs/design.md 3.10) and its
+checkpoint format.
+
+Input row of position t: the target's raw hidden states after three layers (low, mid, high) at t,
+concatenated and fused by one linear to H, then `[embedding(x_{t+1}); fused]` through a second
+linear to H. One decoder layer of the target's family (own RoPE and KV cache), the target's
+frozen final norm and a head over a draft vocabulary (a sorted subset of target ids, as the
+PDM's) give the draft of x_{t+2}. Later draft steps of a chain put the head's own hidden output
+in place of the fused target features (EAGLE-3's training-time test). The token embedding is
+the target's own (frozen), passed in, so the head does not carry a copy of it.
+Checkpoint: `eagle.safetensors` + `eagle.json` (feature layers, draft vocabulary, the target's
+config fingerprint).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from spd_engine.engine.kv_cache import KVCache
+from spd_engine.engine.model import RMSNorm, StageModel
+from spd_engine.engine.model_config import ModelConfig
+
+EAGLE_FORMAT = "spd-eagle-v1"
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low / mid / high choice (HF hidden_states 2, L/2 and L-3): the outputs of layers
+    1, L/2 - 1 and L - 4; on models under 8 layers the first, middle and last layer."""
+    L = num_layers
+    if L >= 8:
+        return 1, L // 2 - 1, L - 4
+    return 0, (L - 1) // 2, L - 1
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    feature_layers: tuple[int, int, int]  # target layers whose raw outputs are fused (low, mid, high)
+    draft_vocab: tuple[int, ...] | None = None  # sorted target ids; None = full vocabulary
+    target_fingerprint: str = ""
+
+    def __post_init__(self) -> None:
+        fl = tuple(self.feature_layers)
+        if len(fl) != 3 or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in fl):
+            raise ValueError(f"EAGLE head needs three feature layers (low, mid, high), got {list(fl)}")
+        if list(fl) != sorted(fl):
+            raise ValueError(f"feature layers must be in order low <= mid <= high, got {list(fl)}")
+        if self.draft_vocab is not None:
+            dv = list(self.draft_vocab)
+            if not dv or dv != sorted(set(dv)) or dv[0] < 0:
+                raise ValueError("draft vocabulary must be a non-empty sorted list of unique token ids")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["feature_layers"] = list(self.feature_layers)
+        d["draft_vocab"] = list(self.draft_vocab) if self.draft_vocab is not None else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EagleConfig":
+        dv = d.get("draft_vocab")
+        return cls(tuple(int(x) for x in d["feature_layers"]), tuple(dv) if dv is not None else None,
+                   d.get("target_fingerprint", ""))
+
+
+class EagleHead(nn.Module):
+    def __init__(self, target: ModelConfig, ecfg: EagleConfig, device=None, dtype=torch.float32) -> None:
+        super().__init__()
+        if ecfg.feature_layers[-1] >= target.num_layers:
+            raise ValueError(f"feature layer {ecfg.feature_layers[-1]} is outside the target's "
+                             f"{target.num_layers} layers")
+        self.target_cfg, self.ecfg = target, ecfg
+        H = target.hidden_size
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.fuse = nn.Linear(3 * H, H, **kw)  # [low; mid; high] -> fused feature
+        self.inp = nn.Linear(2 * H, H, **kw)  # [embedding; feature] -> decoder input
+        layer_cfg = dataclasses.replace(target, num_layers=1)
+        self.stack = StageModel(layer_cfg, range(1), device=device, dtype=dtype)
+        self.final_norm = RMSNorm(H, target.rms_eps, device, dtype)
+        self.final_norm.weight.requires_grad_(False)  # the target's, frozen
+        ids = torch.arange(target.vocab_size) if ecfg.draft_vocab is None else torch.tensor(ecfg.draft_vocab)
+        if int(ids.max()) >= target.vocab_size:
+            raise ValueError(f"draft vocabulary has ids >= the target vocabulary size {target.vocab_size}")
+        self.head = nn.Linear(H, ids.numel(), **kw)
+        self.register_buffer("draft_ids", ids.to(device=device), persistent=False)  # [Vd] target ids
+
+    @property
+    def feature_layers(self) -> frozenset[int]:
+        return frozenset(self.ecfg.feature_layers)
+
+    def fused(self, captured: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The target's captured layer outputs {layer: [..., H]} -> fused features [..., H]."""
+        return self.fuse(torch.cat([captured[i] for i in self.ecfg.feature_layers], dim=-1))
+
+    def rows(self, emb: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
+        """emb, feature [..., H] -> decoder input rows [..., H]."""
+        return self.inp(torch.cat([emb, feature], dim=-1))
+
+    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+        return self.stack.new_cache(batch, capacity)
+
+    def forward_rows(self, rows: torch.Tensor, cache: KVCache, slot0: int, positions: torch.Tensor | None = None,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+        """rows [B, T, H] at cache slots [slot0, slot0+T) -> hidden [B, T, H] (the next feature)."""
+        h, _ = self.stack.forward_layers(rows, cache, slot0, positions=positions, mask=mask)
+        return h
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> logits over the draft vocabulary [..., Vd] (fp32)."""
+        return self.head(self.final_norm(h)).float()
+
+    @torch.no_grad()
+    def init_from_target(self, target: StageModel, layer: int = -1) -> "EagleHead":
+        """Fuse = identity on the high feature, input = embedding + feature, the decoder layer
+        copied from a target layer, final norm and head rows from the target: a start for training."""
+        H = self.target_cfg.hidden_size
+        self.fuse.weight.zero_()
+        self.fuse.weight[:, 2 * H:] = torch.eye(H)
+        self.inp.weight.copy_(torch.cat([torch.eye(H), torch.eye(H)], dim=1))
+        src = target.decoder.layers[str(layer % target.cfg.num_layers)]
+        self.stack.decoder.layers["0"].load_state_dict(src.state_dict())
+        self.final_norm.weight.copy_(target.decoder.final_layernorm.weight)
+        w = target.output_weight()
+        self.head.weight.copy_(w[self.draft_ids.to(w.device)])
+        return self
+
+
+def save_eagle(head: EagleHead, out_dir: str | Path, extra: dict | None = None,
+               dtype: torch.dtype | None = None) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in head.state_dict().items()}
+    save_file(state, str(out / "eagle.safetensors"))
+    meta = {"format": EAGLE_FORMAT, "config": head.ecfg.to_dict(), **(extra or {})}
+    (out / "eagle.json").write_text(json.dumps(meta, indent=1))
+    return out
+
+
+def read_eagle_config(path: str | Path) -> tuple[EagleConfig, dict]:
+    meta_path = Path(path) / "eagle.json"
+    if not meta_path.is_file():
+        raise ValueError(f"no EAGLE head at {path}: {meta_path} is missing")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"corrupt EAGLE head config {meta_path}: {err}") from None
+    if meta.get("format") != EAGLE_FORMAT:
+        raise ValueError(f"{meta_path}: unknown EAGLE head format {meta.get('format')!r}, expected {EAGLE_FORMAT!r}")
+    return EagleConfig.from_dict(meta["config"]), meta
+
+
+def check_eagle_matches(ecfg: EagleConfig, target: ModelConfig) -> None:
+    """A clear error for a head trained for another model."""
+    if ecfg.target_fingerprint and ecfg.target_fingerprint != target.fingerprint():
+        raise ValueError(f"EAGLE head was trained for another model (target fingerprint "
+                         f"{ecfg.target_fingerprint}, this model is {target.fingerprint()})")
+
+
+def load_eagle(path: str | Path, target: ModelConfig, device=None, dtype=torch.float32) -> EagleHead:
+    ecfg, _ = read_eagle_config(path)
+    check_eagle_matches(ecfg, target)
+    head = EagleHead(target, ecfg, device=device, dtype=dtype)
+    wpath = Path(path) / "eagle.safetensors"
+    if not wpath.is_file():
+        raise ValueError(f"EAGLE head weights missing: {wpath}")
+    try:
+        state = load_file(str(wpath))
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"corrupt EAGLE head weights {wpath}: {err}") from None
+    expected = head.state_dict()
+    for k, v in expected.items():
+        if k not in state or tuple(state[k].shape) != tuple(v.shape):
+            got = tuple(state[k].shape) if k in state else "missing"
+            raise ValueError(f"EAGLE head tensor {k}: {got}, expected {tuple(v.shape)} ({wpath})")
+    head.load_state_dict({k: state[k] for k in expected}, strict=True)
+    return head.eval()
+
+
+def random_eagle(target: ModelConfig, seed: int = 0, feature_layers: tuple[int, int, int] | None = None,
+                 draft_vocab: tuple[int, ...] | None = None, device=None, dtype=torch.float32) -> EagleHead:
+    """An untrained head (random weights): eagle output must still be lossless with it."""
+    layers = feature_layers or default_feature_layers(target.num_layers)
+    head = EagleHead(target, EagleConfig(layers, draft_vocab, target.fingerprint()), device=device, dtype=dtype)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.05 * noise)
+    return head.eval()
