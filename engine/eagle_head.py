@@ -26,6 +26,7 @@ from torch import nn
 from spd_engine.engine.kv_cache import KVCache
 from spd_engine.engine.model import RMSNorm, StageModel
 from spd_engine.engine.model_config import ModelConfig
+from spd_engine.engine.pdm_quant import dequantize_state, quantize_state
 
 EAGLE_FORMAT = "spd-eagle-v1"
 
@@ -135,7 +136,10 @@ def save_eagle(head: EagleHead, out_dir: str | Path, extra: dict | None = None,
                dtype: torch.dtype | None = None) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in head.state_dict().items()}
+    if dtype == torch.int8:  # int8 rows with fp16 scales (engine/pdm_quant.py)
+        state = quantize_state(head.state_dict())
+    else:
+        state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in head.state_dict().items()}
     save_file(state, str(out / "eagle.safetensors"))
     meta = {"format": EAGLE_FORMAT, "config": head.ecfg.to_dict(), **(extra or {})}
     (out / "eagle.json").write_text(json.dumps(meta, indent=1))
@@ -170,7 +174,7 @@ def load_eagle(path: str | Path, target: ModelConfig, device=None, dtype=torch.f
     if not wpath.is_file():
         raise ValueError(f"EAGLE head weights missing: {wpath}")
     try:
-        state = load_file(str(wpath))
+        state = dequantize_state(load_file(str(wpath)), dtype)  # int8 rows + scales, or as stored
     except (SafetensorError, OSError) as err:
         raise ValueError(f"corrupt EAGLE head weights {wpath}: {err}") from None
     expected = head.state_dict()

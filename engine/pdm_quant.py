@@ -1,4 +1,4 @@
-"""Int8 storage of a PDM head's weights: per-output-row absmax scales, dequantized when loaded.
+"""Int8 storage of a head's weights (PDM or eagle): per-output-row absmax scales, dequantized when loaded.
 
 A shipped head lives in the repository and the package, where its size counts: the n=4 head is
 30 MB in fp16, and an n=8 head's anchor projections make it larger. Every matrix of at least
@@ -50,15 +50,18 @@ def dequantize_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict
 
 
 def convert_head(src: Path, dst: Path, dtype: torch.dtype) -> Path:
-    """Re-store a head directory's weights as `dtype` (torch.int8: int8 rows + scales); pdm.json
-    and the other files (train_history.json, ...) are copied unchanged."""
+    """Re-store a head directory's weights as `dtype` (torch.int8: int8 rows + scales): a PDM head
+    (pdm.json + pdm.safetensors) or an eagle head (eagle.json + eagle.safetensors); the config and
+    the other files (train_history.json, ...) are copied unchanged."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file, save_file
 
     src, dst = Path(src), Path(dst)
-    wpath = src / "pdm.safetensors"
-    if not (src / "pdm.json").is_file() or not wpath.is_file():
-        raise ValueError(f"no PDM head at {src} (pdm.json and pdm.safetensors)")
+    kind = next((k for k in ("pdm", "eagle") if (src / f"{k}.json").is_file() and (src / f"{k}.safetensors").is_file()),
+                None)
+    if kind is None:
+        raise ValueError(f"no PDM or eagle head at {src} (pdm.json + pdm.safetensors, or eagle.json + eagle.safetensors)")
+    wpath = src / f"{kind}.safetensors"
     if dst.resolve() == src.resolve():
         raise ValueError("convert a head into another directory")
     try:
@@ -67,8 +70,8 @@ def convert_head(src: Path, dst: Path, dtype: torch.dtype) -> Path:
         raise ValueError(f"corrupt PDM weights {wpath}: {err}") from None
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
-        if f.is_file() and f.name != "pdm.safetensors":
+        if f.is_file() and f.name != wpath.name:
             shutil.copyfile(f, dst / f.name)
     out = quantize_state(state) if dtype == torch.int8 else {k: v.to(dtype).contiguous() for k, v in state.items()}
-    save_file(out, str(dst / "pdm.safetensors"))
+    save_file(out, str(dst / wpath.name))
     return dst

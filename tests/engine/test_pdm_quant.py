@@ -56,3 +56,16 @@ def test_convert_head_refuses_what_is_not_a_head(tmp_path):
     save_file({k: v for k, v in state.items() if not k.endswith(SCALE_SUFFIX)}, str(tmp_path / "h" / "pdm.safetensors"))
     with pytest.raises(ValueError, match="per-row scales"):
         load_pdm(tmp_path / "h", ecfg.cfg, tuple(ecfg.topology.stage_layers))
+
+
+def test_an_eagle_head_converts_and_loads_too(tmp_path):
+    from spd_engine.engine.eagle_head import load_eagle, random_eagle, save_eagle
+    from spd_engine.engine.pdm_quant import convert_head
+
+    cfg = tiny_engine_config("llama", 2).cfg
+    head = random_eagle(cfg, seed=1)
+    save_eagle(head, tmp_path / "fp32")
+    convert_head(tmp_path / "fp32", tmp_path / "int8", torch.int8)
+    small = load_eagle(tmp_path / "int8", cfg)
+    for k, v in head.state_dict().items():
+        assert torch.allclose(small.state_dict()[k], v, atol=v.abs().max().item() / 100 + 1e-6), k
