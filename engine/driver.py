@@ -128,7 +128,8 @@ class Driver:
     # ---- transport helpers ----
     def _send_stage0(self, hdr: Header, payloads: Sequence[torch.Tensor] = ()) -> None:
         t0 = time.perf_counter()
-        self.t.send(self.topo.stage_rank(0), hdr, payloads)
+        for rank in self.topo.stage_ranks(0):  # every TP rank of stage 0 takes the token (docs/design.md 3.9)
+            self.t.send(rank, hdr, payloads)
         if self.req is not None:
             self.req.sent += int(hdr.num_tokens > 0)
             self._account("send", t0)

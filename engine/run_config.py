@@ -20,8 +20,9 @@ from spd_engine.engine.suffix import SuffixSettings
 from spd_engine.engine.anchors import AnchorPlan
 from spd_engine.engine.model_config import ModelConfig, tiny_config
 from spd_engine.engine.topology import Topology
+from spd_engine.engine.tp_shard import check_tp
 
-MODES = ("spd", "pp", "ar")
+MODES = ("spd", "pp", "ar", "tp")
 
 
 class StepMode(str, enum.Enum):
@@ -116,6 +117,12 @@ class RunConfig:
                              f"the model has {self.cfg.num_layers} layers")
         if self.mode == "ar" and self.topology.n != 1:
             raise ValueError("--mode ar runs the whole model on one rank: use --stages 1")
+        if self.mode == "ar" and self.topology.tp != 1:
+            raise ValueError("--mode ar runs the whole model on one rank: use --mode tp for --tp > 1")
+        if self.mode == "tp" and self.topology.n != 1:
+            raise ValueError("--mode tp runs the whole model as one stage over the TP ranks: use --stages 1")
+        if self.topology.tp > 1:
+            check_tp(self.cfg, self.topology.tp)
         if self.capacity < 2 or self.capacity > self.cfg.max_position:
             raise ValueError(f"KV capacity {self.capacity} must be in [2, max_position={self.cfg.max_position}]")
         if self.prefill_chunk < 1 or self.timeout_s <= 0:
@@ -133,7 +140,7 @@ class RunConfig:
     def world_size(self) -> int:
         if self.mode == "spd":
             return self.topology.world_size
-        return self.topology.n  # pp: n stage ranks (head on the last); ar: one rank
+        return dataclasses.replace(self.topology, colocate=True).world_size  # pp/tp/ar: n T stage ranks
 
     def resolved_step_mode(self) -> StepMode:
         """eager, static or graph: auto is graph on CUDA and eager elsewhere."""
@@ -144,8 +151,11 @@ class RunConfig:
     def rank_options(self, stage: int | None = None) -> "RankOptions":
         """What a driver or stage worker needs of this run (stage None: the driver)."""
         min_step = self.stage_ms[stage] / 1e3 if self.stage_ms and stage is not None else 0.0
+        step_mode = self.resolved_step_mode()
+        if stage is not None and self.topology.tp > 1:
+            step_mode = StepMode.EAGER  # TP shards run eager steps: their collectives are not captured in graphs
         return RankOptions(self.capacity, self.prefill_chunk, self.timeout_s, self.trace,
-                           self.resolved_step_mode(), min_step, self.chooser())
+                           step_mode, min_step, self.chooser())
 
     def chooser(self) -> DraftChooser:
         """The draft sources of this run (engine/drafting.py)."""
