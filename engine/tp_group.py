@@ -36,6 +36,12 @@ class TPGroup(abc.ABC):
     size: int
     members: tuple[int, ...]
 
+    @property
+    def peer(self) -> int:
+        """The global rank a failed collective is blamed on: the other member of a pair, else -1
+        (a collective does not say which of several peers left; the message lists the group)."""
+        return self.members[1 - self.rank] if self.size == 2 else -1
+
     @abc.abstractmethod
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every TP rank's `x` (same shape and dtype on all), in TP-rank order."""
@@ -81,7 +87,7 @@ class LocalTPGroup(TPGroup):
         try:
             self.hub.barrier.wait(self.hub.timeout_s)
         except threading.BrokenBarrierError:
-            raise TransportError(self.members[self.rank], -1, -1,
+            raise TransportError(self.members[self.rank], self.peer, -1,
                                  f"TP collective over ranks {list(self.members)} failed: a TP peer died or "
                                  f"timed out after {self.hub.timeout_s}s") from None
 
@@ -113,7 +119,7 @@ class DistTPGroup(TPGroup):
             work = dist.all_gather(out, x, group=self.group, async_op=True)
             work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as err:
-            raise TransportError(self.global_rank, -1, -1, f"TP collective over ranks {list(self.members)} "
+            raise TransportError(self.global_rank, self.peer, -1, f"TP collective over ranks {list(self.members)} "
                                  f"failed or timed out after {self.timeout_s}s: {err}") from err
         return out
 
