@@ -129,7 +129,7 @@ def run_case(case: BenchCase, prompts: Sequence[list[int]], max_new: int, eos: S
     summary.update(latency_summary(clocks))
     if case.ecfg.mode != "spd":
         summary["eal"] = None  # EAL is a property of speculation; pp and ar commit one token per pass
-    summary.update(name=case.name, mode=case.ecfg.mode, n=case.ecfg.topology.n,
+    summary.update(name=case.name, mode=case.ecfg.mode, n=case.ecfg.topology.n, tp=case.ecfg.topology.tp,
                    colocate=case.ecfg.topology.colocate, world_size=case.ecfg.world_size,
                    threads_per_rank=case.ecfg.threads_per_rank(), synthetic_alpha=synthetic_alpha)
     return summary, [r.tokens for r in runs[0]], trace
@@ -140,15 +140,20 @@ def bench(cases: list[BenchCase], prompts: Sequence[list[int]], max_new: int, eo
     """Run every case (the first must be `ar`); speedups are against ar and pp of this run.
     `eos` empty: every request runs to max_new tokens (--ignore-eos)."""
     assert cases and cases[0].ecfg.mode == "ar", "the ar baseline runs first: it is the reference"
-    rows, traces, request_traces, reference, mismatches = [], {}, {}, None, []
+    rows, traces, request_traces, mismatches = [], {}, {}, []
+    references: dict[int, list[list[int]]] = {}  # TP split -> its greedy output: ar for 1, the first tp row for T
     for case in cases:
-        summary, tokens, trace = run_case(case, prompts, max_new, eos, repeats, reference, synthetic_alpha,
+        split = case.ecfg.topology.tp
+        reference = references.get(split)
+        summary, tokens, trace = run_case(case, prompts, max_new, eos, repeats, references.get(1), synthetic_alpha,
                                           seed, progress)
         if reference is None:
-            reference = tokens
+            references[split] = reference = tokens
         elif tokens != reference:
             mismatches.append(case.name)
         summary["lossless"] = tokens == reference
+        if split > 1:  # the split changes the reduction order: greedy may part from unsharded at a near-tie
+            summary["outputs_unlike_ar"] = sum(r != t for r, t in zip(references[1], tokens))
         rows.append(summary)
         if trace is not None:
             traces[case.name] = trace[0]  # one request: the timeline plot

@@ -34,7 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_request_arguments(g)
     g.add_argument("--ignore-eos", action="store_true", help="generate --max-new-tokens for every request, past EOS")
     g.add_argument("--repeats", type=int, default=3, help="timed runs of every prompt per configuration")
-    g.add_argument("--configs", default="ar,pp,spd,spd-colocate", help="subset of ar,pp,spd,spd-colocate")
+    g.add_argument("--configs", default="ar,pp,spd,spd-colocate",
+                   help="subset of ar,pp,spd,spd-colocate,tp,spd-tp (tp: one stage over --tp ranks; spd-tp: SPD "
+                        "with --tp ranks per stage; the other rows run without TP)")
     g.add_argument("--synthetic-alpha", type=float, default=None,
                    help="replace drafts: reference token with this probability (labelled synthetic)")
     add_json_argument(g, "the full report")
@@ -47,10 +49,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
-    bad = set(names) - {"ar", "pp", "spd", "spd-colocate"}
+    bad = set(names) - {"ar", "pp", "spd", "spd-colocate", "tp", "spd-tp"}
     if bad:
         raise ValueError(f"unknown bench configs {sorted(bad)}")
-    topo = ecfg.topology
+    T = ecfg.topology.tp
+    if T == 1 and {"tp", "spd-tp"} & set(names):
+        raise ValueError("the tp and spd-tp configs need --tp >= 2")
+    topo = dataclasses.replace(ecfg.topology, tp=1)
+    ecfg = ecfg.replace(topology=topo)  # --tp is for the tp rows only
     one = dataclasses.replace(topo, stage_layers=(topo.num_layers,), colocate=False)
     out = [BenchCase("ar", ecfg.replace(mode="ar", topology=one))]
     profiling = bool(getattr(args, "profile_out", None))
@@ -64,6 +70,11 @@ def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
     if "spd-colocate" in names:
         out.append(BenchCase("spd-colocate", ecfg.replace(mode="spd", topology=dataclasses.replace(topo, colocate=True),
                                                           trace=profiling)))
+    if {"tp", "spd-tp"} & set(names):  # tp runs first of the TP rows: it is their lossless reference
+        out.append(BenchCase("tp", ecfg.replace(mode="tp", topology=dataclasses.replace(one, colocate=True, tp=T))))
+    if "spd-tp" in names:
+        out.append(BenchCase("spd-tp", ecfg.replace(mode="spd", topology=dataclasses.replace(topo, colocate=False,
+                                                                                               tp=T))))
     return out
 
 
