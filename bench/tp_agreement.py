@@ -3,6 +3,9 @@ prompts: how many outputs part, where, and how close the two tokens were there.
 
     python -m spd_engine.bench.tp_agreement [--model smollm2-135m] [--tp 3] [--limit 10] [--max-new-tokens 64]
 
+`--model`: the built-in name (fetched and converted into the cache as `spd fetch-model` does),
+or `random:<preset>`.
+
 The split's greedy decoder is engine/tp_model.py `SerialTP` (the runtime's arithmetic, shards in
 one thread; vocab-parallel head). A TP split only changes the order in which each layer's sums
 are added, so the logits move in their last bits and an argmax can flip only where the top two
@@ -19,7 +22,7 @@ import torch
 
 from spd_engine.engine.build import build_stage_model, build_tp_stage_model
 from spd_engine.engine.greedy import greedy_generate, prefill
-from spd_engine.engine.run_config import RunConfig
+from spd_engine.engine.run_config import RunConfig, random_preset
 from spd_engine.engine.topology import Topology
 from spd_engine.engine.tp_model import SerialTP
 
@@ -49,9 +52,20 @@ def compare(ecfg: RunConfig, prompts: list[list[int]], max_new: int, eos) -> lis
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def resolve(model: str) -> tuple[str, object]:
+    """(engine checkpoint dir or random:<preset>, tokenizer or None)."""
+    from spd_engine.checkpoint_tools import convert_cache
+    from spd_engine.checkpoint_tools.fetch import cache_root, fetch_model
     from spd_engine.engine.tokenizer import Tokenizer
-    from spd_engine.tools.common import model_config, resolve_model
+
+    if random_preset(model) is not None:
+        return model, None
+    hf_dir = fetch_model(model)
+    return str(convert_cache.engine_checkpoint(hf_dir, model, cache_root())), Tokenizer.from_dir(hf_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from spd_engine.engine.checkpoint import read_index
     from spd_engine.train.evaluate import default_data_dir, encode_prompt, load_dataset
 
     p = argparse.ArgumentParser(prog="python -m spd_engine.bench.tp_agreement", description=__doc__.splitlines()[0])
@@ -62,15 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     try:
-        spec, tok_dir = resolve_model(args.model)
-        cfg = model_config(spec)
+        spec, tok = resolve(args.model)
+        cfg = random_preset(spec) or read_index(spec).cfg
         ecfg = RunConfig(model=spec, cfg=cfg, topology=Topology.build(cfg.num_layers, 1, colocate=True, tp=args.tp),
                          mode="tp", capacity=min(2048, cfg.max_position))
     except ValueError as err:
         print(f"tp_agreement: {err}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
     eos = tok.eos_ids if tok is not None else cfg.eos_token_ids
     total = parted = 0
     for name in SETS:

@@ -108,3 +108,16 @@ def test_tp_processes_equal_threads_and_greedy_with_the_same_split(mode, n, tp, 
     with launch(ecfg) as runtime:
         got = run_cases(runtime, ecfg, todo), _sampled(runtime, prompt)
     assert got == want  # greedy: tokens and tick counts; T>0: the same draws for the same seeds
+
+
+def test_eval_with_tp_checks_the_runtime_against_the_same_split(one_thread):
+    from spd_engine.train.evaluate import EvalSettings, open_runner
+
+    ecfg = tp_engine_config("spd", 2, 2, threads=1)
+    with pytest.raises(ValueError, match="fast executor replays the unsharded model"):
+        with open_runner(ecfg, EvalSettings(executor="fast")):
+            pass
+    prompt = random_prompts(ecfg.cfg, (12,), seed=3)[0]
+    with open_runner(ecfg, EvalSettings(max_new_tokens=16, executor="reference")) as runner:
+        outcome = runner.run(prompt, 16, ())
+    assert outcome.lossless is True and outcome.tokens == tp_reference(ecfg, prompt, 16)
