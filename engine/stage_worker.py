@@ -20,6 +20,7 @@ from spd_engine.engine.sampling import SamplingParams, keyed_generator, sample, 
 from spd_engine.engine.model import StageModel
 from spd_engine.engine.run_config import RankOptions, StepMode
 from spd_engine.engine.topology import Topology
+from spd_engine.engine.tp_model import resident_bytes
 from spd_engine.engine.transport import Transport
 
 
@@ -63,7 +64,7 @@ class StageWorker:
         self.ids_in = torch.empty(chunk, dtype=torch.long, device=p.device)  # [chunk] stage 0 prefill ids
         self.tok = torch.empty(1, 1, dtype=torch.long, device=p.device)
         self.in_request = False
-        self.param_bytes = float(sum(p.numel() * p.element_size() for p in model.parameters()))  # this rank's
+        self.param_bytes = float(resident_bytes(model))  # this rank's (a TP rank: its shard)
         self.sampling = SamplingParams()  # used only by a head stage (pp / ar baselines)
         self.cfg_in = torch.empty(CONFIG_LEN, dtype=torch.int64)
         # decode (TOKEN) messages only: compute seconds, count, receive-wait seconds (host floats:
