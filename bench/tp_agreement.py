@@ -11,7 +11,9 @@ one thread; vocab-parallel head). A TP split only changes the order in which eac
 are added, so the logits move in their last bits and an argmax can flip only where the top two
 logits nearly tie; after such a flip the two outputs continue from different contexts. At each
 parting this prints the unsharded logits' gap between the two tokens (teacher-forced on the
-common prefix).
+common prefix), and, teacher-forced over each unsharded output, the largest logit difference
+between the two computations and the positions whose top two unsharded logits are closer than
+twice it (the near-ties where a parting could happen).
 """
 from __future__ import annotations
 
@@ -43,7 +45,15 @@ def compare(ecfg: RunConfig, prompts: list[list[int]], max_new: int, eos) -> lis
         want = greedy_generate(full, ids, max_new, eos)
         got = greedy_generate(split, ids, max_new, eos)
         k = first_difference(got, want)
-        row = {"tokens": len(want), "parts_at": k}
+        # teacher-forced over prompt + the unsharded output: how far apart the two logits are, and
+        # at how many positions the top two unsharded logits are closer than twice that (near-ties)
+        seq = torch.tensor([ids + want[:-1]])
+        a = full.logits(full.forward_layers(full.embed(seq), full.new_cache(1, seq.shape[1]), 0)[0])[0, len(ids) - 1:]
+        b = split.logits(split.forward_layers(split.embed(seq), split.new_cache(1, seq.shape[1]), 0)[0])[0, len(ids) - 1:]
+        diff = float((a - b).abs().max())
+        top = a.topk(2, dim=-1).values
+        row = {"tokens": len(want), "parts_at": k, "max_logit_diff": diff,
+               "near_ties": int((top[:, 0] - top[:, 1] <= 2 * diff).sum())}
         if k is not None:
             logits = full.logits(prefill(full, full.new_cache(1, len(ids) + k), ids + want[:k]))
             row["gap"] = float(logits[want[k]] - logits[got[k]])
@@ -74,12 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=10, help="prompts per eval set")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = p.parse_args(argv)
     try:
         spec, tok = resolve(args.model)
         cfg = random_preset(spec) or read_index(spec).cfg
         ecfg = RunConfig(model=spec, cfg=cfg, topology=Topology.build(cfg.num_layers, 1, colocate=True, tp=args.tp),
-                         mode="tp", capacity=min(2048, cfg.max_position))
+                         mode="tp", capacity=min(2048, cfg.max_position), dtype=args.dtype)
     except ValueError as err:
         print(f"tp_agreement: {err}", file=sys.stderr)
         return 2
@@ -92,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         part = [r for r in rows if r["parts_at"] is not None]
         total, parted = total + len(rows), parted + len(part)
         print(f"{name}: {len(part)} of {len(rows)} outputs part from unsharded greedy "
-              f"({sum(r['tokens'] for r in rows)} unsharded tokens)" +
+              f"({sum(r['tokens'] for r in rows)} unsharded tokens; max |logit diff| "
+              f"{max(r['max_logit_diff'] for r in rows):.2e}, near-ties within twice it: "
+              f"{sum(r['near_ties'] for r in rows)})" +
               "".join(f"; at token {r['parts_at']}: logit gap {r['gap']:.2e} (top-2 margin {r['top2_margin']:.2e})"
                       for r in part))
     print(f"overall: {parted} of {total} outputs part, tp={args.tp}, {args.max_new_tokens} new tokens, "
