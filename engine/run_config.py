@@ -56,6 +56,8 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-qwen2": tiny_config("qwen2"),
     "tiny-qwen3": tiny_config("qwen3"),
     "smollm2-135m": _shape("llama", 49152, 576, 1536, 30, 9, 3, 64, True, rope_theta=100000.0),
+    # SmolLM2-135M's size with 8 heads / 4 KV heads (head_dim 72): --tp 2 divides it (2-core TP checks)
+    "smollm2-135m-tp2": _shape("llama", 49152, 576, 1536, 30, 8, 4, 72, True, rope_theta=100000.0),
     "llama-3.2-1b": _shape("llama", 128256, 2048, 8192, 16, 32, 8, 64, True, rope_theta=500000.0),
     "qwen3-4b": _shape("qwen3", 151936, 2560, 9728, 36, 32, 8, 128, True, qk_norm=True, rope_theta=1e6),
     "llama-3.1-8b": _shape("llama", 128256, 4096, 14336, 32, 32, 8, 128, False, rope_theta=500000.0),
