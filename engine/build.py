@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from spd_engine.engine.checkpoint import expected_shapes, load_stage_model, load_tp_stage_state
+from spd_engine.engine.checkpoint import expected_shapes, load_stage_model, load_tp_stage_state, read_index
 from spd_engine.engine.run_config import RunConfig, random_preset
 from spd_engine.engine.model import StageModel, init_random_, random_tensor
 from spd_engine.engine.tp_group import TPGroup
@@ -21,6 +21,11 @@ def build_stage_model(ecfg: RunConfig, layers: range, embedding: bool, head: boo
         model = StageModel(ecfg.cfg, layers, embedding=embedding, head=head, dtype=torch.float32)
         init_random_(model, seed=ecfg.seed)
         return model.to(device=ecfg.device, dtype=ecfg.torch_dtype).eval()
+    if read_index(ecfg.model).tp > 1:  # a TP checkpoint: each tensor's pieces merged (engine/tp_shard.py)
+        state = load_tp_stage_state(ecfg.model, layers, embedding, head, 1, 0, cfg=ecfg.cfg, dtype=ecfg.torch_dtype)
+        model = StageModel(ecfg.cfg, layers, embedding=embedding, head=head, device="meta")
+        model.load_state_dict(state, assign=True)
+        return model.to(ecfg.device).eval()
     model = load_stage_model(ecfg.model, layers, embedding, head, device=ecfg.device, dtype=ecfg.torch_dtype)
     return model.eval()
 
