@@ -34,11 +34,14 @@ def pp_token_ms(profile: Profile, stage_ms: list[float], link_of, head_ms: float
 
 
 def tp_token_ms(profile: Profile, g: int, link: LinkModel, notes: list[str]) -> tuple[float, float]:
-    """Tensor parallel over g devices at batch 1: 1/g shards, two all-reduces of [1, H] per layer,
-    a vocab-parallel head (verify / g) and one small all-reduce to pick the argmax.
-    Returns (ms per token, ms of it in all-reduces)."""
+    """Tensor parallel over g devices at batch 1, as the runtime runs it (engine/tp_model.py): 1/g
+    shards, two all-reduces of [1, H] per layer and one for the vocab-parallel embedding, a
+    vocab-parallel head (verify / g) and one small all-reduce to pick the argmax; the next token
+    reaches the other TP ranks in one hop (the embedding's all-reduce waits for it).
+    Returns (ms per token, ms of it in all-reduces and that hop)."""
     shard = tp_shard_layer_ms(profile, g, notes)
     act = profile.hidden * profile.dtype_bytes
-    comm = 2 * profile.num_layers * link.allreduce_ms(g, act, notes) + link.allreduce_ms(g, 8, notes)
+    comm = (2 * profile.num_layers + 1) * link.allreduce_ms(g, act, notes) + link.allreduce_ms(g, 8, notes)
+    comm += link.hop_ms(message_bytes(profile.hidden, profile.dtype_bytes, profile.anchors)["token"])
     note(notes, "ASSUMPTION: TP head = verify_ms / g (vocab-parallel) + one 8-byte all-reduce for the argmax")
     return sum(shard) + profile.stage_fixed_ms + profile.verify_ms / g + comm, comm

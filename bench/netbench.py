@@ -9,7 +9,10 @@ Definitions (also written into every JSON report):
   and "late": a receive posted a gap after its send, timed from posting to completion.
 - bandwidth = bytes / p50 one-way time (GB/s = 1e9 B/s).
 - all-reduce latency: per iteration, the slowest member rank's time for one blocking
-  all-reduce of `bytes` (float32) over the first `ranks` ranks.
+  all-reduce of `bytes` (float32) over the first `ranks` ranks (a stage's TP group when the
+  stage's ranks start at 0), by default the runtime's own TP all-reduce (engine/tp_group.py:
+  all_gather, then a sum in rank order), so the cost model's TP rows get what the runtime pays;
+  `allreduce_op="library"` times torch.distributed's all_reduce instead.
 - algbw and busbw as nccl-tests define them: algbw = bytes / p50 time; busbw = algbw times the
   share of the data each rank's links carry, 2 (r-1) / r for an all-reduce over r ranks (a
   ring's), 1 for P2P. busbw is comparable with the link's peak bandwidth.
@@ -36,6 +39,7 @@ from spd_engine.bench.stats import bandwidth_gbps, summarize_us
 from spd_engine.bench.tick_replay import ReplayConfig, run_scenarios
 from spd_engine.engine.dist import (LocalRanks, PeerError, RankContext, RunFailed, check_gpus, fail_rank, finish_group,
                                     join_group, local_init_method, resolve_backend, torchrun_rank)
+from spd_engine.engine.tp_group import DistTPGroup
 from spd_engine.engine.transport import directional_groups
 
 SCHEMA = "spd-netbench/1"
@@ -48,7 +52,8 @@ TIME_DEFINITIONS = {
            "idle_*: the same ping-pong with both ends idle for idle_gap_ms first (every message wakes "
            "an idle peer, as in a pipeline tick); late_*: a receive posted idle_gap_ms after its send, "
            "from posting to completion (the runtime's transport receives a message's payloads so)",
-    "allreduce": "per iteration, the slowest member's time for one blocking float32 all-reduce",
+    "allreduce": "per iteration, the slowest member's time for one blocking float32 all-reduce (allreduce_op "
+                 "'tp': the runtime's TP all-reduce, all_gather + a sum in rank order; 'library': dist.all_reduce)",
     "busbw": "algbw = bytes / p50_us; busbw = algbw * 2(r-1)/r for an all-reduce over r ranks, = algbw for P2P "
              "(nccl-tests)",
     "fanin": "rank 0: first go message posted -> last [k,H] payload received; bw_GBps = all payload bytes / p50_us",
@@ -145,6 +150,7 @@ class NetbenchConfig:
     iters: int = 100
     warmup: int = 10
     allreduce_bytes: tuple[int, ...] = (4, 8192)
+    allreduce_op: str = "tp"  # "tp": the runtime's TP all-reduce (engine/tp_group.py); "library": dist.all_reduce
     hidden: int = 4096
     dtype_bytes: int = 2
     fanin_rows: tuple[int, ...] = (1, 4)
@@ -305,6 +311,7 @@ def allreduce_bench(ctx: DistContext, cfg: NetbenchConfig) -> list[dict]:
     out = []
     for g in allreduce_group_sizes(ctx.world_size):
         group = dist.new_group(list(range(g))) if g < ctx.world_size else None
+        tp = DistTPGroup(group, range(g), ctx.rank, ctx.timeout_s) if ctx.rank < g else None
         for nbytes in cfg.allreduce_bytes:
             warmup, iters = iters_for(cfg, nbytes)
             if ctx.rank < g:
@@ -313,7 +320,10 @@ def allreduce_bench(ctx: DistContext, cfg: NetbenchConfig) -> list[dict]:
                 for i in range(warmup + iters):
                     ctx.sync()
                     t0 = time.perf_counter()
-                    ctx.wait(dist.all_reduce(buf, group=group, async_op=True), f"all-reduce {nbytes}B over {g} ranks")
+                    if cfg.allreduce_op == "tp":
+                        tp.all_reduce(buf)
+                    else:
+                        ctx.wait(dist.all_reduce(buf, group=group, async_op=True), f"all-reduce {nbytes}B over {g} ranks")
                     ctx.sync()
                     if i >= warmup:
                         times.append(time.perf_counter() - t0)

@@ -27,6 +27,7 @@ from spd_engine.engine.graphs import StageStep, PDMStep, VerifyStep
 from spd_engine.engine.model import StageModel
 from spd_engine.engine.pdm import PDM, PDMConfig
 from spd_engine.engine.topology import default_stage_layers, stage_bounds
+from spd_engine.engine.tp_shard import shard_config
 
 SCHEMA = "spd-profile/1"
 Log = Callable[[str], None]
@@ -258,6 +259,7 @@ def measure_shape(cfg: ModelConfig, s: DeviceSettings, log: Log = lambda m: None
     log(f"  AR step {g or e:.3f} ms, verify {vg or ve:.3f} ms ({mode})")
     del full
     _free(s.device)
+    out["tp_layer_ms"] = _tp_layer_ms(cfg, s, log)
     for n in s.ns:
         if n > cfg.num_layers:
             log(f"  n={n} skipped: the model has {cfg.num_layers} layers")
@@ -279,6 +281,25 @@ def measure_shape(cfg: ModelConfig, s: DeviceSettings, log: Log = lambda m: None
         log(f"  n={n}: stages {', '.join(f'{x:.3f}' for x in best)} ms; PDM ({n + 1} rows) {g or e:.3f} ms")
         _free(s.device)
     out["modes"] = sorted(out["modes"])
+    return out
+
+
+def _tp_layer_ms(cfg: ModelConfig, s: DeviceSettings, log: Log) -> dict[int, dict]:
+    """Per-layer ms of one 1/g tensor-parallel shard of every layer (its own query groups and MLP
+    slice: engine/tp_shard.py), for the g in 2, 4, 8 the shape allows; the all-reduces are the
+    links' (netbench), not timed here."""
+    out = {}
+    for g in (2, 4, 8):
+        try:
+            local = shard_config(cfg, g)
+        except ValueError:
+            continue
+        shard = _stage(local, range(cfg.num_layers), False, False, s, s.seed + 200 + g)
+        e, gr, _ = _step_times(shard, s)
+        out[g] = {"eager": e / cfg.num_layers, "graphed": None if gr is None else gr / cfg.num_layers}
+        log(f"  TP shard 1/{g}: {(gr or e) / cfg.num_layers:.4f} ms per layer")
+        del shard
+        _free(s.device)
     return out
 
 
@@ -307,6 +328,7 @@ def profile_json(name: str, cfg: ModelConfig, raw: dict, s: DeviceSettings, grap
         "pdm_ms": {str(n): pick(v) for n, v in raw["pdm_ms"].items()}, "verify_ms": verify,
         "hidden_size": cfg.hidden_size, "dtype_bytes": DTYPES[s.dtype].itemsize, "anchors_per_stage": 1,
         "stage_ms": {str(n): pick(v) for n, v in raw["stage_ms"].items()},
+        "tp_layer_ms": {str(g): pick(v) for g, v in raw.get("tp_layer_ms", {}).items() if pick(v) is not None},
         "source": {"from": "spd profile", "device": device_name, "dtype": s.dtype, "context": s.context,
                    "pdm_layers": s.pdm_layers, "weights": "random", "timing": kind, "modes": raw["modes"]},
         "measured": {"ar_ms": raw["ar_ms"], "verify_ms": raw["verify_ms"],

@@ -142,7 +142,7 @@ def run_case(case: BenchCase, prompts: Sequence[list[int]], max_new: int, eos: S
         summary["acceptance_length"] = summary["eal"]  # ticks are target passes and n = 1: tokens per pass
     if case.ecfg.mode != "spd":
         summary["eal"] = None  # EAL is SPD's; pp and ar commit one token per pass
-    summary.update(name=case.name, mode=case.mode, n=case.ecfg.topology.n,
+    summary.update(name=case.name, mode=case.mode, n=case.ecfg.topology.n, tp=case.ecfg.topology.tp,
                    colocate=case.ecfg.topology.colocate, world_size=case.ecfg.world_size,
                    threads_per_rank=case.ecfg.threads_per_rank(), synthetic_alpha=synthetic_alpha)
     return summary, [r.tokens for r in runs[0]], trace
@@ -153,16 +153,21 @@ def bench(cases: list[BenchCase], prompts: Sequence[list[int]], max_new: int, eo
     """Run every case (the first must be `ar`); speedups are against ar and pp of this run.
     `eos` empty: every request runs to max_new tokens (--ignore-eos)."""
     assert cases and cases[0].ecfg.mode == "ar", "the ar baseline runs first: it is the reference"
-    rows, traces, request_traces, reference, mismatches, peer_mismatches = [], {}, {}, None, [], []
+    rows, traces, request_traces, mismatches, peer_mismatches = [], {}, {}, [], []
+    references: dict[int, list[list[int]]] = {}  # TP split -> its greedy output: ar for 1, the first tp row for T
     for case in cases:
-        summary, tokens, trace = run_case(case, prompts, max_new, eos, repeats, reference, synthetic_alpha,
+        split = case.ecfg.topology.tp
+        reference = references.get(split)
+        summary, tokens, trace = run_case(case, prompts, max_new, eos, repeats, references.get(1), synthetic_alpha,
                                           seed, progress)
         if reference is None:
-            reference = tokens
-        summary["equal_prompts"] = sum(a == b for a, b in zip(tokens, reference))
+            references[split] = reference = tokens
         summary["lossless"] = tokens == reference
+        summary["equal_prompts"] = sum(a == b for a, b in zip(tokens, references[1]))  # against ar
         if not summary["lossless"]:  # an external peer computes with other kernels: reported, not a failure
             (peer_mismatches if case.peer else mismatches).append(case.name)
+        if split > 1:  # the split changes the reduction order: greedy may part from unsharded at a near-tie
+            summary["outputs_unlike_ar"] = sum(r != t for r, t in zip(references[1], tokens))
         rows.append(summary)
         if trace is not None:
             traces[case.name] = trace[0]  # one request: the timeline plot
@@ -171,6 +176,6 @@ def bench(cases: list[BenchCase], prompts: Sequence[list[int]], max_new: int, eo
     for r in rows:
         r["speedup_vs_ar"] = r["decode_tok_s"] / base["ar"] if base.get("ar") else None
         r["speedup_vs_pp"] = r["decode_tok_s"] / base["pp"] if base.get("pp") else None
-    return {"rows": rows, "mismatches": mismatches, "peer_mismatches": peer_mismatches, "traces": traces, "request_traces": request_traces,
-            "synthetic_alpha": synthetic_alpha, "ignore_eos": not eos,
+    return {"rows": rows, "mismatches": mismatches, "peer_mismatches": peer_mismatches, "traces": traces,
+            "request_traces": request_traces, "synthetic_alpha": synthetic_alpha, "ignore_eos": not eos,
             "prompts": len(prompts), "max_new_tokens": max_new, "repeats": repeats}

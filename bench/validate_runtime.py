@@ -29,6 +29,7 @@ from spd_engine.engine.run_config import RunConfig
 from spd_engine.engine.messages import HEADER_LEN
 
 CONFIGS = ("ar", "pp", "spd-colocate", "spd")
+TP_CONFIG = "tp"  # --mode tp over ValidationSettings.tp ranks (optional)
 Progress = Callable[[str], None]
 
 
@@ -43,16 +44,23 @@ class ValidationSettings:
     latency_stat: str = "idle_mean_us"
     net_iters: int = 100
     timeout_s: float = 60.0
-    configs: tuple[str, ...] = CONFIGS  # a subset runs faster (tests); ar always runs
+    configs: tuple[str, ...] = CONFIGS  # a subset runs faster (tests); ar always runs; "tp" adds the TP row
+    tp: int = 1  # ranks of the tp row
+    tp_steps: int = 64  # timed decode steps of the TP shard measurement (bench/tp_shard_time.py)
 
 
-def bench_cases(ecfg: RunConfig, configs: Sequence[str] = CONFIGS) -> list[BenchCase]:
-    """ar on one rank, pp on n (traced), SPD co-located on n and with a separate driver on n + 1 (traced);
-    `configs` picks a subset (ar, the reference and the source of layer_ms, always runs)."""
-    bad = set(configs) - set(CONFIGS)
+def bench_cases(ecfg: RunConfig, configs: Sequence[str] = CONFIGS, tp: int = 1) -> list[BenchCase]:
+    """ar on one rank, pp on n (traced), SPD co-located on n and with a separate driver on n + 1 (traced),
+    and with "tp" --mode tp on `tp` ranks; `configs` picks a subset (ar, the reference and the source
+    of layer_ms, always runs)."""
+    bad = set(configs) - set(CONFIGS) - {TP_CONFIG}
     if bad or not {"spd", "spd-colocate"} & set(configs):
-        raise ValueError(f"validation configs must be among {CONFIGS} and include an SPD run, got {list(configs)}")
-    topo = ecfg.topology
+        raise ValueError(f"validation configs must be among {CONFIGS + (TP_CONFIG,)} and include an SPD run, "
+                         f"got {list(configs)}")
+    if (TP_CONFIG in configs) != (tp > 1):
+        raise ValueError(f"the {TP_CONFIG} config needs tp >= 2 and tp >= 2 the {TP_CONFIG} config (got tp={tp})")
+    topo = dataclasses.replace(ecfg.topology, tp=1)
+    ecfg = ecfg.replace(topology=topo)
     one = dataclasses.replace(topo, stage_layers=(topo.num_layers,), colocate=False)
     every = {"ar": BenchCase("ar", ecfg.replace(mode="ar", topology=one)),
              "pp": BenchCase("pp", ecfg.replace(mode="pp", topology=dataclasses.replace(topo, colocate=True),
@@ -61,7 +69,10 @@ def bench_cases(ecfg: RunConfig, configs: Sequence[str] = CONFIGS) -> list[Bench
                  mode="spd", topology=dataclasses.replace(topo, colocate=True), trace=True)),
              "spd": BenchCase("spd", ecfg.replace(mode="spd", topology=dataclasses.replace(topo, colocate=False),
                                                   trace=True))}
-    return [every[c] for c in CONFIGS if c == "ar" or c in configs]
+    if tp > 1:  # lossless against greedy with its own split: the bench's reference for that split
+        every[TP_CONFIG] = BenchCase(TP_CONFIG, ecfg.replace(mode="tp", topology=dataclasses.replace(
+            one, colocate=True, tp=tp)))
+    return [every[c] for c in CONFIGS + (TP_CONFIG,) if c == "ar" or c in configs]
 
 
 def load_note() -> str:
@@ -74,7 +85,7 @@ def run_netbench(ecfg: RunConfig, anchors: int, s: ValidationSettings) -> dict:
     small all-reduces (the plan's TP rows need them; they are not validated here)."""
     from spd_engine.bench.netbench import NetbenchConfig, default_pairs, launch_local, netbench_rank
 
-    world = ecfg.topology.n + 1
+    world = max(ecfg.topology.n + 1, s.tp)  # the tp row's group is ranks 0..tp-1, as the runtime's
     itemsize = ecfg.torch_dtype.itemsize
     sizes = {HEADER_LEN * 8, *message_bytes(ecfg.cfg.hidden_size, itemsize, anchors).values()}
     cfg = NetbenchConfig(tests=("p2p", "allreduce"), sizes=tuple(sorted(sizes)), pairs=tuple(default_pairs(world)),
@@ -83,10 +94,12 @@ def run_netbench(ecfg: RunConfig, anchors: int, s: ValidationSettings) -> dict:
     return launch_local(netbench_rank, cfg, world, "gloo", s.timeout_s, 600 + 10 * s.timeout_s)
 
 
-def predict(profile: dict, link: LinkModel, alpha: float, n: int, tokens: int | None = None) -> dict[str, dict]:
-    """Cost-model predictions per bench config: ms per tick (pp/ar: per token), decode tok/s.
+def predict(profile: dict, link: LinkModel, alpha: float, n: int, tokens: int | None = None, tp: int = 1
+            ) -> dict[str, dict]:
+    """Cost-model predictions per bench config: ms per tick (pp/ar/tp: per token), decode tok/s.
     `tokens`: the bench's tokens per request; SPD's tok/s then uses that request length's EAL
-    (its initial fill included, `eal_for_request`) rather than the steady-state one."""
+    (its initial fill included, `eal_for_request`) rather than the steady-state one. tp > 1: the
+    plan's TP row on tp devices (its shard time from the profile's tp_layer_ms)."""
     result = plan(Profile.from_dict(profile), Links(link), AlphaCurve({0: alpha}), [n], sim_tokens=2000)
     rows = [r for r in result["rows"] if r["n"] == n]
     pick = lambda method, layout: next(r for r in rows if r["method"] == method and r["layout"] == layout)  # noqa: E731
@@ -99,6 +112,10 @@ def predict(profile: dict, link: LinkModel, alpha: float, n: int, tokens: int | 
         eal = r["eal"] if tokens is None else eal_for_request(n, alpha, tokens)
         out[name] = {"tick_ms": r["tick_ms"], "tok_s": 1e3 * eal / (n * r["tick_ms"]),
                      "critical": r["critical"].split(" (")[0], "eal": eal}
+    if tp > 1:
+        at_tp = plan(Profile.from_dict(profile), Links(link), AlphaCurve({0: alpha}), [tp], sim_tokens=200)
+        row = next(r for r in at_tp["rows"] if r["method"] == "tp" and r["n"] == tp)
+        out[TP_CONFIG] = {"tick_ms": row["token_ms"], "tok_s": row["tok_s"], "critical": "-"}
     return out
 
 
@@ -139,11 +156,16 @@ def run_round(ecfg: RunConfig, prompts: Sequence[list[int]], s: ValidationSettin
               progress: Progress) -> dict:
     """Profile run, netbench run, measurement run (fresh processes each); the predictions from
     the first two and the measurements of the third."""
-    cores, cases = os.cpu_count(), bench_cases(ecfg, s.configs)
+    cores, cases = os.cpu_count(), bench_cases(ecfg, s.configs, s.tp)
     tag = f"# round {k + 1}/{s.rounds}"
     progress(f"{tag}, 1/3 profile run: spd bench ({', '.join(c.name for c in cases)}) ...")
     first = bench(cases, prompts, s.max_new_tokens, (), s.repeats, s.synthetic_alpha, s.seed, progress)
     prof = profile_from_bench(first, ecfg, cores, load_note())
+    if s.tp > 1:
+        from spd_engine.bench.tp_shard_time import shard_layer_ms
+
+        progress(f"{tag}, 1/3 profile run: TP shard step times, {s.tp} shards at once ...")
+        prof["tp_layer_ms"] = {str(s.tp): shard_layer_ms(ecfg, s.tp, s.tp_steps)}
     progress(f"{tag}, 2/3 netbench run: P2P at the runtime's message sizes ...")
     net = run_netbench(ecfg, prof["anchors_per_stage"], s)
     progress(f"{tag}, 3/3 measurement run: spd bench again ...")
@@ -152,6 +174,8 @@ def run_round(ecfg: RunConfig, prompts: Sequence[list[int]], s: ValidationSettin
         if run["mismatches"]:
             raise RuntimeError(f"{name} run: outputs differ from ar for {run['mismatches']}")
     own = profile_from_bench(second, ecfg, cores, load_note())  # diagnostic only, see compare()
+    if s.tp > 1:
+        own["tp_layer_ms"] = prof["tp_layer_ms"]  # no shard timing inside the measurement run
     for run in (first, second):
         for key in ("traces", "request_traces"):
             run.pop(key, None)  # large; the profiles keep what the model needs
@@ -166,8 +190,8 @@ def predict_round(rnd: dict, n: int, s: ValidationSettings) -> dict:
     (from its measurement run's own profile)."""
     link = LinkModel.from_netbench(rnd["netbench"], "netbench (this host)", s.latency_stat)
     own = rnd["measurement_profile"]
-    return {"predicted": predict(rnd["profile"], link, rnd["alpha"], n, s.max_new_tokens),
-            "same_run": predict(own, link, own["source"]["alpha_measured"], n, s.max_new_tokens)}
+    return {"predicted": predict(rnd["profile"], link, rnd["alpha"], n, s.max_new_tokens, s.tp),
+            "same_run": predict(own, link, own["source"]["alpha_measured"], n, s.max_new_tokens, s.tp)}
 
 
 def repredict(result: dict) -> dict:
@@ -185,7 +209,7 @@ def validate(ecfg: RunConfig, prompts: Sequence[list[int]], s: ValidationSetting
              progress: Progress = lambda m: None) -> dict:
     """`rounds` rounds of profile run + netbench run + measurement run; medians over rounds of
     predictions and measurements are compared (they damp other jobs' load swings on a shared host)."""
-    bench_cases(ecfg, s.configs)  # bad configs fail before anything starts
+    bench_cases(ecfg, s.configs, s.tp)  # bad configs fail before anything starts
     load_before = load_note()
     rounds = [run_round(ecfg, prompts, s, k, progress) for k in range(s.rounds)]
     rows = compare([r["predicted"] for r in rounds], [r["measured"] for r in rounds], s.tolerance, os.cpu_count(),

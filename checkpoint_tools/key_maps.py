@@ -8,7 +8,7 @@ Megatron fused layouts (the engine's `StageModel` uses them as well):
   linear_qkv [(nh + 2 nkv) hd, H]: for each KV head g: its q_per_group q heads, then k_g, then v_g
   linear_fc1 [2 I, H]: gate rows, then up rows
 
-Tensor parallelism (Megatron's scheme; `shard_tp` / `merge_tp`):
+Tensor parallelism (Megatron's scheme; engine/tp_shard.py, which the runtime shares):
   column-parallel linear_qkv: each rank gets whole query groups (its q heads with their k and v);
       tp must divide num_kv_heads and num_heads
   column-parallel linear_fc1: rank r holds its gate shard stacked on its up shard (splitting the
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spd_engine.engine.checkpoint import tp_split_dim
+from spd_engine.engine import tp_shard
 from spd_engine.engine.model_config import ModelConfig
 
 Tensor = torch.Tensor
@@ -173,79 +173,10 @@ def mcore_to_hf(mcore: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]
     return out
 
 
-# ---- tensor parallelism ----
+# ---- tensor parallelism: the engine's own sharding (engine/tp_shard.py), re-exported here ----
 
-def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Raise a ValueError naming every dimension that `tp` does not divide."""
-    if tp < 1:
-        raise ValueError(f"--tp must be >= 1, got {tp}")
-    needs = {"num_kv_heads": cfg.num_kv_heads, "num_heads": cfg.num_heads,
-             "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size}
-    bad = [f"{k}={v}" for k, v in needs.items() if v % tp]
-    if bad:
-        raise ValueError(f"--tp {tp} does not divide {', '.join(bad)}: each TP rank needs whole query "
-                         "groups and an equal share of the MLP and vocabulary")
-
-
-def _kind(name: str) -> str:
-    if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
-        return "qkv"
-    if name.endswith("linear_fc1.weight"):
-        return "fc1"
-    dim = tp_split_dim(name)
-    return "replicated" if dim is None else f"dim{dim}"
-
-
-def shard_tensor(name: str, t: Tensor, cfg: ModelConfig, tp: int) -> list[Tensor]:
-    """One tensor -> its `tp` per-rank pieces (contiguous copies; replicated tensors are shared)."""
-    kind = _kind(name)
-    if tp == 1:
-        return [t]
-    if kind == "qkv":
-        per_rank = cfg.num_kv_heads // tp
-        grouped = t.reshape(cfg.num_kv_heads, -1, *t.shape[1:])  # [groups, (qpg+2) hd, ...]
-        return [grouped[r * per_rank:(r + 1) * per_rank].reshape(-1, *t.shape[1:]).contiguous()
-                for r in range(tp)]
-    if kind == "fc1":
-        gate, up = split_gate_up(t, cfg)
-        return [torch.cat([g, u], dim=0) for g, u in zip(gate.chunk(tp, 0), up.chunk(tp, 0))]
-    if kind == "replicated":
-        return [t] * tp
-    dim = int(kind[3:])
-    assert t.shape[dim] % tp == 0, (name, t.shape, tp)
-    return [p.contiguous() for p in t.chunk(tp, dim)]
-
-
-def merge_tensor(name: str, pieces: list[Tensor], cfg: ModelConfig) -> Tensor:
-    """Inverse of `shard_tensor`. Replicated pieces must agree bit for bit."""
-    tp, kind = len(pieces), _kind(name)
-    if tp == 1:
-        return pieces[0]
-    if kind == "qkv":
-        return torch.cat(pieces, dim=0)  # whole groups per rank, ranks in group order
-    if kind == "fc1":
-        halves = [split_gate_up(p, cfg) for p in pieces]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    if kind == "replicated":
-        if any(not torch.equal(pieces[0], p) for p in pieces[1:]):
-            raise ValueError(f"replicated tensor {name} differs between TP ranks")
-        return pieces[0]
-    return torch.cat(pieces, dim=int(kind[3:]))
-
-
-def shard_state(state: dict[str, Tensor], cfg: ModelConfig, tp: int) -> list[dict[str, Tensor]]:
-    """Unsharded state dict -> one state dict per TP rank."""
-    check_tp(cfg, tp)
-    ranks: list[dict[str, Tensor]] = [{} for _ in range(tp)]
-    for name, t in state.items():
-        for r, piece in enumerate(shard_tensor(name, t, cfg, tp)):
-            ranks[r][name] = piece
-    return ranks
-
-
-def merge_state(ranks: list[dict[str, Tensor]], cfg: ModelConfig) -> dict[str, Tensor]:
-    assert ranks and all(set(r) == set(ranks[0]) for r in ranks), "TP ranks hold different tensors"
-    return {name: merge_tensor(name, [r[name] for r in ranks], cfg) for name in ranks[0]}
+check_tp, shard_tensor, merge_tensor = tp_shard.check_tp, tp_shard.shard_tensor, tp_shard.merge_tensor
+shard_state, merge_state = tp_shard.shard_state, tp_shard.merge_state
 
 
 # ---- Megatron torch_dist naming: TE-style norm names, layers stacked on a leading dim ----

@@ -31,8 +31,9 @@ class PipelineDriver:
         self.vocab = stage0.model.cfg.vocab_size
 
     def _send(self, hdr: Header, payloads: Sequence[torch.Tensor] = ()) -> None:
-        self.t.send(self.topo.stage_rank(0), hdr, payloads)
-        self.stage0.step()  # stage 0 runs inline on this rank
+        for rank in self.topo.stage_ranks(0):  # every TP rank of stage 0 takes the input
+            self.t.send(rank, hdr, payloads)
+        self.stage0.step()  # stage 0 (its TP rank 0) runs inline on this rank
 
     def _reply(self, tick: int) -> int:
         hdr = self.t.recv_header(self.last, self.timeout, tick)

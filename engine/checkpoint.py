@@ -351,3 +351,33 @@ def load_stage_model(path: str | Path, stage: int | range, embedding: bool | Non
     model = StageModel(index.cfg, layers, embedding=embedding, head=head, device="meta")
     model.load_state_dict(state, assign=True)
     return model.to(device)
+
+
+def load_tp_stage_state(path: str | Path, layers: range, embedding: bool, head: bool, tp: int, tp_rank: int, *,
+                        cfg: ModelConfig | None = None, dtype: torch.dtype | None = None,
+                        verify: bool = True) -> dict[str, torch.Tensor]:
+    """TP rank `tp_rank` of `tp`'s state dict of a layer range, from a checkpoint of any TP split
+    that the runtime split is compatible with (engine/tp_shard.py `reshard_piece`: the pieces of
+    one tensor are read, merged and re-sharded one tensor at a time, only those needed)."""
+    from spd_engine.engine.tp_shard import check_tp, reshard_piece  # tp_shard imports this module
+
+    index = read_index(path)
+    if cfg is not None and cfg != index.cfg:
+        raise ValueError(f"checkpoint {index.path} was made for a different model config")
+    check_tp(index.cfg, tp)
+    if not 0 <= tp_rank < tp:
+        raise ValueError(f"tp rank {tp_rank} does not exist at tp={tp}")
+    state = {}
+    for name, shape in expected_shapes(index.cfg, layers, embedding, head, tp).items():
+        source = EMBEDDING_KEY if name == OUTPUT_KEY and index.cfg.tie_embeddings else name
+
+        def read(r: int, source=source) -> torch.Tensor:
+            shard, entry = index.locate(source, r)
+            return _read_tensor(index, shard, source, entry, verify)
+
+        t = reshard_piece(source, read, index.cfg, index.tp, tp, tp_rank)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"checkpoint {index.path}: tensor {source} gives a TP piece of shape "
+                             f"{tuple(t.shape)}, rank {tp_rank} of tp={tp} needs {shape}")
+        state[name] = t if dtype is None or t.dtype == dtype else t.to(dtype)
+    return state

@@ -134,7 +134,8 @@ class Driver:
         """Post a message to stage 0; co-located, stage 0 steps on it now, inline, or (overlap, a
         decode tick) on its runner thread until `_join_stage0` at the end of the tick."""
         t0 = time.perf_counter()
-        self.t.send(self.topo.stage_rank(0), hdr, payloads)
+        for rank in self.topo.stage_ranks(0):  # every TP rank of stage 0 takes the token (docs/design.md 3.9)
+            self.t.send(rank, hdr, payloads)
         if self.req is not None:
             self.req.sent += int(hdr.num_tokens > 0)
             self._account("send", t0)

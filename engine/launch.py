@@ -23,7 +23,8 @@ import torch
 from spd_engine.engine.dist import (LocalRanks, RunFailed, check_gpus, fail_rank, join_group, leave_group,
                                     local_init_method, rank_device, torchrun_rank, under_torchrun)
 from spd_engine.engine.dist import free_port  # noqa: F401  (re-exported: test harnesses import it from here)
-from spd_engine.engine.roles import build_rank
+from spd_engine.engine.roles import build_rank, rank_topology
+from spd_engine.engine.tp_group import TPGroup, dist_tp_groups
 from spd_engine.engine.run_config import RunConfig
 from spd_engine.engine.transport import DistTransport
 
@@ -32,18 +33,19 @@ from spd_engine.engine.transport import DistTransport
 FAULT_ENV = "SPD_FAULT_KILL_RANK"
 
 
-def _join(ecfg: RunConfig, rank: int, world: int, init_method: str) -> tuple[RunConfig, DistTransport]:
-    """(this rank's config: plain `cuda` made this rank's GPU, its transport)."""
+def _join(ecfg: RunConfig, rank: int, world: int, init_method: str) -> tuple[RunConfig, DistTransport, TPGroup]:
+    """(this rank's config: plain `cuda` made this rank's GPU, its transport, its stage's TP group)."""
     device = str(rank_device(ecfg.device, rank, world))  # before the threads: sets the current GPU
     ecfg = ecfg if device == ecfg.device else ecfg.replace(device=device)
     torch.set_num_threads(ecfg.threads_per_rank())
     # requests bound their own waits (Transport timeouts); a stage idles between them
     join_group(rank, world, ecfg.backend, ecfg.device, init_method, max(60.0, ecfg.timeout_s), idle_waits=True)
-    return ecfg, DistTransport(rank, world, ecfg.device)
+    transport = DistTransport(rank, world, ecfg.device)
+    return ecfg, transport, dist_tp_groups(rank_topology(ecfg), rank, ecfg.timeout_s)  # collective: every rank
 
 
-def _serve(ecfg: RunConfig, rank: int, transport: DistTransport) -> None:
-    _, worker = build_rank(ecfg, rank, transport)
+def _serve(ecfg: RunConfig, rank: int, transport: DistTransport, group: TPGroup) -> None:
+    _, worker = build_rank(ecfg, rank, transport, tp_group=group)
     assert worker is not None
     fault = os.environ.get(FAULT_ENV, "")
     if fault and int(fault.split(":")[0]) == rank:
@@ -56,8 +58,8 @@ def _serve(ecfg: RunConfig, rank: int, transport: DistTransport) -> None:
 
 def _stage_rank(rank: int, world: int, ecfg: RunConfig, init_method: str) -> None:
     """A spawned rank's life (engine/dist.py run_rank reports its error and exits)."""
-    ecfg, transport = _join(ecfg, rank, world, init_method)
-    _serve(ecfg, rank, transport)
+    ecfg, transport, group = _join(ecfg, rank, world, init_method)
+    _serve(ecfg, rank, transport, group)
     leave_group()
 
 
@@ -82,28 +84,29 @@ def launch(ecfg: RunConfig) -> Iterator[object]:
         if me.world_size != world:
             raise ValueError(f"torchrun started {me.world_size} processes; mode {ecfg.mode} with "
                              f"n={ecfg.topology.n} needs world size {world}")
-        ecfg, transport = _join(ecfg, me.rank, world, "env://")
+        ecfg, transport, group = _join(ecfg, me.rank, world, "env://")
         if me.rank != 0:
             try:
-                _serve(ecfg, me.rank, transport)
+                _serve(ecfg, me.rank, transport, group)
             except Exception as err:  # a dead peer or a bad message: name this rank, leave at once
                 fail_rank(me.rank, err)
             leave_group()
             sys.exit(0)
-        yield from _drive(ecfg, transport, None)
+        yield from _drive(ecfg, transport, group, None)
         return
     check_head(ecfg)  # fail fast, before any rank is spawned
     check_gpus(ecfg.device, world)  # enough GPUs for every rank
     init_method = local_init_method()
     with LocalRanks(_stage_rank, range(1, world), (world, ecfg, init_method)) as ranks:
-        ecfg, transport = _join(ecfg, 0, world, init_method)
-        yield from _drive(ecfg, transport, ranks)
+        ecfg, transport, group = _join(ecfg, 0, world, init_method)
+        yield from _drive(ecfg, transport, group, ranks)
 
 
-def _drive(ecfg: RunConfig, transport: DistTransport, ranks: LocalRanks | None) -> Iterator[object]:
+def _drive(ecfg: RunConfig, transport: DistTransport, group: TPGroup, ranks: LocalRanks | None
+           ) -> Iterator[object]:
     ok = False
     try:
-        driver, _ = build_rank(ecfg, 0, transport)
+        driver, _ = build_rank(ecfg, 0, transport, tp_group=group)
         yield driver
         driver.shutdown()
         ok = True

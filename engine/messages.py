@@ -155,10 +155,12 @@ def link_frames(topo, wire: WireFormat, act_itemsize: int) -> dict[tuple[int, in
             frames[(src, dst)] = max(frames.get((src, dst), 0), payload_bytes(payloads, act_itemsize))
 
     token = Header(Kind.TOKEN)
-    add(topo.driver_rank, topo.stage_rank(0), wire.from_driver(token))
+    for t in range(topo.tp):  # TP rank t talks to TP rank t of the next stage (docs/design.md 3.9)
+        add(topo.driver_rank, topo.stage_rank(0, t), wire.from_driver(token))
     for s in range(topo.n):
         if s + 1 < topo.n:
-            add(topo.stage_rank(s), topo.stage_rank(s + 1), wire.downstream(token))
+            for t in range(topo.tp):
+                add(topo.stage_rank(s, t), topo.stage_rank(s + 1, t), wire.downstream(token))
         if wire.reports_to_driver(s):
             add(topo.stage_rank(s), topo.driver_rank, wire.to_driver(s, token))
     return frames

@@ -81,5 +81,7 @@ class GenerationResult:
             "target_passes": self.target_passes, "acceptance_length": self.acceptance_length, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
             "decode_tok_s": self.decode_tok_s, "breakdown_ms_per_tick": self.breakdown_ms_per_tick(),
             "by_source": {k: dict(zip(("drafted", "verified", "accepted"), v)) for k, v in self.by_source.items()},
+            # resident parameter bytes of one rank of each stage (its TP rank 0; every TP rank holds a like shard)
+            "stage_param_bytes": [int(s.get("param_bytes", 0)) for s in self.stages],
         }
 

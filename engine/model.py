@@ -125,8 +125,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, device, dtype)
 
     def forward(self, x, layer, cache, slot0, cos, sin, mask):
-        h = x + self.self_attention(self.input_layernorm(x), layer, cache, slot0, cos, sin, mask)
-        return h + self.mlp(self.pre_mlp_layernorm(h))
+        h = x + self.reduce(self.self_attention(self.input_layernorm(x), layer, cache, slot0, cos, sin, mask))
+        return h + self.reduce(self.mlp(self.pre_mlp_layernorm(h)))
+
+    @staticmethod
+    def reduce(partial: torch.Tensor) -> torch.Tensor:
+        """Identity; a tensor-parallel layer sums the row-parallel partial outputs over its TP
+        group here (engine/tp_model.py sets it per layer)."""
+        return partial
 
 
 class Embedding(nn.Module):
@@ -232,10 +238,15 @@ def init_random_(model: StageModel, seed: int = 0, std: float = 0.02) -> StageMo
     """
     with torch.no_grad():
         for name, p in model.named_parameters():
-            key = name
-            if name == "output_layer.weight" and model.cfg.tie_embeddings:
-                key = "embedding.word_embeddings.weight"
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.1 * noise if "layernorm" in name else std * noise)
+            p.copy_(random_tensor(name, p.shape, model.cfg, seed, std))
     return model
+
+
+def random_tensor(name: str, shape, cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> torch.Tensor:
+    """The fp32 random weight `init_random_` gives parameter `name` of the full model's `shape`."""
+    key = name
+    if name == "output_layer.weight" and cfg.tie_embeddings:
+        key = "embedding.word_embeddings.weight"
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+    noise = torch.randn(tuple(shape), generator=gen)
+    return 1.0 + 0.1 * noise if "layernorm" in name else std * noise

@@ -11,7 +11,8 @@ from __future__ import annotations
 import threading
 
 from spd_engine.engine.run_config import RunConfig
-from spd_engine.engine.roles import build_rank
+from spd_engine.engine.roles import build_rank, rank_topology
+from spd_engine.engine.tp_group import LocalTPHub
 from spd_engine.engine.stage_worker import StageWorker
 from spd_engine.engine.transport import LocalHub
 
@@ -25,23 +26,31 @@ class ReferenceExecutor:
         self.errors: list[BaseException] = []
         self.threads: list[threading.Thread] = []
         self.driver = None
+        topo = rank_topology(ecfg)
+        tp_hubs = [LocalTPHub(topo.stage_ranks(s), ecfg.timeout_s) for s in range(topo.n)]  # one per stage
+        # building a TP shard needs no collective, so the ranks are built one after another here
         for rank in range(world):
             transport = self.hub.transport(rank)
-            driver, worker = build_rank(ecfg, rank, transport, pdm=pdm)
+            place = topo.place_of_rank(rank)
+            group = tp_hubs[place[0]].group(place[1]) if place is not None else None
+            driver, worker = build_rank(ecfg, rank, transport, pdm=pdm, tp_group=group)
             if driver is not None:
                 self.driver = driver
             if worker is not None:
-                th = threading.Thread(target=self._serve, args=(worker, transport), daemon=True, name=f"rank{rank}")
+                th = threading.Thread(target=self._serve, args=(worker, transport, group), daemon=True,
+                                      name=f"rank{rank}")
                 th.start()
                 self.threads.append(th)
         assert self.driver is not None
 
-    def _serve(self, worker: StageWorker, transport) -> None:
+    def _serve(self, worker: StageWorker, transport, group) -> None:
         try:
             worker.serve()
         except BaseException as err:  # a stage failure must end the run with an error, not hang it
             self.errors.append(err)
             transport.mark_dead()
+            if group is not None:
+                group.abort()  # the TP peers waiting in a collective fail at once
             raise
 
     def generate(self, *args, **kwargs):

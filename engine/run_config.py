@@ -21,8 +21,9 @@ from spd_engine.engine.suffix import SuffixSettings
 from spd_engine.engine.anchors import AnchorPlan
 from spd_engine.engine.model_config import ModelConfig, tiny_config
 from spd_engine.engine.topology import Topology
+from spd_engine.engine.tp_shard import check_tp
 
-MODES = ("spd", "pp", "ar", "eagle")
+MODES = ("spd", "pp", "ar", "tp", "eagle")
 EAGLE_K = 2  # draft chain length of --mode eagle: the shipped head accepts nothing past step 2 (README, docs/eval.md)
 
 
@@ -57,6 +58,8 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-qwen2": tiny_config("qwen2"),
     "tiny-qwen3": tiny_config("qwen3"),
     "smollm2-135m": _shape("llama", 49152, 576, 1536, 30, 9, 3, 64, True, rope_theta=100000.0),
+    # SmolLM2-135M's size with 8 heads / 4 KV heads (head_dim 72): --tp 2 divides it (2-core TP checks)
+    "smollm2-135m-tp2": _shape("llama", 49152, 576, 1536, 30, 8, 4, 72, True, rope_theta=100000.0),
     "llama-3.2-1b": _shape("llama", 128256, 2048, 8192, 16, 32, 8, 64, True, rope_theta=500000.0),
     "qwen3-4b": _shape("qwen3", 151936, 2560, 9728, 36, 32, 8, 128, True, qk_norm=True, rope_theta=1e6),
     "llama-3.1-8b": _shape("llama", 128256, 4096, 14336, 32, 32, 8, 128, False, rope_theta=500000.0),
@@ -121,6 +124,12 @@ class RunConfig:
                              f"the model has {self.cfg.num_layers} layers")
         if self.mode in ("ar", "eagle") and self.topology.n != 1:
             raise ValueError(f"--mode {self.mode} runs the whole model on one rank: use --stages 1")
+        if self.mode in ("ar", "eagle") and self.topology.tp != 1:
+            raise ValueError(f"--mode {self.mode} runs the whole model on one rank: use --mode tp for --tp > 1")
+        if self.mode == "tp" and self.topology.n != 1:
+            raise ValueError("--mode tp runs the whole model as one stage over the TP ranks: use --stages 1")
+        if self.topology.tp > 1:
+            check_tp(self.cfg, self.topology.tp)
         if self.eagle_k < 1:
             raise ValueError(f"--eagle-k must be >= 1, got {self.eagle_k}")
         if self.eagle_head != "random" and not Path(self.eagle_head).is_dir():
@@ -142,7 +151,9 @@ class RunConfig:
     def world_size(self) -> int:
         if self.mode == "spd":
             return self.topology.world_size
-        return self.topology.n  # pp: n stage ranks (head on the last); ar, eagle: one rank
+        if self.mode == "eagle":
+            return 1  # one rank: the target and the draft head
+        return dataclasses.replace(self.topology, colocate=True).world_size  # pp/tp/ar: n T stage ranks
 
     def resolved_step_mode(self) -> StepMode:
         """eager, static or graph: auto is graph on CUDA and eager elsewhere."""
@@ -153,8 +164,11 @@ class RunConfig:
     def rank_options(self, stage: int | None = None) -> "RankOptions":
         """What a driver or stage worker needs of this run (stage None: the driver)."""
         min_step = self.stage_ms[stage] / 1e3 if self.stage_ms and stage is not None else 0.0
+        step_mode = self.resolved_step_mode()
+        if stage is not None and self.topology.tp > 1:
+            step_mode = StepMode.EAGER  # TP shards run eager steps: their collectives are not captured in graphs
         return RankOptions(self.capacity, self.prefill_chunk, self.timeout_s, self.trace,
-                           self.resolved_step_mode(), min_step, self.chooser(), self.overlap_stage0)
+                           step_mode, min_step, self.chooser(), self.overlap_stage0)
 
     def chooser(self) -> DraftChooser:
         """The draft sources of this run (engine/drafting.py)."""

@@ -20,6 +20,7 @@ from spd_engine.engine.sampling import SamplingParams, keyed_generator, sample, 
 from spd_engine.engine.model import StageModel
 from spd_engine.engine.run_config import RankOptions, StepMode
 from spd_engine.engine.topology import Topology
+from spd_engine.engine.tp_model import resident_bytes
 from spd_engine.engine.transport import Transport
 
 
@@ -33,24 +34,29 @@ def wire_format(topo: Topology, plan: AnchorPlan | None, hidden: int) -> WireFor
 
 class StageWorker:
     def __init__(self, stage: int, topo: Topology, plan: AnchorPlan | None, model: StageModel, transport: Transport,
-                 opts: RankOptions) -> None:
+                 opts: RankOptions, tp_rank: int = 0) -> None:
         """plan None: a plain pipeline-parallel stage (no anchors). A last stage that holds the
         head replies to the driver with its token in the header instead of its hidden state (the
-        `pp` and `ar` baselines). opts.step_mode: how one-token steps run; prefill chunks always
-        run eagerly."""
+        `pp`, `tp` and `ar` baselines). opts.step_mode: how one-token steps run; prefill chunks always
+        run eagerly. With --tp > 1 (model a TPStageModel) TP rank t takes its input from TP rank t
+        of the previous stage (or the driver) and sends its output to TP rank t of the next: after
+        the all-reduce every TP rank holds the whole hidden state (docs/design.md 3.9). Only TP
+        rank 0 reports to the driver (anchors, exit state, the head's token, statistics)."""
         self.stage, self.topo, self.model, self.t = stage, topo, model, transport
         self.capacity, self.timeout = opts.capacity, opts.timeout_s
         self.min_step_s = opts.min_step_s  # synthetic stage time (benchmarks, bubble tests): pad compute to this
-        self.prev = topo.driver_rank if stage == 0 else topo.stage_rank(stage - 1)
-        self.next = topo.stage_rank(stage + 1) if stage + 1 < topo.n else None
+        self.tp_rank = tp_rank
+        self.prev = topo.driver_rank if stage == 0 else topo.stage_rank(stage - 1, tp_rank)
+        self.next = topo.stage_rank(stage + 1, tp_rank) if stage + 1 < topo.n else None
         self.driver = topo.driver_rank
+        self.choose = getattr(model, "choose_token", None)  # a vocab-parallel head: the token across TP ranks
         self.anchor_ids = plan.anchors_of_stage(stage) if plan is not None else ()
         self.anchor_layers = [plan.anchor_layer(a) for a in self.anchor_ids] if plan is not None else []
         self.capture = frozenset(self.anchor_layers)
         H = model.cfg.hidden_size
         self.wire = wire_format(topo, plan, H)
         assert self.wire.head_on_last == model.has_head or self.next is not None
-        self.reports = self.wire.reports_to_driver(stage)
+        self.reports = self.wire.reports_to_driver(stage) and tp_rank == 0
         p = next(model.parameters())
         chunk = opts.prefill_chunk
         self.cache = model.new_cache(1, opts.capacity)
@@ -58,6 +64,7 @@ class StageWorker:
         self.ids_in = torch.empty(chunk, dtype=torch.long, device=p.device)  # [chunk] stage 0 prefill ids
         self.tok = torch.empty(1, 1, dtype=torch.long, device=p.device)
         self.in_request = False
+        self.param_bytes = float(resident_bytes(model))  # this rank's (a TP rank: its shard)
         self.sampling = SamplingParams()  # used only by a head stage (pp / ar baselines)
         self.cfg_in = torch.empty(CONFIG_LEN, dtype=torch.int64)
         # decode (TOKEN) messages only: compute seconds, count, receive-wait seconds (host floats:
@@ -94,8 +101,9 @@ class StageWorker:
         if self.next is not None:
             self.t.send(self.next, hdr)
         if hdr.kind == Kind.END:
-            payload = torch.tensor([*self.stats, *(self.trace or [])], dtype=torch.float64)
-            self.t.send(self.driver, Header(Kind.STATS, length=payload.numel()), [payload])
+            if self.tp_rank == 0:
+                payload = torch.tensor([*self.stats, self.param_bytes, *(self.trace or [])], dtype=torch.float64)
+                self.t.send(self.driver, Header(Kind.STATS, length=payload.numel()), [payload])
             self.t.flush()
             self.stats = [0.0, 0, 0.0]
             self.handled = 0
@@ -158,6 +166,8 @@ class StageWorker:
 
     def _next_token(self, logits: torch.Tensor, pos: int) -> int:
         """The head stage's token for position `pos` (argmax, or a keyed draw from p)."""
+        if self.choose is not None:  # logits: this TP rank's vocabulary shard
+            return self.choose(logits, self.sampling, pos)
         if self.sampling.greedy:
             return int(logits.argmax())  # host sync: the id goes in the header
         probs = target_probs(logits, self.sampling)
@@ -165,9 +175,11 @@ class StageWorker:
 
 
 def receive_stats(t: Transport, rank: int, timeout: float) -> dict:
-    """A stage's STATS reply: per-request decode compute/wait seconds, decode message count, optional trace."""
+    """A stage's STATS reply: per-request decode compute/wait seconds, decode message count, the
+    resident parameter bytes of the reporting rank (TP rank 0 of the stage), optional trace."""
     hdr = t.recv_header(rank, timeout)
     assert hdr.kind == Kind.STATS, hdr
     vals = t.recv_into(rank, torch.empty(hdr.length, dtype=torch.float64), timeout).tolist()
-    trace = [tuple(vals[i:i + 3]) for i in range(3, len(vals), 3)]
-    return {"compute_s": vals[0], "messages": vals[1], "wait_s": vals[2], "trace": trace}
+    trace = [tuple(vals[i:i + 3]) for i in range(4, len(vals), 3)]
+    return {"compute_s": vals[0], "messages": vals[1], "wait_s": vals[2], "param_bytes": int(vals[3]),
+            "trace": trace}

@@ -3,6 +3,9 @@
 Stage `p` holds layers `[B_p, B_{p+1})`. The default split gives the first `L mod n` stages one
 extra layer (30 layers at n=4: 8,8,7,7). Ranks: the driver is rank 0 and stage `p` is rank
 `p + 1` (world size n + 1), or, co-located, the driver shares rank 0 with stage 0 (world size n).
+With tensor parallelism (`tp` = T > 1) stage `p` runs on T ranks, TP rank `t` of stage `p` being
+global rank `base + p T + t` (base 1 with a separate driver, else 0): world size n T (+ 1).
+`stage_rank(p)` is TP rank 0 of the stage, the one that talks to the driver (docs/design.md 3.9).
 """
 from __future__ import annotations
 
@@ -51,21 +54,24 @@ class Topology:
 
     stage_layers: tuple[int, ...]
     colocate: bool = False
+    tp: int = 1  # ranks per stage (tensor parallel)
 
     def __post_init__(self) -> None:
         if not self.stage_layers or any(c < 1 for c in self.stage_layers):
             raise ValueError(f"invalid stage layers {self.stage_layers}")
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"--tp must be an integer >= 1, got {self.tp!r}")
 
     @classmethod
     def build(cls, num_layers: int, n: int | None = None, stage_layers: str | list[int] | None = None,
-              colocate: bool = False) -> "Topology":
+              colocate: bool = False, tp: int = 1) -> "Topology":
         if stage_layers is not None:
             counts = parse_stage_layers(stage_layers, num_layers)
             if n is not None and n != len(counts):
                 raise ValueError(f"--stages {n} disagrees with the {len(counts)} stage layer counts {counts}")
         else:
             counts = default_stage_layers(num_layers, 1 if n is None else n)
-        return cls(tuple(counts), colocate)
+        return cls(tuple(counts), colocate, tp)
 
     @property
     def n(self) -> int:
@@ -85,17 +91,33 @@ class Topology:
 
     @property
     def world_size(self) -> int:
-        return self.n if self.colocate else self.n + 1
+        return self.n * self.tp + (0 if self.colocate else 1)
 
     @property
     def driver_rank(self) -> int:
         return 0
 
-    def stage_rank(self, stage: int) -> int:
-        assert 0 <= stage < self.n
-        return stage if self.colocate else stage + 1
+    @property
+    def _base(self) -> int:
+        return 0 if self.colocate else 1
+
+    def stage_rank(self, stage: int, tp_rank: int = 0) -> int:
+        """Global rank of TP rank `tp_rank` of `stage` (TP rank 0 talks to the driver)."""
+        assert 0 <= stage < self.n and 0 <= tp_rank < self.tp, (stage, tp_rank)
+        return self._base + stage * self.tp + tp_rank
+
+    def stage_ranks(self, stage: int) -> tuple[int, ...]:
+        """The stage's TP group, in TP-rank order."""
+        return tuple(self.stage_rank(stage, t) for t in range(self.tp))
+
+    def place_of_rank(self, rank: int) -> tuple[int, int] | None:
+        """(stage, TP rank) a rank runs, or None for a driver-only rank."""
+        local = rank - self._base
+        if not 0 <= local < self.n * self.tp:
+            return None
+        return divmod(local, self.tp)
 
     def stage_of_rank(self, rank: int) -> int | None:
         """The stage a rank runs, or None for a driver-only rank."""
-        stage = rank if self.colocate else rank - 1
-        return stage if 0 <= stage < self.n else None
+        place = self.place_of_rank(rank)
+        return None if place is None else place[0]

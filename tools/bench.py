@@ -18,7 +18,7 @@ from spd_engine.bench.stats import format_table
 from spd_engine.tools.common import add_engine_arguments, add_json_argument, engine_config, hf_model_dir, \
     load_prompts, refuse_ignored, write_json
 
-CONFIGS = ("ar", "pp", "spd", "spd-colocate", "spd-overlap", "eagle", "hf", "hf-lookup")
+CONFIGS = ("ar", "pp", "spd", "spd-colocate", "spd-overlap", "eagle", "hf", "hf-lookup", "tp", "spd-tp")
 
 COLUMNS = [("name", "config", ""), ("world_size", "ranks", ""), ("decode_tok_s", "tok/s", ".2f"),
            ("decode_tok_s_min", "min", ".2f"), ("decode_tok_s_max", "max", ".2f"),
@@ -41,7 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="generate --max-new-tokens for every request, past EOS")
     g.add_argument("--repeats", type=int, default=3, help="timed runs of every prompt per configuration")
     g.add_argument("--configs", default="ar,pp,spd,spd-colocate",
-                   help=f"subset of {','.join(CONFIGS)} (hf, hf-lookup: transformers' generate, needs an HF model)")
+                   help=f"subset of {','.join(CONFIGS)} (tp: one stage over --tp ranks; spd-tp: SPD with --tp "
+                        "ranks per stage, the other rows run without TP; hf, hf-lookup: transformers' generate, "
+                        "needs an HF model)")
     g.add_argument("--lookup-tokens", type=int, default=DEFAULT_LOOKUP_TOKENS,
                    help="hf-lookup: prompt_lookup_num_tokens (tokens drafted per lookup)")
     g.add_argument("--synthetic-alpha", type=float, default=None,
@@ -63,7 +65,11 @@ def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
     bad = set(names) - set(CONFIGS)
     if bad:
         raise ValueError(f"unknown bench configs {sorted(bad)}")
-    topo = ecfg.topology
+    T = ecfg.topology.tp
+    if T == 1 and {"tp", "spd-tp"} & set(names):
+        raise ValueError("the tp and spd-tp configs need --tp >= 2")
+    topo = dataclasses.replace(ecfg.topology, tp=1)
+    ecfg = ecfg.replace(topology=topo)  # --tp is for the tp rows only
     one = dataclasses.replace(topo, stage_layers=(topo.num_layers,), colocate=False)
     out = [BenchCase("ar", ecfg.replace(mode="ar", topology=one))]
     profiling = bool(getattr(args, "profile_out", None))
@@ -88,6 +94,11 @@ def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
             lookup = args.lookup_tokens if name == "hf-lookup" else None
             peer = HFPeer(hf_model_dir(args.model), ecfg.torch_dtype, out[0].ecfg.threads_per_rank(), lookup)
             out.append(BenchCase(name, out[0].ecfg, peer))
+    if {"tp", "spd-tp"} & set(names):  # tp runs first of the TP rows: it is their lossless reference
+        out.append(BenchCase("tp", ecfg.replace(mode="tp", topology=dataclasses.replace(one, colocate=True, tp=T))))
+    if "spd-tp" in names:
+        out.append(BenchCase("spd-tp", ecfg.replace(mode="spd", topology=dataclasses.replace(topo, colocate=False,
+                                                                                               tp=T))))
     return out
 
 

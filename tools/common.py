@@ -182,10 +182,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
                         "else an untrained one)")
     g.add_argument("--stages", type=int, default=4, help="pipeline stages n")
     g.add_argument("--stage-layers", default=None, help="explicit split, e.g. 8,8,7,7 (default: even split)")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks per stage T (must divide the heads and KV heads; world n*T (+1))")
     if mode_flags:
         g.add_argument("--mode", choices=MODES, default=default_mode,
-                       help="spd, or a baseline: pp (pipeline-parallel autoregressive), ar (one rank), eagle "
-                            "(serial draft-then-verify with an EAGLE-3-style head, one rank)")
+                       help="spd, or a baseline: pp (pipeline-parallel autoregressive), tp (one stage over "
+                            "--tp ranks, autoregressive), ar (one rank), eagle (serial draft-then-verify with an "
+                            "EAGLE-3-style head, one rank)")
         g.add_argument("--colocate", action="store_true", help="driver on the same rank as stage 0 (world size n)")
     g.add_argument("--pdm-layers", type=int, default=run_default("pdm_layers"), help="K of an untrained head")
     g.add_argument("--capacity", type=int, default=None,
@@ -240,6 +243,8 @@ def _check_ignored_engine_flags(args: argparse.Namespace, mode: str, spec: str, 
         refuse_ignored(args, ["overlap_stage0"], "without --colocate (stage 0 has a rank of its own)")
     if mode in ("ar", "eagle") and args.stages != 1:
         refuse_ignored(args, ["stages", "stage_layers"], f"with --mode {mode} (one rank runs the whole model)")
+    if mode == "tp" and args.stages != 1:
+        refuse_ignored(args, ["stages", "stage_layers"], "with --mode tp (one stage over the --tp ranks)")
     if spec != "random":
         refuse_ignored(args, ["pdm_layers"], f"with a trained head ({spec}: its K is in its pdm.json)")
 
@@ -252,9 +257,9 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used:
     mode = getattr(args, "mode", "spd")
     engine_spec, tok_dir = resolve_model(args.model)
     cfg = model_config(engine_spec)
-    n = 1 if mode in ("ar", "eagle") else args.stages
+    n = 1 if mode in ("ar", "tp", "eagle") else args.stages
     topo = Topology.build(cfg.num_layers, n=None if args.stage_layers else n, stage_layers=args.stage_layers,
-                          colocate=getattr(args, "colocate", False))
+                          colocate=getattr(args, "colocate", False), tp=args.tp)
     spec = args.spec or default_head(args.model, topo.n)
     eagle_head = args.eagle_head or default_head(args.model, 1, "eagle")
     _check_ignored_engine_flags(args, mode, spec, seed_used, eagle_head if eagle_used or mode == "eagle" else None)

@@ -86,6 +86,8 @@ def _run(args) -> int:
     from spd_engine.train.reference_cache import ReferenceCache
 
     ecfg, tok_dir = engine_config(args)
+    if ecfg.topology.tp > 1:
+        raise ValueError("spd draft-policies replays the unsharded model: --tp does not apply")
     tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
     eos = tok.eos_ids if tok is not None else ecfg.cfg.eos_token_ids
     names = parse_names(args.datasets, DATASETS, "dataset(s)")

@@ -87,7 +87,8 @@ def result_json(i: int, ecfg, res, tok, sampling: SamplingParams) -> dict:
     """The --json record of one prompt: what was generated, by which model and head, and the stats."""
     return {"prompt": i, "text": tok.text(res.tokens) if tok is not None else None, "token_ids": list(res.tokens),
             "model": ecfg.model, "head": {"spd": ecfg.pdm, "eagle": ecfg.eagle_head}.get(ecfg.mode), "mode": ecfg.mode,
-            "n": ecfg.topology.n, "colocate": ecfg.topology.colocate, "sampling": asdict(sampling), **res.to_json()}
+            "n": ecfg.topology.n, "tp": ecfg.topology.tp, "colocate": ecfg.topology.colocate, "sampling": asdict(sampling),
+            **res.to_json()}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -68,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rt.add_argument("--spec", default=None, help="PDM head for --validate-runtime (default: shipped head or random)")
     rt.add_argument("--stages", type=int, default=2, help="n for --validate-runtime")
     rt.add_argument("--threads", type=int, default=1, help="torch threads per rank for --validate-runtime")
+    rt.add_argument("--tp", type=int, default=1,
+                    help="with --validate-runtime: also a tp row (--mode tp over this many ranks), predicted from "
+                         "TP shard step times measured on this host and netbench all-reduces over the same groups")
     rt.add_argument("--synthetic-alpha", default="0.8",
                     help="synthetic acceptance for --validate-runtime (labelled), or 'none' for the head's drafts")
     rt.add_argument("--max-new-tokens", type=int, default=48, help="tokens per prompt for --validate-runtime")
@@ -292,7 +295,7 @@ def _validate_runtime(args: argparse.Namespace) -> int:
     off by more than --tolerance."""
     import sys
 
-    from spd_engine.bench.validate_runtime import ValidationSettings, format_validation, validate
+    from spd_engine.bench.validate_runtime import CONFIGS, ValidationSettings, format_validation, validate
     from spd_engine.engine.tokenizer import Tokenizer
     from spd_engine.tools.generate import encode_prompts
 
@@ -307,9 +310,14 @@ def _validate_runtime(args: argparse.Namespace) -> int:
     prompts = encode_prompts(list(args.prompt or VALIDATION_PROMPTS), tok, True, ecfg.cfg.vocab_size)
     if args.nice:
         os.nice(args.nice)  # inherited by every rank this process starts
+    from spd_engine.engine.tp_shard import check_tp
+
+    if args.tp > 1:
+        check_tp(ecfg.cfg, args.tp)
     settings = ValidationSettings(max_new_tokens=args.max_new_tokens, rounds=args.repeats, synthetic_alpha=alpha,
                                   seed=args.seed, tolerance=args.tolerance, latency_stat=args.latency_stat,
-                                  timeout_s=max(args.timeout, 60.0))
+                                  timeout_s=max(args.timeout, 60.0), tp=args.tp,
+                                  configs=CONFIGS + (("tp",) if args.tp > 1 else ()))
     result = validate(ecfg, prompts, settings, lambda m: print(m, file=sys.stderr, flush=True))
     print(format_validation(result))
     if args.profile_out:

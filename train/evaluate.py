@@ -24,10 +24,11 @@ from pathlib import Path
 
 import torch
 
-from spd_engine.engine.build import build_pdm, build_stage_model
+from spd_engine.engine.build import build_driver_head, build_pdm, build_stage_model, build_tp_stage_model
 from spd_engine.engine.run_config import RunConfig
 from spd_engine.engine.greedy import greedy_generate
 from spd_engine.engine.sampling import SamplingParams
+from spd_engine.engine.tp_model import SerialTP
 from spd_engine.train.fast_eval import Acceptance, fast_generate
 from spd_engine.train.reference_cache import ReferenceCache
 
@@ -129,8 +130,14 @@ class Outcome:
 
 
 def full_target(ecfg: RunConfig):
-    """The whole target (embedding, every layer, head) with the weights the stages get."""
-    return build_stage_model(ecfg, range(ecfg.cfg.num_layers), embedding=True, head=True)
+    """The whole target (embedding, every layer, head) with the weights the stages get; with
+    --tp T the same TP split and the driver's head (engine/tp_model.py SerialTP), the greedy
+    oracle of an SPD x TP run."""
+    L = ecfg.cfg.num_layers
+    if ecfg.topology.tp > 1:
+        return SerialTP.build(lambda g: build_tp_stage_model(ecfg, range(L), True, True, g), ecfg.topology.tp,
+                              build_driver_head(ecfg))
+    return build_stage_model(ecfg, range(L), embedding=True, head=True)
 
 
 def runtime_acceptance(driver, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
@@ -222,6 +229,8 @@ def open_runner(ecfg: RunConfig, settings: EvalSettings, reference_cache: str | 
         return
     if ecfg.mode != "spd":
         raise ValueError(f"evaluation measures SPD or eagle acceptance: mode must be spd or eagle, got {ecfg.mode!r}")
+    if settings.executor == "fast" and ecfg.topology.tp > 1:
+        raise ValueError("the fast executor replays the unsharded model: with --tp use --executor reference or dist")
     if reference_cache is not None and settings.executor != "fast":
         raise ValueError("--reference-cache applies to the fast executor only (the runtimes decode for real)")
     if settings.executor == "fast":

@@ -162,6 +162,8 @@ def test_measure_shape_on_cpu():
     p = Profile.from_dict(prof)
     assert p.num_layers == cfg.num_layers and p.stage_ms[4] == tuple(raw["stage_ms"][4]["eager"])
     assert p.layer_ms[0] == pytest.approx((raw["ar_ms"]["eager"] - raw["verify_ms"]["eager"]) / cfg.num_layers)
+    assert set(raw["tp_layer_ms"]) == {2}  # 2 KV heads: TP shards of 1/2 only
+    assert p.tp_layer_ms == {2: raw["tp_layer_ms"][2]["eager"]} and p.tp_layer_ms[2] > 0
     with pytest.raises(ValueError, match="not every step"):
         profile_json("tiny-llama", cfg, raw, s, True, "cpu")
 

@@ -48,6 +48,18 @@ def _measured(tok_s: dict[str, float], tick: dict[str, float]) -> dict[str, dict
             for c in CONFIGS}
 
 
+def test_predict_the_tp_row_from_measured_shards():
+    """tp: the measured 1/T shard per layer, (2 L + 1) all-reduces of [H], the head / T, the argmax
+    gather and the token's hop to the other TP ranks."""
+    link = LinkModel.assume("hand", 100.0, 1.0, 20.0)  # all-reduces 0.02 ms
+    prof = {**HAND, "tp_layer_ms": {"2": 0.6}}
+    pred = predict(prof, link, alpha=0.5, n=2, tp=2)
+    want = 4 * 0.6 + (2 * 4 + 1) * 0.02 + 0.02 + 0.2 / 2 + link.hop_ms(HEADER_BYTES)
+    assert pred["tp"]["tick_ms"] == pytest.approx(want, rel=1e-3)
+    assert pred["tp"]["tok_s"] == pytest.approx(1e3 / pred["tp"]["tick_ms"])
+    assert "tp" not in predict(prof, link, alpha=0.5, n=2)
+
+
 def test_compare_errors_and_verdicts():
     pred = {c: {"tok_s": 100.0, "tick_ms": 10.0, "critical": "-"} for c in CONFIGS}
     meas = _measured({"ar": 100.0, "pp": 90.0, "spd-colocate": 110.0, "spd": 50.0},

@@ -155,14 +155,17 @@ class CollectiveCalled(AssertionError):
     """Raised by a patched collective; not caught by the engine (it handles transport errors only)."""
 
 
-def forbid_collectives(log: Path) -> dict:
-    """Make every collective raise in this process (both the public and the c10d module names),
-    logging the name first so the parent can tell which one was called. Returns the originals."""
+def forbid_collectives(log: Path, allow: tuple[str, ...] = ()) -> dict:
+    """Make every collective but those in `allow` raise in this process (both the public and the
+    c10d module names), logging the name first so the parent can tell which one was called.
+    Returns the originals."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     originals = {}
     for name in COLLECTIVES:
+        if name in allow:
+            continue
         def stub(*args, _name=name, **kwargs):
             with open(log, "a") as f:
                 f.write(_name + "\n")
@@ -180,12 +183,12 @@ def restore(originals: dict) -> None:
 
 
 def _rank_main(rank: int, world: int, port: int, ecfg: RunConfig, job: Callable, job_args: tuple,
-               out_dir: str) -> None:
-    """One rank: patch collectives, then run the engine's own torchrun path of `launch`."""
+               out_dir: str, allow: tuple[str, ...] = ()) -> None:
+    """One rank: patch collectives (but `allow`), then run the engine's own torchrun path of `launch`."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       LOCAL_RANK=str(rank))
     out = Path(out_dir)
-    forbid_collectives(out / f"collectives-{rank}.log")
+    forbid_collectives(out / f"collectives-{rank}.log", allow)
     from spd_engine.engine.launch import launch
 
     try:
@@ -205,16 +208,17 @@ class RanksOutcome:
     errors: dict[int, str]
 
 
-def run_ranks(ecfg: RunConfig, job: Callable, job_args: tuple, out_dir: Path, timeout: float = 120.0
-              ) -> RanksOutcome:
+def run_ranks(ecfg: RunConfig, job: Callable, job_args: tuple, out_dir: Path, timeout: float = 120.0,
+              allow: tuple[str, ...] = ()) -> RanksOutcome:
     """Run every rank of `ecfg` as its own spawned process (as torchrun would), with collectives
-    patched to raise; rank 0 runs `job(runtime, *job_args)` and its return value comes back."""
+    patched to raise (but those in `allow`: a stage's TP group all_gathers); rank 0 runs
+    `job(runtime, *job_args)` and its return value comes back."""
     from spd_engine.engine.launch import free_port
 
     world, port = ecfg.world_size, free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, ecfg, job, job_args, str(out_dir)), daemon=True)
-             for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, ecfg, job, job_args, str(out_dir), allow),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout

@@ -132,3 +132,24 @@ def test_hf_rows_need_a_model_in_hf_form():
 
     with pytest.raises(ValueError, match="no Hugging Face form"):
         hf_model_dir("random:tiny-llama")
+
+
+def test_bench_tp_configs_need_tp(capsys):
+    assert main(["bench", "--model", "random:tiny-llama", "--configs", "ar,tp", "--prompt", "x", "--max-new-tokens", "2"]) == 2
+    assert "need --tp >= 2" in capsys.readouterr().err
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_bench_tp_rows_beside_the_others(tmp_path):
+    """tp and spd-tp rows in the same run as ar and pp: --tp applies to them only, each is checked
+    against greedy decoding with its own TP split, and the report counts outputs unlike ar's."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", "random:tiny-llama", "--stages", "2", "--tp", "2", "--threads", "1",
+                 "--prompt", "hello", "--max-new-tokens", "8", "--repeats", "1", "--configs", "pp,tp,spd-tp",
+                 "--json", str(out)]) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert {k: (r["world_size"], r["tp"]) for k, r in rows.items()} == {"ar": (1, 1), "pp": (2, 1), "tp": (2, 2),
+                                                                        "spd-tp": (5, 2)}
+    assert all(r["lossless"] for r in rows.values())
+    assert rows["tp"]["outputs_unlike_ar"] == 0 and rows["spd-tp"]["outputs_unlike_ar"] == 0

@@ -1,0 +1,69 @@
+"""Step time of tensor-parallel shards on this host, all T shards running at once: what a
+`--mode tp` rank computes per layer, without its all-reduces (the cost model adds those from
+netbench). The cost model's TP row takes it as `tp_layer_ms[T]` (bench/cost_alternatives.py).
+
+Each TP rank's shard of the whole model is built as the runtime builds it (engine/build.py,
+its own weights only) in its own process with the run's threads per rank; the T processes
+step together (a barrier before the timed loop), so on a host with fewer cores than T they
+time-share the cores exactly as the TP ranks of a real run do. The shard's row-parallel
+outputs are not reduced (an identity in place of the all-reduce: its values drift, its cost
+does not). Mean ms over `steps` one-token decode steps, the slowest rank's mean (a TP step
+ends when its last shard does), divided by the layer count.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import torch
+
+from spd_engine.engine.run_config import RunConfig
+from spd_engine.engine.tp_group import TPGroup
+
+
+class _ComputeOnly(TPGroup):
+    """A TP rank's place in the split without the communication."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size, self.members = rank, size, tuple(range(size))
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [x] * self.size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+@torch.no_grad()
+def _time_shard(ecfg: RunConfig, tp: int, rank: int, steps: int, warmup: int, barrier, out) -> None:
+    from spd_engine.engine.build import build_tp_stage_model
+
+    torch.set_num_threads(ecfg.threads_per_rank(tp))
+    L = ecfg.cfg.num_layers
+    model = build_tp_stage_model(ecfg, range(L), False, False, _ComputeOnly(rank, tp))
+    cache = model.new_cache(1, warmup + steps + 1)
+    h = torch.randn(1, 1, ecfg.cfg.hidden_size, generator=torch.Generator().manual_seed(rank)).to(ecfg.torch_dtype)
+    for pos in range(warmup):
+        model.forward_layers(h, cache, pos)
+    barrier.wait()
+    t0 = time.perf_counter()
+    for pos in range(warmup, warmup + steps):
+        model.forward_layers(h, cache, pos)
+    out[rank] = 1e3 * (time.perf_counter() - t0) / steps / L
+
+
+def shard_layer_ms(ecfg: RunConfig, tp: int, steps: int = 64, warmup: int = 8, timeout_s: float = 600.0) -> float:
+    """ms per layer of a 1/tp shard, tp shards stepping at once in tp processes (slowest rank)."""
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(tp), ctx.Manager().dict()
+    procs = [ctx.Process(target=_time_shard, args=(ecfg, tp, r, steps, warmup, barrier, out)) for r in range(tp)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+    if any(p.exitcode != 0 for p in procs) or len(out) != tp:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        raise RuntimeError(f"TP shard timing failed: exit codes {[p.exitcode for p in procs]}")
+    return max(out.values())
