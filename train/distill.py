@@ -1,7 +1,7 @@
 """PDM training: knowledge distillation from the frozen target over the exact pipeline simulation.
 
 Each step: a batch of token sequences goes through the frozen target once (anchors + teacher
-logits); a fill `f` is drawn (train/schedule.py: by default half the batches `f = n`, the rest
+logits); a fill `f` is drawn (train/lr_schedule.py: by default half the batches `f = n`, the rest
 `f ~ U{1..n-1}`; or by given weights per fill); the PDM runs
 the simulation of train/pipeline_sim.py and the loss is KL(target || PDM) on next-token
 distributions restricted to the draft vocabulary. Logged: loss and top-1 agreement with the
@@ -25,7 +25,7 @@ from spd_engine.engine.model import StageModel
 from spd_engine.engine.pdm import PDM, PDMConfig, save_pdm
 from spd_engine.train.data_parallel import DataParallel
 from spd_engine.train.pipeline_sim import simulated_hidden, target_anchors
-from spd_engine.train.schedule import SCHEDULES, check_fill_weights, decay_start, draw_fill, schedule_lr
+from spd_engine.train.lr_schedule import SCHEDULES, check_fill_weights, decay_start, draw_fill, schedule_lr
 
 
 @dataclass
@@ -50,7 +50,7 @@ class TrainConfig:
     autocast: str = "bfloat16"  # PDM compute dtype under torch.autocast ("float32": off); weights stay fp32
     keep_every: int = 0  # also keep the exported head of every keep_every-th step (0: off)
     fill_weights: tuple[float, ...] | None = None  # weights of fills 1..n (None: full_fill_frac, then uniform)
-    schedule: str = "cosine"  # learning-rate schedule after the warmup: cosine | wsd (train/schedule.py)
+    schedule: str = "cosine"  # learning-rate schedule after the warmup: cosine | wsd (train/lr_schedule.py)
     decay_frac: float = 0.2  # wsd: the last fraction of the steps decays
 
     def __post_init__(self) -> None:
@@ -70,7 +70,7 @@ class TrainConfig:
 
 
 def lr_at(step: int, cfg) -> float:
-    """Linear warmup, then the run's schedule (train/schedule.py; cosine unless the config says)."""
+    """Linear warmup, then the run's schedule (train/lr_schedule.py; cosine unless the config says)."""
     return schedule_lr(step, cfg.lr, cfg.steps, cfg.warmup, getattr(cfg, "schedule", "cosine"),
                        getattr(cfg, "decay_frac", 0.2))
 

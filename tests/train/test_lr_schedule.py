@@ -1,4 +1,4 @@
-"""Training schedules (train/schedule.py) and extending a wsd run without restarting its decay."""
+"""Training schedules (train/lr_schedule.py) and extending a wsd run without restarting its decay."""
 from __future__ import annotations
 
 import random
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spd_engine.train.distill import Trainer
-from spd_engine.train.schedule import decay_start, draw_fill, schedule_lr
+from spd_engine.train.lr_schedule import decay_start, draw_fill, schedule_lr
 from tests.train.test_distill import params, stream, target, tcfg
 
 
