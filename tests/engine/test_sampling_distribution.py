@@ -126,10 +126,10 @@ class ContextSpy:
         self.P, self.tokens = prompt_len, {}
         send = driver._send_stage0
 
-        def spy(hdr, payloads=()):
+        def spy(hdr, payloads=(), **kw):
             if hdr.kind == Kind.TOKEN:
                 self.tokens[hdr.position] = hdr.token
-            return send(hdr, payloads)
+            return send(hdr, payloads, **kw)
 
         driver._send_stage0 = spy
 
