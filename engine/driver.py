@@ -9,6 +9,12 @@ the epoch and flushes: stale messages still in the pipe are recognised by their 
 dropped, and stages roll back lazily by position. What each message carries is
 engine/messages.py's WireFormat. Anchor states land in a preallocated ring
 `[num_slots, num_anchors, H]` indexed by position. Per-request state lives in a `Request`.
+
+Branch width W (docs/design.md 3.11): at a branch point the driver sends W candidates in one
+message; until it is verified every chain drafts its own next token from its own staircase
+(the PDM runs once per chain over `rings[c]`: the chains' anchors, which share the main ring's
+below the branch point), and the verification of the branch point picks the survivor
+(engine/verify_multi.py); its anchors and draft records become the representative's (ring 0).
 """
 from __future__ import annotations
 
@@ -31,10 +37,11 @@ from spd_engine.engine.sampling import SamplingParams, keyed_generator, sample, 
 from spd_engine.engine.stage0_overlap import Stage0Runner
 from spd_engine.engine.stage_worker import StageWorker, receive_stats, wire_format
 from spd_engine.engine.suffix import SuffixIndex, SuffixProposal
-from spd_engine.engine.tick import Draft, TickPlan, TickState, Verdict
+from spd_engine.engine.tick import Draft, Entry, TickPlan, TickState, Verdict
 from spd_engine.engine.topology import Topology
 from spd_engine.engine.transport import Transport
 from spd_engine.engine.verify import verify_sampled
+from spd_engine.engine.verify_multi import Candidate, verify_candidates, verify_candidates_greedy
 
 # (position, PDM draft) -> token to send. Lets benchmarks and tests steer acceptance
 # (synthetic alpha, forced rejections) without touching the verification path. At T > 0 the
@@ -66,9 +73,11 @@ class Request:
     # wait (receiving what the plan needs), pdm (rows + PDM step + draft), verify
     timers: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("send", "stage0", "wait", "pdm", "verify"), 0.0))
-    q_store: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> q [V] of its current draft
+    # position -> q [V] of its current draft (a list, one per chain, while a branch point is in flight)
+    q_store: dict[int, object] = field(default_factory=dict)
+    cands: dict[int, list[Candidate]] = field(default_factory=dict)  # T > 0: a branch point's candidates
     suffix: SuffixIndex | None = None  # prompt + committed tokens, when suffix drafts are on
-    source_of: dict[int, str] = field(default_factory=dict)  # position -> source of its current draft
+    source_of: dict[int, object] = field(default_factory=dict)  # position -> source of its draft (list: per chain)
 
     def __post_init__(self) -> None:
         self.consumed = [0] * self.n
@@ -85,6 +94,7 @@ class Driver:
         self.stage0_runner = Stage0Runner(local_stage0.step, next(head.parameters()).device) \
             if local_stage0 is not None and opts.overlap_stage0 and topo.n >= 2 else None
         self.chooser = opts.drafting
+        self.branching = opts.branches  # branch width W and where branch points start
         self.cross = self.chooser.new_history()  # earlier requests' tokens, when cross-request drafts are on
         self.n = topo.n
         p = next(head.parameters())
@@ -92,12 +102,16 @@ class Driver:
         self.device, self.dtype = p.device, p.dtype
         self.wire = wire_format(topo, plan, H)
         self.num_slots = self.n + 2
-        self.ring = torch.zeros(self.num_slots, m, H, device=p.device, dtype=p.dtype)  # [slots, anchors, H]
-        self.exit_buf = torch.empty(self.chunk, H, device=p.device, dtype=p.dtype)  # [chunk, H]
+        W = self.branching.width
+        # [W, slots, anchors, H]: chain c's anchors in rings[c]; ring 0 is the representative's
+        self.rings = torch.zeros(W, self.num_slots, m, H, device=p.device, dtype=p.dtype)
+        self.ring = self.rings[0]  # [slots, anchors, H]
+        rows = max(self.chunk, W)
+        self.exit_buf = torch.empty(rows, H, device=p.device, dtype=p.dtype)  # [chunk, H]
         self.stage_anchors = [plan.anchors_of_stage(s) for s in range(self.n)]
         for ids in self.stage_anchors:
             assert list(ids) == list(range(ids[0], ids[0] + len(ids))) if ids else True
-        self.scratch = [torch.empty(self.chunk, len(ids), H, device=p.device, dtype=p.dtype)
+        self.scratch = [torch.empty(rows, len(ids), H, device=p.device, dtype=p.dtype)
                         for ids in self.stage_anchors]  # [chunk, k, H]: anchors nobody reads into the ring
         self.anchor_stages = [s for s in range(self.n) if self.stage_anchors[s]]
         self.full_type = plan.type_at_depth(self.n)
@@ -158,28 +172,35 @@ class Driver:
         self.req.consumed[s] += 1
         return self.t.recv_header(self.topo.stage_rank(s), self.timeout, self.req.tick)
 
-    def _read_payloads(self, s: int, hdr: Header, ring_slot: int | None = None) -> None:
+    def _read_payloads(self, s: int, hdr: Header, ring_slot: int | None = None, row: int = 0) -> None:
         """The payloads behind stage s's header: anchors to ring[ring_slot] (else scratch), the
-        last stage's exit hidden states to exit_buf."""
+        last stage's exit hidden states to exit_buf. A chains message (hdr.rows = W): chain c's
+        anchors to rings[c], and the representative's (`row`) to ring 0."""
         ids = self.stage_anchors[s]
+        chains = hdr.kind == Kind.TOKEN and hdr.rows > 1
         for payload in self.wire.to_driver(s, hdr):
             if payload.name == "anchors":
-                dest = self.scratch[s][:hdr.num_tokens] if ring_slot is None else \
+                dest = self.scratch[s][:hdr.num_tokens] if ring_slot is None or chains else \
                     self.ring[ring_slot:ring_slot + 1, ids[0]:ids[-1] + 1]  # [1, k, H], contiguous
             else:
                 assert payload.name == "exit", payload
                 dest = self.exit_buf[:hdr.num_tokens]
             self.t.recv_into(self.topo.stage_rank(s), dest, self.timeout, self.req.tick)
+            if payload.name == "anchors" and chains and ring_slot is not None:
+                a = slice(ids[0], ids[-1] + 1)
+                self.rings[:hdr.rows, ring_slot, a] = dest  # [W, k, H]
+                self.ring[ring_slot, a] = dest[row]
 
-    def _recv_stage(self, s: int, kind: Kind, pos: int, ring_slot: int | None) -> Header:
-        """Receive stage s's messages until the current-epoch one for `pos`; stale ones are dropped."""
+    def _recv_stage(self, s: int, kind: Kind, pos: int, ring_slot: int | None, row: int = 0) -> Header:
+        """Receive stage s's messages until the current-epoch one for `pos`; stale ones are dropped
+        (`row`: the representative's row of a chains message)."""
         t0 = time.perf_counter()
         epoch = self.req.epoch
         while True:
             hdr = self._read_header(s)
             wanted = hdr.epoch == epoch and hdr.kind == kind and hdr.position == pos
             assert wanted or hdr.epoch < epoch, f"stage {s} sent {hdr}, driver expected {kind.name}@{pos}"
-            self._read_payloads(s, hdr, ring_slot if wanted else None)
+            self._read_payloads(s, hdr, ring_slot if wanted else None, row)
             if wanted:
                 self._account("wait", t0)
                 return hdr
@@ -263,40 +284,99 @@ class Driver:
         while True:
             plan = state.plan()
             req.tick = plan.tick
-            draft, verdict = self._tick(plan)
+            drafts, verdict = self._tick(plan)
             self._join_stage0()
-            committed = state.advance([Draft(plan.draft_pos, draft)], verdict)
+            committed = state.advance(drafts, verdict)
+            if state.entry.survivor >= 0:  # a branch point resolved: the entry names its survivor
+                self._adopt(state.entry.survivor, state.inflight)
             req.epoch = state.epoch
             if committed is not None and not self._commit(committed.token):
                 break
         counts = state.finish()
         req.res.verified, req.res.accepted, req.res.rejections = counts.verified, counts.accepted, counts.rejections
+        req.res.branch_points, req.res.branch_saves = counts.branch_points, counts.branch_saves
 
-    def _tick(self, plan: TickPlan) -> tuple[int, Verdict | None]:
-        """One tick as planned: (this tick's draft, the verdict when a token left the pipeline)."""
+    def _send_entry(self, entry: Entry) -> None:
+        """The entering token (or a branch point's chains) to stage 0; its anchor 0 (the embedding) to the ring."""
+        slot = self._slot(entry.pos)
+        if not entry.chains:
+            self._send_stage0(Header(Kind.TOKEN, entry.pos, entry.epoch, entry.token, branch=entry.branch,
+                                     survivor=entry.survivor), overlap=True)
+            self.ring[slot, 0] = self.head.embed(self._token_in.fill_(entry.token))[0, 0]  # anchor 0
+            return
+        ids = torch.tensor(entry.chains, dtype=torch.long, device=self.device)  # [W]
+        self._send_stage0(Header(Kind.TOKEN, entry.pos, entry.epoch, entry.token, rows=len(entry.chains),
+                                 branch=entry.branch), [ids], overlap=True)
+        self.rings[:len(entry.chains), slot, 0] = self.head.embed(ids[None])[0]  # [W, H]: every chain's anchor 0
+
+    def _adopt(self, k: int, inflight) -> None:
+        """Chain k survived its branch point: its anchors and draft records become the representative's."""
+        req = self.req
+        for e in inflight:
+            if e.chains and k:
+                self.ring[self._slot(e.pos)] = self.rings[k, self._slot(e.pos)]
+        for store in (req.q_store, req.source_of):
+            for pos, v in store.items():
+                if isinstance(v, list):
+                    store[pos] = v[k]
+
+    def _tick(self, plan: TickPlan) -> tuple[list[Draft], Verdict | None]:
+        """One tick as planned: (this tick's drafts, the verdict when a token left the pipeline)."""
         (entry,) = plan.enter
-        self._send_stage0(Header(Kind.TOKEN, entry.pos, entry.epoch, entry.token), overlap=True)
-        self.ring[self._slot(entry.pos), 0] = self.head.embed(self._token_in.fill_(entry.token))[0, 0]  # anchor 0
+        self._send_entry(entry)
         for s, e in plan.anchor_reads:  # the token at lag j finished stage j-1 last tick
-            self._recv_stage(s, Kind.TOKEN, e.pos, self._slot(e.pos))
+            self._recv_stage(s, Kind.TOKEN, e.pos, self._slot(e.pos), e.row)
         tp = time.perf_counter()
-        pending = int(plan.rows[0].pending)
-        slots = self._row_slots[(self._slot(plan.pdm_pos), len(plan.rows))]
-        rows = self.pdm.rows_from_ring(self.ring, slots, self._row_types[(pending, plan.fill)])  # [R, H]
-        h_last, draft_id = self._pdm_step(rows, plan.pdm_pos)
-        draft = self._draft(h_last, plan, self.req.policy, draft_id)
+        drafts = self._drafts(plan)
         self._account("pdm", tp)
         if plan.exit is None:  # filling: no token leaves the pipeline this tick
-            return draft, None
-        self._recv_stage(self.n - 1, Kind.TOKEN, plan.exit.pos, self._slot(plan.exit.pos))
+            return drafts, None
+        self._recv_stage(self.n - 1, Kind.TOKEN, plan.exit.pos, self._slot(plan.exit.pos), plan.exit.row)
         tv = time.perf_counter()
-        proposed = plan.proposed.token if plan.proposed is not None else draft
-        accepted, target = self._verify_exit(plan.verify_pos, proposed)
+        pos, row = plan.verify_pos, plan.exit.row
+        if plan.proposed is not None:
+            at_branch = plan.proposed.pos == plan.branch
+            tokens = plan.proposed.chains if at_branch else (plan.proposed.token,)
+        else:  # n = 1: this tick's own draft (or candidates) is verified now
+            tokens = tuple(d.token for d in drafts)
+        if len(tokens) == 1:
+            accepted, target = self._verify_exit(pos, tokens[0], row)
+            chain = 0
+        else:
+            index, target = self._verify_branch(pos, tokens, row)
+            accepted, chain = index is not None, index or 0
         self._account("verify", tv)
-        cell = self.req.res.by_source.setdefault(self.req.source_of.pop(plan.verify_pos), [0, 0, 0])
+        src = self.req.source_of.pop(pos)
+        cell = self.req.res.by_source.setdefault(src[chain] if isinstance(src, list) else src, [0, 0, 0])
         cell[1] += 1
         cell[2] += int(accepted)
-        return draft, Verdict(accepted, target)
+        return drafts, Verdict(accepted, target, chain)
+
+    def _drafts(self, plan: TickPlan) -> list[Draft]:
+        """This tick's drafts for plan.draft_pos: one; a branch point's candidates; or one per chain."""
+        pos, policy = plan.draft_pos, self.req.policy
+        if plan.branch is None:
+            h_last, draft_id = self._pdm_step(self._rows(plan, 0), plan.pdm_pos)
+            if self.branching.branches(plan.fill, False):
+                return self._candidates(h_last, plan)
+            return [Draft(pos, self._draft(h_last, plan, policy, draft_id))]
+        out = []
+        for c in range(plan.width):  # the PDM cache holds committed rows only: every chain shares it
+            h_last, draft_id = self._pdm_step(self._rows(plan, c), plan.pdm_pos)
+            out.append(Draft(pos, self._draft(h_last, plan, policy, draft_id, chain=c)))
+        return out
+
+    def _rows(self, plan: TickPlan, chain: int) -> torch.Tensor:
+        """The PDM rows [R, H] of one chain: the representative's from ring 0; chain c > 0 reads its
+        own anchors (rings[c]) at and after the branch point."""
+        pending = int(plan.rows[0].pending)
+        types = self._row_types[(pending, plan.fill)]
+        if chain == 0:
+            slots = self._row_slots[(self._slot(plan.pdm_pos), len(plan.rows))]
+            return self.pdm.rows_from_ring(self.ring, slots, types)
+        flat = [self._slot(r.pos) + (chain * self.num_slots if r.pos >= plan.branch else 0) for r in plan.rows]
+        slots = torch.tensor(flat, device=self.device)
+        return self.pdm.rows_from_ring(self.rings.view(-1, *self.rings.shape[2:]), slots, types)
 
     # ---- drafting and verification (T = 0: argmax; T > 0: speculative sampling, docs/design.md 3.6) ----
     def _sample_target(self, logits: torch.Tensor, pos: int) -> int:
@@ -313,24 +393,26 @@ class Driver:
             return self.pdm.forward_rows(rows[None], self.pdm_cache, pos)[0, -1], None
         return self.pdm_steps[rows.shape[0]].run(pos, rows)
 
-    def _suffix_proposal(self, plan: TickPlan) -> SuffixProposal | None:
-        """The suffix draft for plan.draft_pos: committed history, then the unverified in-flight drafts."""
+    def _suffix_proposal(self, plan: TickPlan, chain: int = 0) -> SuffixProposal | None:
+        """The suffix draft for plan.draft_pos: committed history, then the chain's unverified in-flight drafts."""
         index = self.req.suffix
         C = len(index.history)  # committed tokens (prompt included) = the first unverified position
-        unverified = [e.token for e in plan.inflight if e.pos >= C]
+        tokens = plan.chain_tokens(chain)
+        unverified = [t for e, t in zip(plan.inflight, tokens) if e.pos >= C]
         keep = max(index.settings.max_len, len(unverified))
         tail = (index.history[-keep:] + unverified)[-keep:]
         own = index.propose(tail, C + len(unverified))
         return own if own is not None or self.cross is None else self.cross.propose(tail)
 
     def _draft(self, h_last: torch.Tensor, plan: TickPlan, policy: DraftPolicy | None,
-               draft_id: torch.Tensor | None = None) -> int:
+               draft_id: torch.Tensor | None = None, chain: int = 0) -> int:
         """The draft for plan.draft_pos from the PDM's last hidden state [H] (draft_id: the static
-        step's greedy draft [1], already on the device) or from the suffix index (engine/drafting.py)."""
+        step's greedy draft [1], already on the device) or from the suffix index (engine/drafting.py);
+        `chain`: which chain of the branch point in flight it extends."""
         pos, req = plan.draft_pos, self.req
-        if self.draft_observer is not None:
+        if self.draft_observer is not None and chain == 0:
             self.draft_observer(pos - 1, plan.fill, self.pdm.draft_logits(h_last))
-        proposal = self._suffix_proposal(plan) if req.suffix is not None else None
+        proposal = self._suffix_proposal(plan, chain) if req.suffix is not None else None
         sp = req.sampling
         token, source = None, PDM_SOURCE  # None: the PDM's greedy draft, read below (T=0) or sampled (T>0)
         if proposal is not None:
@@ -340,34 +422,107 @@ class Driver:
             token, source = self.chooser.choose(int(self.pdm.draft_ids[top.indices[0]]), margin, proposal)
         cell = req.res.by_source.setdefault(source, [0, 0, 0])
         cell[0] += 1
-        req.source_of[pos] = source  # a re-draft after a flush replaces it
+        self._keep(req.source_of, pos, source, chain, plan.width)  # a re-draft after a flush replaces it
         if sp.greedy:
             if token is None:  # host sync: the draft id goes in the next header
                 token = int(draft_id) if draft_id is not None else greedy_draft(self.pdm, h_last)
             return policy(pos, token) if policy is not None else token
-        if source == SUFFIX:  # a deterministic draft: q is the point mass on it
-            q = torch.zeros(self.pdm.target_cfg.vocab_size, device=self.device)
-            q[token] = 1.0
-        else:
-            q = draft_probs_full(self.pdm, target_probs(self.pdm.draft_logits(h_last), sp))  # [V]
+        q = self._point_mass(token) if source == SUFFIX else \
+            draft_probs_full(self.pdm, target_probs(self.pdm.draft_logits(h_last), sp))  # [V]
         if policy is not None:
             q = policy(pos, q)
-        self._record_q(pos, q)
+        if plan.width == 1:
+            self._record_q(pos, q)
+        else:
+            self._keep(req.q_store, pos, q, chain, plan.width)
         if source == SUFFIX and policy is None:
             return token
         return sample(q, keyed_generator(sp.seed, pos, "draft"))
+
+    def _point_mass(self, token: int) -> torch.Tensor:
+        """q [V] of a deterministic draft (a suffix draft, the PDM's j-th best)."""
+        q = torch.zeros(self.pdm.target_cfg.vocab_size, device=self.device)
+        q[token] = 1.0
+        return q
 
     def _record_q(self, pos: int, q: torch.Tensor) -> None:
         """Keep the exact q the current draft at `pos` came from; a re-draft after a flush replaces it."""
         self.req.q_store[pos] = q
 
-    def _verify_exit(self, pos: int, proposed: int) -> tuple[bool, int]:
-        """_verify on the exit hidden state in exit_buf[0]; at T=0 in the graph step modes the
-        final norm + head + argmax run as one static step (sampling needs the logits: eager)."""
+    @staticmethod
+    def _keep(store: dict, pos: int, value, chain: int, width: int) -> None:
+        """Record a draft's source or q for `pos`; while a branch point is in flight one per chain
+        (a list; _adopt keeps the survivor's)."""
+        if width == 1:
+            store[pos] = value
+            return
+        if chain == 0:
+            store[pos] = [None] * width
+        store[pos][chain] = value
+
+    def _candidates(self, h_last: torch.Tensor, plan: TickPlan) -> list[Draft]:
+        """A branch point's candidates (engine/branching.py): the chooser's draft, then the suffix
+        proposal, then the PDM's ranked drafts. At T > 0 the first is drawn from q (or is the
+        suffix draft); the others are deterministic given it, so their q is a point mass."""
+        pos, req, sp, policy = plan.draft_pos, self.req, self.req.sampling, self.req.policy
+        logits = self.pdm.draft_logits(h_last)  # [Vd]
+        if self.draft_observer is not None:
+            self.draft_observer(pos - 1, plan.fill, logits)
+        # width + 1 ranked drafts always suffice: the chosen and the suffix draft repeat at most two
+        top = logits.topk(min(self.branching.width + 1, self.pdm.draft_ids.numel()))
+        ranked = self.pdm.draft_ids[top.indices].tolist()  # host sync: the candidates go in the header
+        vals = top.values.tolist()
+        margin = vals[0] - vals[1] if len(vals) > 1 else float("inf")
+        proposal = self._suffix_proposal(plan) if req.suffix is not None else None
+        chosen = self.chooser.choose(ranked[0], margin, proposal) if proposal is not None else (ranked[0], PDM_SOURCE)
+        q = None
+        if sp.greedy:
+            if policy is not None:
+                chosen = (policy(pos, chosen[0]), chosen[1])
+        elif chosen[1] == PDM_SOURCE or policy is not None:
+            q = draft_probs_full(self.pdm, target_probs(logits, sp)) if chosen[1] == PDM_SOURCE \
+                else self._point_mass(chosen[0])  # [V]
+            if policy is not None:
+                q = policy(pos, q)
+            chosen = (sample(q, keyed_generator(sp.seed, pos, "draft")), chosen[1])
+        suffix = proposal.token if proposal is not None and proposal.length >= self.chooser.suffix.min_match else None
+        cands = self.branching.candidates(chosen, ranked, suffix)
+        for _, src in cands:
+            req.res.by_source.setdefault(src, [0, 0, 0])[0] += 1
+        req.source_of[pos] = [src for _, src in cands]
+        if not sp.greedy:
+            req.cands[pos] = [Candidate(tok, q if i == 0 else None) for i, (tok, _) in enumerate(cands)]
+        return [Draft(pos, tok, src) for tok, src in cands]
+
+    def _target_argmax(self, row: int) -> int | None:
+        """T=0 in the graph step modes: the final norm + head + argmax of exit_buf[row] as one static step."""
         if self.verify_step is not None and self.req.sampling.greedy:
-            target = int(self.verify_step.run(self.exit_buf[0]))  # host sync: verification decides control flow
+            return int(self.verify_step.run(self.exit_buf[row]))  # host sync: verification decides control flow
+        return None
+
+    def _verify_exit(self, pos: int, proposed: int, row: int = 0) -> tuple[bool, int]:
+        """_verify on the exit hidden state in exit_buf[row] (the representative's row)."""
+        target = self._target_argmax(row)
+        if target is not None:
             return target == proposed, target
-        return self._verify(self.head.logits(self.exit_buf[0]), pos, proposed)
+        return self._verify(self.head.logits(self.exit_buf[row]), pos, proposed)
+
+    def _verify_branch(self, pos: int, tokens: Sequence[int], row: int) -> tuple[int | None, int]:
+        """(index of the surviving candidate or None, committed token) for a branch point at `pos`
+        (engine/verify_multi.py: the argmax's candidate at T=0, recursive rejection sampling at T>0)."""
+        target = self._target_argmax(row)
+        if target is not None:
+            return verify_candidates_greedy(target, tokens)
+        logits = self.head.logits(self.exit_buf[row])  # [V]
+        sp, req = self.req.sampling, self.req
+        if sp.greedy:
+            return verify_candidates_greedy(int(logits.argmax()), tokens)  # host sync: control flow
+        cands = req.cands.pop(pos)
+        assert [c.token for c in cands] == list(tokens), (cands, tokens)
+        for stale in [k for k in req.q_store if k <= pos]:
+            del req.q_store[stale]
+        return verify_candidates(target_probs(logits, sp), cands, keyed_generator(sp.seed, pos, "accept"),
+                                 keyed_generator(sp.seed, pos, "residual"))
 
     def _verify(self, logits: torch.Tensor, pos: int, proposed: int) -> tuple[bool, int]:
         """(accepted, committed token) for the token proposed at `pos`, from the target logits [V]."""
@@ -378,6 +533,7 @@ class Driver:
         seed = sp.seed
         p = target_probs(logits, sp)
         q = q_store.pop(pos)
+        assert not isinstance(q, list), f"position {pos}: a chain's q verified before its branch point resolved"
         for stale in [k for k in q_store if k < pos]:
             del q_store[stale]
         return verify_sampled(p, q, proposed, keyed_generator(seed, pos, "accept"),

@@ -14,6 +14,12 @@ are not exact there). Fields:
 - token: TOKEN from the driver to stage 0: the token id entering the pipeline
 - length: PREFILL: tokens in the chunk; STATS: float64 values that follow
 - reply: a head stage's (pp/ar) token for the position after the message's last one
+- rows: TOKEN: token rows the message carries; 1, or W when it carries the chains of a branch
+  point (docs/design.md 3.11), which then follow the driver's header as int64 ids
+- branch: the branch point's position, on chain messages and on the message naming the survivor
+  (-1: none)
+- survivor: on the first message after a branch point resolved: the row whose chain survived;
+  each stage keeps that chain's KV entries and drops the others' (-1: none)
 """
 from __future__ import annotations
 
@@ -22,13 +28,13 @@ from enum import IntEnum
 
 import torch
 
-HEADER_FIELDS = ("kind", "position", "epoch", "token", "length", "reply")
+HEADER_FIELDS = ("kind", "position", "epoch", "token", "length", "reply", "rows", "branch", "survivor")
 HEADER_LEN = len(HEADER_FIELDS)
 CONFIG_LEN = 4  # int64 values of a CONFIG payload (sampling_payload)
 
 
 class Kind(IntEnum):
-    TOKEN = 1  # one token at `position`; stage 0 reads the id from `token`
+    TOKEN = 1  # one token at `position` (stage 0 reads the id from `token`), or `rows` chains' tokens
     PREFILL = 2  # a chunk of `length` tokens starting at `position`
     END = 3  # end of request: stages reply with their stats and idle
     SHUTDOWN = 4  # stop the worker loop
@@ -44,16 +50,20 @@ class Header:
     token: int = 0
     length: int = 0
     reply: int = 0
+    rows: int = 1
+    branch: int = -1
+    survivor: int = -1
 
     @property
     def num_tokens(self) -> int:
         """Tokens whose hidden states the message carries (0 for control messages)."""
         if self.kind == Kind.TOKEN:
-            return 1
+            return self.rows
         return self.length if self.kind == Kind.PREFILL else 0
 
     def to_ints(self) -> tuple[int, ...]:
-        return (int(self.kind), self.position, self.epoch, self.token, self.length, self.reply)
+        return (int(self.kind), self.position, self.epoch, self.token, self.length, self.reply, self.rows,
+                self.branch, self.survivor)
 
     @classmethod
     def from_ints(cls, values: list[int]) -> "Header":
@@ -108,6 +118,8 @@ class WireFormat:
             return (Payload("ids", (hdr.length,), "int64"),)
         if hdr.kind == Kind.CONFIG:
             return (Payload("sampling", (CONFIG_LEN,), "int64"),)
+        if hdr.kind == Kind.TOKEN and hdr.rows > 1:
+            return (Payload("ids", (hdr.rows,), "int64"),)  # the chains' tokens, row order
         return ()  # TOKEN: the id is in the header
 
     def downstream(self, hdr: Header) -> tuple[Payload, ...]:
@@ -143,18 +155,18 @@ def payload_bytes(payloads: tuple[Payload, ...], act_itemsize: int) -> int:
     return total
 
 
-def link_frames(topo, wire: WireFormat, act_itemsize: int) -> dict[tuple[int, int], int]:
+def link_frames(topo, wire: WireFormat, act_itemsize: int, width: int = 1) -> dict[tuple[int, int], int]:
     """Inline payload bytes of every directed link (src rank, dst rank) of a run on `topo`
-    (engine/topology.py Topology): what a decode-tick message carries there, so that each tick
-    costs one message per hop (larger messages, prefill chunks and statistics, send their
-    payloads after the frame)."""
+    (engine/topology.py Topology): what a decode-tick message carries there, the chains of a
+    branch point of `width` included, so that each tick costs one message per hop (larger
+    messages, prefill chunks and statistics, send their payloads after the frame)."""
     frames: dict[tuple[int, int], int] = {}
 
     def add(src: int, dst: int, payloads: tuple[Payload, ...]) -> None:
         if src != dst:  # the co-located driver and stage 0 talk in-process
             frames[(src, dst)] = max(frames.get((src, dst), 0), payload_bytes(payloads, act_itemsize))
 
-    token = Header(Kind.TOKEN)
+    token = Header(Kind.TOKEN, rows=width)
     for t in range(topo.tp):  # TP rank t talks to TP rank t of the next stage (docs/design.md 3.9)
         add(topo.driver_rank, topo.stage_rank(0, t), wire.from_driver(token))
     for s in range(topo.n):

@@ -19,6 +19,8 @@ class GenerationResult:
     verified: int = 0
     accepted: int = 0
     rejections: int = 0  # rejections followed by at least one more committed token
+    branch_points: int = 0  # verified branch points (branch width W > 1, docs/design.md 3.11)
+    branch_saves: int = 0  # of them, those whose first candidate was wrong and another right
     target_passes: int = 0  # decode forwards of the whole target (the eagle baseline's rounds)
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -77,6 +79,7 @@ class GenerationResult:
         return {
             "tokens": len(self.tokens), "decode_tokens": self.decode_tokens, "ticks": self.ticks,
             "verified": self.verified, "accepted": self.accepted, "rejections": self.rejections,
+            "branch_points": self.branch_points, "branch_saves": self.branch_saves,
             "alpha": self.alpha, "eal": self.eal,
             "target_passes": self.target_passes, "acceptance_length": self.acceptance_length, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
             "decode_tok_s": self.decode_tok_s, "breakdown_ms_per_tick": self.breakdown_ms_per_tick(),

@@ -37,7 +37,7 @@ def build_rank(ecfg: RunConfig, rank: int, transport: Transport, pdm=None, tp_gr
     spd = ecfg.mode == "spd"
     plan = ecfg.plan() if spd else None
     wire = wire_format(topo, plan, ecfg.cfg.hidden_size)
-    transport.set_frames(link_frames(topo, wire, ecfg.torch_dtype.itemsize))
+    transport.set_frames(link_frames(topo, wire, ecfg.torch_dtype.itemsize, ecfg.branches))
     place = topo.place_of_rank(rank)
     worker, driver_transport = None, transport
     if place is not None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from spd_engine.engine.branching import BranchPolicy
 from spd_engine.engine.drafting import DraftChooser
 from spd_engine.engine.suffix import SuffixSettings
 
@@ -24,6 +25,9 @@ from spd_engine.engine.topology import Topology
 from spd_engine.engine.tp_shard import check_tp
 
 MODES = ("spd", "pp", "ar", "tp", "eagle")
+# branch width of an SPD run that names none: W = 2 at refill lifts the shipped n=4 head's pooled
+# EAL from 2.03 to 2.16 on the dev prompts at a stage step of 1.00-1.08x (docs/eval.md, docs/benchmarks.md)
+DEFAULT_BRANCHES = 2
 EAGLE_K = 2  # draft chain length of --mode eagle: the shipped head accepts nothing past step 2 (README, docs/eval.md)
 
 
@@ -104,7 +108,10 @@ class RunConfig:
     overlap_stage0: bool = False  # co-located, n >= 2: stage 0's decode step overlaps the driver's draft and verify
     eagle_head: str = "random"  # --mode eagle: EAGLE head directory or "random" (engine/eagle_head.py)
     eagle_k: int = EAGLE_K  # --mode eagle: drafts per round
-
+    # branch width W: candidate chains a draft position may start (docs/design.md 3.11); None:
+    # DEFAULT_BRANCHES for SPD without TP, else 1 (resolved once, here)
+    branches: int | None = None
+    branch_when: str = "refill"  # where a branch point may start (engine/branching.py WHEN)
 
     def __post_init__(self) -> None:
         if self.stage_ms is not None and (len(self.stage_ms) != self.topology.n or min(self.stage_ms) < 0):
@@ -115,6 +122,14 @@ class RunConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         object.__setattr__(self, "step_mode", StepMode.parse(self.step_mode))
         self.chooser()  # SuffixSettings names a bad suffix setting
+        if self.branches is None:
+            auto = DEFAULT_BRANCHES if self.mode == "spd" and self.topology.tp == 1 else 1
+            object.__setattr__(self, "branches", auto)
+        self.branch_policy()  # BranchPolicy names a bad width or policy
+        if self.branches > 1 and self.mode != "spd":
+            raise ValueError(f"--branches {self.branches} needs --mode spd (branch chains are SPD drafts)")
+        if self.branches > 1 and self.topology.tp > 1:
+            raise ValueError("--branches > 1 with --tp > 1 is not supported: TP stages run one-token steps only")
         if not self.suffix_pdm_margin > 0:
             raise ValueError(f"suffix PDM margin must be > 0, got {self.suffix_pdm_margin}")
         if self.backend not in ("gloo", "nccl"):
@@ -168,7 +183,7 @@ class RunConfig:
         if stage is not None and self.topology.tp > 1:
             step_mode = StepMode.EAGER  # TP shards run eager steps: their collectives are not captured in graphs
         return RankOptions(self.capacity, self.prefill_chunk, self.timeout_s, self.trace,
-                           step_mode, min_step, self.chooser(), self.overlap_stage0)
+                           step_mode, min_step, self.chooser(), self.overlap_stage0, self.branch_policy())
 
     def chooser(self) -> DraftChooser:
         """The draft sources of this run (engine/drafting.py)."""
@@ -176,6 +191,9 @@ class RunConfig:
             return DraftChooser()
         return DraftChooser(SuffixSettings(self.suffix_max_len, self.suffix_min_match), self.suffix_pdm_margin,
                             self.suffix_cross_request)
+
+    def branch_policy(self) -> BranchPolicy:
+        return BranchPolicy(self.branches, self.branch_when)
 
     def plan(self) -> AnchorPlan:
         return AnchorPlan.build(self.topology.bounds, self.anchors)
@@ -187,6 +205,10 @@ class RunConfig:
         return max(1, (os.cpu_count() or 1) // ranks)
 
     def replace(self, **kw) -> "RunConfig":
+        """A copy with fields changed; one that cannot branch (not SPD, or TP) gets W = 1 unless given."""
+        mode, topo = kw.get("mode", self.mode), kw.get("topology", self.topology)
+        if "branches" not in kw and (mode != "spd" or topo.tp > 1):
+            kw["branches"] = 1
         return dataclasses.replace(self, **kw)
 
 
@@ -202,6 +224,7 @@ class RankOptions:
     min_step_s: float = 0.0  # synthetic stage step time: compute is padded to this (benchmarks, bubble tests)
     drafting: DraftChooser = DraftChooser()  # the driver's draft sources (PDM only by default)
     overlap_stage0: bool = False  # co-located: stage 0 steps on its own thread (engine/stage0_overlap.py)
+    branches: BranchPolicy = BranchPolicy()  # branch width W and where branch points start
 
     def __post_init__(self) -> None:
         assert self.step_mode != StepMode.AUTO, "resolve the step mode before building a rank"

@@ -3,18 +3,23 @@ and the anchor states to the driver.
 
 Rollback is lazy (docs/design.md 3.4): a message at position `q` writes its K/V at slot `q`, so whatever
 a stale token left there is overwritten; there is no control message, collective or barrier.
+The chains of a branch point (docs/design.md 3.11) travel as one message of W rows at one
+position, written to the chain slots of engine/kv_cache.py; the message naming the survivor
+moves that chain's entries down before it is computed.
 What each message carries is engine/messages.py's WireFormat: every token or prefill message a
 reporting stage computes produces exactly one message to the driver, which the driver counts
 on to drain its links at the end of a request.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
 from spd_engine.engine.anchors import AnchorPlan
 from spd_engine.engine.graphs import StageStep
+from spd_engine.engine.kv_cache import chain_mask, chain_slot0
 from spd_engine.engine.messages import CONFIG_LEN, Header, Kind, WireFormat, parse_sampling_payload
 from spd_engine.engine.sampling import SamplingParams, keyed_generator, sample, target_probs
 from spd_engine.engine.model import StageModel
@@ -59,9 +64,13 @@ class StageWorker:
         self.reports = self.wire.reports_to_driver(stage) and tp_rank == 0
         p = next(model.parameters())
         chunk = opts.prefill_chunk
-        self.cache = model.new_cache(1, opts.capacity)
-        self.h_in = torch.empty(chunk, H, device=p.device, dtype=p.dtype)  # [chunk, H] received hidden
-        self.ids_in = torch.empty(chunk, dtype=torch.long, device=p.device)  # [chunk] stage 0 prefill ids
+        width = opts.branches.width
+        # chain slots of a branch point reach (n - 1) W past its position (engine/kv_cache.py)
+        self.cache = model.new_cache(1, opts.capacity + ((topo.n - 1) * width if width > 1 else 0))
+        self.chain_width = 1  # rows of the last chain message: the width of the branch point in flight
+        rows = max(chunk, width)
+        self.h_in = torch.empty(rows, H, device=p.device, dtype=p.dtype)  # [chunk, H] received hidden
+        self.ids_in = torch.empty(rows, dtype=torch.long, device=p.device)  # [chunk] stage 0 prefill / chain ids
         self.tok = torch.empty(1, 1, dtype=torch.long, device=p.device)
         self.in_request = False
         self.param_bytes = float(resident_bytes(model))  # this rank's (a TP rank: its shard)
@@ -119,11 +128,16 @@ class StageWorker:
     def _compute(self, hdr: Header, t0: float) -> None:
         T = hdr.num_tokens
         pos = hdr.position
-        if pos + T > self.capacity or T > self.h_in.shape[0]:
+        chains = hdr.kind == Kind.TOKEN and hdr.rows > 1
+        end, limit = (chain_slot0(hdr.branch, pos, T) + T, self.cache.capacity) if chains else (pos + T, self.capacity)
+        if pos >= self.capacity or end > limit or T > self.h_in.shape[0]:
             raise RuntimeError(f"stage {self.stage}: message {hdr} exceeds KV capacity {self.capacity} "
                                f"or prefill chunk {self.h_in.shape[0]}")
+        assert not (chains and self.model.has_head), "branch chains travel SPD stages only"
+        if hdr.survivor >= 0:  # the branch point resolved: keep the survivor's entries
+            self.cache.keep_chain(hdr.branch, self.chain_width, hdr.survivor, pos - hdr.branch)
         if self.stage == 0:
-            if hdr.kind == Kind.TOKEN:
+            if hdr.kind == Kind.TOKEN and not chains:
                 ids = self.tok.fill_(hdr.token)
             else:
                 ids = self.t.recv_into(self.prev, self.ids_in[:T], self.timeout, self.handled)[None]
@@ -133,13 +147,14 @@ class StageWorker:
             h = self.t.recv_into(self.prev, self.h_in[:T], self.timeout, self.handled)[None]
             t1 = time.perf_counter()
         greedy_dev = None  # the static step's argmax token [1] (a head stage only)
-        if self.static is not None and hdr.kind == Kind.TOKEN:
+        if self.static is not None and hdr.kind == Kind.TOKEN and not chains:
             out, caps, greedy_dev = self.static.run(pos, h=None if self.stage == 0 else h, token=ids)
             # static buffers, rewritten by the next step while a send may still be in flight
             out, caps = out.clone(), {k: v.clone() for k, v in caps.items()}
         else:
             h = self.model.embed(ids) if self.stage == 0 else h  # [1, T, H]
-            out, caps = self.model.forward_layers(h, self.cache, pos, capture=self.capture)
+            out, caps = self._forward(h, hdr) if chains else \
+                self.model.forward_layers(h, self.cache, pos, capture=self.capture)
         if self.model.has_head:  # the pp/ar head stage: its logits and token are part of its compute
             if greedy_dev is not None and self.sampling.greedy:
                 token = int(greedy_dev)  # host sync: the id goes in the header; the step ran the head
@@ -158,11 +173,20 @@ class StageWorker:
         if self.next is not None:
             self.t.send(self.next, hdr, [out[0]])
         if self.reports:
-            reply = Header(hdr.kind, hdr.position, hdr.epoch, hdr.token, hdr.length, token if self.model.has_head else 0)
+            reply = dataclasses.replace(hdr, reply=token if self.model.has_head else 0)
             tensors = {"exit": lambda: out[0]}  # [T, H]
             if self.anchor_ids:  # [T, k, H], anchors in ascending order
                 tensors["anchors"] = lambda: torch.stack([caps[layer][0] for layer in self.anchor_layers], dim=1)
             self.t.send(self.driver, reply, [tensors[p.name]() for p in self.wire.to_driver(self.stage, reply)])
+
+    def _forward(self, h: torch.Tensor, hdr: Header) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The chains of a branch point: h [1, W, H], every row at `position`, each seeing the
+        shared prefix and its own chain (engine/kv_cache.py chain slots)."""
+        W, q, pos = hdr.rows, hdr.branch, hdr.position
+        self.chain_width = W
+        positions = torch.full((1, W), pos, dtype=torch.long, device=h.device)  # [1, W]
+        mask = chain_mask(q, pos, W, h.device)  # [1, 1, W, slot0 + W]
+        return self.model.forward_layers(h, self.cache, chain_slot0(q, pos, W), positions, mask, self.capture)
 
     def _next_token(self, logits: torch.Tensor, pos: int) -> int:
         """The head stage's token for position `pos` (argmax, or a keyed draw from p)."""

@@ -31,6 +31,15 @@ class Entry:
     epoch: int
     fill: int  # fill of the tick that drafted it; 0: the first token or a correction
     tick: int  # decode tick at which it enters stage 0 (1-based)
+    chains: tuple[int, ...] = ()  # the branch's chains' tokens at pos, one message row each; () one token
+    row: int = 0  # the representative chain's row in the message (the survivor's once resolved)
+    branch: int = -1  # the branch point's position (chains, and the message naming the survivor); -1 none
+    survivor: int = -1  # on the first message after a branch point resolved: the surviving row
+
+    @property
+    def rows(self) -> int:
+        """Token rows of the message this entry travels in."""
+        return max(1, len(self.chains))
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,7 @@ class Verdict:
 
     accepted: bool
     token: int
+    chain: int = 0  # a branch point's verdict: the index of the accepted candidate (its chain survives)
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,13 @@ class TickPlan:
     draft_pos: int  # the position this tick's draft is for (newest live token + 1)
     exit: Entry | None  # the live token leaving the last stage this tick, if any
     proposed: Entry | None  # the draft behind it that its logits verify (None: this tick's own draft, n = 1)
+    branch: int | None = None  # the unresolved branch point in flight (its chains draft one token each)
+    width: int = 1  # chains of that branch point
+
+    def chain_tokens(self, chain: int) -> list[int]:
+        """The in-flight tokens of one chain, oldest first (the representative's for chain 0)."""
+        return [e.chains[chain] if self.branch is not None and e.pos >= self.branch else e.token
+                for e in self.inflight]
 
     @property
     def fill(self) -> int:
@@ -91,6 +108,8 @@ class Counts:
     verified: int = 0
     accepted: int = 0
     rejections: int = 0  # rejections followed by at least one more committed token
+    branch_points: int = 0  # verified branch points (W > 1)
+    branch_saves: int = 0  # verified branch points whose first candidate was wrong and another right
     verified_by_fill: dict[int, int] = field(default_factory=dict)
     accepted_by_fill: dict[int, int] = field(default_factory=dict)
 
@@ -122,6 +141,8 @@ class TickState:
         self.pending = False  # the full-depth row of position pdm_len joins this tick's rows
         self.rejected_last = False
         self.committed = 1  # tokens committed, the first (prefill) token included
+        self.branch: int | None = None  # the unresolved branch point in flight
+        self.width = 1  # its chains
         self.counts = Counts()
         self._plan: TickPlan | None = None
 
@@ -144,16 +165,16 @@ class TickState:
         exiting = live[0] if L == self.n else None
         proposed = (live[1] if L > 1 else None) if exiting is not None else None
         self._plan = TickPlan(self.tick, (entry,), live, reads, tuple(rows), self.pdm_len,
-                              live[-1].pos + 1, exiting, proposed)
+                              live[-1].pos + 1, exiting, proposed, self.branch, self.width)
         return self._plan
 
     def advance(self, drafts: Sequence[Draft], verdict: Verdict | None = None) -> Entry | None:
-        """Apply the tick's drafts (for plan.draft_pos) and, when a token left the pipeline, the
+        """Apply the tick's drafts (for plan.draft_pos: one; several candidates to start a branch
+        point; one per chain while one is in flight) and, when a token left the pipeline, the
         verdict on the token behind it. Returns the committed token (None while filling)."""
         plan, self._plan = self._plan, None
         assert plan is not None, "advance() without plan()"
-        assert len(drafts) == 1 and drafts[0].pos == plan.draft_pos, (drafts, plan.draft_pos)
-        draft = Entry(plan.draft_pos, drafts[0].token, self.epoch, plan.fill, self.tick + 1)
+        draft = self._draft_entry(plan, drafts)
         self.pdm_len += int(self.pending)  # crop back: only the pending full-depth row stays
         self.pending = False
         if plan.exit is None:
@@ -163,23 +184,54 @@ class TickState:
         assert verdict is not None, f"tick {plan.tick}: token at {plan.exit.pos} left, a verdict is due"
         self.inflight.popleft()
         proposed = plan.proposed if plan.proposed is not None else draft
-        assert not verdict.accepted or verdict.token == proposed.token, (verdict, proposed)
+        at_branch = proposed.pos == self.branch
+        assert not verdict.accepted or verdict.token == (proposed.chains[verdict.chain] if at_branch
+                                                        else proposed.token), (verdict, proposed)
         if self.rejected_last:
             self.counts.rejections += 1
         self.counts.count(proposed.fill, verdict.accepted)
+        if at_branch:
+            self.counts.branch_points += 1
+            self.counts.branch_saves += int(verdict.accepted and verdict.chain > 0)
         self.committed += 1
         self.pending = True  # the exiting token's full-depth row reaches the PDM next tick
         self.rejected_last = not verdict.accepted
         if verdict.accepted:
+            if at_branch:
+                proposed, draft = self._resolve(proposed, draft, verdict.chain)
             # n = 1: the tick's own draft was just verified; it enters as a committed token
-            self.entry = draft if self.inflight else replace(draft, fill=0)
+            self.entry = draft if self.inflight else replace(draft, fill=0, chains=(), row=0, branch=-1, survivor=-1)
             committed = proposed
         else:
             self.epoch += 1  # flush: everything in flight is stale now
             self.inflight.clear()
+            self.branch, self.width = None, 1
             committed = Entry(proposed.pos, verdict.token, self.epoch, 0, self.tick + 1)
             self.entry = committed  # the correction enters stage 0 next tick
         return committed
+
+    def _draft_entry(self, plan: TickPlan, drafts: Sequence[Draft]) -> Entry:
+        """The entry of this tick's drafts: one token, a new branch point's candidates, or the chains' drafts."""
+        assert drafts and all(d.pos == plan.draft_pos for d in drafts), (drafts, plan.draft_pos)
+        tokens = tuple(d.token for d in drafts)
+        if self.branch is None and len(drafts) == 1:
+            return Entry(plan.draft_pos, tokens[0], self.epoch, plan.fill, self.tick + 1)
+        if self.branch is None:  # candidates: the position becomes the branch point
+            assert len(set(tokens)) == len(tokens), f"branch candidates repeat a token: {tokens}"
+            self.branch, self.width = plan.draft_pos, len(tokens)
+        assert len(tokens) == self.width, f"{len(tokens)} drafts for {self.width} chains"
+        return Entry(plan.draft_pos, tokens[0], self.epoch, plan.fill, self.tick + 1, tokens, 0, self.branch)
+
+    def _resolve(self, proposed: Entry, draft: Entry, k: int) -> tuple[Entry, Entry]:
+        """The branch point was accepted with candidate k: its chain is the representative now.
+        Returns the committed entry and the next entering one (which names the survivor)."""
+        q = self.branch
+        self.branch, self.width = None, 1
+        self.inflight = deque(replace(e, token=e.chains[k], row=k) if e.chains else e for e in self.inflight)
+        committed = replace(proposed, token=proposed.chains[k], row=k)
+        if draft.chains:  # n >= 2: the survivor's draft enters alone and names the survivor
+            draft = replace(draft, token=draft.chains[k], chains=(), row=0, branch=q, survivor=k)
+        return committed, draft
 
     def finish(self) -> Counts:
         """The request's counters; a correction that ended the run costs no refill."""

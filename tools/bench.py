@@ -18,7 +18,7 @@ from spd_engine.bench.stats import format_table
 from spd_engine.tools.common import add_engine_arguments, add_json_argument, engine_config, hf_model_dir, \
     load_prompts, refuse_ignored, write_json
 
-CONFIGS = ("ar", "pp", "spd", "spd-colocate", "spd-overlap", "eagle", "hf", "hf-lookup", "tp", "spd-tp")
+CONFIGS = ("ar", "pp", "spd", "spd-w1", "spd-colocate", "spd-overlap", "eagle", "hf", "hf-lookup", "tp", "spd-tp")
 
 COLUMNS = [("name", "config", ""), ("world_size", "ranks", ""), ("decode_tok_s", "tok/s", ".2f"),
            ("decode_tok_s_min", "min", ".2f"), ("decode_tok_s_max", "max", ".2f"),
@@ -80,6 +80,9 @@ def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
     if "spd" in names:
         out.append(BenchCase("spd", ecfg.replace(mode="spd", topology=dataclasses.replace(topo, colocate=False),
                                                  trace=bool(args.timeline or args.chrome_trace) or profiling)))
+    if "spd-w1" in names:  # the same SPD run without branch points: what W costs and buys
+        out.append(BenchCase("spd-w1", ecfg.replace(mode="spd", branches=1,
+                                                    topology=dataclasses.replace(topo, colocate=False))))
     if "spd-colocate" in names:
         out.append(BenchCase("spd-colocate", ecfg.replace(mode="spd", overlap_stage0=False,
                                                           topology=dataclasses.replace(topo, colocate=True),

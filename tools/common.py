@@ -17,7 +17,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from spd_engine.engine.run_config import MODES, PRESETS, STEP_MODES, RunConfig, random_preset
+from spd_engine.engine.branching import WHEN
+from spd_engine.engine.run_config import DEFAULT_BRANCHES, MODES, PRESETS, STEP_MODES, RunConfig, random_preset
 from spd_engine.engine.topology import Topology
 
 REPO_HEADS = Path(__file__).resolve().parents[1] / "heads"  # site-packages/spd_engine/heads when installed
@@ -171,8 +172,10 @@ def default_head(model: str, n: int, mode: str = "spd") -> str:
     return str(candidate) if (candidate / "pdm.json").is_file() else "random"
 
 
-def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", mode_flags: bool = True) -> None:
-    """The run-config flags; defaults are RunConfig's. mode_flags=False: the command picks mode and layout."""
+def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", mode_flags: bool = True,
+                         branch_flags: bool = True) -> None:
+    """The run-config flags; defaults are RunConfig's. mode_flags=False: the command picks mode and layout;
+    branch_flags=False: the command scores branch widths itself (spd draft-policies)."""
     g = p.add_argument_group("model and topology")
     g.add_argument("--model", "--ckpt", dest="model", default="smollm2-135m",
                    help="built-in name, engine checkpoint dir, HF dir, GGUF file, model id in the local "
@@ -220,6 +223,12 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
                    help="shortest suffix match (tokens) that may draft")
     d.add_argument("--suffix-pdm-margin", type=float, default=run_default("suffix_pdm_margin"),
                    help="a suffix draft wins only where the PDM's top-1 minus top-2 logit is below this")
+    if branch_flags:
+        d.add_argument("--branches", type=int, default=None, metavar="W",
+                       help=f"branch width: a draft position may carry up to W candidate chains (docs/design.md "
+                            f"3.11; default {DEFAULT_BRANCHES} for SPD without --tp, else 1)")
+        d.add_argument("--branch-when", choices=WHEN, default=run_default("branch_when"),
+                       help="where a branch point may start: after a rejection (refill) or whenever none is in flight")
     d.add_argument("--suffix-cross-request", choices=("on", "off"),
                    default="on" if run_default("suffix_cross_request") else "off",
                    help="suffix drafts also from this process's earlier requests (prompts and outputs)")
@@ -238,7 +247,8 @@ def _check_ignored_engine_flags(args: argparse.Namespace, mode: str, spec: str, 
         refuse_ignored(args, ["step_mode"], "with --mode eagle (its steps run eagerly)")
     if mode != "spd":
         refuse_ignored(args, ["spec", "pdm_layers", "colocate", "suffix_drafts", "suffix_min_match", "suffix_pdm_margin",
-                                "suffix_cross_request", "overlap_stage0"], f"with --mode {mode} (no SPD speculation module)")
+                                "suffix_cross_request", "overlap_stage0", "branches", "branch_when"],
+                       f"with --mode {mode} (no SPD speculation module)")
     elif hasattr(args, "colocate") and not args.colocate:
         refuse_ignored(args, ["overlap_stage0"], "without --colocate (stage 0 has a rank of its own)")
     if mode in ("ar", "eagle") and args.stages != 1:
@@ -272,7 +282,8 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used:
                      seed=args.seed, step_mode=args.step_mode, suffix_drafts=args.suffix_drafts == "on",
                      suffix_min_match=args.suffix_min_match, suffix_pdm_margin=args.suffix_pdm_margin,
                      suffix_cross_request=args.suffix_cross_request == "on",
-                     overlap_stage0=args.overlap_stage0 == "on")
+                     overlap_stage0=args.overlap_stage0 == "on", branches=getattr(args, "branches", None),
+                     branch_when=getattr(args, "branch_when", run_default("branch_when")))
     return ecfg, tok_dir
 
 

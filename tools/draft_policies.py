@@ -54,14 +54,14 @@ def _branch_policies(widths: str, whens: str) -> list:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from spd_engine.tools.common import add_engine_arguments, add_json_argument
 
-    add_engine_arguments(p, mode_flags=False)
+    add_engine_arguments(p, mode_flags=False, branch_flags=False)
     g = p.add_argument_group("policies")
     g.add_argument("--datasets", default="mt_bench,humaneval,gsm8k", help="comma-separated subset of the prompt sets")
     g.add_argument("--limit", type=int, default=None, help="prompts per dataset (default: all)")
     g.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate per prompt at most")
     g.add_argument("--reference-cache", default=None, metavar="DIR", help="greedy outputs reused across runs")
-    g.add_argument("--branches", default="", help="comma-separated branch widths W > 1 to score too (at most 4)")
-    g.add_argument("--branch-when", default="refill,always", help="where a branch may start: refill, always")
+    g.add_argument("--branches", dest="branch_widths", default="", help="comma-separated branch widths W > 1 to score too (at most 4)")
+    g.add_argument("--branch-when", dest="branch_whens", default="refill,always", help="where a branch may start: refill, always")
     add_json_argument(g, "the policy table and the draft-state statistics")
 
 
@@ -98,7 +98,7 @@ def _run(args) -> int:
     cache = ReferenceCache(args.reference_cache, ecfg) if args.reference_cache else None
     policies = _policies()
     probe = DraftChooser(SuffixSettings(16, 2))
-    branch_policies = _branch_policies(args.branches, args.branch_when)
+    branch_policies = _branch_policies(args.branch_widths, args.branch_whens)
     branch_choosers = {"pdm": DraftChooser(), "suffix>=2": probe}
     per_branch: dict[str, dict[str, list]] = {}  # group -> "W=.. when chooser" -> [BranchRun]
     per: dict[str, dict[str, list]] = {}  # group -> policy -> [Acceptance]

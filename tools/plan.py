@@ -286,7 +286,8 @@ def _runtime_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
     topo = Topology.build(cfg.num_layers, n=args.stages)
     ecfg = RunConfig(model=engine_spec, cfg=cfg, topology=topo, pdm=args.spec or default_head(args.model, topo.n),
                      threads=args.threads, seed=args.seed, timeout_s=max(args.timeout, 60.0),
-                     capacity=min(RunConfig.capacity, cfg.max_position))
+                     capacity=min(RunConfig.capacity, cfg.max_position),
+                     branches=1)  # the runtime the cost model's SPD row prices (W > 1: bench/cost_branches.py)
     return ecfg, tok_dir
 
 

@@ -12,7 +12,7 @@ the extra chains in stage compute.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spd_engine.engine.branching import BranchPolicy
 from spd_engine.engine.drafting import DraftChooser
@@ -27,6 +27,7 @@ class BranchRun:
     stage_slots: int = 0  # in-flight positions, summed over ticks (= stage_tokens at W = 1)
     branch_points: int = 0
     branch_saves: int = 0  # branch points whose first candidate was wrong and another right
+    consulted: set[tuple[int, int]] = field(default_factory=set)  # (fill, t) of the drafts whose correctness was asked
 
     @property
     def tokens_per_step(self) -> float:
@@ -46,6 +47,7 @@ def replay_branches(table: DraftTable, y: Sequence[int], P: int, n: int, chooser
     sources: dict[tuple[int, int], str] = {}
 
     def correct(f: int, t: int) -> bool:
+        run.consulted.add((f, t))
         prop = proposals[f - 1][t] if proposals is not None else None
         chosen = chooser.choose(drafts[f - 1][t], margins[f - 1][t], prop)
         if not policy.branches(f, bool(pending)):

@@ -29,7 +29,8 @@ from spd_engine.engine.run_config import RunConfig
 from spd_engine.engine.greedy import greedy_generate
 from spd_engine.engine.sampling import SamplingParams
 from spd_engine.engine.tp_model import SerialTP
-from spd_engine.train.fast_eval import Acceptance, fast_generate
+from spd_engine.train.branch_replay import replay_branches
+from spd_engine.train.fast_eval import Acceptance, FastRun, draft_table, fast_generate
 from spd_engine.train.reference_cache import ReferenceCache
 
 DATASETS = ("mt_bench", "humaneval", "gsm8k")
@@ -152,23 +153,30 @@ def runtime_acceptance(driver, prompt: Sequence[int], max_new_tokens: int, eos_i
     fills: dict[int, int] = {}
     verdicts: dict[int, bool] = {}
     previous = vars(driver).get("_verify")  # an instance override (tests) stays in place
-    verify = driver._verify
+    previous_branch = vars(driver).get("_verify_branch")
+    verify, verify_branch = driver._verify, driver._verify_branch
 
     def record(logits, position: int, proposed: int) -> tuple[bool, int]:
         accepted, token = verify(logits, position, proposed)
         verdicts[position] = accepted
         return accepted, token
 
+    def record_branch(position: int, tokens, row: int) -> tuple[int | None, int]:
+        index, token = verify_branch(position, tokens, row)
+        verdicts[position] = index is not None
+        return index, token
+
     driver.draft_observer = lambda newest, fill, _logits: fills.__setitem__(newest + 1, fill)
-    driver._verify = record
+    driver._verify, driver._verify_branch = record, record_branch
     try:
         res = driver.generate(prompt, max_new_tokens, eos_ids, sampling=sampling)
     finally:
         driver.draft_observer = None
-        if previous is None:
-            del driver._verify
-        else:
-            driver._verify = previous
+        for name, prev in (("_verify", previous), ("_verify_branch", previous_branch)):
+            if prev is None:
+                delattr(driver, name)
+            else:
+                setattr(driver, name, prev)
     acc = Acceptance(n=res.n, tokens=len(res.tokens), ticks=res.ticks, rejections=res.rejections,
                      by_source={k: v[1:] for k, v in res.by_source.items() if v[1]})
     P = len(prompt)
@@ -183,6 +191,10 @@ class FastRunner:
         self.target, self.pdm, self.chunk, self.cache = full_target(ecfg), build_pdm(ecfg), ecfg.prefill_chunk, cache
         self.chooser = ecfg.chooser()  # the run's draft sources, as the driver would use them
         self.cross = self.chooser.new_history()  # earlier requests' tokens, as a driver keeps them
+        self.branching = ecfg.branch_policy()
+        if self.branching.width > 1 and self.cross is not None:
+            raise ValueError("the fast executor replays --branches > 1 without cross-request suffix drafts: "
+                             "use --executor reference")
 
     def run(self, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], request: int = 0
             ) -> Outcome:
@@ -190,14 +202,29 @@ class FastRunner:
         if self.cache is not None:
             ref = self.cache.get_or_compute(prompt, max_new_tokens, eos_ids, self.chunk, lambda: greedy_generate(
                 self.target, prompt, max_new_tokens, eos_ids=eos_ids, chunk=self.chunk))
-        fr = fast_generate(self.target, self.pdm, prompt, max_new_tokens, eos_ids, chunk=self.chunk, reference=ref,
-                           chooser=self.chooser, cross=self.cross)
+        if self.branching.width > 1:
+            fr = self._branched(prompt, max_new_tokens, eos_ids, ref)
+        else:
+            fr = fast_generate(self.target, self.pdm, prompt, max_new_tokens, eos_ids, chunk=self.chunk,
+                               reference=ref, chooser=self.chooser, cross=self.cross)
         if self.cross is not None:
             self.cross.add(prompt, fr.tokens)
         # a ceiling on alpha: no draft can equal a token outside the head's vocabulary
         outside = int((~torch.isin(torch.tensor(fr.tokens[1:], dtype=torch.long),
                                    self.pdm.draft_ids.cpu())).sum())
         return Outcome(fr.tokens, fr.acceptance, None, fr.near_ties(), outside_vocab=outside)
+
+
+    def _branched(self, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
+                  ref: Sequence[int] | None) -> FastRun:
+        """The exact T=0 replay with branch width W > 1 (train/branch_replay.py)."""
+        y = list(ref) if ref is not None else \
+            greedy_generate(self.target, prompt, max_new_tokens, eos_ids=eos_ids, chunk=self.chunk)
+        if len(y) == 1:
+            return fast_generate(self.target, self.pdm, prompt, max_new_tokens, eos_ids, chunk=self.chunk, reference=y)
+        table = draft_table(self.target, self.pdm, prompt, y)
+        run = replay_branches(table, y, len(prompt), self.pdm.plan.n, self.chooser, self.branching, prompt)
+        return FastRun(y, run.acceptance, table, frozenset(run.consulted))
 
 
 class RuntimeRunner:

@@ -52,7 +52,8 @@ def tiny_engine_config(arch: str = "llama", n: int = 2, colocate: bool = False, 
     """A `random:tiny-<arch>` run config with the shape `cfg` (default `tiny_cfg(arch)`)."""
     cfg = cfg or tiny_cfg(arch)
     topo = Topology.build(cfg.num_layers, n, colocate=colocate)
-    base = dict(capacity=CAPACITY, prefill_chunk=CHUNK, timeout_s=20.0)
+    # W = 1 unless a test asks: the tick formulas and forced-rejection counts are W = 1's
+    base = dict(capacity=CAPACITY, prefill_chunk=CHUNK, timeout_s=20.0, branches=1)
     base.update(kw)
     return RunConfig(model=f"random:tiny-{arch}", cfg=cfg, topology=topo, mode=mode, **base)
 

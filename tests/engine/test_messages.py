@@ -18,7 +18,7 @@ def test_header_round_trip_keeps_large_integers_exact():
 
 def test_corrupt_header_is_an_error():
     with pytest.raises(RuntimeError, match="corrupt message header"):
-        Header.from_tensor(torch.tensor([99, 0, 0, 0, 0, 0]))
+        Header.from_tensor(torch.tensor([99] + [0] * (HEADER_LEN - 1)))
 
 
 def test_token_counts():

@@ -51,10 +51,11 @@ def refs(smollm2):
     return ref
 
 
-def engine_config(smollm2, n: int, colocate: bool = False) -> RunConfig:
+def engine_config(smollm2, n: int, colocate: bool = False, branches: int = 1) -> RunConfig:
+    """W = 1 unless asked: the tick formulas these tests check are W = 1's."""
     engine_dir, cfg, _, _ = smollm2
     return RunConfig(model=str(engine_dir), cfg=cfg, topology=Topology.build(cfg.num_layers, n, colocate=colocate),
-                        capacity=160, prefill_chunk=CHUNK, timeout_s=120.0, threads=1)
+                     capacity=160, prefill_chunk=CHUNK, timeout_s=120.0, threads=1, branches=branches)
 
 
 def run(runtime, smollm2, refs, n: int, text: str, max_new: int, **policy_kw) -> None:
@@ -122,6 +123,27 @@ def test_shipped_head_is_lossless_and_accepts_drafts(smollm2, refs, one_thread):
             assert res.tokens == want, text
             accepted, verified = accepted + res.accepted, verified + res.verified
     assert verified > 0 and accepted / verified > 0.1, (accepted, verified)
+
+
+def test_shipped_head_with_branches_is_lossless_and_ticks_as_the_exact_replay(smollm2, refs, one_thread):
+    """W = 2 at refill (the default) with the shipped head and suffix drafts: greedy output token for
+    token, and the exact T=0 replay with branch width (the fast executor of spd eval) predicts the
+    runtime's ticks and branch counters."""
+    from spd_engine.train.evaluate import FastRunner
+
+    eos = smollm2[1].eos_token_ids
+    ecfg = shipped_head_config(smollm2).replace(branches=2)
+    fast = FastRunner(ecfg)
+    points = 0
+    with ReferenceExecutor(ecfg) as ex:
+        for text in PROMPTS[:2]:
+            prompt, want = refs(text, NEW)
+            res = ex.generate(prompt, NEW, eos)
+            assert res.tokens == want, text
+            replay = fast.run(prompt, NEW, eos).acceptance
+            assert (res.ticks, res.verified, res.accepted) == (replay.ticks, replay.verified, replay.accepted), text
+            points += res.branch_points
+    assert points > 0
 
 
 @pytest.mark.slow

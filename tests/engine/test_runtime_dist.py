@@ -55,3 +55,27 @@ def test_distributed_run_matches_reference_executor(arch, mode, n, colocate):
     assert got == want  # tokens, ticks, verified, accepted, rejections of every request
     if mode == "spd":
         assert any(s["rejections"] > 2 for s in got) and any(s["accepted"] > NEW // 2 for s in got)
+
+
+@pytest.mark.parametrize("arch,n,colocate,width,when", [("qwen3", 3, False, 2, "refill"),
+                                                         ("llama", 4, True, 4, "always")],
+                         ids=["qwen3-n3-W2", "llama-n4-colocated-W4"])
+def test_branch_chains_across_processes_match_the_reference_executor(arch, n, colocate, width, when):
+    """Branch width W over gloo: the chains' messages, the survivor's KV entries and the flushes
+    give the reference executor's tokens, ticks and branch counters, and greedy decoding's tokens."""
+    ecfg = tiny_engine_config(arch, n, colocate, threads=1, branches=width, branch_when=when, suffix_min_match=1)
+    prompts = random_prompts(ecfg.cfg, (1, 2 * CHUNK + 5, 9), seed=4)
+
+    def run(runtime) -> list[dict]:
+        out = []
+        for p in prompts:
+            res = runtime.generate(p, NEW)
+            assert res.tokens == reference(ecfg, p, NEW)
+            out.append(dict(summary(res), points=res.branch_points, saves=res.branch_saves))
+        return out
+
+    with ReferenceExecutor(ecfg) as ex:
+        want = run(ex)
+    with launch(ecfg) as runtime:
+        got = run(runtime)
+    assert got == want and sum(s["points"] for s in got) > 0

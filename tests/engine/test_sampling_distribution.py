@@ -49,7 +49,7 @@ from spd_engine.engine.run_config import RunConfig
 from spd_engine.engine.greedy import prefill
 from spd_engine.engine.messages import Kind
 from spd_engine.engine.reference import ReferenceExecutor
-from spd_engine.engine.sampling import SamplingParams, target_probs
+from spd_engine.engine.sampling import SamplingParams, keyed_generator, sample, target_probs, uniform
 from helpers import full_model, tiny_cfg, tiny_engine_config  # noqa: F401
 from stats import TEST_LEVEL, chi_square_pvalue, rejection_rate, tv_distance, worst_case_shift
 
@@ -70,12 +70,14 @@ class Setup:
     params: SamplingParams
     draft: str  # "poor" | "good" (draft policies) | "pdm" (the untrained PDM's own q, no policy)
     suffix: bool = False  # suffix drafts on (min match 1): point-mass drafts beside the PDM's
+    branches: int = 1  # branch width W: several candidates at a branch point (recursive rejection sampling)
 
     def engine_config(self) -> RunConfig:
         # A random:<preset> source builds its weights from the config's shape (engine/build.py),
         # so a 6-token vocabulary needs no preset of its own. One layer per stage keeps it cheap.
         cfg = tiny_cfg("llama", vocab_size=V, num_layers=self.n)
         extra = dict(suffix_drafts=True, suffix_min_match=1) if self.suffix else {}
+        extra.update(branches=self.branches, branch_when="always") if self.branches > 1 else None
         return tiny_engine_config("llama", self.n, cfg=cfg, capacity=16, prefill_chunk=16, threads=1, **extra)
 
 
@@ -83,6 +85,9 @@ POOR_TOPK = Setup("poor-topk2", 2, SamplingParams(temperature=1.0, top_k=2), "po
 GOOD_TOPP = Setup("good-topk3-topp", 3, SamplingParams(temperature=1.0, top_k=3, top_p=0.7), "good")
 POOR_FULL = Setup("poor-unfiltered", 2, SamplingParams(temperature=0.5), "poor")
 SUFFIX_TOPK = Setup("suffix-topk2", 2, SamplingParams(temperature=1.0, top_k=2), "pdm", suffix=True)
+# W = 2 at n = 3: the first draft is a branch point (a sampled PDM draft, then a point mass: the
+# suffix draft or the PDM's best other token), the second a chain's own draft
+BRANCH_TOPK = Setup("branch-w2-topk3", 3, SamplingParams(temperature=1.0, top_k=3), "pdm", suffix=True, branches=2)
 
 
 # ---- the exact distribution ----
@@ -196,7 +201,25 @@ def suffix_as_uniform(driver) -> None:
     driver._record_q = broken
 
 
-BROKEN: dict[str, Callable] = {"accept-always": accept_always, "stale-q": stale_q, "suffix-uniform": suffix_as_uniform}
+def forget_residual(driver) -> None:
+    """A multi-draft bug: each candidate of a branch point is tested against p itself instead of
+    the residual the candidates before it left (and the last residual is p's)."""
+    def broken(pos, tokens, row):
+        sp = driver.req.sampling
+        p = target_probs(driver.head.logits(driver.exit_buf[row]), sp)
+        cands = driver.req.cands.pop(pos)
+        accept = keyed_generator(sp.seed, pos, "accept")
+        for i, c in enumerate(cands):
+            q = c.q_of(p)
+            if uniform(accept) * float(q[c.token]) < float(p[c.token]):
+                return i, c.token
+        return None, sample(p, keyed_generator(sp.seed, pos, "residual"))
+
+    driver._verify_branch = broken
+
+
+BROKEN: dict[str, Callable] = {"accept-always": accept_always, "stale-q": stale_q, "suffix-uniform": suffix_as_uniform,
+                               "forget-residual": forget_residual}
 
 
 # ---- sampling runs ----
@@ -211,12 +234,15 @@ class Draws:
     changed: int
     seconds: float
     suffix_verified: int = 0  # verified drafts that came from the suffix source
+    branch_points: int = 0  # verified branch points (W > 1)
+    branch_saves: int = 0  # of them, committed from a candidate after the first
 
     @staticmethod
     def merge(parts: Sequence["Draws"]) -> "Draws":
         return Draws(sum(p.counts for p in parts), [o for p in parts for o in p.outputs],
                      *(sum(getattr(p, f) for p in parts) for f in ("verified", "accepted", "redrafts", "changed")),
-                     max(p.seconds for p in parts), sum(p.suffix_verified for p in parts))
+                     max(p.seconds for p in parts), *(sum(getattr(p, f) for p in parts)
+                                                      for f in ("suffix_verified", "branch_points", "branch_saves")))
 
 
 def draw(setup: Setup, seeds: Sequence[int], broken: str | None = None) -> Draws:
@@ -224,7 +250,7 @@ def draw(setup: Setup, seeds: Sequence[int], broken: str | None = None) -> Draws
     torch.set_num_threads(1)
     cond = conditionals(setup) if setup.draft == "good" else {}
     counts = np.zeros(CELLS, dtype=np.int64)
-    outputs, verified, accepted, from_suffix = [], 0, 0, 0
+    outputs, verified, accepted, from_suffix, points, saves = [], 0, 0, 0, 0, 0
     t0 = time.perf_counter()
     with ReferenceExecutor(setup.engine_config()) as ex:
         policy = None if setup.draft == "pdm" else DraftPolicy(setup.draft, cond, ContextSpy(ex.driver, len(PROMPT)))
@@ -240,8 +266,10 @@ def draw(setup: Setup, seeds: Sequence[int], broken: str | None = None) -> Draws
             outputs.append(tuple(res.tokens))
             verified, accepted = verified + res.verified, accepted + res.accepted
             from_suffix += res.by_source.get(SUFFIX, [0, 0, 0])[1]
+            points, saves = points + res.branch_points, saves + res.branch_saves
     redrafts, changed = (policy.redrafts, policy.changed) if policy is not None else (0, 0)
-    return Draws(counts, outputs, verified, accepted, redrafts, changed, time.perf_counter() - t0, from_suffix)
+    return Draws(counts, outputs, verified, accepted, redrafts, changed, time.perf_counter() - t0, from_suffix,
+                 points, saves)
 
 
 def draw_parallel(setup: Setup, seeds: Sequence[int], broken: str | None = None, workers: int = 2) -> Draws:
@@ -295,6 +323,7 @@ SMALL = 3000
 SMALL_SHIFT = 0.06  # the small run detects this total-variation shift with probability >= 0.9
 STALE_PREFIX = 500
 BLATANT_PREFIX = 200
+BRANCH_SMALL = 1500
 
 
 def test_exact_distribution_is_a_distribution_and_filters_apply():
@@ -346,6 +375,25 @@ def test_suffix_drafts_sample_the_target_distribution_small(one_thread):
     bad = draw(SUFFIX_TOPK, range(STALE_PREFIX), broken="suffix-uniform")
     verdict = judge(bad, joint)
     report(f"{SUFFIX_TOPK.name} suffix-uniform", bad, verdict)
+    assert bad.outputs != good.outputs[:STALE_PREFIX]
+    assert verdict.pvalue < TEST_LEVEL and not verdict.passes
+
+
+def test_branch_candidates_sample_the_target_distribution_small(one_thread):
+    """W = 2: a branch point's candidates verified by recursive rejection sampling, then the
+    survivor's chain: 1,500 requests pass (half the other small runs, for the default run's time;
+    the power printed is against a SMALL_SHIFT change); a verifier that tests every candidate
+    against p instead of the residual fails on the first 500 seeds (observed p ~ 1e-8)."""
+    joint = exact_joint(conditionals(BRANCH_TOPK))
+    good = draw(BRANCH_TOPK, range(BRANCH_SMALL))
+    verdict = judge(good, joint)
+    report(f"{BRANCH_TOPK.name} correct", good, verdict)
+    assert verdict.passes, verdict
+    print(f"power against a {SMALL_SHIFT} TV shift at N={BRANCH_SMALL}: {power(joint, BRANCH_SMALL, SMALL_SHIFT):.3f}")
+    assert good.branch_points >= BRANCH_SMALL and good.branch_saves > 0.02 * BRANCH_SMALL  # later candidates commit
+    bad = draw(BRANCH_TOPK, range(STALE_PREFIX), broken="forget-residual")
+    verdict = judge(bad, joint)
+    report(f"{BRANCH_TOPK.name} forget-residual", bad, verdict)
     assert bad.outputs != good.outputs[:STALE_PREFIX]
     assert verdict.pvalue < TEST_LEVEL and not verdict.passes
 

@@ -1,0 +1,160 @@
+"""Branch width W in the runtime (docs/design.md 3.11), on the reference executor (the driver and
+stage workers of a distributed run, ranks as threads): greedy outputs equal greedy decoding for
+W in {2, 4} over n = 1..4, co-located, an uneven split and the static step mode; branch points
+whose target token is a later candidate are saved, and the tick count is the tick protocol's
+for the same verdicts; at T>0 a seed fixes the output."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from spd_engine.engine.branching import BranchPolicy
+from spd_engine.engine.reference import ReferenceExecutor
+from spd_engine.engine.sampling import SamplingParams
+from spd_engine.engine.tick import Draft, TickState, Verdict
+from spd_engine.engine.topology import Topology
+from helpers import Policy, random_prompts, reference, tiny_engine_config
+
+NEW = 40
+WRONG = frozenset({1, 6, 7, 15, 22, 30})  # chain drafts forced wrong at these token indices
+
+
+def truth_row(pos: int, width: int) -> int:
+    """Where a branch point's candidates hold the target's token (width: nowhere), varied by position."""
+    return (pos * 2654435761 >> 7) % (width + 1)
+
+
+def forced_candidates(driver, ref: list[int], P: int, width: int, V: int) -> None:
+    """Replace each branch point's candidates: distinct wrong tokens, with the target's token at
+    truth_row(pos), none when that is W (the branch point is rejected)."""
+    original = driver._candidates
+
+    def candidates(h_last, plan):
+        out = original(h_last, plan)
+        pos = out[0].pos
+        t = ref[pos - P] if pos - P < len(ref) else 0
+        tokens = [(t + 1 + r) % V for r in range(width)]
+        if truth_row(pos, width) < width:
+            tokens[truth_row(pos, width)] = t
+        driver.req.source_of[pos] = ["pdm"] * width
+        return [Draft(pos, tok) for tok in tokens]
+
+    driver._candidates = candidates
+
+
+def protocol_ticks(n: int, N: int, P: int, ref: list[int], width: int, when: str, V: int) -> tuple[int, int]:
+    """(ticks, branch saves) of the tick protocol with the verdicts the forced run gets."""
+    policy = BranchPolicy(width, when)
+    state = TickState(n, P, ref[0])
+
+    def right(pos: int, token: int) -> bool:
+        return pos - P >= len(ref) or token == ref[pos - P]
+
+    while state.committed < N:
+        plan = state.plan()
+        pos = plan.draft_pos
+        i = pos - P
+        chain = ref[i] if i < len(ref) and i not in WRONG else (ref[i] + 1) % V if i < len(ref) else 0
+        if plan.branch is None and policy.branches(plan.fill, False):
+            t = ref[i] if i < len(ref) else 0
+            tokens = [(t + 1 + r) % V for r in range(width)]
+            if truth_row(pos, width) < width:
+                tokens[truth_row(pos, width)] = t
+            drafts = [Draft(pos, tok) for tok in tokens]
+        else:
+            drafts = [Draft(pos, chain)] * (plan.width if plan.branch is not None else 1)
+        verdict = None
+        if plan.exit is not None:
+            vpos = plan.verify_pos
+            prop = plan.proposed
+            tokens = [d.token for d in drafts] if prop is None else \
+                (list(prop.chains) if prop.pos == plan.branch else [prop.token])
+            hit = next((k for k, tok in enumerate(tokens) if right(vpos, tok)), None)
+            verdict = Verdict(hit is not None, ref[vpos - P], hit or 0)
+        state.advance(drafts, verdict)
+    c = state.finish()
+    return c.ticks, c.branch_saves
+
+
+TOPOLOGIES = [(1, False, None), (2, False, None), (3, False, None), (4, True, None), (3, False, (1, 3, 2))]
+IDS = ["n1", "n2", "n3", "n4-colocated", "n3-uneven"]
+
+
+def branch_config(n: int, colocate: bool, split, width: int, when: str, **kw):
+    ecfg = tiny_engine_config("llama", n, colocate, branches=width, branch_when=when, **kw)
+    if split is not None:
+        topo = Topology.build(ecfg.cfg.num_layers, stage_layers=split, colocate=colocate)
+        ecfg = dataclasses.replace(ecfg, topology=topo)
+    return ecfg
+
+
+@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("n,colocate,split", TOPOLOGIES, ids=IDS)
+def test_forced_candidates_are_lossless_and_save_ticks(n, colocate, split, width, one_thread):
+    when = "refill" if width == 2 else "always"
+    ecfg = branch_config(n, colocate, split, width, when)
+    V = ecfg.cfg.vocab_size
+    prompts = random_prompts(ecfg.cfg, (5, 23, 8), seed=3)
+    points = saves = 0
+    with ReferenceExecutor(ecfg) as ex:
+        for p in prompts:
+            ref = reference(ecfg, p, NEW)
+            forced_candidates(ex.driver, ref, len(p), width, V)
+            res = ex.generate(p, NEW, (), draft_policy=Policy(ref, len(p), V, wrong=WRONG))
+            assert res.tokens == ref
+            assert (res.ticks, res.branch_saves) == protocol_ticks(n, NEW, len(p), ref, width, when, V)
+            points, saves = points + res.branch_points, saves + res.branch_saves
+            del ex.driver._candidates
+    assert 0 < saves < points  # saved and unsaved branch points both occur
+
+
+@pytest.mark.parametrize("width,when", [(2, "refill"), (4, "always")])
+@pytest.mark.parametrize("n,colocate,split", TOPOLOGIES[1:], ids=IDS[1:])
+def test_untrained_pdm_and_suffix_drafts_are_lossless(n, colocate, split, width, when, one_thread):
+    ecfg = branch_config(n, colocate, split, width, when, suffix_min_match=1)
+    prompts = random_prompts(ecfg.cfg, (1, 9, 40), seed=4)
+    with ReferenceExecutor(ecfg) as ex:
+        for p in prompts:  # one runtime, many requests: each starts after whatever the last left
+            res = ex.generate(p, NEW)
+            assert res.tokens == reference(ecfg, p, NEW)
+            assert res.branch_points > 0
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_static_steps_with_branches_are_lossless(n, one_thread):
+    """--step-mode static: one-token steps on the static path, chain steps eager."""
+    ecfg = branch_config(n, False, None, 2, "always", step_mode="static")
+    V = ecfg.cfg.vocab_size
+    eager = branch_config(n, False, None, 2, "always")
+    prompts = random_prompts(ecfg.cfg, (7, 19), seed=5)
+    with ReferenceExecutor(ecfg) as ex, ReferenceExecutor(eager) as ex_eager:
+        for p in prompts:
+            want = ex_eager.generate(p, NEW).tokens
+            assert want == reference(ecfg, p, NEW)
+            ref = want
+            forced_candidates(ex.driver, ref, len(p), 2, V)
+            res = ex.generate(p, NEW, (), draft_policy=Policy(ref, len(p), V, wrong=WRONG))
+            assert res.tokens == ref and res.branch_saves > 0
+            del ex.driver._candidates
+
+
+def test_sampling_with_branches_is_fixed_by_the_seed(one_thread):
+    ecfg = branch_config(3, False, None, 2, "always", suffix_min_match=1)
+    prompt = random_prompts(ecfg.cfg, (11,), seed=6)[0]
+    outs = {}
+    with ReferenceExecutor(ecfg) as ex:
+        for seed in (1, 2, 1):
+            res = ex.generate(prompt, NEW, (), sampling=SamplingParams(temperature=1.0, seed=seed))
+            assert len(res.tokens) == NEW and res.branch_points > 0
+            outs.setdefault(seed, []).append(res.tokens)
+    assert outs[1][0] == outs[1][1] and outs[1][0] != outs[2][0]
+
+
+def test_branch_width_needs_spd_and_no_tp():
+    with pytest.raises(ValueError, match="--branches must be >= 1"):
+        tiny_engine_config("llama", 2, branches=0)
+    with pytest.raises(ValueError, match="needs --mode spd"):
+        tiny_engine_config("llama", 2, mode="pp", branches=2)
+    with pytest.raises(ValueError, match="branch policy"):
+        tiny_engine_config("llama", 2, branches=2, branch_when="sometimes")
