@@ -14,21 +14,19 @@ config fingerprint).
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from spd_engine.engine.kv_cache import KVCache
-from spd_engine.engine.model import RMSNorm, StageModel
+from spd_engine.engine.draft_stack import DraftStack, check_draft_vocab
+from spd_engine.engine.head_io import HeadFormat, check_fingerprint, read_head_meta, read_head_state, save_head
+from spd_engine.engine.model import StageModel
 from spd_engine.engine.model_config import ModelConfig
-from spd_engine.engine.pdm_quant import dequantize_state, quantize_state
 
 EAGLE_FORMAT = "spd-eagle-v1"
+EAGLE_FILES = HeadFormat("eagle", EAGLE_FORMAT, name="EAGLE head", head_name="EAGLE head", dir_name="EAGLE head")
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
@@ -52,10 +50,7 @@ class EagleConfig:
             raise ValueError(f"EAGLE head needs three feature layers (low, mid, high), got {list(fl)}")
         if list(fl) != sorted(fl):
             raise ValueError(f"feature layers must be in order low <= mid <= high, got {list(fl)}")
-        if self.draft_vocab is not None:
-            dv = list(self.draft_vocab)
-            if not dv or dv != sorted(set(dv)) or dv[0] < 0:
-                raise ValueError("draft vocabulary must be a non-empty sorted list of unique token ids")
+        check_draft_vocab(self.draft_vocab)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -70,7 +65,7 @@ class EagleConfig:
                    d.get("target_fingerprint", ""))
 
 
-class EagleHead(nn.Module):
+class EagleHead(DraftStack):
     def __init__(self, target: ModelConfig, ecfg: EagleConfig, device=None, dtype=torch.float32) -> None:
         super().__init__()
         if ecfg.feature_layers[-1] >= target.num_layers:
@@ -81,15 +76,7 @@ class EagleHead(nn.Module):
         kw = dict(bias=False, device=device, dtype=dtype)
         self.fuse = nn.Linear(3 * H, H, **kw)  # [low; mid; high] -> fused feature
         self.inp = nn.Linear(2 * H, H, **kw)  # [embedding; feature] -> decoder input
-        layer_cfg = dataclasses.replace(target, num_layers=1)
-        self.stack = StageModel(layer_cfg, range(1), device=device, dtype=dtype)
-        self.final_norm = RMSNorm(H, target.rms_eps, device, dtype)
-        self.final_norm.weight.requires_grad_(False)  # the target's, frozen
-        ids = torch.arange(target.vocab_size) if ecfg.draft_vocab is None else torch.tensor(ecfg.draft_vocab)
-        if int(ids.max()) >= target.vocab_size:
-            raise ValueError(f"draft vocabulary has ids >= the target vocabulary size {target.vocab_size}")
-        self.head = nn.Linear(H, ids.numel(), **kw)
-        self.register_buffer("draft_ids", ids.to(device=device), persistent=False)  # [Vd] target ids
+        self.build_stack(target, 1, ecfg.draft_vocab, device=device, dtype=dtype)
 
     @property
     def feature_layers(self) -> frozenset[int]:
@@ -103,18 +90,8 @@ class EagleHead(nn.Module):
         """emb, feature [..., H] -> decoder input rows [..., H]."""
         return self.inp(torch.cat([emb, feature], dim=-1))
 
-    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
-        return self.stack.new_cache(batch, capacity)
-
-    def forward_rows(self, rows: torch.Tensor, cache: KVCache, slot0: int, positions: torch.Tensor | None = None,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
-        """rows [B, T, H] at cache slots [slot0, slot0+T) -> hidden [B, T, H] (the next feature)."""
-        h, _ = self.stack.forward_layers(rows, cache, slot0, positions=positions, mask=mask)
-        return h
-
-    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> logits over the draft vocabulary [..., Vd] (fp32)."""
-        return self.head(self.final_norm(h)).float()
+    # new_cache, forward_rows (whose hidden output is the next draft step's feature) and
+    # draft_logits: engine/draft_stack.py
 
     @torch.no_grad()
     def init_from_target(self, target: StageModel, layer: int = -1) -> "EagleHead":
@@ -126,57 +103,32 @@ class EagleHead(nn.Module):
         self.inp.weight.copy_(torch.cat([torch.eye(H), torch.eye(H)], dim=1))
         src = target.decoder.layers[str(layer % target.cfg.num_layers)]
         self.stack.decoder.layers["0"].load_state_dict(src.state_dict())
-        self.final_norm.weight.copy_(target.decoder.final_layernorm.weight)
-        w = target.output_weight()
-        self.head.weight.copy_(w[self.draft_ids.to(w.device)])
+        self.copy_target_head(target.decoder.final_layernorm.weight, target.output_weight())
         return self
 
 
 def save_eagle(head: EagleHead, out_dir: str | Path, extra: dict | None = None,
                dtype: torch.dtype | None = None) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if dtype == torch.int8:  # int8 rows with fp16 scales (engine/pdm_quant.py)
-        state = quantize_state(head.state_dict())
-    else:
-        state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in head.state_dict().items()}
-    save_file(state, str(out / "eagle.safetensors"))
-    meta = {"format": EAGLE_FORMAT, "config": head.ecfg.to_dict(), **(extra or {})}
-    (out / "eagle.json").write_text(json.dumps(meta, indent=1))
-    return out
+    """Write eagle.safetensors (optionally cast; torch.int8: int8 rows with fp16 scales,
+    engine/pdm_quant.py) + eagle.json."""
+    return save_head(head, out_dir, EAGLE_FILES, head.ecfg.to_dict(), extra, dtype)
 
 
 def read_eagle_config(path: str | Path) -> tuple[EagleConfig, dict]:
-    meta_path = Path(path) / "eagle.json"
-    if not meta_path.is_file():
-        raise ValueError(f"no EAGLE head at {path}: {meta_path} is missing")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"corrupt EAGLE head config {meta_path}: {err}") from None
-    if meta.get("format") != EAGLE_FORMAT:
-        raise ValueError(f"{meta_path}: unknown EAGLE head format {meta.get('format')!r}, expected {EAGLE_FORMAT!r}")
+    meta = read_head_meta(path, EAGLE_FILES)
     return EagleConfig.from_dict(meta["config"]), meta
 
 
 def check_eagle_matches(ecfg: EagleConfig, target: ModelConfig) -> None:
     """A clear error for a head trained for another model."""
-    if ecfg.target_fingerprint and ecfg.target_fingerprint != target.fingerprint():
-        raise ValueError(f"EAGLE head was trained for another model (target fingerprint "
-                         f"{ecfg.target_fingerprint}, this model is {target.fingerprint()})")
+    check_fingerprint(ecfg.target_fingerprint, target, EAGLE_FILES)
 
 
 def load_eagle(path: str | Path, target: ModelConfig, device=None, dtype=torch.float32) -> EagleHead:
     ecfg, _ = read_eagle_config(path)
     check_eagle_matches(ecfg, target)
     head = EagleHead(target, ecfg, device=device, dtype=dtype)
-    wpath = Path(path) / "eagle.safetensors"
-    if not wpath.is_file():
-        raise ValueError(f"EAGLE head weights missing: {wpath}")
-    try:
-        state = dequantize_state(load_file(str(wpath)), dtype)  # int8 rows + scales, or as stored
-    except (SafetensorError, OSError) as err:
-        raise ValueError(f"corrupt EAGLE head weights {wpath}: {err}") from None
+    state, wpath = read_head_state(path, EAGLE_FILES, dtype)  # int8 rows + scales, or as stored
     expected = head.state_dict()
     for k, v in expected.items():
         if k not in state or tuple(state[k].shape) != tuple(v.shape):
@@ -191,9 +143,5 @@ def random_eagle(target: ModelConfig, seed: int = 0, feature_layers: tuple[int, 
     """An untrained head (random weights): eagle output must still be lossless with it."""
     layers = feature_layers or default_feature_layers(target.num_layers)
     head = EagleHead(target, EagleConfig(layers, draft_vocab, target.fingerprint()), device=device, dtype=dtype)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.05 * noise)
+    head.randomize_(seed)
     return head.eval()

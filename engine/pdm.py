@@ -9,23 +9,20 @@ of target ids; default the full vocabulary). Checkpoint: `pdm.safetensors` + `pd
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from spd_engine.engine.anchors import AnchorPlan
+from spd_engine.engine.draft_stack import DraftStack, check_draft_vocab
+from spd_engine.engine.head_io import HeadFormat, check_fingerprint, read_head_meta, read_head_state, save_head
 from spd_engine.engine.model_config import ModelConfig
-from spd_engine.engine.kv_cache import KVCache
-from spd_engine.engine.model import RMSNorm, StageModel
-from spd_engine.engine.pdm_quant import dequantize_state, quantize_state
 from spd_engine.kernels.anchor_gather import anchor_rows, pack_projection_weights
 
 PDM_FORMAT = "spd-pdm-v1"
+PDM_FILES = HeadFormat("pdm", PDM_FORMAT, name="PDM", head_name="PDM head", dir_name="PDM checkpoint")
 
 
 @dataclass(frozen=True)
@@ -39,10 +36,7 @@ class PDMConfig:
     def __post_init__(self) -> None:
         if self.num_layers < 1:
             raise ValueError(f"PDM needs at least one decoder layer, got K={self.num_layers}")
-        if self.draft_vocab is not None:
-            dv = list(self.draft_vocab)
-            if not dv or dv != sorted(set(dv)) or dv[0] < 0:
-                raise ValueError("draft vocabulary must be a non-empty sorted list of unique token ids")
+        check_draft_vocab(self.draft_vocab)
 
     @property
     def n(self) -> int:
@@ -66,7 +60,7 @@ class PDMConfig:
                    tuple(dv) if dv is not None else None, d.get("target_fingerprint", ""))
 
 
-class PDM(nn.Module):
+class PDM(DraftStack):
     def __init__(self, target: ModelConfig, pcfg: PDMConfig, device=None, dtype=torch.float32) -> None:
         super().__init__()
         plan = pcfg.plan()
@@ -77,16 +71,7 @@ class PDM(nn.Module):
         H = target.hidden_size
         self.proj = nn.ModuleList(nn.Linear((a + 1) * H, H, bias=False, device=device, dtype=dtype)
                                   for a in range(plan.num_types))
-        stack_cfg = dataclasses.replace(target, num_layers=pcfg.num_layers)
-        self.stack = StageModel(stack_cfg, range(pcfg.num_layers), device=device, dtype=dtype)
-        self.final_norm = RMSNorm(H, target.rms_eps, device, dtype)
-        self.final_norm.weight.requires_grad_(False)  # the target's, frozen
-        vd = target.vocab_size if pcfg.draft_vocab is None else len(pcfg.draft_vocab)
-        self.head = nn.Linear(H, vd, bias=False, device=device, dtype=dtype)
-        ids = torch.arange(target.vocab_size) if pcfg.draft_vocab is None else torch.tensor(pcfg.draft_vocab)
-        if int(ids.max()) >= target.vocab_size:
-            raise ValueError(f"draft vocabulary has ids >= the target vocabulary size {target.vocab_size}")
-        self.register_buffer("draft_ids", ids.to(device=device), persistent=False)  # [Vd] target ids
+        self.build_stack(target, pcfg.num_layers, pcfg.draft_vocab, device=device, dtype=dtype)
         self._packed: torch.Tensor | None = None
 
     # ---- rows ----
@@ -106,19 +91,7 @@ class PDM(nn.Module):
         x = anchors[..., : a + 1, :].flatten(-2)
         return self.proj[a](x)
 
-    # ---- decoder + head ----
-    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
-        return self.stack.new_cache(batch, capacity)
-
-    def forward_rows(self, rows: torch.Tensor, cache: KVCache, slot0: int, positions: torch.Tensor | None = None,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
-        """rows [B, T, H] at cache slots [slot0, slot0+T) -> hidden [B, T, H]."""
-        h, _ = self.stack.forward_layers(rows, cache, slot0, positions=positions, mask=mask)
-        return h
-
-    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> logits over the draft vocabulary [..., Vd] (fp32)."""
-        return self.head(self.final_norm(h)).float()
+    # decoder + head: new_cache, forward_rows, draft_logits (engine/draft_stack.py)
 
     # ---- initialisation ----
     @torch.no_grad()
@@ -133,8 +106,7 @@ class PDM(nn.Module):
         if target_layer is not None:
             for i in range(self.pcfg.num_layers):
                 self.stack.decoder.layers[str(i)].load_state_dict(target_layer.state_dict())
-        self.final_norm.weight.copy_(final_norm)
-        self.head.weight.copy_(output_weight[self.draft_ids.to(output_weight.device)])
+        self.copy_target_head(final_norm, output_weight)
         self._packed = None
         return self
 
@@ -142,37 +114,17 @@ class PDM(nn.Module):
 def save_pdm(pdm: PDM, out_dir: str | Path, extra: dict | None = None, dtype: torch.dtype | None = None) -> Path:
     """Write pdm.safetensors (optionally cast, e.g. float16 to halve a shipped head, or int8 rows
     with scales, engine/pdm_quant.py) + pdm.json."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if dtype == torch.int8:
-        state = quantize_state(pdm.state_dict())
-    else:
-        state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in pdm.state_dict().items()}
-    save_file(state, str(out / "pdm.safetensors"))
-    meta = {"format": PDM_FORMAT, "config": pdm.pcfg.to_dict(), **(extra or {})}
-    (out / "pdm.json").write_text(json.dumps(meta, indent=1))
-    return out
+    return save_head(pdm, out_dir, PDM_FILES, pdm.pcfg.to_dict(), extra, dtype)
 
 
 def read_pdm_config(path: str | Path) -> tuple[PDMConfig, dict]:
-    p = Path(path)
-    meta_path = p / "pdm.json"
-    if not meta_path.is_file():
-        raise ValueError(f"no PDM checkpoint at {p}: {meta_path} is missing")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"corrupt PDM config {meta_path}: {err}") from None
-    if meta.get("format") != PDM_FORMAT:
-        raise ValueError(f"{meta_path}: unknown PDM format {meta.get('format')!r}, expected {PDM_FORMAT!r}")
+    meta = read_head_meta(path, PDM_FILES)
     return PDMConfig.from_dict(meta["config"]), meta
 
 
 def check_pdm_matches(pcfg: PDMConfig, target: ModelConfig, stage_layers: tuple[int, ...]) -> None:
     """Clear errors for a head trained for another model or another stage split."""
-    if pcfg.target_fingerprint and pcfg.target_fingerprint != target.fingerprint():
-        raise ValueError(f"PDM head was trained for another model (target fingerprint "
-                         f"{pcfg.target_fingerprint}, this model is {target.fingerprint()})")
+    check_fingerprint(pcfg.target_fingerprint, target, PDM_FILES)
     if tuple(pcfg.stage_layers) != tuple(stage_layers):
         raise ValueError(f"PDM head was trained for n={pcfg.n} stages with layers {list(pcfg.stage_layers)}; "
                          f"this run uses n={len(stage_layers)} with layers {list(stage_layers)}")
@@ -183,13 +135,7 @@ def load_pdm(path: str | Path, target: ModelConfig, stage_layers: tuple[int, ...
     pcfg, _ = read_pdm_config(path)
     check_pdm_matches(pcfg, target, stage_layers)
     pdm = PDM(target, pcfg, device=device, dtype=dtype)
-    wpath = Path(path) / "pdm.safetensors"
-    if not wpath.is_file():
-        raise ValueError(f"PDM weights missing: {wpath}")
-    try:
-        state = dequantize_state(load_file(str(wpath)), dtype)
-    except (SafetensorError, OSError) as err:
-        raise ValueError(f"corrupt PDM weights {wpath}: {err}") from None
+    state, wpath = read_head_state(path, PDM_FILES, dtype)
     expected = pdm.state_dict()
     for k, v in expected.items():
         if k not in state:
@@ -210,11 +156,7 @@ def random_pdm(target: ModelConfig, stage_layers: tuple[int, ...], num_layers: i
     plan = AnchorPlan.build(bounds, anchors)
     pcfg = PDMConfig(tuple(stage_layers), plan.anchors, num_layers, draft_vocab, target.fingerprint())
     pdm = PDM(target, pcfg, device=device, dtype=dtype)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in pdm.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.05 * noise)
+    pdm.randomize_(seed)
     return pdm.eval()
 
 

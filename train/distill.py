@@ -10,7 +10,6 @@ under the wsd schedule `stable.pt` (the state where the decay starts) lets a run
 """
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections.abc import Iterator
@@ -24,8 +23,10 @@ from spd_engine.engine.anchors import AnchorPlan
 from spd_engine.engine.model import StageModel
 from spd_engine.engine.pdm import PDM, PDMConfig, save_pdm
 from spd_engine.train.data_parallel import DataParallel
+from spd_engine.train.head_training import HeadTrainer, check_loop_config
+from spd_engine.train.head_training import lr_at  # noqa: F401  (part of this module's API)
 from spd_engine.train.pipeline_sim import simulated_hidden, target_anchors
-from spd_engine.train.lr_schedule import SCHEDULES, check_fill_weights, decay_start, draw_fill, schedule_lr
+from spd_engine.train.lr_schedule import SCHEDULES, check_fill_weights, decay_start, draw_fill
 
 
 @dataclass
@@ -54,25 +55,14 @@ class TrainConfig:
     decay_frac: float = 0.2  # wsd: the last fraction of the steps decays
 
     def __post_init__(self) -> None:
-        if self.seq_len < 2 or self.batch < 1 or self.steps < 1 or self.lr <= 0:
-            raise ValueError("seq_len >= 2, batch >= 1, steps >= 1 and lr > 0 are required")
+        check_loop_config(self, min_seq_len=2)
         if not 0 <= self.full_fill_frac <= 1:
             raise ValueError(f"full_fill_frac must be in [0, 1], got {self.full_fill_frac}")
-        if self.autocast not in ("bfloat16", "float16", "float32"):
-            raise ValueError(f"autocast must be bfloat16, float16 or float32, got {self.autocast!r}")
-        if self.keep_every < 0 or self.save_every < 1:
-            raise ValueError("save_every >= 1 and keep_every >= 0 are required")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if not 0 < self.decay_frac < 1:
             raise ValueError(f"decay_frac must be in (0, 1), got {self.decay_frac}")
         check_fill_weights(self.fill_weights, len(self.stage_layers))
-
-
-def lr_at(step: int, cfg) -> float:
-    """Linear warmup, then the run's schedule (train/lr_schedule.py; cosine unless the config says)."""
-    return schedule_lr(step, cfg.lr, cfg.steps, cfg.warmup, getattr(cfg, "schedule", "cosine"),
-                       getattr(cfg, "decay_frac", 0.2))
 
 
 def new_pdm(target: StageModel, cfg: TrainConfig, draft_vocab: tuple[int, ...] | None) -> PDM:
@@ -106,39 +96,29 @@ def distill_loss(pdm: PDM, target: StageModel, tokens: torch.Tensor, f: int,
     return loss, agree
 
 
-class Trainer:
+class Trainer(HeadTrainer):
+    STATE_KEY = "pdm"
+
     def __init__(self, target: StageModel, cfg: TrainConfig, batches: Iterator[torch.Tensor],
                  draft_vocab: tuple[int, ...] | None = None, log=print, dp: DataParallel = DataParallel()) -> None:
         """`batches` is this rank's own stream (DataParallel.shard); only the main rank logs and saves."""
-        self.target, self.cfg, self.batches, self.dp = target, cfg, batches, dp
-        self.log = log if dp.is_main else (lambda msg: None)
-        self.out = Path(cfg.out)
-        if dp.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-        torch.manual_seed(cfg.seed)
+        super().__init__(target, cfg, batches, log, dp)
         self.pdm = new_pdm(target, cfg, draft_vocab).to(cfg.device).train()
-        params = [p for p in self.pdm.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.opt = self._optimizer(self.pdm)
         self.rng = random.Random(cfg.seed)
-        self.step = 0
-        self.history: list[dict] = []
         self._resume()
 
-    def _resume(self) -> None:
-        state_path = self.out / "state.pt"
-        if not state_path.is_file():
-            return
-        st = torch.load(state_path, weights_only=False)
+    @property
+    def model(self) -> PDM:
+        return self.pdm
+
+    def _resume_state(self, st: dict, state_path: Path) -> dict:
         if st["config"]["stage_layers"] != list(self.cfg.stage_layers):
             raise ValueError(f"{state_path} belongs to a run with stage layers {st['config']['stage_layers']}")
-        st = self._extension_start(st, state_path)
-        self.pdm.load_state_dict(st["pdm"])
-        self.opt.load_state_dict(st["opt"])
+        return self._extension_start(st, state_path)
+
+    def _restore(self, st: dict) -> None:
         self.rng.setstate(st["rng"])
-        self.step, self.history = st["step"], st["history"]
-        for _ in range(self.step):  # replay the data stream to where the run stopped
-            next(self.batches)
-        self.log(f"resumed from step {self.step}")
 
     def _extension_start(self, st: dict, state_path: Path) -> dict:
         """The state to resume from: `st`, or under wsd, when --steps grew past a run that had
@@ -174,21 +154,10 @@ class Trainer:
         cfg["stage_layers"] = list(self.cfg.stage_layers)
         st = {"pdm": self.pdm.state_dict(), "opt": self.opt.state_dict(), "rng": self.rng.getstate(),
               "step": self.step, "history": self.history, "config": cfg}
-        tmp = self.out / "state.pt.tmp"
-        torch.save(st, tmp)
-        tmp.replace(self.out / "state.pt")
+        self._write_state(st)
         if self.step == self._stable_step():
-            torch.save(st, self.out / "stable.pt.tmp")
-            (self.out / "stable.pt.tmp").replace(self.out / "stable.pt")
-        extra = {"train": {"step": self.step, "tokens": self.tokens_seen(), "config": cfg}}
-        save_pdm(self.pdm, self.out / "pdm", extra=extra, dtype=getattr(torch, self.cfg.export_dtype))
-        if self.cfg.keep_every and self.step % self.cfg.keep_every == 0:  # for acceptance-vs-tokens curves
-            save_pdm(self.pdm, self.out / "snapshots" / f"step-{self.step:06d}", extra=extra,
-                     dtype=getattr(torch, self.cfg.export_dtype))
-        (self.out / "history.json").write_text(json.dumps(self.history, indent=1))
-
-    def tokens_seen(self) -> int:
-        return self.history[-1]["tokens"] if self.history else 0
+            self._write_state(st, "stable.pt")
+        self._export(save_pdm, "pdm", cfg)
 
     def run(self) -> PDM:
         n = len(self.cfg.stage_layers)
@@ -198,26 +167,17 @@ class Trainer:
         while self.step < self.cfg.steps:
             tokens = next(self.batches).to(self.cfg.device)
             f = draw_fill(n, self.cfg.full_fill_frac, self.rng, self.cfg.fill_weights)
-            for g in self.opt.param_groups:
-                g["lr"] = lr_at(self.step, self.cfg)
+            self._set_lr()
             loss, agree = distill_loss(self.pdm, self.target, tokens, f, self.cfg.autocast)
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            self.dp.average_gradients(self.pdm.parameters())
-            torch.nn.utils.clip_grad_norm_(self.pdm.parameters(), self.cfg.grad_clip)
-            self.opt.step()
-            self.step += 1
+            self._apply(loss)
             tokens_seen += tokens.numel() * self.dp.world
             loss_v, agree_v = self.dp.mean(float(loss.detach())), self.dp.mean(float(agree))
             window.setdefault(f, []).append(agree_v)
             self.history.append({"step": self.step, "fill": f, "loss": loss_v, "agree": agree_v, "tokens": tokens_seen})
-            if self.step % 10 == 0 or self.step == self.cfg.steps:
+            if self._log_due():
                 per_fill = " ".join(f"f{k}={sum(v) / len(v):.3f}" for k, v in sorted(window.items()))
-                self.log(f"step {self.step}/{self.cfg.steps} loss {loss_v:.3f} top1 {per_fill} "
-                         f"tokens {tokens_seen / 1e6:.3f}M {time.time() - t0:.0f}s")
+                self._log_step(loss_v, per_fill, tokens_seen, t0)
                 window.clear()
-            if self.dp.is_main and (self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps or
-                                    self.step == self._stable_step() or
-                                    (self.cfg.keep_every and self.step % self.cfg.keep_every == 0)):
+            if self._save_due():
                 self.save()
         return self.pdm.eval()

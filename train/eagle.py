@@ -13,7 +13,6 @@ Checkpoints (`state.pt` + an exported head directory) make runs resumable, as th
 """
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 from spd_engine.engine.eagle_head import EagleConfig, EagleHead, default_feature_layers, save_eagle
 from spd_engine.engine.model import StageModel
 from spd_engine.train.data_parallel import DataParallel
-from spd_engine.train.distill import lr_at
+from spd_engine.train.head_training import HeadTrainer, check_loop_config
 
 
 @dataclass
@@ -49,14 +48,9 @@ class EagleTrainConfig:
     autocast: str = "bfloat16"  # head compute dtype under torch.autocast ("float32": off)
 
     def __post_init__(self) -> None:
-        if self.seq_len < 3 or self.batch < 1 or self.steps < 1 or self.lr <= 0:
-            raise ValueError("seq_len >= 3, batch >= 1, steps >= 1 and lr > 0 are required")
+        check_loop_config(self, min_seq_len=3)
         if not 1 <= self.ttt_steps < self.seq_len - 1:
             raise ValueError(f"ttt_steps must be in [1, seq_len - 1), got {self.ttt_steps}")
-        if self.autocast not in ("bfloat16", "float16", "float32"):
-            raise ValueError(f"autocast must be bfloat16, float16 or float32, got {self.autocast!r}")
-        if self.keep_every < 0 or self.save_every < 1:
-            raise ValueError("save_every >= 1 and keep_every >= 0 are required")
 
 
 def ttt_mask(S1: int, steps: int, device=None) -> torch.Tensor:
@@ -122,74 +116,46 @@ def new_head(target: StageModel, cfg: EagleTrainConfig, draft_vocab: tuple[int, 
     return head.init_from_target(target, cfg.init_layer)
 
 
-class EagleTrainer:
+class EagleTrainer(HeadTrainer):
+    STATE_KEY = "head"
+
     def __init__(self, target: StageModel, cfg: EagleTrainConfig, batches: Iterator[torch.Tensor],
                  draft_vocab: tuple[int, ...] | None = None, log=print, dp: DataParallel = DataParallel()) -> None:
-        self.target, self.cfg, self.batches, self.dp = target, cfg, batches, dp
-        self.log = log if dp.is_main else (lambda msg: None)
-        self.out = Path(cfg.out)
-        if dp.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-        torch.manual_seed(cfg.seed)
+        super().__init__(target, cfg, batches, log, dp)
         self.head = new_head(target, cfg, draft_vocab).float().to(cfg.device).train()
-        params = [p for p in self.head.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-        self.step, self.history = 0, []
+        self.opt = self._optimizer(self.head)
         self._resume()
 
-    def _resume(self) -> None:
-        path = self.out / "state.pt"
-        if not path.is_file():
-            return
-        st = torch.load(path, weights_only=False)
+    @property
+    def model(self) -> EagleHead:
+        return self.head
+
+    def _resume_state(self, st: dict, path: Path) -> dict:
         if st.get("method") != "eagle":
             raise ValueError(f"{path} belongs to a PDM training run, not an EAGLE head's")
-        self.head.load_state_dict(st["head"])
-        self.opt.load_state_dict(st["opt"])
-        self.step, self.history = st["step"], st["history"]
-        for _ in range(self.step):  # replay the data stream to where the run stopped
-            next(self.batches)
-        self.log(f"resumed from step {self.step}")
+        return st
 
     def save(self) -> None:
         cfg = asdict(self.cfg)
         st = {"method": "eagle", "head": self.head.state_dict(), "opt": self.opt.state_dict(), "step": self.step,
               "history": self.history, "config": cfg}
-        tmp = self.out / "state.pt.tmp"
-        torch.save(st, tmp)
-        tmp.replace(self.out / "state.pt")
-        extra = {"train": {"step": self.step, "tokens": self.tokens_seen(), "config": cfg}}
-        dtype = getattr(torch, self.cfg.export_dtype)
-        save_eagle(self.head, self.out / "eagle", extra=extra, dtype=dtype)
-        if self.cfg.keep_every and self.step % self.cfg.keep_every == 0:
-            save_eagle(self.head, self.out / "snapshots" / f"step-{self.step:06d}", extra=extra, dtype=dtype)
-        (self.out / "history.json").write_text(json.dumps(self.history, indent=1))
-
-    def tokens_seen(self) -> int:
-        return self.history[-1]["tokens"] if self.history else 0
+        self._write_state(st)
+        self._export(save_eagle, "eagle", cfg)
 
     def run(self) -> EagleHead:
         cfg, t0, tokens_seen = self.cfg, time.time(), self.tokens_seen()
         while self.step < cfg.steps:
             tokens = next(self.batches).to(cfg.device)
-            for g in self.opt.param_groups:
-                g["lr"] = lr_at(self.step, cfg)
+            self._set_lr()
             loss, agree = eagle_loss(self.head, self.target, tokens, cfg.ttt_steps, cfg.autocast)
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            self.dp.average_gradients(self.head.parameters())
-            torch.nn.utils.clip_grad_norm_(self.head.parameters(), cfg.grad_clip)
-            self.opt.step()
-            self.step += 1
+            self._apply(loss)
             tokens_seen += tokens.numel() * self.dp.world
             agree = [self.dp.mean(a) for a in agree]
             self.history.append({"step": self.step, "loss": self.dp.mean(float(loss.detach())), "agree": agree,
                                  "tokens": tokens_seen})
-            if self.step % 10 == 0 or self.step == cfg.steps:
+            if self._log_due():
                 steps = " ".join(f"s{i}={a:.3f}" for i, a in enumerate(agree))
-                self.log(f"step {self.step}/{cfg.steps} loss {self.history[-1]['loss']:.3f} top1 {steps} "
-                         f"tokens {tokens_seen / 1e6:.3f}M {time.time() - t0:.0f}s")
-            if self.dp.is_main and (self.step % cfg.save_every == 0 or self.step == cfg.steps or
-                                    (cfg.keep_every and self.step % cfg.keep_every == 0)):
+                self._log_step(self.history[-1]["loss"], steps, tokens_seen, t0)
+            if self._save_due():
                 self.save()
         return self.head.eval()
