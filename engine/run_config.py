@@ -25,9 +25,12 @@ from spd_engine.engine.topology import Topology
 from spd_engine.engine.tp_shard import check_tp
 
 MODES = ("spd", "pp", "ar", "tp", "eagle")
-# branch width of an SPD run that names none: W = 2 at refill lifts the shipped n=4 head's pooled
-# EAL from 2.03 to 2.16 on the dev prompts at a stage step of 1.00-1.08x (docs/eval.md, docs/benchmarks.md)
-DEFAULT_BRANCHES = 2
+# branch width of an SPD run that names none. W = 2 at refill lifts the shipped n=4 head's pooled
+# EAL from 2.03 to 2.16 on the dev prompts, but on the 2-core CPU host a tick then costs 1.3x
+# (chain steps run the masked attention path, the PDM runs once per chain: docs/benchmarks.md),
+# and the H200 profiles predict only +6% with a separate driver: W = 2 stays opt-in until a GPU
+# run measures it.
+DEFAULT_BRANCHES = 1
 EAGLE_K = 2  # draft chain length of --mode eagle: the shipped head accepts nothing past step 2 (README, docs/eval.md)
 
 

@@ -30,11 +30,13 @@ from spd_engine.engine.greedy import greedy_generate
 from spd_engine.engine.sampling import SamplingParams
 from spd_engine.engine.tp_model import SerialTP
 from spd_engine.train.branch_replay import replay_branches
+from spd_engine.train.draft_potential import loops
 from spd_engine.train.fast_eval import Acceptance, FastRun, draft_table, fast_generate
 from spd_engine.train.reference_cache import ReferenceCache
 
 DATASETS = ("mt_bench", "humaneval", "gsm8k")
 EXECUTORS = ("fast", "reference", "dist")
+NON_LOOPING = "non-looping"  # the summary of the prompts whose output does not repeat itself (docs/eval.md)
 
 
 @dataclass(frozen=True)
@@ -288,6 +290,7 @@ class PromptRecord:
     near_ties: int | None
     seed: int | None = None  # T>0: the seed of this request's draws
     outside_vocab: int | None = None  # fast path: verified reference tokens outside the draft vocabulary
+    loops: bool | None = None  # the output repeats itself (train/draft_potential.py `loops`)
 
     def to_json(self) -> dict:
         a = self.acceptance
@@ -391,6 +394,9 @@ class EvalReport:
         return list(dict.fromkeys(r.dataset for r in self.records))
 
     def summary(self, dataset: str | None = None) -> Summary:
+        """One dataset's, all prompts' (None), or NON_LOOPING: the prompts whose output does not loop."""
+        if dataset == NON_LOOPING:
+            return summarize([r for r in self.records if r.loops is False], self.n)
         return summarize([r for r in self.records if dataset is None or r.dataset == dataset], self.n)
 
     @property
@@ -404,7 +410,8 @@ class EvalReport:
         alpha_by_n = {str(self.n): overall.alpha} if overall.alpha is not None else {}
         return {**meta, "alpha_by_n": alpha_by_n,
                 "datasets": {d: self.summary(d).to_json() for d in self.datasets()},
-                "overall": overall.to_json(), "records": [r.to_json() for r in self.records]}
+                "overall": overall.to_json(), NON_LOOPING: self.summary(NON_LOOPING).to_json(),
+                "records": [r.to_json() for r in self.records]}
 
 
 def evaluate(runner, prompts: Sequence[tuple[Prompt, list[int]]], n: int, settings: EvalSettings,
@@ -415,7 +422,8 @@ def evaluate(runner, prompts: Sequence[tuple[Prompt, list[int]]], n: int, settin
         t0 = time.perf_counter()
         out = runner.run(ids, settings.max_new_tokens, eos_ids, request=k)
         rec = PromptRecord(p.dataset, p.index, p.question_id, len(ids), out.acceptance,
-                           time.perf_counter() - t0, out.lossless, out.near_ties, out.seed, out.outside_vocab)
+                           time.perf_counter() - t0, out.lossless, out.near_ties, out.seed, out.outside_vocab,
+                           loops(ids, out.tokens))
         report.records.append(rec)
         a = out.acceptance
         flag = "" if out.lossless is not False else "  OUTPUT DIFFERS FROM GREEDY"
@@ -431,7 +439,8 @@ def _fmt(x: float | None, digits: int = 3) -> str:
 def format_table(report: EvalReport) -> str:
     """One row per dataset and one overall; alpha@full / alpha@refill split drafts by fill."""
     head = ("dataset", "prompts", "tokens", "ticks", "alpha", "EAL", "alpha@full", "alpha@refill", "fail")
-    rows = [(d, report.summary(d)) for d in report.datasets()] + [("overall", report.summary())]
+    rows = [(d, report.summary(d)) for d in report.datasets()] + [("overall", report.summary()),
+                                                                  (NON_LOOPING, report.summary(NON_LOOPING))]
     lines = [f"{head[0]:<12}" + "".join(f"{h:>13}" for h in head[1:])]
     for name, s in rows:
         cells = (s.prompts, s.tokens, s.ticks, _fmt(s.alpha), _fmt(s.eal), _fmt(s.alpha_full),

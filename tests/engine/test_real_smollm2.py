@@ -126,7 +126,7 @@ def test_shipped_head_is_lossless_and_accepts_drafts(smollm2, refs, one_thread):
 
 
 def test_shipped_head_with_branches_is_lossless_and_ticks_as_the_exact_replay(smollm2, refs, one_thread):
-    """W = 2 at refill (the default) with the shipped head and suffix drafts: greedy output token for
+    """W = 2 at refill with the shipped head and suffix drafts: greedy output token for
     token, and the exact T=0 replay with branch width (the fast executor of spd eval) predicts the
     runtime's ticks and branch counters."""
     from spd_engine.train.evaluate import FastRunner

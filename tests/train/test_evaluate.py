@@ -101,9 +101,11 @@ def test_table_has_a_row_per_dataset_and_overall():
     a = Acceptance(2, tokens=3, ticks=3, verified=2, accepted=1, verified_by_fill={1: 1, 2: 1},
                    accepted_by_fill={1: 0, 2: 1})
     rep = ev.EvalReport(n=2, records=[record("gsm8k", a), record("mt_bench", a)])
+    rep.records[0].loops, rep.records[1].loops = False, True  # only the first output does not loop
     lines = ev.format_table(rep).splitlines()
-    assert [ln.split()[0] for ln in lines] == ["dataset", "gsm8k", "mt_bench", "overall"]
-    assert lines[-1].split()[1:6] == ["2", "6", "6", "0.500", "1.333"]
+    assert [ln.split()[0] for ln in lines] == ["dataset", "gsm8k", "mt_bench", "overall", "non-looping"]
+    assert lines[-2].split()[1:6] == ["2", "6", "6", "0.500", "1.333"]
+    assert lines[-1].split()[1:4] == ["1", "3", "3"]
 
 
 # ---- executors agree ----
