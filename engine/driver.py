@@ -12,8 +12,8 @@ engine/messages.py's WireFormat. Anchor states land in a preallocated ring
 
 Branch width W (docs/design.md 3.11): at a branch point the driver sends W candidates in one
 message; until it is verified every chain drafts its own next token from its own staircase
-(the PDM runs once per chain over `rings[c]`: the chains' anchors, which share the main ring's
-below the branch point), and the verification of the branch point picks the survivor
+(one PDM pass over every chain's rows, `rings[c]` holding chain c's anchors, which share the
+main ring's below the branch point, a tree mask keeping the chains apart), and the verification of the branch point picks the survivor
 (engine/verify_multi.py); its anchors and draft records become the representative's (ring 0).
 """
 from __future__ import annotations
@@ -126,7 +126,8 @@ class Driver:
                                                       [self.depth_types[j] for j in range(L - 1, -1, -1)], device=dev)
                            for pending in (0, 1) for L in range(1, self.n + 1)}
         self._token_in = torch.zeros(1, 1, dtype=torch.long, device=dev)  # [1, 1] the entering token
-        self.pdm_cache = pdm.new_cache(opts.capacity)
+        # a pass over every chain writes (W - 1) n rows past the staircase's (_chain_pass)
+        self.pdm_cache = pdm.new_cache(opts.capacity + (W - 1) * self.n)
         self.step_mode = opts.step_mode
         self.pdm_steps: dict[int, PDMStep] = {}  # static PDM steps by row count (1 .. n + 1)
         self.verify_step: VerifyStep | None = None  # T=0 verification on a static input (graph modes)
@@ -356,27 +357,40 @@ class Driver:
         """This tick's drafts for plan.draft_pos: one; a branch point's candidates; or one per chain."""
         pos, policy = plan.draft_pos, self.req.policy
         if plan.branch is None:
-            h_last, draft_id = self._pdm_step(self._rows(plan, 0), plan.pdm_pos)
+            h_last, draft_id = self._pdm_step(self._rows(plan), plan.pdm_pos)
             if self.branching.branches(plan.fill, False):
                 return self._candidates(h_last, plan)
             return [Draft(pos, self._draft(h_last, plan, policy, draft_id))]
-        out = []
-        for c in range(plan.width):  # the PDM cache holds committed rows only: every chain shares it
-            h_last, draft_id = self._pdm_step(self._rows(plan, c), plan.pdm_pos)
-            out.append(Draft(pos, self._draft(h_last, plan, policy, draft_id, chain=c)))
-        return out
+        h_last = self._chain_pass(plan)  # [W, H]
+        return [Draft(pos, self._draft(h_last[c], plan, policy, chain=c)) for c in range(plan.width)]
 
-    def _rows(self, plan: TickPlan, chain: int) -> torch.Tensor:
-        """The PDM rows [R, H] of one chain: the representative's from ring 0; chain c > 0 reads its
-        own anchors (rings[c]) at and after the branch point."""
-        pending = int(plan.rows[0].pending)
-        types = self._row_types[(pending, plan.fill)]
-        if chain == 0:
-            slots = self._row_slots[(self._slot(plan.pdm_pos), len(plan.rows))]
-            return self.pdm.rows_from_ring(self.ring, slots, types)
-        flat = [self._slot(r.pos) + (chain * self.num_slots if r.pos >= plan.branch else 0) for r in plan.rows]
-        slots = torch.tensor(flat, device=self.device)
-        return self.pdm.rows_from_ring(self.rings.view(-1, *self.rings.shape[2:]), slots, types)
+    def _chain_pass(self, plan: TickPlan) -> torch.Tensor:
+        """One PDM pass over every chain of the branch point in flight: the rows below it once,
+        then each chain's own rows (its anchors, rings[c]), a tree mask keeping the chains apart;
+        returns each chain's last hidden state [W, H]. The PDM cache keeps committed rows only, so
+        the rows written here past the pending one are rewritten next tick, as at W = 1."""
+        q, W, p0 = plan.branch, plan.width, plan.pdm_pos
+        S = q - p0  # rows below the branch point: the pending row and the staircase's older part
+        C = len(plan.rows) - S  # each chain's own rows: positions q .. draft_pos - 1
+        assert S >= 0 and C >= 1, (p0, q, len(plan.rows))
+        types = self._row_types[(int(plan.rows[0].pending), plan.fill)]
+        slots = [self._slot(r.pos) for r in plan.rows[:S]] + \
+            [self._slot(r.pos) + c * self.num_slots for c in range(W) for r in plan.rows[S:]]
+        rows = self.pdm.rows_from_ring(self.rings.view(-1, *self.rings.shape[2:]),
+                                       torch.tensor(slots, device=self.device),
+                                       torch.cat([types[:S]] + [types[S:]] * W))  # [S + W C, H]
+        new = torch.arange(S + W * C, device=self.device)
+        chain = torch.where(new < S, -1, (new - S) // C)  # [T]: -1 for the shared rows
+        depth = torch.where(new < S, new, S + (new - S) % C)  # [T]: offset from p0 of the row's position
+        sees = ((chain[None] == -1) | (chain[None] == chain[:, None])) & (depth[None] <= depth[:, None])
+        mask = torch.cat([torch.ones(len(new), p0, dtype=torch.bool, device=self.device), sees], dim=1)
+        h = self.pdm.forward_rows(rows[None], self.pdm_cache, p0, (p0 + depth)[None], mask[None, None])[0]
+        return h[S + C - 1::C]  # [W, H]: the last row of each chain
+
+    def _rows(self, plan: TickPlan) -> torch.Tensor:
+        """The PDM rows [R, H] of the representative chain, from ring 0."""
+        slots = self._row_slots[(self._slot(plan.pdm_pos), len(plan.rows))]
+        return self.pdm.rows_from_ring(self.ring, slots, self._row_types[(int(plan.rows[0].pending), plan.fill)])
 
     # ---- drafting and verification (T = 0: argmax; T > 0: speculative sampling, docs/design.md 3.6) ----
     def _sample_target(self, logits: torch.Tensor, pos: int) -> int:

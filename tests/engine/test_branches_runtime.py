@@ -158,3 +158,33 @@ def test_branch_width_needs_spd_and_no_tp():
         tiny_engine_config("llama", 2, mode="pp", branches=2)
     with pytest.raises(ValueError, match="branch policy"):
         tiny_engine_config("llama", 2, branches=2, branch_when="sometimes")
+
+
+def test_one_pdm_pass_over_the_chains_equals_one_pass_per_chain(one_thread):
+    """The driver drafts every chain from one PDM pass with a tree mask; each chain's last hidden
+    state is what a pass over that chain's own rows alone gives (up to float rounding)."""
+    import torch
+
+    ecfg = branch_config(3, False, None, 2, "always", suffix_min_match=1)
+    prompt = random_prompts(ecfg.cfg, (13,), seed=7)[0]
+    checked = []
+    with ReferenceExecutor(ecfg) as ex:
+        d = ex.driver
+        batched = d._chain_pass
+
+        def compare(plan):
+            types = d._row_types[(int(plan.rows[0].pending), plan.fill)]
+            want = []
+            for c in range(plan.width):
+                flat = [d._slot(r.pos) + (c * d.num_slots if r.pos >= plan.branch else 0) for r in plan.rows]
+                rows = d.pdm.rows_from_ring(d.rings.view(-1, *d.rings.shape[2:]), torch.tensor(flat), types)
+                want.append(d.pdm.forward_rows(rows[None], d.pdm_cache, plan.pdm_pos)[0, -1])
+            got = batched(plan)
+            torch.testing.assert_close(got, torch.stack(want), atol=1e-5, rtol=1e-4)
+            checked.append(len(plan.rows))
+            return got
+
+        d._chain_pass = compare
+        res = ex.generate(prompt, NEW)
+    assert res.tokens == reference(ecfg, prompt, NEW)
+    assert len(checked) > 5 and len(set(checked)) > 1  # several passes, several staircase lengths
