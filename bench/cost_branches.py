@@ -1,14 +1,15 @@
 """Predicted speed of branch width W (docs/design.md 3.11): `spd plan --branches-json` turns the
 offline replay's figures (`spd draft-policies --branches --json`: EAL and stage tokens per step
-for each W) into tokens/s on a profile and links. PREDICTED twice over: the runtime does not
-carry chains yet, and a W-token stage step is priced with a given cost ratio to a one-token
-step (`bench/stage_width_time.py` measures it; on a GPU profile without that measurement it is
-an assumption, labelled).
+for each W; the runtime's counts, the replay being exact) into tokens/s on a profile and links.
+PREDICTED: a W-token stage step is priced with a given cost ratio to a one-token step
+(`bench/stage_width_time.py` measures it; on a GPU profile without that measurement it is an
+assumption, labelled).
 
 Per W, with `f = (tokens per step - 1) / (W - 1)` the share of stage steps that carry W tokens:
-every stage step costs `stage_ms * (1 + f * (cost_W - 1))` on average, the driver runs the PDM
-once per chain (`pdm * (1 + f * (W - 1))`), the tick is the steady critical cycle of the cost
-model (bench/cost_model_spd.py) and tokens/s = EAL / (n * tick).
+every stage step costs `stage_ms * (1 + f * (cost_W - 1))` on average; the driver's one PDM pass
+over every chain (engine/driver.py `_chain_pass`) is priced the same way
+(`pdm * (1 + f * (cost_W - 1))`: its rows grow as a stage step's do); the tick is the steady
+critical cycle of the cost model (bench/cost_model_spd.py) and tokens/s = EAL / (n * tick).
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def branch_rows(profile: Profile, link_of, n: int, colocate: bool, measured: dic
         f = (per_step - 1) / (w - 1) if w > 1 else 0.0
         cost = width_cost.get(w, 1.0)
         stage = [c * (1 + f * (cost - 1)) for c in base]
-        pdm = profile.driver_work_for(n, notes) * (1 + f * (w - 1))
+        pdm = profile.driver_work_for(n, notes) * (1 + f * (cost - 1))
         case = build_spd_case(stage, pdm, profile.verify_ms, 1.0, colocate, profile.hidden, profile.dtype_bytes,
                               profile.anchors, link_of)
         tick = max(spd_cycles(case).values())

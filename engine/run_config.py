@@ -26,10 +26,9 @@ from spd_engine.engine.tp_shard import check_tp
 
 MODES = ("spd", "pp", "ar", "tp", "eagle")
 # branch width of an SPD run that names none. W = 2 at refill lifts the shipped n=4 head's pooled
-# EAL from 2.03 to 2.16 on the dev prompts, but on the 2-core CPU host a tick then costs 1.3x
-# (chain steps run the masked attention path, the PDM runs once per chain: docs/benchmarks.md),
-# and the H200 profiles predict only +6% with a separate driver: W = 2 stays opt-in until a GPU
-# run measures it.
+# EAL from 2.03 to 2.16 on the dev prompts, but on the 2-core CPU host, where the ranks share the
+# cores, a tick then costs more than that buys (docs/benchmarks.md), and the H200 profiles
+# predict a few percent at best: W = 2 stays opt-in until a GPU run measures it.
 DEFAULT_BRANCHES = 1
 EAGLE_K = 2  # draft chain length of --mode eagle: the shipped head accepts nothing past step 2 (README, docs/eval.md)
 
