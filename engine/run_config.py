@@ -111,7 +111,7 @@ class RunConfig:
     eagle_head: str = "random"  # --mode eagle: EAGLE head directory or "random" (engine/eagle_head.py)
     eagle_k: int = EAGLE_K  # --mode eagle: drafts per round
     # branch width W: candidate chains a draft position may start (docs/design.md 3.11); None:
-    # DEFAULT_BRANCHES for SPD without TP, else 1 (resolved once, here)
+    # DEFAULT_BRANCHES for SPD, else 1 (resolved once, here)
     branches: int | None = None
     branch_when: str = "refill"  # where a branch point may start (engine/branching.py WHEN)
 
@@ -125,13 +125,11 @@ class RunConfig:
         object.__setattr__(self, "step_mode", StepMode.parse(self.step_mode))
         self.chooser()  # SuffixSettings names a bad suffix setting
         if self.branches is None:
-            auto = DEFAULT_BRANCHES if self.mode == "spd" and self.topology.tp == 1 else 1
+            auto = DEFAULT_BRANCHES if self.mode == "spd" else 1
             object.__setattr__(self, "branches", auto)
         self.branch_policy()  # BranchPolicy names a bad width or policy
         if self.branches > 1 and self.mode != "spd":
             raise ValueError(f"--branches {self.branches} needs --mode spd (branch chains are SPD drafts)")
-        if self.branches > 1 and self.topology.tp > 1:
-            raise ValueError("--branches > 1 with --tp > 1 is not supported: TP stages run one-token steps only")
         if not self.suffix_pdm_margin > 0:
             raise ValueError(f"suffix PDM margin must be > 0, got {self.suffix_pdm_margin}")
         if self.backend not in ("gloo", "nccl"):
@@ -207,9 +205,8 @@ class RunConfig:
         return max(1, (os.cpu_count() or 1) // ranks)
 
     def replace(self, **kw) -> "RunConfig":
-        """A copy with fields changed; one that cannot branch (not SPD, or TP) gets W = 1 unless given."""
-        mode, topo = kw.get("mode", self.mode), kw.get("topology", self.topology)
-        if "branches" not in kw and (mode != "spd" or topo.tp > 1):
+        """A copy with fields changed; one that cannot branch (not SPD) gets W = 1 unless given."""
+        if "branches" not in kw and kw.get("mode", self.mode) != "spd":
             kw["branches"] = 1
         return dataclasses.replace(self, **kw)
 

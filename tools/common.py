@@ -226,7 +226,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
     if branch_flags:
         d.add_argument("--branches", type=int, default=None, metavar="W",
                        help=f"branch width: a draft position may carry up to W candidate chains (docs/design.md "
-                            f"3.11; default {DEFAULT_BRANCHES} for SPD without --tp, else 1)")
+                            f"3.11; default {DEFAULT_BRANCHES})")
         d.add_argument("--branch-when", choices=WHEN, default=run_default("branch_when"),
                        help="where a branch point may start: after a rejection (refill) or whenever none is in flight")
     d.add_argument("--suffix-cross-request", choices=("on", "off"),

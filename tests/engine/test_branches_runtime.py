@@ -151,7 +151,30 @@ def test_sampling_with_branches_is_fixed_by_the_seed(one_thread):
     assert outs[1][0] == outs[1][1] and outs[1][0] != outs[2][0]
 
 
-def test_branch_width_needs_spd_and_no_tp():
+@pytest.mark.parametrize("n,width", [(2, 2), (3, 4)])
+def test_forced_candidates_on_tensor_parallel_stages(n, width, one_thread):
+    """--tp 2: the chains' rows go through the sharded layers (one reduction per row-parallel
+    layer, all rows at once) and the survivor's entries move in every shard's cache."""
+    from tp_cases import serial_tp, tp_engine_config
+    from spd_engine.engine.greedy import greedy_generate
+
+    ecfg = tp_engine_config("spd", n, 2).replace(branches=width, branch_when="always")
+    V = ecfg.cfg.vocab_size
+    oracle = serial_tp(ecfg)
+    saves = 0
+    with ReferenceExecutor(ecfg) as ex:
+        for p in random_prompts(ecfg.cfg, (5, 19), seed=8):
+            ref = greedy_generate(oracle, p, NEW, chunk=ecfg.prefill_chunk)
+            forced_candidates(ex.driver, ref, len(p), width, V)
+            res = ex.generate(p, NEW, (), draft_policy=Policy(ref, len(p), V, wrong=WRONG))
+            assert res.tokens == ref
+            assert (res.ticks, res.branch_saves) == protocol_ticks(n, NEW, len(p), ref, width, "always", V)
+            saves += res.branch_saves
+            del ex.driver._candidates
+    assert saves > 0
+
+
+def test_branch_width_needs_spd():
     with pytest.raises(ValueError, match="--branches must be >= 1"):
         tiny_engine_config("llama", 2, branches=0)
     with pytest.raises(ValueError, match="needs --mode spd"):
