@@ -2,7 +2,12 @@
 stage workers of a distributed run, ranks as threads): greedy outputs equal greedy decoding for
 W in {2, 4} over n = 1..4, co-located, an uneven split and the static step mode; branch points
 whose target token is a later candidate are saved, and the tick count is the tick protocol's
-for the same verdicts; at T>0 a seed fixes the output."""
+for the same verdicts; at T>0 a seed fixes the output.
+
+A chain step computes W rows in one matmul, another computation than greedy's one-token steps
+(docs/testing.md, case 2): its outputs equal greedy decoding up to a near-tie. `agrees` asserts
+equality or a divergence at a near-tie (none met on the hosts these ran on), and the checks that
+need the reference's tokens (tick counts) apply where the outputs are equal."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,9 +19,20 @@ from spd_engine.engine.reference import ReferenceExecutor
 from spd_engine.engine.sampling import SamplingParams
 from spd_engine.engine.tick import Draft, TickState, Verdict
 from spd_engine.engine.topology import Topology
-from helpers import Policy, random_prompts, reference, tiny_engine_config
+from helpers import Policy, full_model, random_prompts, reference, tiny_engine_config
+from near_ties import assert_greedy_agrees, teacher_forced
 
 NEW = 40
+CHAIN_LOGIT_BOUND = 1e-5  # W-row vs one-token steps on the tiny configs (logits O(1)), as static vs eager
+
+
+def agrees(ecfg, prompt: list[int], got: list[int], want: list[int]) -> bool:
+    """The run's tokens equal greedy decoding's, or first differ at a near-tie; True when equal."""
+    k = assert_greedy_agrees(got, want, teacher_forced(full_model(ecfg), prompt, want), CHAIN_LOGIT_BOUND,
+                             f"W={ecfg.branches}")
+    if k is not None:
+        print(f"near-tie at token {k}: outputs part there (allowed)")
+    return k is None
 WRONG = frozenset({1, 6, 7, 15, 22, 30})  # chain drafts forced wrong at these token indices
 
 
@@ -102,8 +118,8 @@ def test_forced_candidates_are_lossless_and_save_ticks(n, colocate, split, width
             ref = reference(ecfg, p, NEW)
             forced_candidates(ex.driver, ref, len(p), width, V)
             res = ex.generate(p, NEW, (), draft_policy=Policy(ref, len(p), V, wrong=WRONG))
-            assert res.tokens == ref
-            assert (res.ticks, res.branch_saves) == protocol_ticks(n, NEW, len(p), ref, width, when, V)
+            if agrees(ecfg, p, res.tokens, ref):
+                assert (res.ticks, res.branch_saves) == protocol_ticks(n, NEW, len(p), ref, width, when, V)
             points, saves = points + res.branch_points, saves + res.branch_saves
             del ex.driver._candidates
     assert 0 < saves < points  # saved and unsaved branch points both occur
@@ -117,7 +133,7 @@ def test_untrained_pdm_and_suffix_drafts_are_lossless(n, colocate, split, width,
     with ReferenceExecutor(ecfg) as ex:
         for p in prompts:  # one runtime, many requests: each starts after whatever the last left
             res = ex.generate(p, NEW)
-            assert res.tokens == reference(ecfg, p, NEW)
+            agrees(ecfg, p, res.tokens, reference(ecfg, p, NEW))
             assert res.branch_points > 0
 
 
@@ -130,12 +146,12 @@ def test_static_steps_with_branches_are_lossless(n, one_thread):
     prompts = random_prompts(ecfg.cfg, (7, 19), seed=5)
     with ReferenceExecutor(ecfg) as ex, ReferenceExecutor(eager) as ex_eager:
         for p in prompts:
-            want = ex_eager.generate(p, NEW).tokens
-            assert want == reference(ecfg, p, NEW)
-            ref = want
+            ref = reference(ecfg, p, NEW)
+            agrees(eager, p, ex_eager.generate(p, NEW).tokens, ref)
             forced_candidates(ex.driver, ref, len(p), 2, V)
             res = ex.generate(p, NEW, (), draft_policy=Policy(ref, len(p), V, wrong=WRONG))
-            assert res.tokens == ref and res.branch_saves > 0
+            if agrees(ecfg, p, res.tokens, ref):
+                assert res.branch_saves > 0
             del ex.driver._candidates
 
 
@@ -167,8 +183,9 @@ def test_forced_candidates_on_tensor_parallel_stages(n, width, one_thread):
             ref = greedy_generate(oracle, p, NEW, chunk=ecfg.prefill_chunk)
             forced_candidates(ex.driver, ref, len(p), width, V)
             res = ex.generate(p, NEW, (), draft_policy=Policy(ref, len(p), V, wrong=WRONG))
-            assert res.tokens == ref
-            assert (res.ticks, res.branch_saves) == protocol_ticks(n, NEW, len(p), ref, width, "always", V)
+            k = assert_greedy_agrees(res.tokens, ref, teacher_forced(full_model(ecfg), p, ref), 1e-4, "TP W")
+            if k is None:  # the TP oracle's tokens (its sums are the shards'): the tick protocol's counts
+                assert (res.ticks, res.branch_saves) == protocol_ticks(n, NEW, len(p), ref, width, "always", V)
             saves += res.branch_saves
             del ex.driver._candidates
     assert saves > 0
@@ -209,5 +226,5 @@ def test_one_pdm_pass_over_the_chains_equals_one_pass_per_chain(one_thread):
 
         d._chain_pass = compare
         res = ex.generate(prompt, NEW)
-    assert res.tokens == reference(ecfg, prompt, NEW)
+    agrees(ecfg, prompt, res.tokens, reference(ecfg, prompt, NEW))
     assert len(checked) > 5 and len(set(checked)) > 1  # several passes, several staircase lengths

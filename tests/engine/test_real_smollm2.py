@@ -15,6 +15,7 @@ from spd_engine.engine.launch import launch
 from spd_engine.engine.reference import ReferenceExecutor
 from spd_engine.engine.topology import Topology
 from helpers import Policy, check_run  # noqa: F401
+from near_ties import assert_greedy_agrees, teacher_forced
 
 CHUNK = 16  # chat prompts are ~40 tokens: several prefill chunks
 PROMPTS = ["Write a short poem about the sea.",
@@ -134,14 +135,16 @@ def test_shipped_head_with_branches_is_lossless_and_ticks_as_the_exact_replay(sm
     eos = smollm2[1].eos_token_ids
     ecfg = shipped_head_config(smollm2).replace(branches=2)
     fast = FastRunner(ecfg)
+    full = fast.target
     points = 0
     with ReferenceExecutor(ecfg) as ex:
         for text in PROMPTS[:2]:
             prompt, want = refs(text, NEW)
             res = ex.generate(prompt, NEW, eos)
-            assert res.tokens == want, text
-            replay = fast.run(prompt, NEW, eos).acceptance
-            assert (res.ticks, res.verified, res.accepted) == (replay.ticks, replay.verified, replay.accepted), text
+            # W-row chain steps: greedy's tokens up to a near-tie (docs/testing.md); counts where equal
+            if assert_greedy_agrees(res.tokens, want, teacher_forced(full, prompt, want), 2e-4, text) is None:
+                replay = fast.run(prompt, NEW, eos).acceptance
+                assert (res.ticks, res.verified, res.accepted) == (replay.ticks, replay.verified, replay.accepted), text
             points += res.branch_points
     assert points > 0
 

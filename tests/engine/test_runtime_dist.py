@@ -6,7 +6,8 @@ import pytest
 
 from spd_engine.engine.launch import launch
 from spd_engine.engine.reference import ReferenceExecutor
-from helpers import CHUNK, Policy, check_run, random_prompts, reference, summary, tiny_engine_config
+from helpers import CHUNK, Policy, check_run, full_model, random_prompts, reference, summary, tiny_engine_config
+from near_ties import assert_greedy_agrees, teacher_forced
 
 pytestmark = pytest.mark.multiproc
 
@@ -62,7 +63,8 @@ def test_distributed_run_matches_reference_executor(arch, mode, n, colocate):
                          ids=["qwen3-n3-W2", "llama-n4-colocated-W4"])
 def test_branch_chains_across_processes_match_the_reference_executor(arch, n, colocate, width, when):
     """Branch width W over gloo: the chains' messages, the survivor's KV entries and the flushes
-    give the reference executor's tokens, ticks and branch counters, and greedy decoding's tokens."""
+    give the reference executor's tokens, ticks and branch counters (the same computation, bit for
+    bit), and greedy decoding's tokens up to a near-tie."""
     ecfg = tiny_engine_config(arch, n, colocate, threads=1, branches=width, branch_when=when, suffix_min_match=1)
     prompts = random_prompts(ecfg.cfg, (1, 2 * CHUNK + 5, 9), seed=4)
 
@@ -70,7 +72,9 @@ def test_branch_chains_across_processes_match_the_reference_executor(arch, n, co
         out = []
         for p in prompts:
             res = runtime.generate(p, NEW)
-            assert res.tokens == reference(ecfg, p, NEW)
+            # W-row chain steps: greedy's tokens up to a near-tie (docs/testing.md)
+            assert_greedy_agrees(res.tokens, reference(ecfg, p, NEW),
+                                 teacher_forced(full_model(ecfg), p, reference(ecfg, p, NEW)), 1e-5, "W>1")
             out.append(dict(summary(res), points=res.branch_points, saves=res.branch_saves))
         return out
 
