@@ -11,10 +11,11 @@ engine/messages.py's WireFormat. Anchor states land in a preallocated ring
 `[num_slots, num_anchors, H]` indexed by position. Per-request state lives in a `Request`.
 
 Branch width W (docs/design.md 3.11): at a branch point the driver sends W candidates in one
-message; until it is verified every chain drafts its own next token from its own staircase
-(one PDM pass over every chain's rows, `rings[c]` holding chain c's anchors, which share the
-main ring's below the branch point, a tree mask keeping the chains apart), and the verification of the branch point picks the survivor
-(engine/verify_multi.py); its anchors and draft records become the representative's (ring 0).
+message; until it is verified every chain drafts its own next token from its own staircase (one
+PDM pass over every chain's rows under a tree mask; `rings[c]` holds chain c's anchors, which
+share the main ring's below the branch point), and the verification of the branch point picks
+the survivor (engine/verify_multi.py); its anchors and draft records become the
+representative's (ring 0).
 """
 from __future__ import annotations
 
