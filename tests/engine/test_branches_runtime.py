@@ -19,7 +19,7 @@ from spd_engine.engine.reference import ReferenceExecutor
 from spd_engine.engine.sampling import SamplingParams
 from spd_engine.engine.tick import Draft, TickState, Verdict
 from spd_engine.engine.topology import Topology
-from helpers import Policy, full_model, random_prompts, reference, tiny_engine_config
+from helpers import Policy, full_model, random_prompts, reference, tiny_cfg, tiny_engine_config
 from near_ties import assert_greedy_agrees, teacher_forced
 
 NEW = 40
@@ -93,11 +93,15 @@ def protocol_ticks(n: int, N: int, P: int, ref: list[int], width: int, when: str
     return c.ticks, c.branch_saves
 
 
-TOPOLOGIES = [(1, False, None), (2, False, None), (3, False, None), (4, True, None), (3, False, (1, 3, 2))]
-IDS = ["n1", "n2", "n3", "n4-colocated", "n3-uneven"]
+TOPOLOGIES = [(1, False, None), (2, False, None), (3, False, None), (4, True, None), (3, False, (1, 3, 2)),
+              (8, False, None)]
+IDS = ["n1", "n2", "n3", "n4-colocated", "n3-uneven", "n8"]
 
 
 def branch_config(n: int, colocate: bool, split, width: int, when: str, **kw):
+    """A tiny-llama run with branch width W; n > 6 stages get a model of n layers (one per stage)."""
+    if n > 6:
+        kw["cfg"] = tiny_cfg("llama", num_layers=n)
     ecfg = tiny_engine_config("llama", n, colocate, branches=width, branch_when=when, **kw)
     if split is not None:
         topo = Topology.build(ecfg.cfg.num_layers, stage_layers=split, colocate=colocate)
