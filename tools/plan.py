@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     acc.add_argument("--eagle-alpha", type=float, help="eagle baseline row: per-draft acceptance (i.i.d. drafts)")
     acc.add_argument("--eagle-json", help="eagle baseline row: `spd eval --mode eagle --json` (its acceptance length)")
     acc.add_argument("--eagle-k", type=int, help="eagle drafts per round (default: the eval's k, or the best k in 1..8)")
-    br = p.add_argument_group("branch width W (PREDICTED: the runtime does not carry chains yet)")
+    br = p.add_argument_group("branch width W (PREDICTED from the exact replay's EAL and a W-row step cost)")
     br.add_argument("--branches-json", help="spd draft-policies --branches --json report: EAL and stage tokens "
                                             "per step for each W, at its n")
     br.add_argument("--branch-policy", default="refill suffix>=2", help="branch rule and chooser of the report rows")
