@@ -123,11 +123,16 @@ def run(args: argparse.Namespace) -> int:
                        save_every=args.save_every, keep_every=args.keep_every, autocast=args.autocast,
                        fill_weights=_fill_weights(args.fill_weights), schedule=args.schedule,
                        decay_frac=args.decay_frac)
+    return _run_trainer(Trainer, target, tcfg, corpus, dv, dp, log, args, "pdm")
+
+
+def _run_trainer(trainer_cls, target, tcfg, corpus, dv, dp, log, args: argparse.Namespace, head: str) -> int:
+    """Train on this rank's shard of the corpus stream; the main rank prints the exported head's path."""
     stream = dp.shard(batches(corpus, args.seq_len, args.batch, args.seed))
-    Trainer(target, tcfg, stream, dv, log=log, dp=dp).run()
+    trainer_cls(target, tcfg, stream, dv, log=log, dp=dp).run()
     dp.close()
     if dp.is_main:
-        print(f"{args.out}/pdm")
+        print(f"{args.out}/{head}")
     return 0
 
 
@@ -147,9 +152,4 @@ def _train_eagle(args: argparse.Namespace, target, corpus, dv, device: str, dp, 
                             steps=args.steps, lr=args.lr, target_dtype=args.target_dtype, device=device,
                             seed=args.seed, save_every=args.save_every, keep_every=args.keep_every,
                             autocast=args.autocast)
-    stream = dp.shard(batches(corpus, args.seq_len, args.batch, args.seed))
-    EagleTrainer(target, tcfg, stream, dv, log=log, dp=dp).run()
-    dp.close()
-    if dp.is_main:
-        print(f"{args.out}/eagle")
-    return 0
+    return _run_trainer(EagleTrainer, target, tcfg, corpus, dv, dp, log, args, "eagle")
