@@ -307,9 +307,9 @@ class Driver:
             self.ring[slot, 0] = self.head.embed(self._token_in.fill_(entry.token))[0, 0]  # anchor 0
             return
         ids = torch.tensor(entry.chains, dtype=torch.long, device=self.device)  # [W]
-        self._send_stage0(Header(Kind.TOKEN, entry.pos, entry.epoch, entry.token, rows=len(entry.chains),
+        self._send_stage0(Header(Kind.TOKEN, entry.pos, entry.epoch, entry.token, rows=entry.rows,
                                  branch=entry.branch), [ids], overlap=True)
-        self.rings[:len(entry.chains), slot, 0] = self.head.embed(ids[None])[0]  # [W, H]: every chain's anchor 0
+        self.rings[:entry.rows, slot, 0] = self.head.embed(ids[None])[0]  # [W, H]: every chain's anchor 0
 
     def _adopt(self, k: int, inflight) -> None:
         """Chain k survived its branch point: its anchors and draft records become the representative's."""
