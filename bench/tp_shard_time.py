@@ -27,7 +27,7 @@ class _ComputeOnly(TPGroup):
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size, self.members = rank, size, tuple(range(size))
 
-    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def _gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         return [x] * self.size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -115,14 +115,35 @@ def predict(profile: dict, link: LinkModel, alpha: float, n: int, tokens: int | 
     if tp > 1:
         at_tp = plan(Profile.from_dict(profile), Links(link), AlphaCurve({0: alpha}), [tp], sim_tokens=200)
         row = next(r for r in at_tp["rows"] if r["method"] == "tp" and r["n"] == tp)
-        out[TP_CONFIG] = {"tick_ms": row["token_ms"], "tok_s": row["tok_s"], "critical": "-"}
+        out[TP_CONFIG] = {"tick_ms": row["token_ms"], "tok_s": row["tok_s"], "critical": "-", "comm_ms": row["comm_ms"]}
     return out
 
 
 def measured_of(report: dict) -> dict[str, dict]:
     """A bench report's rows as {config: {tok_s, tick_ms, world_size, alpha, eal}}."""
-    return {r["name"]: {"tok_s": r["decode_tok_s"], "tick_ms": r["tick_ms"], "world_size": r["world_size"],
-                        "alpha": r["alpha"], "eal": r["eal"]} for r in report["rows"]}
+    out = {r["name"]: {"tok_s": r["decode_tok_s"], "tick_ms": r["tick_ms"], "world_size": r["world_size"],
+                       "alpha": r["alpha"], "eal": r["eal"]} for r in report["rows"]}
+    for r in report["rows"]:  # a TP row: stage 0's (TP rank 0's) collectives per token and the time inside them
+        b = r.get("breakdown_ms_per_tick", {})
+        if "stage0_tp_collectives" in b:
+            out[r["name"]].update(tp_collectives=b["stage0_tp_collectives"], tp_collective_ms=b["stage0_tp_collective_ms"],
+                                  stage_compute_ms=b["stage0_compute_ms"])
+    return out
+
+
+def tp_diagnostic(rounds: list[dict]) -> dict | None:
+    """Where the tp row's time goes, measured (TP rank 0 of the measurement run: collectives per
+    token, ms inside them, ms of compute outside them) against the model's all-reduce term;
+    medians over rounds. None without a measured TP row."""
+    meas = [r["measured"].get(TP_CONFIG, {}) for r in rounds]
+    if not all("tp_collectives" in m for m in meas):
+        return None
+    inside = median(m["tp_collective_ms"] for m in meas)
+    calls = median(m["tp_collectives"] for m in meas)
+    return {"collectives_per_token": calls, "measured_collective_ms": inside,
+            "measured_ms_per_collective": inside / calls if calls else 0.0,
+            "measured_compute_outside_ms": median(m["stage_compute_ms"] - m["tp_collective_ms"] for m in meas),
+            "predicted_comm_ms": median(r["predicted"][TP_CONFIG]["comm_ms"] for r in rounds)}
 
 
 def compare(predicted: list[dict[str, dict]], measured: list[dict[str, dict]], tolerance: float,
@@ -202,7 +223,8 @@ def repredict(result: dict) -> dict:
     cores = result.get("cores") or int(result["host"]["before"].split()[0])  # older files: from the load note
     rows = compare([r["predicted"] for r in rounds], [r["measured"] for r in rounds], s.tolerance, cores,
                    [r["same_run"] for r in rounds])
-    return {**result, "rows": rows, "rounds": rounds, "cores": cores, "repredicted": True}
+    return {**result, "rows": rows, "rounds": rounds, "cores": cores, "repredicted": True,
+            "tp_diagnostic": tp_diagnostic(rounds)}
 
 
 def validate(ecfg: RunConfig, prompts: Sequence[list[int]], s: ValidationSettings,
@@ -214,7 +236,7 @@ def validate(ecfg: RunConfig, prompts: Sequence[list[int]], s: ValidationSetting
     rounds = [run_round(ecfg, prompts, s, k, progress) for k in range(s.rounds)]
     rows = compare([r["predicted"] for r in rounds], [r["measured"] for r in rounds], s.tolerance, os.cpu_count(),
                    [r["same_run"] for r in rounds])
-    return {"rows": rows, "rounds": rounds, "profile": rounds[0]["profile"],
+    return {"rows": rows, "rounds": rounds, "profile": rounds[0]["profile"], "tp_diagnostic": tp_diagnostic(rounds),
             "alpha_used": [r["alpha"] for r in rounds], "host": {"before": load_before,
                                                                  **{f"after round {k + 1}": r["load"]
                                                                     for k, r in enumerate(rounds)}},
@@ -251,5 +273,11 @@ def format_validation(result: dict) -> str:
                  "measures run-to-run reproducibility")
     lines.append("same-run: the model fed with the measured run's own profile (a diagnostic, not a prediction): "
                  "it separates the model's error from the host's speed drift between runs")
+    tpd = result.get("tp_diagnostic")
+    if tpd:
+        lines.append(f"tp row, TP rank 0 of the measurement run: {tpd['collectives_per_token']:g} collectives per token, "
+                     f"{tpd['measured_collective_ms']:.2f} ms inside them ({tpd['measured_ms_per_collective']:.3f} ms each: "
+                     f"transfer + waiting for the slower shard), {tpd['measured_compute_outside_ms']:.2f} ms of compute "
+                     f"outside them; the model's all-reduce + hop term: {tpd['predicted_comm_ms']:.2f} ms")
     lines.append("host load: " + "; ".join(f"{k}: {v}" for k, v in result["host"].items()))
     return "\n".join(lines)

@@ -70,6 +70,9 @@ class GenerationResult:
             stage_ms.append(ms)
             per[f"stage{i}_compute_ms"] = ms
             per[f"stage{i}_wait_ms"] = 1e3 * s.get("wait_s", 0.0) / msgs
+            if s.get("tp_collectives"):  # TP rank 0: collectives per message and the time inside them
+                per[f"stage{i}_tp_collectives"] = s["tp_collectives"] / msgs
+                per[f"stage{i}_tp_collective_ms"] = 1e3 * s["tp_collective_s"] / msgs
         if stage_ms and "pdm" in self.driver:  # slack is SPD's: the pp/ar baselines have no PDM
             driver_work = sum(per.get(f"driver_{k}_ms", 0.0) for k in ("pdm", "verify", "send", "stage0"))
             per["driver_slack_ms"] = max(stage_ms) - driver_work

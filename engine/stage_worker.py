@@ -76,9 +76,11 @@ class StageWorker:
         self.param_bytes = float(resident_bytes(model))  # this rank's (a TP rank: its shard)
         self.sampling = SamplingParams()  # used only by a head stage (pp / ar baselines)
         self.cfg_in = torch.empty(CONFIG_LEN, dtype=torch.int64)
-        # decode (TOKEN) messages only: compute seconds, count, receive-wait seconds (host floats:
-        # no per-tick tensors); prefill chunks are timed by the driver's prefill_s
-        self.stats = [0.0, 0, 0.0]
+        # decode (TOKEN) messages only: compute seconds, count, receive-wait seconds, TP collectives
+        # and the seconds inside them (part of the compute; host floats: no per-tick tensors);
+        # prefill chunks are timed by the driver's prefill_s
+        self.stats = [0.0, 0, 0.0, 0, 0.0]
+        self.group = getattr(model, "group", None)  # a TP rank's stage group (engine/tp_group.py)
         self.handled = 0  # messages handled this request (the tick named in receive errors)
         self.trace: list[float] | None = [] if opts.trace else None  # (recv start, compute start, compute end)*
         self.static = None if opts.step_mode == StepMode.EAGER else \
@@ -114,7 +116,7 @@ class StageWorker:
                 payload = torch.tensor([*self.stats, self.param_bytes, *(self.trace or [])], dtype=torch.float64)
                 self.t.send(self.driver, Header(Kind.STATS, length=payload.numel()), [payload])
             self.t.flush()
-            self.stats = [0.0, 0, 0.0]
+            self.stats = [0.0, 0, 0.0, 0, 0.0]
             self.handled = 0
             if self.trace is not None:
                 self.trace.clear()
@@ -134,6 +136,7 @@ class StageWorker:
             raise RuntimeError(f"stage {self.stage}: message {hdr} exceeds KV capacity {self.capacity} "
                                f"or prefill chunk {self.h_in.shape[0]}")
         assert not (chains and self.model.has_head), "branch chains travel SPD stages only"
+        calls0, coll0 = (self.group.calls, self.group.collective_s) if self.group is not None else (0, 0.0)
         if hdr.survivor >= 0:  # the branch point resolved: keep the survivor's entries
             self.cache.keep_chain(hdr.branch, self.chain_width, hdr.survivor, pos - hdr.branch)
         if self.stage == 0:
@@ -168,6 +171,9 @@ class StageWorker:
             self.stats[0] += t2 - t1
             self.stats[1] += 1
             self.stats[2] += t1 - t0
+            if self.group is not None:
+                self.stats[3] += self.group.calls - calls0
+                self.stats[4] += self.group.collective_s - coll0
         if self.trace is not None and hdr.kind == Kind.TOKEN:
             self.trace += [t0, t1, t2]
         if self.next is not None:
@@ -199,11 +205,11 @@ class StageWorker:
 
 
 def receive_stats(t: Transport, rank: int, timeout: float) -> dict:
-    """A stage's STATS reply: per-request decode compute/wait seconds, decode message count, the
-    resident parameter bytes of the reporting rank (TP rank 0 of the stage), optional trace."""
+    """A stage's STATS reply: per-request decode compute/wait seconds, decode message count, TP
+    collectives and their seconds (TP rank 0's, inside the compute), the resident parameter bytes of the reporting rank (TP rank 0 of the stage), optional trace."""
     hdr = t.recv_header(rank, timeout)
     assert hdr.kind == Kind.STATS, hdr
     vals = t.recv_into(rank, torch.empty(hdr.length, dtype=torch.float64), timeout).tolist()
-    trace = [tuple(vals[i:i + 3]) for i in range(4, len(vals), 3)]
-    return {"compute_s": vals[0], "messages": vals[1], "wait_s": vals[2], "param_bytes": int(vals[3]),
-            "trace": trace}
+    trace = [tuple(vals[i:i + 3]) for i in range(6, len(vals), 3)]
+    return {"compute_s": vals[0], "messages": vals[1], "wait_s": vals[2], "tp_collectives": vals[3],
+            "tp_collective_s": vals[4], "param_bytes": int(vals[5]), "trace": trace}

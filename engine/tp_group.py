@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import datetime
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
@@ -35,6 +36,8 @@ class TPGroup(abc.ABC):
     rank: int
     size: int
     members: tuple[int, ...]
+    calls: int = 0  # collectives made so far (a stage worker reads the decode ones' share)
+    collective_s: float = 0.0  # seconds inside them: the transfer and the wait for slower peers
 
     @property
     def peer(self) -> int:
@@ -42,9 +45,17 @@ class TPGroup(abc.ABC):
         (a collective does not say which of several peers left; the message lists the group)."""
         return self.members[1 - self.rank] if self.size == 2 else -1
 
-    @abc.abstractmethod
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Every TP rank's `x` (same shape and dtype on all), in TP-rank order."""
+        """Every TP rank's `x` (same shape and dtype on all), in TP-rank order; counted and timed."""
+        t0 = time.perf_counter()
+        out = self._gather(x)
+        self.calls += 1
+        self.collective_s += time.perf_counter() - t0
+        return out
+
+    @abc.abstractmethod
+    def _gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """all_gather's communication."""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the group of `x`, bit-identical on every rank (reduce_parts order)."""
@@ -60,7 +71,7 @@ class SoloGroup(TPGroup):
     def __init__(self, member: int = 0) -> None:
         self.rank, self.size, self.members = 0, 1, (member,)
 
-    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def _gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         return [x]
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,7 +102,7 @@ class LocalTPGroup(TPGroup):
                                  f"TP collective over ranks {list(self.members)} failed: a TP peer died or "
                                  f"timed out after {self.hub.timeout_s}s") from None
 
-    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def _gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         self.hub.slots[self.rank] = x.detach().clone()
         self._wait()  # every slot written
         out = [s.clone() for s in self.hub.slots]
@@ -110,7 +121,7 @@ class DistTPGroup(TPGroup):
         self.group, self.members, self.timeout_s = group, tuple(members), timeout_s
         self.rank, self.size, self.global_rank = self.members.index(global_rank), len(members), global_rank
 
-    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def _gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         import torch.distributed as dist
 
         x = x.contiguous()

@@ -76,7 +76,7 @@ class _NoGroup(TPGroup):
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size, self.members = rank, size, tuple(range(size))
 
-    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def _gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         raise AssertionError("a serial TP shard does not communicate")
 
 

@@ -4,7 +4,7 @@ Names follow vLLM's where one exists (`vllm:` -> `spd:`): request outcomes, queu
 first token (from arrival, queue wait included), inter-token latency, end-to-end latency, prompt
 and generation tokens, and the speculative-decoding counters (`spec_decode_num_draft_tokens` =
 verified drafts, `spec_decode_num_accepted_tokens`). SPD's own: ticks, rejections, pooled EAL and
-acceptance, per-stage compute and steps, driver timers and the per-tick driver slack.
+acceptance, branch points and saves, per-stage compute and steps, driver timers and the per-tick driver slack.
 """
 from __future__ import annotations
 
@@ -46,6 +46,10 @@ class ServeMetrics:
         self.accepted = Counter("spd:spec_decode_num_accepted_tokens", "Accepted drafts", registry=r)
         self.rejections = Counter("spd:spec_decode_num_rejections", "Rejections followed by more tokens",
                                   registry=r)
+        self.branch_points = Counter("spd:spec_decode_branch_points", "Verified branch points (--branches W > 1)",
+                                     registry=r)
+        self.branch_saves = Counter("spd:spec_decode_branch_saves", "Branch points a candidate other than the "
+                                    "first one held the target's token", registry=r)
         self.ticks = Counter("spd:spec_decode_ticks", "Decode ticks (fill and refill included)", registry=r)
         self.decode_tokens = Counter("spd:spec_decode_decode_tokens", "Tokens committed by decode ticks", registry=r)
         self.eal = Gauge("spd:spec_decode_eal", "Pooled EAL since start: n * decode tokens / ticks", registry=r)
@@ -82,6 +86,8 @@ class ServeMetrics:
         self.drafts.inc(res.verified)
         self.accepted.inc(res.accepted)
         self.rejections.inc(res.rejections)
+        self.branch_points.inc(res.branch_points)
+        self.branch_saves.inc(res.branch_saves)
         self.ticks.inc(res.ticks)
         self.decode_tokens.inc(res.decode_tokens)
         t = self._totals

@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fill-weights", default=None,
                    help="n comma-separated weights of the fills 1..n a batch simulates (default: half full, "
                         "the rest uniform), e.g. how often `spd eval --json` says the driver drafts at each")
+    p.add_argument("--init-head", default=None, metavar="DIR",
+                   help="start from this exported PDM (fine-tune; its split, anchors, K and draft vocabulary "
+                        "must equal the run's) instead of from the target's layers")
     p.add_argument("--schedule", default="cosine", choices=("cosine", "wsd"),
                    help="learning rate after warmup: cosine over the run, or warmup-stable-decay (extendable)")
     p.add_argument("--decay-frac", type=float, default=0.2, help="wsd: the last fraction of the steps decays")
@@ -122,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
                        lr=args.lr, target_dtype=args.target_dtype, device=device, seed=args.seed,
                        save_every=args.save_every, keep_every=args.keep_every, autocast=args.autocast,
                        fill_weights=_fill_weights(args.fill_weights), schedule=args.schedule,
-                       decay_frac=args.decay_frac)
+                       decay_frac=args.decay_frac, init_head=args.init_head)
     return _run_trainer(Trainer, target, tcfg, corpus, dv, dp, log, args, "pdm")
 
 
@@ -140,7 +143,7 @@ def _check_method_flags(args: argparse.Namespace) -> None:
     from spd_engine.tools.common import refuse_ignored
 
     if args.method == "eagle":
-        refuse_ignored(args, ["stages", "stage_layers", "anchors", "pdm_layers"], "with --method eagle (one rank)")
+        refuse_ignored(args, ["stages", "stage_layers", "anchors", "pdm_layers", "init_head"], "with --method eagle (one rank)")
     else:
         refuse_ignored(args, ["ttt_steps"], "with --method pdm")
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from spd_engine.engine.anchors import AnchorPlan
 from spd_engine.engine.model import StageModel
-from spd_engine.engine.pdm import PDM, PDMConfig, save_pdm
+from spd_engine.engine.pdm import PDM, PDMConfig, load_pdm, read_pdm_config, save_pdm
 from spd_engine.train.data_parallel import DataParallel
 from spd_engine.train.head_training import HeadTrainer, check_loop_config
 from spd_engine.train.head_training import lr_at  # noqa: F401  (part of this module's API)
@@ -53,6 +53,7 @@ class TrainConfig:
     fill_weights: tuple[float, ...] | None = None  # weights of fills 1..n (None: full_fill_frac, then uniform)
     schedule: str = "cosine"  # learning-rate schedule after the warmup: cosine | wsd (train/lr_schedule.py)
     decay_frac: float = 0.2  # wsd: the last fraction of the steps decays
+    init_head: str | None = None  # start from this exported PDM (fine-tuning) instead of the target's layers
 
     def __post_init__(self) -> None:
         check_loop_config(self, min_seq_len=2)
@@ -66,15 +67,31 @@ class TrainConfig:
 
 
 def new_pdm(target: StageModel, cfg: TrainConfig, draft_vocab: tuple[int, ...] | None) -> PDM:
-    """Projections = identity on the deepest anchor, layers from a target layer, head from the target."""
+    """Projections = identity on the deepest anchor, layers from a target layer, head from the target;
+    or, with `cfg.init_head`, that head's weights (its config must be the run's)."""
     bounds = [0]
     for c in cfg.stage_layers:
         bounds.append(bounds[-1] + c)
     plan = AnchorPlan.build(bounds, cfg.anchors)
     pcfg = PDMConfig(tuple(cfg.stage_layers), plan.anchors, cfg.pdm_layers, draft_vocab, target.cfg.fingerprint())
+    if cfg.init_head is not None:
+        return _init_head(target, cfg.init_head, pcfg)
     pdm = PDM(target.cfg, pcfg)
     layer = target.decoder.layers[str(cfg.init_layer % target.cfg.num_layers)]
     return pdm.init_from_target(layer, target.decoder.final_layernorm.weight.float(), target.output_weight().float())
+
+
+def _init_head(target: StageModel, path: str, pcfg: PDMConfig) -> PDM:
+    """The exported head at `path` as fp32 trainable weights (int8 heads dequantized), checked to
+    have the run's stage split, anchors, K and draft vocabulary."""
+    head_cfg, _ = read_pdm_config(path)
+    for field in ("stage_layers", "anchors", "num_layers", "draft_vocab"):
+        mine, theirs = getattr(pcfg, field), getattr(head_cfg, field)
+        if mine != theirs:
+            shown = (lambda v: f"{len(v)} ids" if v is not None else "the full vocabulary") if field == "draft_vocab" \
+                else (lambda v: v)
+            raise ValueError(f"--init-head {path} has {field} {shown(theirs)}, this run has {shown(mine)}")
+    return load_pdm(path, target.cfg, pcfg.stage_layers)  # trainable as built (the final norm stays frozen)
 
 
 def distill_loss(pdm: PDM, target: StageModel, tokens: torch.Tensor, f: int,

@@ -9,7 +9,8 @@ import pytest
 
 from spd_engine.bench.cost_inputs import HEADER_BYTES, LinkModel, Profile
 from spd_engine.bench.cost_model_spd import eal_for_request
-from spd_engine.bench.validate_runtime import CONFIGS, ValidationSettings, compare, format_validation, predict, validate
+from spd_engine.bench.validate_runtime import (CONFIGS, ValidationSettings, compare, format_validation, measured_of, predict,
+                                              tp_diagnostic, validate)
 from spd_engine.engine.messages import HEADER_LEN
 from spd_engine.engine.run_config import PRESETS, RunConfig
 from spd_engine.engine.schedule import expected_eal
@@ -58,6 +59,22 @@ def test_predict_the_tp_row_from_measured_shards():
     assert pred["tp"]["tick_ms"] == pytest.approx(want, rel=1e-3)
     assert pred["tp"]["tok_s"] == pytest.approx(1e3 / pred["tp"]["tick_ms"])
     assert "tp" not in predict(prof, link, alpha=0.5, n=2)
+
+
+def test_tp_diagnostic_splits_the_measured_token():
+    """The tp row's collectives per token and the time inside them come from TP rank 0's
+    breakdown; medians over rounds, beside the model's all-reduce term."""
+    def rnd(inside: float, compute: float, comm: float) -> dict:
+        row = {"name": "tp", "decode_tok_s": 10.0, "tick_ms": 100.0, "world_size": 2, "alpha": 0.0, "eal": 0.0,
+               "breakdown_ms_per_tick": {"stage0_tp_collectives": 62.0, "stage0_tp_collective_ms": inside,
+                                         "stage0_compute_ms": compute}}
+        return {"measured": measured_of({"rows": [row]}), "predicted": {"tp": {"comm_ms": comm}}}
+    got = tp_diagnostic([rnd(31.0, 90.0, 20.0), rnd(62.0, 95.0, 25.0), rnd(40.0, 80.0, 30.0)])
+    assert got == {"collectives_per_token": 62.0, "measured_collective_ms": 40.0, "measured_ms_per_collective": 40.0 / 62,
+                   "measured_compute_outside_ms": 40.0, "predicted_comm_ms": 25.0}
+    no_tp = {"measured": measured_of({"rows": [{"name": "ar", "decode_tok_s": 1.0, "tick_ms": 1.0, "world_size": 1,
+                                                 "alpha": 0.0, "eal": 0.0}]}), "predicted": {}}
+    assert tp_diagnostic([no_tp]) is None
 
 
 def test_compare_errors_and_verdicts():

@@ -69,6 +69,19 @@ def test_each_tp_rank_holds_about_one_tth_of_its_stage(one_thread):
         assert all(abs(g / w - 1 / tp) < 0.01 for g, w in zip(got, whole)), (tp, got, whole)
 
 
+def test_tp_stages_count_their_collectives_per_decode_message(one_thread):
+    """Two all-reduces per layer, one for a vocab-parallel embedding and one all_gather for the
+    head's greedy argmax: the count the cost model prices (bench/cost_alternatives.py tp_token_ms)."""
+    ecfg = tp_engine_config("pp", 2, 2, threads=1)
+    with ReferenceExecutor(ecfg) as ex:
+        res = ex.generate([5, 6, 7], 6)
+    per = res.breakdown_ms_per_tick()
+    topo = ecfg.topology
+    want = [2 * len(topo.layers_of(s)) + (s == 0) + (s == topo.n - 1) for s in range(topo.n)]
+    assert [per[f"stage{s}_tp_collectives"] for s in range(topo.n)] == want
+    assert all(0 < per[f"stage{s}_tp_collective_ms"] <= per[f"stage{s}_compute_ms"] for s in range(topo.n))
+
+
 def test_tp_against_the_unsharded_model_differs_only_at_near_ties(one_thread):
     """Greedy with a TP split and unsharded greedy agree, or part at a near-tie of the logits (the
     split only changes the reduction order: within BOUND of each other); the partings are printed."""

@@ -107,6 +107,25 @@ def test_snapshots_are_heads(tmp_path: Path) -> None:
         assert torch.allclose(a.float(), b.float(), atol=1e-3, rtol=1e-3), k  # fp16 export
 
 
+def test_init_head_starts_from_its_weights_and_checks_config(tmp_path: Path) -> None:
+    """A fine-tune starts from the exported head (its loss at step 0 is the head's, below a fresh
+    head's) and refuses a head of another K."""
+    first = Trainer(target(), tcfg(tmp_path / "a", steps=30, save_every=30, full_fill_frac=1.0, export_dtype="float32"),
+                    stream(distinct=2), log=lambda m: None)
+    first.run()
+    tuned = Trainer(target(), tcfg(tmp_path / "b", steps=1, full_fill_frac=1.0, init_head=str(tmp_path / "a" / "pdm")),
+                    stream(distinct=2), log=lambda m: None)
+    want = first.pdm.state_dict()
+    assert all(torch.equal(want[k], v) for k, v in tuned.pdm.state_dict().items())
+    fresh = Trainer(target(), tcfg(tmp_path / "c", steps=1, full_fill_frac=1.0), stream(distinct=2), log=lambda m: None)
+    tuned.run(), fresh.run()
+    assert tuned.history[0]["loss"] < 0.8 * fresh.history[0]["loss"]
+    assert any(p.requires_grad for p in tuned.pdm.parameters()) and not tuned.pdm.final_norm.weight.requires_grad
+    with pytest.raises(ValueError, match="num_layers 1, this run has 2"):
+        Trainer(target(), tcfg(tmp_path / "d", pdm_layers=2, init_head=str(tmp_path / "a" / "pdm")), stream(),
+                log=lambda m: None)
+
+
 def test_bf16_autocast_tracks_fp32() -> None:
     tr_cfg = tcfg(Path("/nonexistent"))
     from spd_engine.train.distill import new_pdm
