@@ -41,7 +41,13 @@ def tp_token_ms(profile: Profile, g: int, link: LinkModel, notes: list[str]) -> 
     Returns (ms per token, ms of it in all-reduces and that hop)."""
     shard = tp_shard_layer_ms(profile, g, notes)
     act = profile.hidden * profile.dtype_bytes
-    comm = (2 * profile.num_layers + 1) * link.allreduce_ms(g, act, notes) + link.allreduce_ms(g, 8, notes)
+    if g in profile.tp_allreduce_ms:  # measured between shard layers, as the runtime pays it
+        reduce_ms = profile.tp_allreduce_ms[g]
+        note(notes, f"TP all-reduce over {g} ranks: the profile's {reduce_ms:.3f} ms, measured in lockstep with the "
+                    f"shards' compute (bench/tp_shard_time.py), not the link's back-to-back figure")
+    else:
+        reduce_ms = link.allreduce_ms(g, act, notes)
+    comm = (2 * profile.num_layers + 1) * reduce_ms + link.allreduce_ms(g, 8, notes)
     comm += link.hop_ms(message_bytes(profile.hidden, profile.dtype_bytes, profile.anchors)["token"])
     note(notes, "ASSUMPTION: TP head = verify_ms / g (vocab-parallel) + one 8-byte all-reduce for the argmax")
     return sum(shard) + profile.stage_fixed_ms + profile.verify_ms / g + comm, comm

@@ -84,6 +84,9 @@ class Profile:
     # measured stage times of plain pipeline-parallel runs by n (the last includes the head)
     pp_stage_ms: dict[int, tuple[float, ...]] = field(default_factory=dict)
     tp_layer_ms: dict[int, float] = field(default_factory=dict)  # measured 1/g-width shard per layer
+    # measured TP all-reduce of one hidden state over g ranks between shard layers (in lockstep with
+    # their compute, bench/tp_shard_time.py); where given, the TP row uses it instead of the link's
+    tp_allreduce_ms: dict[int, float] = field(default_factory=dict)
     # one host sync (a device-to-host read that waits for the queue), measured by spd profile; every
     # measured step above already includes one, so only the syncs beyond those are charged with it
     sync_ms: float = 0.0
@@ -96,7 +99,7 @@ class Profile:
     def from_dict(cls, d: dict) -> "Profile":
         known = {"schema", "name", "num_layers", "layer_ms", "pdm_ms", "verify_ms", "hidden_size", "dtype_bytes",
                  "anchors_per_stage", "stage_fixed_ms", "driver_fixed_ms", "stage_ms", "pp_stage_ms", "tp_layer_ms",
-                 "sync_ms", "source", "measured"}  # source / measured: provenance and raw numbers, not used by the model
+                 "tp_allreduce_ms", "sync_ms", "source", "measured"}  # source / measured: provenance and raw numbers, not used by the model
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"profile: unknown keys {sorted(unknown)} (schema spd-profile/1)")
@@ -118,6 +121,7 @@ class Profile:
                    driver_fixed_ms=float(d.get("driver_fixed_ms", 0.0)),
                    stage_ms=stage_ms, pp_stage_ms=pp_stage_ms,
                    tp_layer_ms={int(k): float(v) for k, v in d.get("tp_layer_ms", {}).items()},
+                   tp_allreduce_ms={int(k): float(v) for k, v in d.get("tp_allreduce_ms", {}).items()},
                    sync_ms=float(d.get("sync_ms", 0.0)))
         if not prof.layer_ms or min(prof.layer_ms) < 0 or min(prof.verify_ms, prof.driver_fixed_ms, prof.sync_ms) < 0:
             raise ValueError("profile: layer_ms must be a non-empty list of times >= 0, verify_ms, "

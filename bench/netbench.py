@@ -53,7 +53,8 @@ TIME_DEFINITIONS = {
            "an idle peer, as in a pipeline tick); late_*: a receive posted idle_gap_ms after its send, "
            "from posting to completion (the runtime's transport receives a message's payloads so)",
     "allreduce": "per iteration, the slowest member's time for one blocking float32 all-reduce (allreduce_op "
-                 "'tp': the runtime's TP all-reduce, all_gather + a sum in rank order; 'library': dist.all_reduce)",
+                 "'tp': the runtime's TP all-reduce, all_gather + a sum in rank order; 'library': dist.all_reduce), "
+                 "each after allreduce_busy_us of compute on every member (0: back to back)",
     "busbw": "algbw = bytes / p50_us; busbw = algbw * 2(r-1)/r for an all-reduce over r ranks, = algbw for P2P "
              "(nccl-tests)",
     "fanin": "rank 0: first go message posted -> last [k,H] payload received; bw_GBps = all payload bytes / p50_us",
@@ -151,6 +152,9 @@ class NetbenchConfig:
     warmup: int = 10
     allreduce_bytes: tuple[int, ...] = (4, 8192)
     allreduce_op: str = "tp"  # "tp": the runtime's TP all-reduce (engine/tp_group.py); "library": dist.all_reduce
+    # each rank computes this long before every timed all-reduce, as a TP rank does between its
+    # reductions (0: back to back); on a CPU a reduction after compute costs more (docs/benchmarks.md)
+    allreduce_busy_us: float = 0.0
     hidden: int = 4096
     dtype_bytes: int = 2
     fanin_rows: tuple[int, ...] = (1, 4)
@@ -316,8 +320,10 @@ def allreduce_bench(ctx: DistContext, cfg: NetbenchConfig) -> list[dict]:
             warmup, iters = iters_for(cfg, nbytes)
             if ctx.rank < g:
                 buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=ctx.device)
+                busy = torch.ones(64, 64, device=ctx.device)  # [64, 64] the compute between reductions
                 times = []
                 for i in range(warmup + iters):
+                    _compute_for(busy, cfg.allreduce_busy_us)
                     ctx.sync()
                     t0 = time.perf_counter()
                     if cfg.allreduce_op == "tp":
@@ -330,6 +336,15 @@ def allreduce_bench(ctx: DistContext, cfg: NetbenchConfig) -> list[dict]:
                 out.append({"ranks": g, "bytes": nbytes, "times": times})
             ctx.barrier(f"barrier after all-reduce over {g} ranks")
     return out
+
+
+def _compute_for(x: torch.Tensor, us: float) -> None:
+    """Small matmuls on x's device until `us` microseconds have passed (host clock)."""
+    if us <= 0:
+        return
+    end = time.perf_counter() + us / 1e6
+    while time.perf_counter() < end:
+        x = (x @ x).clamp_(-1.0, 1.0)
 
 
 def fanin_bench(ctx: DistContext, cfg: NetbenchConfig) -> list[dict]:

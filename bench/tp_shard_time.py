@@ -9,6 +9,12 @@ time-share the cores exactly as the TP ranks of a real run do. The shard's row-p
 outputs are not reduced (an identity in place of the all-reduce: its values drift, its cost
 does not). Mean ms over `steps` one-token decode steps, the slowest rank's mean (a TP step
 ends when its last shard does), divided by the layer count.
+
+`lockstep=True` instead runs the shards with their real all-reduces (a gloo group of the T
+processes, the runtime's engine/tp_group.py) and subtracts the time each rank spent inside them
+(TPGroup.collective_s): the compute between collectives as a TP rank really does it, woken from
+a wait at every one of its 2 L reductions, which on a CPU costs more than the same layers run
+back to back. The cost model then adds the all-reduces from netbench, once each.
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ import time
 import torch
 
 from spd_engine.engine.run_config import RunConfig
-from spd_engine.engine.tp_group import TPGroup
+from spd_engine.engine.tp_group import DistTPGroup, TPGroup
 
 
 class _ComputeOnly(TPGroup):
@@ -35,28 +41,52 @@ class _ComputeOnly(TPGroup):
 
 
 @torch.no_grad()
-def _time_shard(ecfg: RunConfig, tp: int, rank: int, steps: int, warmup: int, barrier, out) -> None:
+def _group(tp: int, rank: int, port: int | None, timeout_s: float) -> TPGroup:
+    """The shard's TP group: compute only, or (port given) a real gloo group of the T processes."""
+    if port is None:
+        return _ComputeOnly(rank, tp)
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return DistTPGroup(None, range(tp), rank, timeout_s)
+
+
+def _time_shard(ecfg: RunConfig, tp: int, rank: int, steps: int, warmup: int, barrier, out,
+                port: int | None = None, timeout_s: float = 600.0) -> None:
     from spd_engine.engine.build import build_tp_stage_model
 
     torch.set_num_threads(ecfg.threads_per_rank(tp))
     L = ecfg.cfg.num_layers
-    model = build_tp_stage_model(ecfg, range(L), False, False, _ComputeOnly(rank, tp))
+    group = _group(tp, rank, port, timeout_s)
+    model = build_tp_stage_model(ecfg, range(L), False, False, group)
     cache = model.new_cache(1, warmup + steps + 1)
     h = torch.randn(1, 1, ecfg.cfg.hidden_size, generator=torch.Generator().manual_seed(rank)).to(ecfg.torch_dtype)
     for pos in range(warmup):
         model.forward_layers(h, cache, pos)
     barrier.wait()
-    t0 = time.perf_counter()
+    t0, inside0, calls0 = time.perf_counter(), group.collective_s, group.calls
     for pos in range(warmup, warmup + steps):
         model.forward_layers(h, cache, pos)
-    out[rank] = 1e3 * (time.perf_counter() - t0) / steps / L
+    inside, calls = group.collective_s - inside0, group.calls - calls0
+    out[rank] = (1e3 * (time.perf_counter() - t0 - inside) / steps / L, 1e3 * inside / calls if calls else 0.0)
 
 
-def shard_layer_ms(ecfg: RunConfig, tp: int, steps: int = 64, warmup: int = 8, timeout_s: float = 600.0) -> float:
-    """ms per layer of a 1/tp shard, tp shards stepping at once in tp processes (slowest rank)."""
+def shard_timing(ecfg: RunConfig, tp: int, steps: int = 64, warmup: int = 8, timeout_s: float = 600.0,
+                 lockstep: bool = False) -> dict[str, float]:
+    """{"layer_ms": ms per layer of a 1/tp shard, tp shards stepping at once in tp processes
+    (slowest rank), "allreduce_ms": with lockstep, the mean all-reduce between them (the slowest
+    rank's; 0 without)}. lockstep: with their real all-reduces, whose time is left out of layer_ms
+    (the module docstring)."""
+    from spd_engine.engine.dist import free_port
+
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(tp), ctx.Manager().dict()
-    procs = [ctx.Process(target=_time_shard, args=(ecfg, tp, r, steps, warmup, barrier, out)) for r in range(tp)]
+    port = free_port() if lockstep else None
+    procs = [ctx.Process(target=_time_shard, args=(ecfg, tp, r, steps, warmup, barrier, out, port, timeout_s))
+             for r in range(tp)]
     for p in procs:
         p.start()
     for p in procs:
@@ -66,4 +96,10 @@ def shard_layer_ms(ecfg: RunConfig, tp: int, steps: int = 64, warmup: int = 8, t
             if p.is_alive():
                 p.kill()
         raise RuntimeError(f"TP shard timing failed: exit codes {[p.exitcode for p in procs]}")
-    return max(out.values())
+    return {"layer_ms": max(v[0] for v in out.values()), "allreduce_ms": max(v[1] for v in out.values())}
+
+
+def shard_layer_ms(ecfg: RunConfig, tp: int, steps: int = 64, warmup: int = 8, timeout_s: float = 600.0,
+                   lockstep: bool = False) -> float:
+    """ms per layer of a 1/tp shard (shard_timing's layer_ms)."""
+    return shard_timing(ecfg, tp, steps, warmup, timeout_s, lockstep)["layer_ms"]

@@ -79,10 +79,11 @@ def load_note() -> str:
     return f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}"
 
 
-def run_netbench(ecfg: RunConfig, anchors: int, s: ValidationSettings) -> dict:
+def run_netbench(ecfg: RunConfig, anchors: int, s: ValidationSettings, allreduce_busy_us: float = 0.0) -> dict:
     """P2P between the n + 1 ranks SPD uses, at the runtime's message sizes (a header message,
     then the payload: one activation, a stage's anchors, the last stage's exit + anchors), and
-    small all-reduces (the plan's TP rows need them; they are not validated here)."""
+    small all-reduces for the plan's TP rows, each after `allreduce_busy_us` of compute (the tp
+    row: half a shard layer, what a TP rank computes between two of its reductions)."""
     from spd_engine.bench.netbench import NetbenchConfig, default_pairs, launch_local, netbench_rank
 
     world = max(ecfg.topology.n + 1, s.tp)  # the tp row's group is ranks 0..tp-1, as the runtime's
@@ -90,7 +91,7 @@ def run_netbench(ecfg: RunConfig, anchors: int, s: ValidationSettings) -> dict:
     sizes = {HEADER_LEN * 8, *message_bytes(ecfg.cfg.hidden_size, itemsize, anchors).values()}
     cfg = NetbenchConfig(tests=("p2p", "allreduce"), sizes=tuple(sorted(sizes)), pairs=tuple(default_pairs(world)),
                          iters=s.net_iters, warmup=10, allreduce_bytes=(8, ecfg.cfg.hidden_size * itemsize),
-                         timeout_s=s.timeout_s)
+                         allreduce_busy_us=allreduce_busy_us, timeout_s=s.timeout_s)
     return launch_local(netbench_rank, cfg, world, "gloo", s.timeout_s, 600 + 10 * s.timeout_s)
 
 
@@ -183,12 +184,16 @@ def run_round(ecfg: RunConfig, prompts: Sequence[list[int]], s: ValidationSettin
     first = bench(cases, prompts, s.max_new_tokens, (), s.repeats, s.synthetic_alpha, s.seed, progress)
     prof = profile_from_bench(first, ecfg, cores, load_note())
     if s.tp > 1:
-        from spd_engine.bench.tp_shard_time import shard_layer_ms
+        from spd_engine.bench.tp_shard_time import shard_timing
 
-        progress(f"{tag}, 1/3 profile run: TP shard step times, {s.tp} shards at once ...")
-        prof["tp_layer_ms"] = {str(s.tp): shard_layer_ms(ecfg, s.tp, s.tp_steps)}
+        progress(f"{tag}, 1/3 profile run: TP shard step times, {s.tp} shards at once, in lockstep ...")
+        # lockstep: the shards with their real all-reduces: compute per layer and the all-reduce between
+        shards = shard_timing(ecfg, s.tp, s.tp_steps, lockstep=True)
+        prof["tp_layer_ms"] = {str(s.tp): shards["layer_ms"]}
+        prof["tp_allreduce_ms"] = {str(s.tp): shards["allreduce_ms"]}
     progress(f"{tag}, 2/3 netbench run: P2P at the runtime's message sizes ...")
-    net = run_netbench(ecfg, prof["anchors_per_stage"], s)
+    busy_us = 1e3 * prof["tp_layer_ms"][str(s.tp)] / 2 if s.tp > 1 else 0.0
+    net = run_netbench(ecfg, prof["anchors_per_stage"], s, busy_us)
     progress(f"{tag}, 3/3 measurement run: spd bench again ...")
     second = bench(cases, prompts, s.max_new_tokens, (), s.repeats, s.synthetic_alpha, s.seed, progress)
     for name, run in (("profile", first), ("measurement", second)):
@@ -197,6 +202,7 @@ def run_round(ecfg: RunConfig, prompts: Sequence[list[int]], s: ValidationSettin
     own = profile_from_bench(second, ecfg, cores, load_note())  # diagnostic only, see compare()
     if s.tp > 1:
         own["tp_layer_ms"] = prof["tp_layer_ms"]  # no shard timing inside the measurement run
+        own["tp_allreduce_ms"] = prof["tp_allreduce_ms"]
     for run in (first, second):
         for key in ("traces", "request_traces"):
             run.pop(key, None)  # large; the profiles keep what the model needs

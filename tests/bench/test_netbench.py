@@ -67,8 +67,8 @@ def test_local_run_report_invariants(tmp_path, capfd):
 
     # 256K is above the idle ping-pong's 64 KiB limit
     rc = main(["netbench", "--nproc", "3", "--sizes", "4,1K,256K", "--iters", "20", "--warmup", "2",
-               "--allreduce-bytes", "4,1K", "--hidden", "256", "--fanin-rows", "1,2", "--timeout", "20",
-               "--out-dir", str(tmp_path)])
+               "--allreduce-bytes", "4,1K", "--allreduce-busy-us", "50", "--hidden", "256", "--fanin-rows", "1,2",
+               "--timeout", "20", "--out-dir", str(tmp_path)])
     out = capfd.readouterr()
     assert rc == 0, out.err
     report = json.loads((tmp_path / "netbench.json").read_text())
@@ -77,6 +77,7 @@ def test_local_run_report_invariants(tmp_path, capfd):
     assert pairs == {(0, 1), (0, 2), (1, 2)}  # driver <-> each stage, then neighbouring stages
     assert {r["bytes"] for r in report["p2p"]} == {4, 1024, 262144}
     assert {(r["ranks"], r["bytes"]) for r in report["allreduce"]} == {(2, 4), (2, 1024), (3, 4), (3, 1024)}
+    assert report["config"]["allreduce_busy_us"] == 50.0  # compute before every timed all-reduce
     with open(tmp_path / "netbench.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == len(report["p2p"]) + len(report["allreduce"]) + len(report["fanin"])
@@ -95,6 +96,20 @@ def test_user_errors_are_reported_cleanly(capsys):
     assert "need 4 ranks" in capsys.readouterr().err
     assert main(["netbench", "--nproc", "3", "--tests", "p2p,bogus"]) == 2
     assert "unknown tests ['bogus']" in capsys.readouterr().err
+    assert main(["netbench", "--nproc", "2", "--allreduce-busy-us", "-1"]) == 2
+    assert "--allreduce-busy-us" in capsys.readouterr().err
+
+
+def test_busy_compute_lasts_as_long_as_asked():
+    import time
+
+    import torch
+
+    from spd_engine.bench.netbench import _compute_for
+
+    t0 = time.perf_counter()
+    _compute_for(torch.ones(64, 64), 3000)
+    assert time.perf_counter() - t0 >= 3e-3
 
 
 def _free_port() -> int:

@@ -29,5 +29,6 @@ def test_tp_shard_time_and_crossing_measure_something():
     ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, 1), threads=1,
                      capacity=128)
     assert 0 < shard_layer_ms(ecfg, 2, steps=4, warmup=1) < 1e3
+    assert 0 < shard_layer_ms(ecfg, 2, steps=4, warmup=1, lockstep=True) < 1e3  # real all-reduces, left out
     got = measure_crossing(dataclasses.replace(CrossingConfig(tp=2, hidden=64), iters=5, warmup=1))
     assert set(got) == {"peer", "broadcast"} and all(0 < v < 1e6 for v in got.values())

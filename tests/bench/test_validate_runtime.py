@@ -59,6 +59,10 @@ def test_predict_the_tp_row_from_measured_shards():
     assert pred["tp"]["tick_ms"] == pytest.approx(want, rel=1e-3)
     assert pred["tp"]["tok_s"] == pytest.approx(1e3 / pred["tp"]["tick_ms"])
     assert "tp" not in predict(prof, link, alpha=0.5, n=2)
+    # an all-reduce measured in lockstep with the shards replaces the link's for the 2 L + 1 reductions
+    lock = predict({**prof, "tp_allreduce_ms": {"2": 0.5}}, link, alpha=0.5, n=2, tp=2)
+    assert lock["tp"]["tick_ms"] == pytest.approx(want + (2 * 4 + 1) * (0.5 - 0.02), rel=1e-3)
+    assert lock["tp"]["comm_ms"] == pytest.approx(pred["tp"]["comm_ms"] + (2 * 4 + 1) * (0.5 - 0.02), rel=1e-3)
 
 
 def test_tp_diagnostic_splits_the_measured_token():
