@@ -17,6 +17,16 @@ def tp_shard_layer_ms(profile: Profile, g: int, notes: list[str]) -> tuple[float
     return tuple(t / g for t in profile.layer_ms)
 
 
+def tp_reduce_ms(profile: Profile, g: int, link: LinkModel, notes: list[str]) -> float:
+    """One all-reduce of a hidden state over g TP ranks between shard layers: the profile's, where
+    it was measured in lockstep with the shards' compute (as the runtime pays it), else the link's."""
+    if g in profile.tp_allreduce_ms:
+        note(notes, f"TP all-reduce over {g} ranks: the profile's {profile.tp_allreduce_ms[g]:.3f} ms, measured in "
+                    f"lockstep with the shards' compute (bench/tp_shard_time.py), not the link's back-to-back figure")
+        return profile.tp_allreduce_ms[g]
+    return link.allreduce_ms(g, profile.hidden * profile.dtype_bytes, notes)
+
+
 def ar_token_ms(profile: Profile) -> float:
     """Autoregressive decoding on one device: every layer, then the head."""
     return sum(profile.layer_ms) + profile.stage_fixed_ms + profile.verify_ms
@@ -40,14 +50,7 @@ def tp_token_ms(profile: Profile, g: int, link: LinkModel, notes: list[str]) -> 
     reaches the other TP ranks in one hop (the embedding's all-reduce waits for it).
     Returns (ms per token, ms of it in all-reduces and that hop)."""
     shard = tp_shard_layer_ms(profile, g, notes)
-    act = profile.hidden * profile.dtype_bytes
-    if g in profile.tp_allreduce_ms:  # measured between shard layers, as the runtime pays it
-        reduce_ms = profile.tp_allreduce_ms[g]
-        note(notes, f"TP all-reduce over {g} ranks: the profile's {reduce_ms:.3f} ms, measured in lockstep with the "
-                    f"shards' compute (bench/tp_shard_time.py), not the link's back-to-back figure")
-    else:
-        reduce_ms = link.allreduce_ms(g, act, notes)
-    comm = (2 * profile.num_layers + 1) * reduce_ms + link.allreduce_ms(g, 8, notes)
+    comm = (2 * profile.num_layers + 1) * tp_reduce_ms(profile, g, link, notes) + link.allreduce_ms(g, 8, notes)
     comm += link.hop_ms(message_bytes(profile.hidden, profile.dtype_bytes, profile.anchors)["token"])
     note(notes, "ASSUMPTION: TP head = verify_ms / g (vocab-parallel) + one 8-byte all-reduce for the argmax")
     return sum(shard) + profile.stage_fixed_ms + profile.verify_ms / g + comm, comm

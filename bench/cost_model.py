@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spd_engine.bench.cost_alternatives import ar_token_ms, pp_token_ms, tp_shard_layer_ms, tp_token_ms
+from spd_engine.bench.cost_alternatives import ar_token_ms, pp_token_ms, tp_reduce_ms, tp_shard_layer_ms, tp_token_ms
 from spd_engine.bench.cost_inputs import AlphaCurve, LinkModel, Profile, note
 from spd_engine.bench.cost_model_spd import build_spd_case, predict_spd
 from spd_engine.bench.cost_partitions import balanced_partition, stage_times
@@ -116,13 +116,12 @@ def _hybrid_rows(profile: Profile, links: Links, n: int, alpha: AlphaCurve, note
     """g-way TP inside a node, s = n / g SPD stages across nodes (stage group p on node p);
     acceptance is that of an s-stage pipeline."""
     rows = []
-    act = profile.hidden * profile.dtype_bytes
     for g in (2, 4, 8, 16):
         s = n // g
         if n % g or s < 2 or (links.gpus_per_node is not None and g > links.gpus_per_node):
             continue
         shard = tp_shard_layer_ms(profile, g, notes)
-        per_layer_ar = 2 * links.intra.allreduce_ms(g, act, notes)
+        per_layer_ar = 2 * tp_reduce_ms(profile, g, links.intra, notes)
         counts = default_stage_layers(profile.num_layers, s)
         stage_ms = stage_times(profile, counts, shard, per_layer_ar)
         for colocate in (False, True):
