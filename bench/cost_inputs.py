@@ -99,7 +99,8 @@ class Profile:
     def from_dict(cls, d: dict) -> "Profile":
         known = {"schema", "name", "num_layers", "layer_ms", "pdm_ms", "verify_ms", "hidden_size", "dtype_bytes",
                  "anchors_per_stage", "stage_fixed_ms", "driver_fixed_ms", "stage_ms", "pp_stage_ms", "tp_layer_ms",
-                 "tp_allreduce_ms", "sync_ms", "source", "measured"}  # source / measured: provenance and raw numbers, not used by the model
+                 "tp_allreduce_ms", "sync_ms",
+                 "source", "measured"}  # source / measured: provenance and raw numbers, not used by the model
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"profile: unknown keys {sorted(unknown)} (schema spd-profile/1)")

@@ -206,7 +206,8 @@ class StageWorker:
 
 def receive_stats(t: Transport, rank: int, timeout: float) -> dict:
     """A stage's STATS reply: per-request decode compute/wait seconds, decode message count, TP
-    collectives and their seconds (TP rank 0's, inside the compute), the resident parameter bytes of the reporting rank (TP rank 0 of the stage), optional trace."""
+    collectives and their seconds (inside the compute), the resident parameter bytes, all of the
+    reporting rank (TP rank 0 of the stage), optional trace."""
     hdr = t.recv_header(rank, timeout)
     assert hdr.kind == Kind.STATS, hdr
     vals = t.recv_into(rank, torch.empty(hdr.length, dtype=torch.float64), timeout).tolist()

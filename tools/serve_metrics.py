@@ -4,7 +4,8 @@ Names follow vLLM's where one exists (`vllm:` -> `spd:`): request outcomes, queu
 first token (from arrival, queue wait included), inter-token latency, end-to-end latency, prompt
 and generation tokens, and the speculative-decoding counters (`spec_decode_num_draft_tokens` =
 verified drafts, `spec_decode_num_accepted_tokens`). SPD's own: ticks, rejections, pooled EAL and
-acceptance, branch points and saves, per-stage compute and steps, driver timers and the per-tick driver slack.
+acceptance, branch points and saves, per-stage compute and steps, driver timers and the per-tick
+driver slack.
 """
 from __future__ import annotations
 

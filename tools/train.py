@@ -143,7 +143,8 @@ def _check_method_flags(args: argparse.Namespace) -> None:
     from spd_engine.tools.common import refuse_ignored
 
     if args.method == "eagle":
-        refuse_ignored(args, ["stages", "stage_layers", "anchors", "pdm_layers", "init_head"], "with --method eagle (one rank)")
+        refuse_ignored(args, ["stages", "stage_layers", "anchors", "pdm_layers", "init_head"],
+                       "with --method eagle (one rank)")
     else:
         refuse_ignored(args, ["ttt_steps"], "with --method pdm")
 
