@@ -79,7 +79,7 @@ class StageWorker:
         # decode (TOKEN) messages only: compute seconds, count, receive-wait seconds, TP collectives
         # and the seconds inside them (part of the compute; host floats: no per-tick tensors);
         # prefill chunks are timed by the driver's prefill_s
-        self.stats = [0.0, 0, 0.0, 0, 0.0]
+        self.stats = _fresh_stats()
         self.group = getattr(model, "group", None)  # a TP rank's stage group (engine/tp_group.py)
         self.handled = 0  # messages handled this request (the tick named in receive errors)
         self.trace: list[float] | None = [] if opts.trace else None  # (recv start, compute start, compute end)*
@@ -116,7 +116,7 @@ class StageWorker:
                 payload = torch.tensor([*self.stats, self.param_bytes, *(self.trace or [])], dtype=torch.float64)
                 self.t.send(self.driver, Header(Kind.STATS, length=payload.numel()), [payload])
             self.t.flush()
-            self.stats = [0.0, 0, 0.0, 0, 0.0]
+            self.stats = _fresh_stats()
             self.handled = 0
             if self.trace is not None:
                 self.trace.clear()
@@ -202,6 +202,12 @@ class StageWorker:
             return int(logits.argmax())  # host sync: the id goes in the header
         probs = target_probs(logits, self.sampling)
         return sample(probs, keyed_generator(self.sampling.seed, pos, "target"))
+
+
+def _fresh_stats() -> list[float]:
+    """A request's decode statistics before its first message: compute s, messages, receive-wait s,
+    TP collectives, seconds inside them (the STATS payload's head, in that order)."""
+    return [0.0, 0, 0.0, 0, 0.0]
 
 
 def receive_stats(t: Transport, rank: int, timeout: float) -> dict:
