@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from spd_engine.bench.stats import bandwidth_gbps, summarize_us
 from spd_engine.bench.tick_replay import ReplayConfig, run_scenarios
+from spd_engine.bench.transport_p2p import transport_bench
 from spd_engine.engine.dist import (LocalRanks, PeerError, RankContext, RunFailed, check_gpus, fail_rank, finish_group,
                                     join_group, local_init_method, resolve_backend, torchrun_rank)
 from spd_engine.engine.tp_group import DistTPGroup
@@ -58,6 +59,8 @@ TIME_DEFINITIONS = {
     "busbw": "algbw = bytes / p50_us; busbw = algbw * 2(r-1)/r for an all-reduce over r ranks, = algbw for P2P "
              "(nccl-tests)",
     "fanin": "rank 0: first go message posted -> last [k,H] payload received; bw_GBps = all payload bytes / p50_us",
+    "transport": "one-way latency = half a round trip of a header + payload message through the engine's "
+                 "Transport (gloo frames or shared-memory rings), less the responder's busy_us of compute",
     "jitter": "p99_us - p50_us",
 }
 
@@ -155,6 +158,7 @@ class NetbenchConfig:
     # each rank computes this long before every timed all-reduce, as a TP rank does between its
     # reductions (0: back to back); on a CPU a reduction after compute costs more (docs/benchmarks.md)
     allreduce_busy_us: float = 0.0
+    transport_busy_us: float = 0.0  # --tests transport: the responder computes this long before it answers
     hidden: int = 4096
     dtype_bytes: int = 2
     fanin_rows: tuple[int, ...] = (1, 4)
@@ -388,6 +392,10 @@ def netbench_rank(ctx: DistContext, cfg: NetbenchConfig) -> dict | None:
     ctx.barrier("start barrier")
     if "p2p" in cfg.tests:
         local["p2p"] = p2p_bench(ctx, cfg)
+    if "transport" in cfg.tests:
+        pairs = cfg.pairs if cfg.pairs is not None else default_pairs(ctx.world_size)
+        sizes = [b for b in cfg.sizes if b <= IDLE_MAX_BYTES]  # a decode tick's message sizes
+        local["transport"] = transport_bench(ctx, list(pairs), sizes, cfg.iters, cfg.transport_busy_us)
     if "allreduce" in cfg.tests:
         local["allreduce"] = allreduce_bench(ctx, cfg)
     if "fanin" in cfg.tests and ctx.world_size > 1:
@@ -417,6 +425,7 @@ def assemble_report(ctx: DistContext, cfg: NetbenchConfig, per_rank: list[dict])
         "config": {k: v for k, v in asdict(cfg).items() if k != "replay"},
         "p2p": [row for r in per_rank for row in r.get("p2p", [])],
         "fanin": [row for r in per_rank for row in r.get("fanin", [])],
+        "transport": [row for r in per_rank for row in r.get("transport", [])],
     }
     if any("allreduce" in r for r in per_rank):
         report["allreduce"] = _merge_allreduce(per_rank)

@@ -79,6 +79,12 @@ def format_report(report: dict) -> str:
         rows = [{**r, "shape": f"[{r['rows']},{r['hidden']}]"} for r in report["fanin"]]
         lines.append(format_table(rows, [("senders", "senders", ""), ("shape", "shape", ""), ("bytes", "bytes", ""),
                                          ("iters", "iters", "")] + lat + [("bw_GBps", "bw(GB/s)", ".3f")]))
+    if report.get("transport"):
+        lines += ["", "# the runtime's transport: " + TIME_DEFINITIONS["transport"]]
+        rows = [{**r, "size": human_bytes(r["bytes"])} for r in report["transport"]]
+        lines.append(format_table(rows, [("transport", "transport", ""), ("a", "src", ""), ("b", "dst", ""),
+                                         ("size", "size", ""), ("busy_us", "busy(us)", ".0f"),
+                                         ("iters", "iters", "")] + lat + [("mean_us", "mean(us)", ".1f")]))
     if report.get("tick_replay"):
         lines += ["", "# SPD tick replay (sleeping stages): tick = wall / ticks; overhead = tick - slowest stage"]
         rows = [{**r, "stages": ",".join(f"{c:g}" for c in r["stage_ms"]),

@@ -60,7 +60,8 @@ def bench_cases(ecfg: RunConfig, configs: Sequence[str] = CONFIGS, tp: int = 1) 
     if (TP_CONFIG in configs) != (tp > 1):
         raise ValueError(f"the {TP_CONFIG} config needs tp >= 2 and tp >= 2 the {TP_CONFIG} config (got tp={tp})")
     topo = dataclasses.replace(ecfg.topology, tp=1)
-    ecfg = ecfg.replace(topology=topo)
+    # gloo: the transport whose P2P rows the netbench run measures (the link model's input)
+    ecfg = ecfg.replace(topology=topo, transport="gloo")
     one = dataclasses.replace(topo, stage_layers=(topo.num_layers,), colocate=False)
     every = {"ar": BenchCase("ar", ecfg.replace(mode="ar", topology=one)),
              "pp": BenchCase("pp", ecfg.replace(mode="pp", topology=dataclasses.replace(topo, colocate=True),

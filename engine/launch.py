@@ -26,25 +26,36 @@ from spd_engine.engine.dist import free_port  # noqa: F401  (re-exported: test h
 from spd_engine.engine.roles import build_rank, rank_topology
 from spd_engine.engine.tp_group import TPGroup, dist_tp_groups
 from spd_engine.engine.run_config import RunConfig
-from spd_engine.engine.transport import DistTransport
+from spd_engine.engine.shm_transport import ShmTransport, shm_usable
+from spd_engine.engine.transport import DistTransport, Transport
 
 # Test hook: "RANK:MESSAGES" makes that rank SIGKILL itself after handling MESSAGES messages,
 # the same as `kill -9` from outside, to check that no surviving rank hangs.
 FAULT_ENV = "SPD_FAULT_KILL_RANK"
 
 
-def _join(ecfg: RunConfig, rank: int, world: int, init_method: str) -> tuple[RunConfig, DistTransport, TPGroup]:
+def _transport(ecfg: RunConfig, rank: int, world: int, one_host: bool) -> Transport:
+    """The run's P2P transport (collective): `auto` takes shared memory for CPU ranks that this
+    process launched on its own host, else the process group's backend."""
+    choice = ecfg.transport
+    if choice == "auto":
+        cpu_here = one_host and ecfg.backend == "gloo" and ecfg.device.startswith("cpu")
+        choice = "shm" if cpu_here and world > 1 and shm_usable(world) is None else "gloo"
+    return ShmTransport(rank, world) if choice == "shm" else DistTransport(rank, world, ecfg.device)
+
+
+def _join(ecfg: RunConfig, rank: int, world: int, init_method: str) -> tuple[RunConfig, Transport, TPGroup]:
     """(this rank's config: plain `cuda` made this rank's GPU, its transport, its stage's TP group)."""
     device = str(rank_device(ecfg.device, rank, world))  # before the threads: sets the current GPU
     ecfg = ecfg if device == ecfg.device else ecfg.replace(device=device)
     torch.set_num_threads(ecfg.threads_per_rank())
     # requests bound their own waits (Transport timeouts); a stage idles between them
     join_group(rank, world, ecfg.backend, ecfg.device, init_method, max(60.0, ecfg.timeout_s), idle_waits=True)
-    transport = DistTransport(rank, world, ecfg.device)
+    transport = _transport(ecfg, rank, world, one_host=not under_torchrun())
     return ecfg, transport, dist_tp_groups(rank_topology(ecfg), rank, ecfg.timeout_s)  # collective: every rank
 
 
-def _serve(ecfg: RunConfig, rank: int, transport: DistTransport, group: TPGroup) -> None:
+def _serve(ecfg: RunConfig, rank: int, transport: Transport, group: TPGroup) -> None:
     _, worker = build_rank(ecfg, rank, transport, tp_group=group)
     assert worker is not None
     fault = os.environ.get(FAULT_ENV, "")
@@ -102,7 +113,7 @@ def launch(ecfg: RunConfig) -> Iterator[object]:
         yield from _drive(ecfg, transport, group, ranks)
 
 
-def _drive(ecfg: RunConfig, transport: DistTransport, group: TPGroup, ranks: LocalRanks | None
+def _drive(ecfg: RunConfig, transport: Transport, group: TPGroup, ranks: LocalRanks | None
            ) -> Iterator[object]:
     ok = False
     try:

@@ -25,6 +25,9 @@ from spd_engine.engine.topology import Topology
 from spd_engine.engine.tp_shard import check_tp
 
 MODES = ("spd", "pp", "ar", "tp", "eagle")
+# P2P transports: gloo/NCCL (engine/transport.py DistTransport) or shared-memory rings between
+# the CPU ranks of one host (engine/shm_transport.py); auto: shm where it can run, else the backend
+TRANSPORTS = ("auto", "gloo", "shm")
 # branch width of an SPD run that names none. W = 2 at refill lifts the shipped n=4 head's pooled
 # EAL from 2.03 to 2.16 on the dev prompts, but on the 2-core CPU host, where the ranks share the
 # cores, a tick then costs more than that buys (docs/benchmarks.md), and the H200 profiles
@@ -114,6 +117,7 @@ class RunConfig:
     # DEFAULT_BRANCHES for SPD, else 1 (resolved once, here)
     branches: int | None = None
     branch_when: str = "refill"  # where a branch point may start (engine/branching.py WHEN)
+    transport: str = "auto"  # TRANSPORTS: how ranks message each other (collectives stay on the backend)
 
     def __post_init__(self) -> None:
         if self.stage_ms is not None and (len(self.stage_ms) != self.topology.n or min(self.stage_ms) < 0):
@@ -134,6 +138,11 @@ class RunConfig:
             raise ValueError(f"suffix PDM margin must be > 0, got {self.suffix_pdm_margin}")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.transport == "shm" and (self.backend != "gloo" or not self.device.startswith("cpu")):
+            raise ValueError(f"--transport shm carries CPU tensors between ranks of one host: it needs "
+                             f"--device cpu and the gloo backend, got {self.device} / {self.backend}")
         if self.topology.num_layers != self.cfg.num_layers:
             raise ValueError(f"stage layers {list(self.topology.stage_layers)} sum to {self.topology.num_layers}, "
                              f"the model has {self.cfg.num_layers} layers")

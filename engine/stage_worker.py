@@ -184,6 +184,8 @@ class StageWorker:
             if self.anchor_ids:  # [T, k, H], anchors in ascending order
                 tensors["anchors"] = lambda: torch.stack([caps[layer][0] for layer in self.anchor_layers], dim=1)
             self.t.send(self.driver, reply, [tensors[p.name]() for p in self.wire.to_driver(self.stage, reply)])
+        if hdr.kind == Kind.TOKEN:
+            self.stats[5] += time.perf_counter() - t2
 
     def _forward(self, h: torch.Tensor, hdr: Header) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The chains of a branch point: h [1, W, H], every row at `position`, each seeing the
@@ -206,17 +208,18 @@ class StageWorker:
 
 def _fresh_stats() -> list[float]:
     """A request's decode statistics before its first message: compute s, messages, receive-wait s,
-    TP collectives, seconds inside them (the STATS payload's head, in that order)."""
-    return [0.0, 0, 0.0, 0, 0.0]
+    TP collectives, seconds inside them, send s (the frame downstream and the reply to the driver,
+    after the compute) (the STATS payload's head, in that order)."""
+    return [0.0, 0, 0.0, 0, 0.0, 0.0]
 
 
 def receive_stats(t: Transport, rank: int, timeout: float) -> dict:
-    """A stage's STATS reply: per-request decode compute/wait seconds, decode message count, TP
+    """A stage's STATS reply: per-request decode compute/wait/send seconds, decode message count, TP
     collectives and their seconds (inside the compute), the resident parameter bytes, all of the
     reporting rank (TP rank 0 of the stage), optional trace."""
     hdr = t.recv_header(rank, timeout)
     assert hdr.kind == Kind.STATS, hdr
     vals = t.recv_into(rank, torch.empty(hdr.length, dtype=torch.float64), timeout).tolist()
-    trace = [tuple(vals[i:i + 3]) for i in range(6, len(vals), 3)]
+    trace = [tuple(vals[i:i + 3]) for i in range(7, len(vals), 3)]
     return {"compute_s": vals[0], "messages": vals[1], "wait_s": vals[2], "tp_collectives": vals[3],
-            "tp_collective_s": vals[4], "param_bytes": int(vals[5]), "trace": trace}
+            "tp_collective_s": vals[4], "send_s": vals[5], "param_bytes": int(vals[6]), "trace": trace}

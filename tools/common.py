@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from spd_engine.engine.branching import WHEN
-from spd_engine.engine.run_config import DEFAULT_BRANCHES, MODES, PRESETS, STEP_MODES, RunConfig, random_preset
+from spd_engine.engine.run_config import DEFAULT_BRANCHES, MODES, PRESETS, STEP_MODES, TRANSPORTS, RunConfig, random_preset
 from spd_engine.engine.topology import Topology
 
 REPO_HEADS = Path(__file__).resolve().parents[1] / "heads"  # site-packages/spd_engine/heads when installed
@@ -205,6 +205,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
     g.add_argument("--device", default=run_default("device"), help="cpu, cuda or cuda:N")
     g.add_argument("--backend", default=None, choices=["gloo", "nccl"],
                    help=f"default: nccl on cuda, else {run_default('backend')}")
+    g.add_argument("--transport", default=run_default("transport"), choices=TRANSPORTS,
+                   help="rank-to-rank messages: shm (shared-memory rings, CPU ranks of one host), gloo (the "
+                        "backend), auto (shm for the CPU ranks this command launches, else the backend)")
     g.add_argument("--seed", type=int, default=run_default("seed"), help="seed of random weights / untrained heads")
     g.add_argument("--step-mode", default=run_default("step_mode"), choices=STEP_MODES,
                    help="one-token decode steps: CUDA graphs (auto on cuda), eager (auto elsewhere; the "
@@ -282,7 +285,8 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used:
                      seed=args.seed, step_mode=args.step_mode, suffix_drafts=args.suffix_drafts == "on",
                      suffix_min_match=args.suffix_min_match, suffix_pdm_margin=args.suffix_pdm_margin,
                      suffix_cross_request=args.suffix_cross_request == "on",
-                     overlap_stage0=args.overlap_stage0 == "on", branches=getattr(args, "branches", None),
+                     overlap_stage0=args.overlap_stage0 == "on", transport=args.transport,
+                     branches=getattr(args, "branches", None),
                      branch_when=getattr(args, "branch_when", run_default("branch_when")))
     return ecfg, tok_dir
 

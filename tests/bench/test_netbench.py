@@ -180,3 +180,20 @@ def test_silent_rank_ends_the_run_by_timeouts(capfd):
     assert "rank 1: exit code 1" in err and "rank 2: exit code 1" in err
     assert "hung" not in err
     assert 2 <= elapsed < 60
+
+
+@pytest.mark.multiproc
+def test_transport_test_times_both_runtime_transports(tmp_path, capfd):
+    from spd_engine.tools.cli import main
+
+    rc = main(["netbench", "--nproc", "2", "--tests", "transport", "--sizes", "64,4K,256K", "--iters", "20",
+               "--busy-us", "100", "--timeout", "20", "--out-dir", str(tmp_path), "--no-png"])
+    out = capfd.readouterr()
+    assert rc == 0, out.err
+    rows = json.loads((tmp_path / "netbench.json").read_text())["transport"]
+    # 256K is above a tick's message sizes; the rings need Linux on x86-64 (else only gloo runs)
+    kinds = {"gloo", "shm"} if sys.platform == "linux" and os.uname().machine == "x86_64" else {"gloo"}
+    assert {(r["transport"], r["bytes"]) for r in rows} == {(k, b) for k in kinds for b in (64, 4096)}
+    for r in rows:
+        assert r["iters"] == 20 and r["busy_us"] == 100.0 and 0 < r["p50_us"] <= r["p99_us"] <= r["max_us"]
+    assert "the runtime's transport" in out.out

@@ -1,0 +1,242 @@
+"""Shared-memory transport: the runtime's messages between CPU ranks of one host, without gloo.
+
+On a CPU host gloo moves a message through its own I/O thread on each side and wakes the
+receiver with a condition variable: a computing rank pays for that in its own thread (posting
+sends and receives) and in wake-ups (docs/benchmarks.md, "The tick's own cost"). Here each
+directed rank pair has a byte ring in shared memory with one writer and one reader; a message
+is its header ints followed by its payload bytes, copied straight in and out of the ring, so a
+send is a copy and a store, and a receive whose data is there is a copy. The same design as
+vLLM's shared-memory message queue for ranks on one node (a ring plus polling with
+`sched_yield`).
+
+- Ordering: the writer publishes its byte count only after copying the bytes, the reader its own
+  only after copying them out; both counters are aligned 8-byte stores, which x86-64's total
+  store order keeps in program order, so no fence is needed (other CPUs use gloo: `shm_usable`).
+- Waiting: a receive polls, yielding the core for the first `SPIN_S` of a wait (`SHARED_SPIN_S`
+  when the ranks' threads outnumber the cores), then sleeps with a growing pause (`MAX_PAUSE_S` inside a request, `IDLE_PAUSE_S` between requests), so ranks
+  that outnumber the cores still get them.
+- Large payloads stream through the ring in pieces; what does not fit yet is kept (copied) and
+  written while the rank waits or flushes, so two ranks sending to each other never deadlock.
+- Failure: a receive inside a request times out with the same TransportError as the gloo
+  transport; a peer that exited (or was killed) or that abandoned its transport ends a wait at
+  once with an error naming it (its pid is checked every `ALIVE_CHECK_S` of waiting).
+- Set-up is collective over the default process group: rank 0 names the run's segments, every
+  rank creates its inbound rings, maps its outbound ones, and the files are unlinked before the
+  first message, so nothing is left in /dev/shm even when a rank is killed.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import secrets
+import socket
+import time
+import zlib
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from spd_engine.engine.messages import HEADER_LEN, Header
+from spd_engine.engine.transport import Transport, TransportError
+
+SHM_DIR = "/dev/shm"
+RING_BYTES = 256 * 1024  # per directed link: a decode tick's message is a few KB, a prefill chunk streams
+CTRL_BYTES = 192  # written count, read count, closed flag: one 64-byte cache line each
+_W, _R, _CLOSED = 0, 8, 16  # int64 indices of the three control words
+SPIN_S = 5e-3  # yield-polling at the start of a wait when every rank's threads have a core
+SHARED_SPIN_S = 2e-4  # ... and when ranks share cores (a spinning rank would slow a computing one)
+MAX_PAUSE_S = 2e-4
+IDLE_PAUSE_S = 5e-3
+ALIVE_CHECK_S = 0.02
+
+
+def shm_usable(world_size: int) -> str | None:
+    """None if this host can carry `world_size` ranks' rings, else why not."""
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"needs Linux on x86-64 (this is {platform.system()} on {platform.machine()})"
+    if not os.path.isdir(SHM_DIR):
+        return f"{SHM_DIR} is missing"
+    st = os.statvfs(SHM_DIR)
+    need = world_size * (world_size - 1) * (RING_BYTES + CTRL_BYTES)
+    if st.f_bavail * st.f_frsize < 2 * need:
+        return f"{SHM_DIR} has {st.f_bavail * st.f_frsize} bytes free, {2 * need} wanted"
+    return None
+
+
+class _Ring:
+    """One direction of one rank pair: RING_BYTES of data after the control words."""
+
+    def __init__(self, path: str, create: bool) -> None:
+        size = CTRL_BYTES + RING_BYTES
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.posix_fallocate(fd, 0, size)  # a full /dev/shm fails here, not with SIGBUS later
+            self.mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.ctrl = np.frombuffer(self.mm, dtype=np.int64, count=CTRL_BYTES // 8)
+        self.data = np.frombuffer(self.mm, dtype=np.uint8, offset=CTRL_BYTES)
+
+    def write_some(self, src: np.ndarray) -> int:
+        """Copy as much of `src` (uint8) as fits; the bytes written."""
+        w, r = int(self.ctrl[_W]), int(self.ctrl[_R])
+        k = min(RING_BYTES - (w - r), src.size)
+        at = w % RING_BYTES
+        first = min(k, RING_BYTES - at)
+        self.data[at:at + first] = src[:first]
+        self.data[:k - first] = src[first:k]
+        self.ctrl[_W] = w + k  # published after the bytes (x86-64 keeps stores in order)
+        return k
+
+    def read_some(self, dst: np.ndarray) -> int:
+        """Copy up to dst.size available bytes into `dst`; the bytes read."""
+        w, r = int(self.ctrl[_W]), int(self.ctrl[_R])
+        k = min(w - r, dst.size)
+        at = r % RING_BYTES
+        first = min(k, RING_BYTES - at)
+        dst[:first] = self.data[at:at + first]
+        dst[first:k] = self.data[:k - first]
+        self.ctrl[_R] = r + k  # the space is free only after the copy
+        return k
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, an exited child not yet reaped, counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+class _Wait:
+    """When a wait began and when it next checks that its peers live."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.next_check = self.start + ALIVE_CHECK_S
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bytes as a flat uint8 array (a view when it is contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+class ShmTransport(Transport):
+    """The Transport interface over shared-memory rings; CPU tensors only. Collective: every rank
+    of the default process group constructs it at the same point."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        import torch.distributed as dist
+
+        why = shm_usable(world_size)
+        if why is not None:
+            raise ValueError(f"shared-memory transport unavailable: {why}")
+        self.rank, self.world_size = rank, world_size
+        crowded = world_size * torch.get_num_threads() > len(os.sched_getaffinity(0))
+        self.spin_s = SHARED_SPIN_S if crowded else SPIN_S
+        ids = torch.zeros(2 * world_size, dtype=torch.int64)  # [pid of each rank, run name (rank 0)]
+        ids[rank] = os.getpid()
+        if rank == 0:
+            ids[world_size] = secrets.randbits(62)
+        dist.all_reduce(ids)
+        host = torch.tensor([zlib.crc32(socket.gethostname().encode())] * 2, dtype=torch.int64)
+        host[1] = -host[1]
+        dist.all_reduce(host, op=dist.ReduceOp.MAX)
+        if host[0] != -host[1]:
+            raise ValueError("shared-memory transport: the ranks run on more than one host (use --transport gloo)")
+        self.pids = ids[:world_size].tolist()
+        name = f"{SHM_DIR}/spd-{int(ids[world_size]):x}"
+        peers = [p for p in range(world_size) if p != rank]
+        self._in = {src: _Ring(f"{name}-{src}-{rank}", create=True) for src in peers}
+        dist.barrier()
+        self._out = {dst: _Ring(f"{name}-{rank}-{dst}", create=False) for dst in peers}
+        dist.barrier()
+        for src in peers:
+            os.unlink(f"{name}-{src}-{rank}")
+        self._queued: dict[int, deque[np.ndarray]] = {dst: deque() for dst in peers}  # bytes not yet in the ring
+        self._head = np.zeros(HEADER_LEN, dtype=np.int64)  # the receive buffer of a header
+
+    # ---- sending ----
+    def send(self, dst: int, header: Header, payloads: Sequence[torch.Tensor] = ()) -> None:
+        parts = [np.asarray(header.to_ints(), dtype=np.int64).view(np.uint8)] + [_as_bytes(p) for p in payloads]
+        queued, ring = self._queued[dst], self._out[dst]
+        for part in parts:
+            if not queued:
+                part = part[ring.write_some(part):]
+            if part.size:
+                queued.append(part.copy())  # the caller may reuse its buffer after this call
+
+    def _pump(self) -> bool:
+        """Write queued bytes that now fit; True if any remain."""
+        left = False
+        for dst, queued in self._queued.items():
+            ring = self._out[dst]
+            while queued:
+                head = queued[0]
+                k = ring.write_some(head)
+                if k < head.size:
+                    queued[0] = head[k:]
+                    left = True
+                    break
+                queued.popleft()
+        return left
+
+    def flush(self) -> None:
+        wait = _Wait()
+        while self._pump():
+            self._pause(wait, None, -1, -1)
+
+    # ---- receiving ----
+    def recv_header(self, src: int, timeout: float | None, tick: int = -1) -> Header:
+        self._read(src, self._head.view(np.uint8), timeout, tick)
+        return Header.from_ints(self._head.tolist())
+
+    def recv_into(self, src: int, out: torch.Tensor, timeout: float | None, tick: int = -1) -> torch.Tensor:
+        assert out.is_contiguous() and out.device.type == "cpu", "shared-memory rings carry CPU tensors"
+        self._read(src, out.view(-1).view(torch.uint8).numpy(), timeout, tick)
+        return out
+
+    def _read(self, src: int, dst: np.ndarray, timeout: float | None, tick: int) -> None:
+        ring, got, wait = self._in[src], 0, None
+        while True:
+            got += ring.read_some(dst[got:])
+            if got == dst.size:
+                return
+            wait = wait or _Wait()
+            self._pump()  # a rank that waits still moves what it owes its peers
+            self._pause(wait, timeout, src, tick)
+
+    def _pause(self, wait: "_Wait", timeout: float | None, src: int, tick: int) -> None:
+        """One poll interval of a wait; raises when the wait must end (timeout, dead peer)."""
+        now = time.perf_counter()
+        waited = now - wait.start
+        if waited < self.spin_s:
+            os.sched_yield()
+            return
+        if timeout is not None and waited > timeout:
+            raise TransportError(self.rank, src, tick, f"receive timed out after {timeout}s")
+        if now >= wait.next_check:
+            wait.next_check = now + ALIVE_CHECK_S
+            self._check_peers(src, tick)
+        time.sleep(min(IDLE_PAUSE_S if timeout is None else MAX_PAUSE_S, waited / 4))
+
+    def _check_peers(self, src: int, tick: int) -> None:
+        peers = [src] if src >= 0 else list(self._out)
+        for p in peers:
+            if not _alive(self.pids[p]):
+                raise TransportError(self.rank, p, tick, f"peer failed: rank {p} (pid {self.pids[p]}) has exited")
+            if self._in[p].ctrl[_CLOSED] or self._out[p].ctrl[_CLOSED]:
+                raise TransportError(self.rank, p, tick, f"peer failed: rank {p} abandoned the run")
+
+    def abandon(self) -> None:
+        """The run is failing here: tell every peer at once (their waits end with an error)."""
+        for ring in (*self._in.values(), *self._out.values()):
+            ring.ctrl[_CLOSED] = 1
+        for queued in self._queued.values():
+            queued.clear()

@@ -1,0 +1,148 @@
+"""The shared-memory transport (engine/shm_transport.py) between real processes: headers and
+payloads intact and in order (payloads larger than a ring stream through it), two ranks that
+send to each other before receiving do not deadlock, a receive times out naming (rank, peer,
+tick), a dead or abandoning peer ends a wait at once, nothing is left in /dev/shm; the runtime
+over it equals greedy decoding, with the gloo transport beside it; the ring's own arithmetic."""
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from spd_engine.engine.dist import LocalRanks, join_group, local_init_method
+from spd_engine.engine.messages import Header, Kind
+from spd_engine.engine.shm_transport import RING_BYTES, ShmTransport, TransportError, _Ring
+
+pytestmark = pytest.mark.multiproc
+
+BIG = RING_BYTES // 4 * 3 + 17  # float32 elements: 3 rings' worth and an odd tail
+
+
+def _transport(rank: int, init_method: str, timeout_s: float = 30.0) -> ShmTransport:
+    join_group(rank, 2, "gloo", "cpu", init_method, timeout_s=timeout_s)
+    return ShmTransport(rank, 2)
+
+
+def _exchange(rank: int, init_method: str) -> dict | None:
+    """Both ranks send many messages (small and ring-sized) before receiving any; rank 0 checks."""
+    t = _transport(rank, init_method)
+    peer = 1 - rank
+    for i in range(50):  # headers keep large integers exact
+        t.send(peer, Header(Kind.TOKEN, i, 2 ** 40 + i, token=rank * 1000 + i), [torch.full((576,), float(i))])
+    big = torch.arange(BIG, dtype=torch.float32) * (rank + 1)
+    t.send(peer, Header(Kind.PREFILL, 0, 1, length=BIG), [big, big[:5]])
+    got = []
+    buf = torch.empty(576)
+    for i in range(50):
+        h = t.recv_header(peer, 10.0, i)
+        t.recv_into(peer, buf, 10.0, i)
+        got.append((h.kind, h.position, h.epoch, h.token, bool((buf == i).all())))
+    h = t.recv_header(peer, 10.0)
+    a, b = torch.empty(BIG), torch.empty(5)
+    t.recv_into(peer, a, 10.0)
+    t.recv_into(peer, b, 10.0)
+    t.flush()
+    want = torch.arange(BIG, dtype=torch.float32) * (peer + 1)
+    return {"got": got, "big": bool(torch.equal(a, want) and torch.equal(b, want[:5])), "len": h.length} \
+        if rank == 0 else None
+
+
+def test_messages_arrive_intact_in_order_and_crossed_sends_do_not_deadlock():
+    leftover = set(glob.glob("/dev/shm/spd-*"))
+    with LocalRanks(_exchange, range(2), (local_init_method(),)) as ranks:
+        ranks.join(120)
+        assert not ranks.failed(), ranks.failure_report()
+        res = ranks.result(0)
+    assert [tuple(g) for g in res["got"]] == [(Kind.TOKEN, i, 2 ** 40 + i, 1000 + i, True) for i in range(50)]
+    assert res["big"] and res["len"] == BIG
+    assert set(glob.glob("/dev/shm/spd-*")) <= leftover  # unlinked once mapped
+
+
+def _timeout(rank: int, init_method: str) -> dict | None:
+    t = _transport(rank, init_method)
+    if rank == 1:
+        time.sleep(3.0)  # alive, silent
+        return None
+    t0 = time.monotonic()
+    try:
+        t.recv_header(1, 0.5, tick=7)
+    except TransportError as err:
+        return {"error": str(err), "waited": time.monotonic() - t0}
+    return {"error": None}
+
+
+def test_a_receive_times_out_naming_rank_peer_and_tick():
+    with LocalRanks(_timeout, range(2), (local_init_method(),)) as ranks:
+        ranks.join(60)
+        res = ranks.result(0)
+    assert "timed out after 0.5s" in res["error"] and "(rank=0, peer=1, tick=7)" in res["error"]
+    assert 0.5 <= res["waited"] < 2.0
+
+
+def _dead(rank: int, init_method: str, how: str) -> dict | None:
+    t = _transport(rank, init_method)
+    if rank == 1:
+        t.send(0, Header(Kind.TOKEN, 3, 1))
+        t.flush()
+        if how == "abandon":
+            t.abandon()
+            time.sleep(5.0)  # still alive: the flag alone must end the peer's wait
+        os._exit(4)
+    first = t.recv_header(1, 30.0)  # what it sent before dying still arrives
+    t0 = time.monotonic()
+    try:
+        t.recv_header(1, 30.0 if how == "abandon" else None, tick=9)  # None: an idle wait between requests
+    except TransportError as err:
+        return {"first": first.position, "error": str(err), "waited": time.monotonic() - t0}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("how", ["exit", "abandon"])
+def test_a_dead_or_abandoning_peer_ends_a_wait_at_once(how):
+    with LocalRanks(_dead, range(2), (local_init_method(), how)) as ranks:
+        ranks.join(60)
+        res = ranks.result(0)
+    assert res["first"] == 3 and "peer failed" in res["error"] and "peer=1" in res["error"]
+    assert res["waited"] < 2.0  # not the 30 s timeout
+
+
+def test_ring_wraps_and_counts_bytes(tmp_path):
+    path = str(tmp_path / "ring")
+    w, r = _Ring(path, create=True), _Ring(path, create=False)
+    data = np.arange(RING_BYTES + 1000, dtype=np.int64).astype(np.uint8)
+    assert w.write_some(data) == RING_BYTES  # full: the rest waits
+    out = np.zeros(700, dtype=np.uint8)
+    assert r.read_some(out) == 700 and (out == data[:700]).all()
+    assert w.write_some(data[RING_BYTES:]) == 700  # wraps around the end
+    rest = np.zeros(RING_BYTES + 300, dtype=np.uint8)
+    assert r.read_some(rest) == RING_BYTES and (rest[:RING_BYTES] == data[700:RING_BYTES + 700]).all()
+    assert r.read_some(rest) == 0
+
+
+def test_run_config_refuses_shm_off_cpu():
+    from spd_engine.engine.model_config import tiny_config
+    from spd_engine.engine.run_config import RunConfig
+    from spd_engine.engine.topology import Topology
+
+    cfg = tiny_config()
+    topo = Topology.build(cfg.num_layers, n=2)
+    with pytest.raises(ValueError, match="transport shm .* --device cpu and the gloo backend"):
+        RunConfig(model="random:tiny-llama", cfg=cfg, topology=topo, transport="shm", backend="nccl")
+    with pytest.raises(ValueError, match="transport must be one of"):
+        RunConfig(model="random:tiny-llama", cfg=cfg, topology=topo, transport="tcp")
+
+
+@pytest.mark.parametrize("transport,colocate", [("shm", False), ("shm", True), ("gloo", True)])
+def test_runtime_over_each_transport_equals_greedy(transport, colocate):
+    from spd_engine.engine.launch import launch
+    from helpers import CHUNK, random_prompts, reference, tiny_engine_config
+
+    ecfg = tiny_engine_config("llama", 3, colocate, threads=1, transport=transport)
+    prompts = random_prompts(ecfg.cfg, (1, 2 * CHUNK + 5, 9), seed=2)
+    with launch(ecfg) as runtime:
+        got = [runtime.generate(p, 24).tokens for p in prompts]
+    assert got == [reference(ecfg, p, 24) for p in prompts]
