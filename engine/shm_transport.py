@@ -13,8 +13,9 @@ vLLM's shared-memory message queue for ranks on one node (a ring plus polling wi
   only after copying them out; both counters are aligned 8-byte stores, which x86-64's total
   store order keeps in program order, so no fence is needed (other CPUs use gloo: `shm_usable`).
 - Waiting: a receive polls, yielding the core for the first `SPIN_S` of a wait (`SHARED_SPIN_S`
-  when the ranks' threads outnumber the cores), then sleeps with a growing pause (`MAX_PAUSE_S` inside a request, `IDLE_PAUSE_S` between requests), so ranks
-  that outnumber the cores still get them.
+  when the ranks' threads outnumber the cores), then sleeps with a growing pause (`MAX_PAUSE_S`
+  inside a request, `IDLE_PAUSE_S` between requests), so ranks that outnumber the cores still
+  get them.
 - Large payloads stream through the ring in pieces; what does not fit yet is kept (copied) and
   written while the rank waits or flushes, so two ranks sending to each other never deadlock.
 - Failure: a receive inside a request times out with the same TransportError as the gloo

@@ -18,7 +18,8 @@ import json
 from pathlib import Path
 
 from spd_engine.engine.branching import WHEN
-from spd_engine.engine.run_config import DEFAULT_BRANCHES, MODES, PRESETS, STEP_MODES, TRANSPORTS, RunConfig, random_preset
+from spd_engine.engine.run_config import (DEFAULT_BRANCHES, MODES, PRESETS, STEP_MODES, TRANSPORTS, RunConfig,
+                                          random_preset)
 from spd_engine.engine.topology import Topology
 
 REPO_HEADS = Path(__file__).resolve().parents[1] / "heads"  # site-packages/spd_engine/heads when installed
