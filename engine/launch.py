@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Iterator
 
 import torch
+import torch.distributed
 
 from spd_engine.engine.dist import (LocalRanks, RunFailed, check_gpus, fail_rank, join_group, leave_group,
                                     local_init_method, rank_device, torchrun_rank, under_torchrun)
@@ -38,9 +39,13 @@ def _transport(ecfg: RunConfig, rank: int, world: int, one_host: bool) -> Transp
     """The run's P2P transport (collective): `auto` takes shared memory for CPU ranks that this
     process launched on its own host, else the process group's backend."""
     choice = ecfg.transport
-    if choice == "auto":
-        cpu_here = one_host and ecfg.backend == "gloo" and ecfg.device.startswith("cpu")
-        choice = "shm" if cpu_here and world > 1 and shm_usable(world) is None else "gloo"
+    if choice == "auto":  # one_host, backend and device are the same on every rank
+        choice = "gloo"
+        if world > 1 and one_host and ecfg.backend == "gloo" and ecfg.device.startswith("cpu"):
+            # every rank must pick the same: each checks /dev/shm's free space, so they agree on it
+            ok = torch.tensor([int(shm_usable(world) is None)])
+            torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+            choice = "shm" if int(ok) else "gloo"
     return ShmTransport(rank, world) if choice == "shm" else DistTransport(rank, world, ecfg.device)
 
 
