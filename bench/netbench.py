@@ -60,7 +60,8 @@ TIME_DEFINITIONS = {
              "(nccl-tests)",
     "fanin": "rank 0: first go message posted -> last [k,H] payload received; bw_GBps = all payload bytes / p50_us",
     "transport": "one-way latency = half a round trip of a header + payload message through the engine's "
-                 "Transport (gloo frames or shared-memory rings), less the responder's busy_us of compute",
+                 "Transport (gloo frames or shared-memory rings), less the compute before each send (the responder's "
+                 "busy_us; with busy_mb both ends stream that many MiB of weights first, as a decoding rank does)",
     "jitter": "p99_us - p50_us",
 }
 
@@ -159,6 +160,7 @@ class NetbenchConfig:
     # reductions (0: back to back); on a CPU a reduction after compute costs more (docs/benchmarks.md)
     allreduce_busy_us: float = 0.0
     transport_busy_us: float = 0.0  # --tests transport: the responder computes this long before it answers
+    transport_busy_mb: float = 0.0  # --tests transport: both ends stream this many MiB of weights before each send
     hidden: int = 4096
     dtype_bytes: int = 2
     fanin_rows: tuple[int, ...] = (1, 4)
@@ -395,7 +397,8 @@ def netbench_rank(ctx: DistContext, cfg: NetbenchConfig) -> dict | None:
     if "transport" in cfg.tests:
         pairs = cfg.pairs if cfg.pairs is not None else default_pairs(ctx.world_size)
         sizes = [b for b in cfg.sizes if b <= IDLE_MAX_BYTES]  # a decode tick's message sizes
-        local["transport"] = transport_bench(ctx, list(pairs), sizes, cfg.iters, cfg.transport_busy_us)
+        local["transport"] = transport_bench(ctx, list(pairs), sizes, cfg.iters, cfg.transport_busy_us,
+                                             cfg.transport_busy_mb)
     if "allreduce" in cfg.tests:
         local["allreduce"] = allreduce_bench(ctx, cfg)
     if "fanin" in cfg.tests and ctx.world_size > 1:

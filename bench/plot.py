@@ -84,6 +84,7 @@ def format_report(report: dict) -> str:
         rows = [{**r, "size": human_bytes(r["bytes"])} for r in report["transport"]]
         lines.append(format_table(rows, [("transport", "transport", ""), ("a", "src", ""), ("b", "dst", ""),
                                          ("size", "size", ""), ("busy_us", "busy(us)", ".0f"),
+                                         ("busy_mb", "busy(MiB)", ".0f"),
                                          ("iters", "iters", "")] + lat + [("mean_us", "mean(us)", ".1f")]))
     if report.get("tick_replay"):
         lines += ["", "# SPD tick replay (sleeping stages): tick = wall / ticks; overhead = tick - slowest stage"]

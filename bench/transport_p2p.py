@@ -6,6 +6,13 @@ instead (a header and its payloads in one frame or one ring record, engine/trans
 engine/shm_transport.py), so this is the hop the tick-cost accounting compares against. Each
 size is ping-ponged `iters` times between the pairs' ends; optionally the responder computes
 for `busy_us` before it answers, as a stage does, so the sender's message meets a busy peer.
+
+`busy_mb` makes the compute real: before each send both ends stream that many MiB of float32
+weights through matrix-vector products, the memory traffic of a decode step, so every send and
+receive runs on caches as a decoding rank leaves them (on a CPU rank this is what a tick's
+messages meet: the weights have evicted the interpreter's and the transport's working set). Each
+end times its own compute (the responder's travels back in the reply header's `reply` field, in
+ns) and the round trip is counted without both.
 """
 from __future__ import annotations
 
@@ -28,25 +35,41 @@ def _spin(us: float) -> None:
         pass
 
 
+def stream_weights(busy_mb: float) -> list[torch.Tensor]:
+    """float32 [1024, 1024] blocks of about `busy_mb` MiB in all (none for 0)."""
+    return [torch.rand(1024, 1024) for _ in range(round(busy_mb / 4))]
+
+
+def _compute(weights: list[torch.Tensor], x: torch.Tensor, busy_us: float) -> float:
+    """Stream `weights` (matrix-vector products, x [1024]) and spin `busy_us`; the seconds it took."""
+    t0 = time.perf_counter()
+    for w in weights:
+        torch.mv(w, x)
+    _spin(busy_us)
+    return time.perf_counter() - t0
+
+
 def _pingpong(t: Transport, peer: int, nbytes: int, iters: int, initiator: bool, busy_us: float,
-              timeout: float) -> list[float] | None:
-    """The initiator's round trips (s) of header + `nbytes` payload each way."""
+              timeout: float, weights: list[torch.Tensor] = ()) -> list[float] | None:
+    """The initiator's round trips (s) of header + `nbytes` payload each way, less both ends' compute."""
     out = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)  # [nbytes / 4]
     back = torch.empty_like(out)
+    x = torch.rand(1024)
     hdr = Header(Kind.TOKEN, 0, 1)
     rtts = []
     for i in range(iters):
         if initiator:
             t0 = time.perf_counter()
+            own = _compute(weights, x, 0.0)
             t.send(peer, hdr, [out])
-            t.recv_header(peer, timeout, i)
+            reply = t.recv_header(peer, timeout, i)
             t.recv_into(peer, back, timeout, i)
-            rtts.append(time.perf_counter() - t0)
+            rtts.append(time.perf_counter() - t0 - own - reply.reply / 1e9)
         else:
             t.recv_header(peer, timeout, i)
             t.recv_into(peer, back, timeout, i)
-            _spin(busy_us)
-            t.send(peer, hdr, [back])
+            busy = _compute(weights, x, busy_us)
+            t.send(peer, Header(Kind.TOKEN, 0, 1, reply=round(busy * 1e9)), [back])
     end = Header(Kind.END, 0, 1)  # lands in the receive each side posted after its last frame
     if initiator:
         t.send(peer, end)
@@ -58,11 +81,12 @@ def _pingpong(t: Transport, peer: int, nbytes: int, iters: int, initiator: bool,
     return rtts if initiator else None
 
 
-def transport_bench(ctx, pairs: list[tuple[int, int]], sizes: list[int], iters: int, busy_us: float
-                    ) -> list[dict]:
-    """Rows {transport, a, b, bytes, busy_us, one-way summary (us)} for each transport this host can
-    run (shm needs CPU ranks of one host); collective over the default group."""
+def transport_bench(ctx, pairs: list[tuple[int, int]], sizes: list[int], iters: int, busy_us: float,
+                    busy_mb: float = 0.0) -> list[dict]:
+    """Rows {transport, a, b, bytes, busy_us, busy_mb, one-way summary (us)} for each transport this
+    host can run (shm needs CPU ranks of one host); collective over the default group."""
     rows = []
+    weights = stream_weights(busy_mb)
     for kind in TRANSPORT_KINDS:
         if kind == "shm" and (ctx.device.type != "cpu" or shm_usable(ctx.world_size) is not None):
             continue
@@ -74,12 +98,11 @@ def transport_bench(ctx, pairs: list[tuple[int, int]], sizes: list[int], iters: 
                     t.set_frames({(a, b): 4 * max(1, nbytes // 4), (b, a): 4 * max(1, nbytes // 4)})
                 if ctx.rank in (a, b):
                     peer = b if ctx.rank == a else a
-                    _pingpong(t, peer, nbytes, 5, ctx.rank == a, busy_us, ctx.timeout_s)  # warm-up
-                    rtts = _pingpong(t, peer, nbytes, iters, ctx.rank == a, busy_us, ctx.timeout_s)
+                    _pingpong(t, peer, nbytes, 5, ctx.rank == a, busy_us, ctx.timeout_s, weights)  # warm-up
+                    rtts = _pingpong(t, peer, nbytes, iters, ctx.rank == a, busy_us, ctx.timeout_s, weights)
                     if rtts is not None:
-                        one_way = [(r - busy_us / 1e6) / 2 for r in rtts]
                         rows.append({"transport": kind, "a": a, "b": b, "bytes": nbytes, "busy_us": busy_us,
-                                     **summarize_us(one_way)})
+                                     "busy_mb": busy_mb, **summarize_us([r / 2 for r in rtts])})
                 ctx.barrier(f"barrier after transport {kind} {a}-{b} {nbytes}B")
         t.close()
     return rows

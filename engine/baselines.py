@@ -35,6 +35,12 @@ class PipelineDriver:
             self.t.send(rank, hdr, payloads)
         self.stage0.step()  # stage 0 (its TP rank 0) runs inline on this rank
 
+    def _token(self, hdr: Header) -> None:
+        """A decode token: without TP, stage 0 takes it in-process (no loopback message)."""
+        if self.topo.tp > 1:
+            return self._send(hdr)
+        self.stage0.step_local(hdr)
+
     def _reply(self, tick: int) -> int:
         hdr = self.t.recv_header(self.last, self.timeout, tick)
         assert not self.stage0.wire.to_driver(self.topo.n - 1, hdr), "a head stage replies with a header only"
@@ -66,7 +72,7 @@ class PipelineDriver:
             if token in eos or len(res.tokens) >= max_new_tokens or go_on is False:
                 break
             res.ticks += 1
-            self._send(Header(Kind.TOKEN, pos, 0, token))
+            self._token(Header(Kind.TOKEN, pos, 0, token))
             token = self._reply(res.ticks)
             pos += 1
         res.decode_s = time.perf_counter() - t1

@@ -94,6 +94,12 @@ class Driver:
         # co-located, n >= 2: stage 0 steps on its own thread while the driver drafts and verifies
         self.stage0_runner = Stage0Runner(local_stage0.step, next(head.parameters()).device) \
             if local_stage0 is not None and opts.overlap_stage0 and topo.n >= 2 else None
+        # co-located, stage 0 inline, W = 1: decode tokens go to stage 0 in-process and its anchors
+        # straight into the ring (no loopback message either way); prefill and chains use the loopback
+        self.direct_stage0 = local_stage0 is not None and self.stage0_runner is None and topo.n >= 2 \
+            and topo.tp == 1 and opts.branches.width == 1
+        if self.direct_stage0:
+            local_stage0.local_reports = self._stage0_anchors
         self.chooser = opts.drafting
         self.branching = opts.branches  # branch width W and where branch points start
         self.cross = self.chooser.new_history()  # earlier requests' tokens, when cross-request drafts are on
@@ -115,6 +121,10 @@ class Driver:
         self.scratch = [torch.empty(rows, len(ids), H, device=p.device, dtype=p.dtype)
                         for ids in self.stage_anchors]  # [chunk, k, H]: anchors nobody reads into the ring
         self.anchor_stages = [s for s in range(self.n) if self.stage_anchors[s]]
+        # a decode tick's receive destinations, sliced once: stage s's anchors of ring slot i, one exit row
+        self._anchor_dest = [[self.ring[i:i + 1, ids[0]:ids[-1] + 1] if ids else None  # [1, k, H]
+                              for i in range(self.num_slots)] for ids in self.stage_anchors]
+        self._exit_row = self.exit_buf[:1]  # [1, H]
         self.full_type = plan.type_at_depth(self.n)
         self.depth_types = [plan.type_at_depth(d) for d in range(self.n + 1)]
         # Per-tick index tensors, built once: a tick's rows are consecutive positions from the PDM
@@ -163,6 +173,23 @@ class Driver:
             if self.req is not None:
                 self._account("stage0", t1)
 
+    def _step_stage0_direct(self, hdr: Header) -> None:
+        """A decode token to the co-located stage 0, stepped inline without a message."""
+        t0 = time.perf_counter()
+        self.req.sent += 1
+        self.local_stage0.step_local(hdr)
+        self._account("stage0", t0)
+
+    def _stage0_anchors(self, hdr: Header, caps: dict[int, torch.Tensor]) -> None:
+        """Stage 0's anchors of a token it stepped in-process, into the ring slot of its position:
+        next tick's anchor read of that token (plan.anchor_reads) is then already done. The slot
+        is the one the entering token's anchor 0 was just written to, so no live row reads it
+        for anything else (docs/design.md 3.3)."""
+        slot = self._slot(hdr.position)
+        for a, layer in zip(self.stage_anchors[0], self.local_stage0.anchor_layers):
+            self.ring[slot, a].copy_(caps[layer][0, 0])  # [H]
+        self.req.consumed[0] += 1
+
     def _join_stage0(self) -> None:
         """The end of an overlapped tick: `stage0` then counts only the wait for stage 0's step."""
         if self.stage0_runner is not None:
@@ -183,22 +210,26 @@ class Driver:
         for payload in self.wire.to_driver(s, hdr):
             if payload.name == "anchors":
                 dest = self.scratch[s][:hdr.num_tokens] if ring_slot is None or chains else \
-                    self.ring[ring_slot:ring_slot + 1, ids[0]:ids[-1] + 1]  # [1, k, H], contiguous
+                    self._anchor_dest[s][ring_slot]  # [1, k, H], contiguous
             else:
                 assert payload.name == "exit", payload
-                dest = self.exit_buf[:hdr.num_tokens]
+                dest = self._exit_row if hdr.num_tokens == 1 else self.exit_buf[:hdr.num_tokens]
             self.t.recv_into(self.topo.stage_rank(s), dest, self.timeout, self.req.tick)
             if payload.name == "anchors" and chains and ring_slot is not None:
                 a = slice(ids[0], ids[-1] + 1)
                 self.rings[:hdr.rows, ring_slot, a] = dest  # [W, k, H]
                 self.ring[ring_slot, a] = dest[row]
 
-    def _recv_stage(self, s: int, kind: Kind, pos: int, ring_slot: int | None, row: int = 0) -> Header:
+    def _recv_stage(self, s: int, kind: Kind, pos: int, ring_slot: int | None, row: int = 0,
+                    arrived_only: bool = False) -> Header | None:
         """Receive stage s's messages until the current-epoch one for `pos`; stale ones are dropped
-        (`row`: the representative's row of a chains message)."""
+        (`row`: the representative's row of a chains message). arrived_only: stop (None) rather
+        than wait for a message that has not arrived yet."""
         t0 = time.perf_counter()
         epoch = self.req.epoch
         while True:
+            if arrived_only and not self.t.ready(self.topo.stage_rank(s)):
+                return None
             hdr = self._read_header(s)
             wanted = hdr.epoch == epoch and hdr.kind == kind and hdr.position == pos
             assert wanted or hdr.epoch < epoch, f"stage {s} sent {hdr}, driver expected {kind.name}@{pos}"
@@ -302,8 +333,12 @@ class Driver:
         """The entering token (or a branch point's chains) to stage 0; its anchor 0 (the embedding) to the ring."""
         slot = self._slot(entry.pos)
         if not entry.chains:
-            self._send_stage0(Header(Kind.TOKEN, entry.pos, entry.epoch, entry.token, branch=entry.branch,
-                                     survivor=entry.survivor), overlap=True)
+            hdr = Header(Kind.TOKEN, entry.pos, entry.epoch, entry.token, branch=entry.branch,
+                         survivor=entry.survivor)
+            if self.direct_stage0:
+                self._step_stage0_direct(hdr)
+            else:
+                self._send_stage0(hdr, overlap=True)
             self.ring[slot, 0] = self.head.embed(self._token_in.fill_(entry.token))[0, 0]  # anchor 0
             return
         ids = torch.tensor(entry.chains, dtype=torch.long, device=self.device)  # [W]
@@ -327,13 +362,21 @@ class Driver:
         (entry,) = plan.enter
         self._send_entry(entry)
         for s, e in plan.anchor_reads:  # the token at lag j finished stage j-1 last tick
-            self._recv_stage(s, Kind.TOKEN, e.pos, self._slot(e.pos), e.row)
+            if s > 0 or not self.direct_stage0:  # direct: stage 0's are in the ring already
+                self._recv_stage(s, Kind.TOKEN, e.pos, self._slot(e.pos), e.row)
+        # The exit is read before the PDM when it has already arrived: this tick's rows do not use it
+        # (its anchors are next tick's pending row), and on a CPU the read is then not the first
+        # code to run after the PDM's weights went through the caches. When it has not arrived the
+        # PDM runs first, as it must: it overlaps the wait.
+        exit_read = plan.exit is not None and self._recv_stage(
+            self.n - 1, Kind.TOKEN, plan.exit.pos, self._slot(plan.exit.pos), plan.exit.row, arrived_only=True)
         tp = time.perf_counter()
         drafts = self._drafts(plan)
         self._account("pdm", tp)
         if plan.exit is None:  # filling: no token leaves the pipeline this tick
             return drafts, None
-        self._recv_stage(self.n - 1, Kind.TOKEN, plan.exit.pos, self._slot(plan.exit.pos), plan.exit.row)
+        if not exit_read:
+            self._recv_stage(self.n - 1, Kind.TOKEN, plan.exit.pos, self._slot(plan.exit.pos), plan.exit.row)
         tv = time.perf_counter()
         pos, row = plan.verify_pos, plan.exit.row
         if plan.proposed is not None:

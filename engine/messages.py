@@ -23,6 +23,7 @@ are not exact there). Fields:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -135,13 +136,20 @@ class WireFormat:
         if hdr.kind == Kind.STATS:
             return (Payload("stats", (hdr.length,), "float64"),)
         assert hdr.kind in (Kind.TOKEN, Kind.PREFILL), hdr
-        T, k = hdr.num_tokens, self.stage_anchors[stage]
-        out = []
-        if k:
-            out.append(Payload("anchors", (T, k, self.hidden)))  # anchors in ascending order
-        if stage == self.n - 1 and not self.head_on_last:
-            out.append(Payload("exit", (T, self.hidden)))  # the last stage's output hidden state
-        return tuple(out)
+        return _token_report(self, stage, hdr.num_tokens)
+
+
+@functools.lru_cache(maxsize=4096)
+def _token_report(wire: WireFormat, stage: int, T: int) -> tuple[Payload, ...]:
+    """What follows a token or prefill report of T tokens from `stage` (built once per shape: it
+    is asked on every tick)."""
+    k = wire.stage_anchors[stage]
+    out = []
+    if k:
+        out.append(Payload("anchors", (T, k, wire.hidden)))  # anchors in ascending order
+    if stage == wire.n - 1 and not wire.head_on_last:
+        out.append(Payload("exit", (T, wire.hidden)))  # the last stage's output hidden state
+    return tuple(out)
 
 
 def payload_bytes(payloads: tuple[Payload, ...], act_itemsize: int) -> int:

@@ -84,13 +84,33 @@ class _Ring:
 
     def write_some(self, src: np.ndarray) -> int:
         """Copy as much of `src` (uint8) as fits; the bytes written."""
-        w, r = int(self.ctrl[_W]), int(self.ctrl[_R])
-        k = min(RING_BYTES - (w - r), src.size)
+        w = int(self.ctrl[_W])
+        k = self._copy_in(src, w, RING_BYTES - (w - int(self.ctrl[_R])))
+        self.ctrl[_W] = w + k  # published after the bytes (x86-64 keeps stores in order)
+        return k
+
+    def write_parts(self, parts: list[np.ndarray]) -> list[np.ndarray]:
+        """Copy the parts (uint8) in order as far as they fit, publishing the count once (a
+        decode message's header and payloads: one store for the whole message); what did not fit."""
+        w = w0 = int(self.ctrl[_W])
+        free = RING_BYTES - (w - int(self.ctrl[_R]))
+        for i, part in enumerate(parts):
+            k = self._copy_in(part, w, free - (w - w0))
+            w += k
+            if k < part.size:
+                self.ctrl[_W] = w
+                return [part[k:]] + parts[i + 1:]
+        self.ctrl[_W] = w
+        return []
+
+    def _copy_in(self, src: np.ndarray, w: int, free: int) -> int:
+        """Copy up to `free` bytes of `src` to the ring at count `w` (not published); the bytes copied."""
+        k = min(free, src.size)
         at = w % RING_BYTES
         first = min(k, RING_BYTES - at)
         self.data[at:at + first] = src[:first]
-        self.data[:k - first] = src[first:k]
-        self.ctrl[_W] = w + k  # published after the bytes (x86-64 keeps stores in order)
+        if k > first:
+            self.data[:k - first] = src[first:k]
         return k
 
     def read_some(self, dst: np.ndarray) -> int:
@@ -100,7 +120,8 @@ class _Ring:
         at = r % RING_BYTES
         first = min(k, RING_BYTES - at)
         dst[:first] = self.data[at:at + first]
-        dst[first:k] = self.data[:k - first]
+        if k > first:
+            dst[first:k] = self.data[:k - first]
         self.ctrl[_R] = r + k  # the space is free only after the copy
         return k
 
@@ -125,7 +146,13 @@ class _Wait:
 
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor's bytes as a flat uint8 array (a view when it is contiguous)."""
+    if t.dtype in _NUMPY_DTYPES and not t.requires_grad and t.is_contiguous():
+        return t.numpy().reshape(-1).view(np.uint8)  # one torch call: the per-message fast path
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+# dtypes numpy holds (bfloat16 is not one of them: it goes through torch's uint8 view)
+_NUMPY_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.uint8))
 
 
 class ShmTransport(Transport):
@@ -165,11 +192,11 @@ class ShmTransport(Transport):
 
     # ---- sending ----
     def send(self, dst: int, header: Header, payloads: Sequence[torch.Tensor] = ()) -> None:
-        parts = [np.asarray(header.to_ints(), dtype=np.int64).view(np.uint8)] + [_as_bytes(p) for p in payloads]
-        queued, ring = self._queued[dst], self._out[dst]
+        parts = [np.array(header.to_ints(), dtype=np.int64).view(np.uint8)] + [_as_bytes(p) for p in payloads]
+        queued = self._queued[dst]
+        if not queued:
+            parts = self._out[dst].write_parts(parts)
         for part in parts:
-            if not queued:
-                part = part[ring.write_some(part):]
             if part.size:
                 queued.append(part.copy())  # the caller may reuse its buffer after this call
 
@@ -198,9 +225,13 @@ class ShmTransport(Transport):
         self._read(src, self._head.view(np.uint8), timeout, tick)
         return Header.from_ints(self._head.tolist())
 
+    def ready(self, src: int) -> bool:
+        ring = self._in[src]  # reads stop at message boundaries, so a header's bytes come first
+        return int(ring.ctrl[_W]) - int(ring.ctrl[_R]) >= HEADER_LEN * 8
+
     def recv_into(self, src: int, out: torch.Tensor, timeout: float | None, tick: int = -1) -> torch.Tensor:
         assert out.is_contiguous() and out.device.type == "cpu", "shared-memory rings carry CPU tensors"
-        self._read(src, out.view(-1).view(torch.uint8).numpy(), timeout, tick)
+        self._read(src, _as_bytes(out), timeout, tick)  # a view: contiguous
         return out
 
     def _read(self, src: int, dst: np.ndarray, timeout: float | None, tick: int) -> None:

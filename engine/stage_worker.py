@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -83,6 +84,9 @@ class StageWorker:
         self.group = getattr(model, "group", None)  # a TP rank's stage group (engine/tp_group.py)
         self.handled = 0  # messages handled this request (the tick named in receive errors)
         self.trace: list[float] | None = [] if opts.trace else None  # (recv start, compute start, compute end)*
+        # co-located stage 0: (header, captured layer outputs) of a token the driver handed over
+        # in-process (step_local); its anchors then go straight to the driver's ring, no message
+        self.local_reports: Callable[[Header, dict[int, torch.Tensor]], None] | None = None
         self.static = None if opts.step_mode == StepMode.EAGER else \
             StageStep(model, self.cache, graphs=opts.step_mode == StepMode.GRAPH, capture=self.capture)
         if self.static is not None:
@@ -126,8 +130,15 @@ class StageWorker:
         self.t.flush()
         return False
 
+    def step_local(self, hdr: Header) -> None:
+        """A decode token handed over in-process by the co-located driver: the same computation as
+        a received TOKEN message, without the message (no loopback header to queue and pop)."""
+        assert self.stage == 0 and hdr.kind == Kind.TOKEN and hdr.rows == 1, hdr
+        self.in_request = True
+        self._compute(hdr, time.perf_counter(), local=True)
+
     @torch.no_grad()
-    def _compute(self, hdr: Header, t0: float) -> None:
+    def _compute(self, hdr: Header, t0: float, local: bool = False) -> None:
         T = hdr.num_tokens
         pos = hdr.position
         chains = hdr.kind == Kind.TOKEN and hdr.rows > 1
@@ -178,8 +189,10 @@ class StageWorker:
             self.trace += [t0, t1, t2]
         if self.next is not None:
             self.t.send(self.next, hdr, [out[0]])
-        if self.reports:
-            reply = dataclasses.replace(hdr, reply=token if self.model.has_head else 0)
+        if self.reports and local and self.local_reports is not None:
+            self.local_reports(hdr, caps)
+        elif self.reports:
+            reply = dataclasses.replace(hdr, reply=token) if self.model.has_head else hdr
             tensors = {"exit": lambda: out[0]}  # [T, H]
             if self.anchor_ids:  # [T, k, H], anchors in ascending order
                 tensors["anchors"] = lambda: torch.stack([caps[layer][0] for layer in self.anchor_layers], dim=1)

@@ -54,6 +54,11 @@ class Transport(abc.ABC):
     def recv_into(self, src: int, out: torch.Tensor, timeout: float | None, tick: int = -1) -> torch.Tensor:
         """Next payload from src, written into the contiguous buffer `out`."""
 
+    def ready(self, src: int) -> bool:
+        """Whether the next message from src has arrived, so that reading its header would not wait
+        (False where the transport cannot tell: the caller then reads where it would anyway)."""
+        return False
+
     def flush(self) -> None:
         """Wait until every queued send has left."""
 
@@ -219,6 +224,10 @@ class DistTransport(Transport):
             self._post(src, rx)  # mid-request: the next frame lands while this one is used
         return hdr
 
+    def ready(self, src: int) -> bool:
+        rx = self._rx.get(src)
+        return rx is not None and rx.posted is not None and rx.posted.is_completed()
+
     def recv_into(self, src: int, out: torch.Tensor, timeout: float | None, tick: int = -1) -> torch.Tensor:
         import torch.distributed as dist
 
@@ -310,6 +319,9 @@ class LocalTransport(Transport):
         assert isinstance(item, Header), f"rank {self.rank}: expected a header from {src}, got a payload"
         return item
 
+    def ready(self, src: int) -> bool:
+        return not self.hub.links[(src, self.rank)].empty()
+
     def recv_into(self, src: int, out: torch.Tensor, timeout: float | None, tick: int = -1) -> torch.Tensor:
         item = self._get(src, timeout, tick)
         assert isinstance(item, torch.Tensor), f"rank {self.rank}: expected a payload from {src}, got {item}"
@@ -353,6 +365,9 @@ class LoopbackTransport(Transport):
         item = self._pop(tick)
         assert isinstance(item, Header), item
         return item
+
+    def ready(self, src: int) -> bool:
+        return self.inner.ready(src) if src != self.rank else not self._in.empty()
 
     def recv_into(self, src: int, out: torch.Tensor, timeout: float | None, tick: int = -1) -> torch.Tensor:
         if src != self.rank:

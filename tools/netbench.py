@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--busy-us", type=float, default=0.0,
                    help="--tests transport: the answering rank computes this long before each reply, as a stage "
                         "does (default 0)")
+    p.add_argument("--busy-mb", type=float, default=0.0,
+                   help="--tests transport: before each send both ends stream this many MiB of float32 weights "
+                        "(matrix-vector products), so messages meet caches as a decode step leaves them (default 0)")
     p.add_argument("--allreduce-op", choices=("tp", "library"), default="tp",
                    help="tp: the runtime's TP all-reduce (all_gather + a sum in rank order); library: dist.all_reduce")
     p.add_argument("--hidden", type=int, default=4096, help="H of fan-in and replay payloads")
@@ -114,12 +117,15 @@ def build_config(args: argparse.Namespace, world: int) -> NetbenchConfig:
         replay.append(sc)
     if args.timeout <= 0:
         raise ValueError("--timeout must be positive")
-    if args.idle_gap_ms < 0 or args.iters < 1 or args.warmup < 0 or min(args.allreduce_busy_us, args.busy_us) < 0:
-        raise ValueError("--idle-gap-ms, --allreduce-busy-us, --busy-us and --warmup must be >= 0, --iters >= 1")
+    busy = (args.allreduce_busy_us, args.busy_us, args.busy_mb)
+    if args.idle_gap_ms < 0 or args.iters < 1 or args.warmup < 0 or min(busy) < 0:
+        raise ValueError("--idle-gap-ms, --allreduce-busy-us, --busy-us, --busy-mb and --warmup must be >= 0, "
+                         "--iters >= 1")
     allreduce_bytes = tuple(parse_bytes(s) for s in args.allreduce_bytes.split(","))
     return NetbenchConfig(tests=tests, sizes=_sizes(args), pairs=_pairs(args.pairs, world), iters=args.iters,
                           warmup=args.warmup, allreduce_bytes=allreduce_bytes, allreduce_op=args.allreduce_op,
                           allreduce_busy_us=args.allreduce_busy_us, transport_busy_us=args.busy_us,
+                          transport_busy_mb=args.busy_mb,
                           hidden=args.hidden,
                           dtype_bytes=args.dtype_bytes,
                           fanin_rows=_int_list(args.fanin_rows, "--fanin-rows"), replay=replay, timeout_s=args.timeout,

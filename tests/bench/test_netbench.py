@@ -197,3 +197,40 @@ def test_transport_test_times_both_runtime_transports(tmp_path, capfd):
     for r in rows:
         assert r["iters"] == 20 and r["busy_us"] == 100.0 and 0 < r["p50_us"] <= r["p99_us"] <= r["max_us"]
     assert "the runtime's transport" in out.out
+
+
+@pytest.mark.multiproc
+def test_transport_busy_mb_counts_the_hop_without_either_ends_compute(tmp_path, capfd):
+    from spd_engine.tools.cli import main
+
+    rc = main(["netbench", "--nproc", "2", "--tests", "transport", "--sizes", "4K", "--iters", "10",
+               "--busy-mb", "8", "--timeout", "20", "--out-dir", str(tmp_path), "--no-png"])
+    out = capfd.readouterr()
+    assert rc == 0, out.err
+    rows = json.loads((tmp_path / "netbench.json").read_text())["transport"]
+    assert rows and all(r["busy_mb"] == 8.0 and r["iters"] == 10 for r in rows)
+    # streaming 8 MiB takes milliseconds on any CPU; a hop counted with it would be that large
+    compute_ms = min(_stream_ms(8) for _ in range(3))
+    for r in rows:
+        assert 0 < r["p50_us"] < 1e3 * compute_ms, (r, compute_ms)
+
+
+def _stream_ms(mb: float) -> float:
+    import time
+
+    import torch
+
+    from spd_engine.bench.transport_p2p import stream_weights
+
+    weights, x = stream_weights(mb), torch.rand(1024)
+    t0 = time.perf_counter()
+    for w in weights:
+        torch.mv(w, x)
+    return 1e3 * (time.perf_counter() - t0)
+
+
+def test_netbench_refuses_a_negative_busy_mb(capfd):
+    from spd_engine.tools.cli import main
+
+    assert main(["netbench", "--nproc", "2", "--tests", "transport", "--busy-mb", "-1"]) == 2
+    assert "--busy-mb" in capfd.readouterr().err

@@ -7,6 +7,7 @@ import functools
 
 import pytest
 
+from spd_engine.engine.messages import Kind
 from spd_engine.engine.reference import ReferenceExecutor
 from spd_engine.engine.schedule import decode_ticks
 from helpers import (ARCHS, CHUNK, Policy, check_run, expected_ticks, full_model, random_prompts,  # noqa: F401
@@ -246,3 +247,27 @@ def test_on_token_false_stops_the_request_and_the_next_is_unaffected(mode, n, co
         first = ex.generate(prompts[1], NEW, (), on_token=lambda t: False)  # stop at the prefill token
         assert first.tokens == refs[1][:1] and first.ticks == 0
         assert ex.generate(prompts[3], NEW, ()).tokens == refs[3]
+
+
+def test_colocated_decode_tokens_reach_stage0_without_a_loopback_message(one_thread):
+    """Co-located, stage 0 inline: decode tokens are handed to stage 0 in-process and its anchors
+    land in the ring directly (docs/design.md 3.4); only prefill and end-of-request messages
+    still take the loopback. The run stays lossless through forced rejections."""
+    ecfg, prompts, refs = setup("llama", 3, True)
+    with ReferenceExecutor(ecfg) as ex:
+        driver = ex.driver
+        assert driver.direct_stage0
+        self_kinds = []
+        send = driver.t.send
+
+        def spy(dst, hdr, payloads=()):
+            if dst == driver.t.rank:
+                self_kinds.append(hdr.kind)
+            return send(dst, hdr, payloads)
+
+        driver.t.send = spy
+        p, ref = prompts[3], refs[3]
+        policy = Policy(ref, len(p), ecfg.cfg.vocab_size, wrong=FORCED[0])
+        res = ex.generate(p, NEW, (), draft_policy=policy)
+        check_run(res, ref, policy, 3)
+        assert Kind.TOKEN not in self_kinds and Kind.PREFILL in self_kinds and Kind.END in self_kinds

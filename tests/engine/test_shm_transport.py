@@ -37,6 +37,10 @@ def _exchange(rank: int, init_method: str) -> dict | None:
     t.send(peer, Header(Kind.PREFILL, 0, 1, length=BIG), [big, big[:5]])
     got = []
     buf = torch.empty(576)
+    deadline = time.monotonic() + 10.0
+    while not t.ready(peer) and time.monotonic() < deadline:  # the peer's first message is coming
+        time.sleep(0.001)
+    arrived = t.ready(peer)
     for i in range(50):
         h = t.recv_header(peer, 10.0, i)
         t.recv_into(peer, buf, 10.0, i)
@@ -47,8 +51,8 @@ def _exchange(rank: int, init_method: str) -> dict | None:
     t.recv_into(peer, b, 10.0)
     t.flush()
     want = torch.arange(BIG, dtype=torch.float32) * (peer + 1)
-    return {"got": got, "big": bool(torch.equal(a, want) and torch.equal(b, want[:5])), "len": h.length} \
-        if rank == 0 else None
+    return {"got": got, "big": bool(torch.equal(a, want) and torch.equal(b, want[:5])), "len": h.length,
+            "ready": (arrived, t.ready(peer))} if rank == 0 else None
 
 
 def test_messages_arrive_intact_in_order_and_crossed_sends_do_not_deadlock():
@@ -59,6 +63,7 @@ def test_messages_arrive_intact_in_order_and_crossed_sends_do_not_deadlock():
         res = ranks.result(0)
     assert [tuple(g) for g in res["got"]] == [(Kind.TOKEN, i, 2 ** 40 + i, 1000 + i, True) for i in range(50)]
     assert res["big"] and res["len"] == BIG
+    assert res["ready"] == [True, False]  # a message waiting, then none left
     assert set(glob.glob("/dev/shm/spd-*")) <= leftover  # unlinked once mapped
 
 
@@ -122,6 +127,23 @@ def test_ring_wraps_and_counts_bytes(tmp_path):
     assert r.read_some(rest) == RING_BYTES and (rest[:RING_BYTES] == data[700:RING_BYTES + 700]).all()
     assert r.read_some(rest) == 0
 
+
+def test_ring_writes_a_message_in_parts_across_the_wrap_and_returns_what_did_not_fit(tmp_path):
+    path = str(tmp_path / "ring")
+    w, r = _Ring(path, create=True), _Ring(path, create=False)
+    filler = np.full(RING_BYTES - 50, 7, dtype=np.uint8)
+    assert w.write_parts([filler]) == []
+    assert r.read_some(np.zeros(RING_BYTES - 60, dtype=np.uint8)) == RING_BYTES - 60  # 10 bytes left unread
+    head, body = np.arange(72, dtype=np.uint8), np.arange(RING_BYTES, dtype=np.int64).astype(np.uint8)
+    tail = np.arange(5, dtype=np.uint8)
+    left = w.write_parts([head, body, tail])  # the head wraps; the body fits only in part
+    free = RING_BYTES - 10
+    assert len(left) == 2 and left[0].size == 72 + RING_BYTES - free and (left[1] == tail).all()
+    assert (left[0] == body[free - 72:]).all()
+    assert int(w.ctrl[0]) == RING_BYTES - 50 + free  # one published count for everything written
+    out = np.zeros(free + 10, dtype=np.uint8)
+    assert r.read_some(out) == free + 10
+    assert (out[:10] == 7).all() and (out[10:82] == head).all() and (out[82:] == body[:free - 72]).all()
 
 def test_run_config_refuses_shm_off_cpu():
     from spd_engine.engine.model_config import tiny_config

@@ -133,3 +133,18 @@ def test_loopback_mark_dead_reaches_the_peers():
     driver.mark_dead()
     with pytest.raises(TransportError, match="peer is dead"):
         hub.transport(1).recv_header(0, timeout=5.0)
+
+
+def test_ready_says_whether_a_message_has_arrived():
+    hub = LocalHub(2)
+    a, b = hub.transport(0), hub.transport(1)
+    assert not b.ready(0)
+    a.send(1, token(1), [torch.ones(2)])
+    assert b.ready(0) and not a.ready(1)
+    b.recv_header(0, timeout=1.0)
+    b.recv_into(0, torch.empty(2), timeout=1.0)
+    assert not b.ready(0)
+    driver, stage = loopback_pair(hub.transport(0))
+    assert not stage.ready(0)
+    driver.send(0, token(2))  # to itself: the co-located stage 0's queue
+    assert stage.ready(0) and not driver.ready(0)
