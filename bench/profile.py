@@ -48,8 +48,9 @@ def stage_compute_ms(traces: list[dict]) -> list[float]:
     return [1e3 * _mean([c1 - c0 for t in traces for _, c0, c1 in t["stages"][s]]) for s in range(n)]
 
 
-def _driver_ticks(trace: dict) -> tuple[dict[int, dict[str, float]], dict[int, float]]:
-    """Per decode tick of one request: ms per timed part, and the tick's span to the next tick."""
+def _driver_ticks(trace: dict) -> tuple[dict[int, dict[str, float]], dict[int, float], dict[int, float]]:
+    """Per decode tick of one request: ms per timed part, the tick's span to the next tick (ms),
+    and its start (perf_counter s)."""
     by_tick: dict[int, dict[str, float]] = {}
     start: dict[int, float] = {}
     for tick, what, t0, t1 in trace["driver"]:
@@ -59,7 +60,27 @@ def _driver_ticks(trace: dict) -> tuple[dict[int, dict[str, float]], dict[int, f
         parts[what] = parts.get(what, 0.0) + 1e3 * (t1 - t0)
         start[int(tick)] = min(start.get(int(tick), t0), t0)
     spans = {t: 1e3 * (start[t + 1] - start[t]) for t in by_tick if t + 1 in start}
-    return by_tick, spans
+    return by_tick, spans, start
+
+
+def residual_per_tick_ms(trace: dict) -> list[float]:
+    """A co-located request's residual per decode tick (ms): the tick's span less stage 0's compute
+    in it and the driver's PDM and verify, i.e. what the tick spends beyond the work that has to
+    run on the driver's rank (the transport, the bookkeeping, the reads: docs/benchmarks.md)."""
+    by_tick, spans, start = _driver_ticks(trace)
+    compute = sorted((c0, 1e3 * (c1 - c0)) for _, c0, c1 in trace["stages"][0])  # stage 0 ran inline
+    out, i = [], 0
+    for t in sorted(spans):
+        end = start[t] + spans[t] / 1e3
+        while i < len(compute) and compute[i][0] < start[t]:
+            i += 1
+        inside = 0.0
+        while i < len(compute) and compute[i][0] < end:
+            inside += compute[i][1]
+            i += 1
+        parts = by_tick[t]
+        out.append(spans[t] - inside - parts.get("pdm", 0.0) - parts.get("verify", 0.0))
+    return out
 
 
 def driver_tick_ms(traces: list[dict]) -> dict[str, float]:
@@ -69,7 +90,7 @@ def driver_tick_ms(traces: list[dict]) -> dict[str, float]:
     (tick, what, t0, t1) events."""
     parts, rest, spans = [], [], []
     for trace in traces:
-        by_tick, span = _driver_ticks(trace)
+        by_tick, span, _ = _driver_ticks(trace)
         parts += list(by_tick.values())
         rest += [span[t] - sum(by_tick[t].values()) for t in span]
         spans += list(span.values())

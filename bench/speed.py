@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from spd_engine.bench.hf_peer import HFPeer
+from spd_engine.bench.profile import residual_per_tick_ms
 from spd_engine.engine.run_config import RunConfig
 from spd_engine.engine.launch import launch
 from spd_engine.engine.metrics import GenerationResult
@@ -114,6 +115,22 @@ def summarize(runs: list[list[GenerationResult]], n: int) -> dict:
     return out
 
 
+def colocated_residual(runs: list[list[GenerationResult]], traces: list[dict] | None) -> dict:
+    """The co-located tick beyond the work the driver's rank must do (stage 0's compute, the PDM,
+    the verification): `residual_ms`, the median over requests of its mean per tick, and the
+    p50 / p90 over the ticks of the last repeat's traced requests (bench/profile.py). The mean
+    carries the host's rare long stalls; the per-tick p50 is the typical tick."""
+    means = []
+    for b in (r.breakdown_ms_per_tick() for results in runs for r in results if r.ticks):
+        means.append(b["tick_ms"] - b["stage0_compute_ms"] - b["driver_pdm_ms"] - b["driver_verify_ms"])
+    ticks = sorted(x for t in traces or () for x in residual_per_tick_ms(t))
+    if not means or not ticks:
+        return {"residual_ms": None}
+    return {"residual_ms": statistics.median(means), "residual_ticks": len(ticks),
+            "residual_tick_p50_ms": statistics.median(ticks),
+            "residual_tick_p90_ms": ticks[min(len(ticks) - 1, int(0.9 * len(ticks)))]}
+
+
 def run_case(case: BenchCase, prompts: Sequence[list[int]], max_new: int, eos: Sequence[int], repeats: int,
              reference: list[list[int]] | None, synthetic_alpha: float | None, seed: int,
              progress: Progress) -> tuple[dict, list[list[int]], list[dict] | None]:
@@ -138,6 +155,8 @@ def run_case(case: BenchCase, prompts: Sequence[list[int]], max_new: int, eos: S
             trace = [r.trace for r in runs[-1]]
     summary = summarize(runs, case.ecfg.topology.n)
     summary.update(latency_summary(clocks))
+    if case.name == "spd-colocate":
+        summary.update(colocated_residual(runs, trace))
     if case.ecfg.mode == "eagle" or (case.peer is not None and case.peer.lookup_tokens):
         summary["acceptance_length"] = summary["eal"]  # ticks are target passes and n = 1: tokens per pass
     if case.ecfg.mode != "spd":

@@ -83,10 +83,10 @@ def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
     if "spd-w1" in names:  # the same SPD run without branch points: what W costs and buys
         out.append(BenchCase("spd-w1", ecfg.replace(mode="spd", branches=1,
                                                     topology=dataclasses.replace(topo, colocate=False))))
-    if "spd-colocate" in names:
+    if "spd-colocate" in names:  # always traced: its per-tick residual (bench/speed.py)
         out.append(BenchCase("spd-colocate", ecfg.replace(mode="spd", overlap_stage0=False,
                                                           topology=dataclasses.replace(topo, colocate=True),
-                                                          trace=profiling)))
+                                                          trace=True)))
     if "spd-overlap" in names:  # co-located, stage 0 on its own thread (engine/stage0_overlap.py)
         out.append(BenchCase("spd-overlap", ecfg.replace(mode="spd", overlap_stage0=True,
                                                          topology=dataclasses.replace(topo, colocate=True))))
@@ -150,6 +150,11 @@ def run(args: argparse.Namespace) -> int:
     if spd:
         print("spd per-tick breakdown (ms, medians): " +
               ", ".join(f"{k}={v:.2f}" for k, v in spd["breakdown_ms_per_tick"].items()), file=out)
+    colo = next((r for r in report["rows"] if r.get("residual_ms") is not None), None)
+    if colo:
+        print(f"spd-colocate residual (tick - stage 0 compute - PDM - verify): mean {colo['residual_ms']:.3f} ms, "
+              f"per tick p50 {colo['residual_tick_p50_ms']:.3f} / p90 {colo['residual_tick_p90_ms']:.3f} ms "
+              f"(last repeat, {colo['residual_ticks']} ticks)", file=out)
     if args.timeline and "spd" in report["traces"]:
         from spd_engine.bench.timeline import plot_timeline
 

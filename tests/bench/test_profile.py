@@ -9,7 +9,7 @@ import torch
 
 from spd_engine.bench.cost_model import AlphaCurve, LinkModel, Links, Profile, plan
 from spd_engine.bench.profile import (DeviceSettings, choose_spd_row, driver_tick_ms, fully_graphed, measure_shape,
-                           profile_from_bench, profile_json)
+                           profile_from_bench, profile_json, residual_per_tick_ms)
 from spd_engine.engine.run_config import PRESETS, RunConfig
 from spd_engine.engine.topology import Topology
 
@@ -53,6 +53,20 @@ def test_driver_medians_from_trace():
     assert drv["verify"] == pytest.approx(4.0)  # only ticks that verify
     # spans of ticks 1..5 (tick 6 has no successor): 6.5 ms without verify, then 4 x 10.5 ms
     assert drv["other"] == pytest.approx(0.5) and drv["tick"] == pytest.approx((6.5 + 4 * 10.5) / 5)
+
+
+def test_residual_per_tick_takes_out_stage0_compute_inside_each_tick_and_pdm_and_verify():
+    # ticks start at 100, 110, 125, 131 s: stage 0 computes 2 s in tick 1, 1 + 3 s in tick 2, none
+    # in tick 3; its step before the first tick (prefill time) and in the last tick are not counted
+    driver = [(0, "send", 99.0, 99.5)]
+    for tick, t, pdm, verify in ((1, 100.0, 1.0, 0.0), (2, 110.0, 2.0, 1.0), (3, 125.0, 1.0, 0.5), (4, 131.0, 1.0, 1.0)):
+        driver.append((tick, "stage0", t, t + 0.1))
+        driver.append((tick, "pdm", t + 0.2, t + 0.2 + pdm))
+        if verify:
+            driver.append((tick, "verify", t + 5.0, t + 5.0 + verify))
+    stage0 = [(0.0, 99.1, 99.4), (0.0, 100.0, 102.0), (0.0, 110.0, 111.0), (0.0, 112.0, 115.0), (0.0, 131.0, 133.0)]
+    got = residual_per_tick_ms({"driver": driver, "stages": [stage0, []]})
+    assert got == pytest.approx([1e3 * (10 - 2 - 1), 1e3 * (15 - 4 - 2 - 1), 1e3 * (6 - 0 - 1 - 0.5)])
 
 
 def test_profile_from_bench_report():
@@ -145,6 +159,8 @@ def test_bench_profile_out_needs_an_spd_run():
         cases(args, ecfg)
     traced = cases(argparse.Namespace(configs="ar,pp,spd,spd-colocate", timeline=None, chrome_trace=None, profile_out="x.json"), ecfg)
     assert [c.ecfg.trace for c in traced] == [False, True, True, True]  # pp too: its stage times
+    plain = cases(argparse.Namespace(configs="ar,pp,spd,spd-colocate", timeline=None, chrome_trace=None, profile_out=None), ecfg)
+    assert [c.ecfg.trace for c in plain] == [False, False, False, True]  # spd-colocate: its residual per tick
 
 
 # ---------------------------------------------------------------- spd profile on CPU

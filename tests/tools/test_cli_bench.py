@@ -153,3 +153,20 @@ def test_bench_tp_rows_beside_the_others(tmp_path):
                                                                         "spd-tp": (5, 2)}
     assert all(r["lossless"] for r in rows.values())
     assert rows["tp"]["outputs_unlike_ar"] == 0 and rows["spd-tp"]["outputs_unlike_ar"] == 0
+
+
+@pytest.mark.multiproc
+def test_bench_reports_the_colocated_residual_per_tick(tmp_path, capsys):
+    """spd-colocate is always traced: its residual (tick less stage 0's compute, the PDM and the
+    verification) comes as a per-request mean and as p50 / p90 over every tick but the last
+    (whose span has no end) of the last repeat."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", "random:tiny-llama", "--stages", "2", "--threads", "1", "--prompt", "hello",
+                 "--max-new-tokens", "12", "--repeats", "2", "--configs", "ar,spd-colocate", "--synthetic-alpha", "1",
+                 "--suffix-drafts", "off", "--json", str(out)]) == 0
+    row = next(r for r in json.loads(out.read_text())["rows"] if r["name"] == "spd-colocate")
+    b = row["breakdown_ms_per_tick"]
+    assert row["residual_ticks"] == row["ticks"] - 1
+    assert 0 < row["residual_ms"] < b["tick_ms"] - b["stage0_compute_ms"]
+    assert 0 < row["residual_tick_p50_ms"] <= row["residual_tick_p90_ms"]
+    assert "spd-colocate residual" in capsys.readouterr().out
