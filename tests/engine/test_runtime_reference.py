@@ -271,3 +271,22 @@ def test_colocated_decode_tokens_reach_stage0_without_a_loopback_message(one_thr
         res = ex.generate(p, NEW, (), draft_policy=policy)
         check_run(res, ref, policy, 3)
         assert Kind.TOKEN not in self_kinds and Kind.PREFILL in self_kinds and Kind.END in self_kinds
+
+
+def test_colocated_driver_reads_an_arrived_exit_before_the_pdm(one_thread):
+    """The exit is read before the PDM when it has already arrived (docs/design.md 3.3): stage 0
+    (inline on the driver) is padded to 15 ms and stage 1 is not, so stage 1's exit of a full tick
+    is in by the time stage 0's step returns, and the tick's one receive comes before its PDM."""
+    ecfg = tiny_engine_config("llama", 2, True, stage_ms=(15.0, 0.0), trace=True)
+    _, prompts, refs = setup("llama", 2, True)
+    with ReferenceExecutor(ecfg) as ex:
+        res = ex.generate(prompts[0], 12, ())
+    assert res.tokens == refs[0][:12]
+    first = {}  # (tick, what) -> start of its first event
+    for tick, what, t0, _ in res.trace["driver"]:
+        first.setdefault((tick, what), t0)
+    full = [t for (t, what) in first if what == "verify"]
+    assert len(full) == 11
+    early = [t for t in full if first[(t, "wait")] < first[(t, "pdm")]]
+    # a thread the host delays can miss one tick; a driver that never reads early misses them all
+    assert len(early) >= len(full) - 2, (early, full)
