@@ -100,6 +100,9 @@ class Driver:
             and topo.tp == 1 and opts.branches.width == 1
         if self.direct_stage0:
             local_stage0.local_reports = self._stage0_anchors
+        # direct and eager: stage 0's embedding of the entering token is its anchor 0 (the same
+        # weights), so the driver does not embed it again (a static stage 0 step keeps it inside)
+        self.anchor0_from_stage0 = self.direct_stage0 and local_stage0.static is None
         self.chooser = opts.drafting
         self.branching = opts.branches  # branch width W and where branch points start
         self.cross = self.chooser.new_history()  # earlier requests' tokens, when cross-request drafts are on
@@ -108,6 +111,7 @@ class Driver:
         H, m = head.cfg.hidden_size, plan.num_types
         self.device, self.dtype = p.device, p.dtype
         self.wire = wire_format(topo, plan, H)
+        self._stage0_reports = int(self.wire.reports_to_driver(0))  # messages a stage 0 step counts as read
         self.num_slots = self.n + 2
         W = self.branching.width
         # [W, slots, anchors, H]: chain c's anchors in rings[c]; ring 0 is the representative's
@@ -180,15 +184,17 @@ class Driver:
         self.local_stage0.step_local(hdr)
         self._account("stage0", t0)
 
-    def _stage0_anchors(self, hdr: Header, caps: dict[int, torch.Tensor]) -> None:
-        """Stage 0's anchors of a token it stepped in-process, into the ring slot of its position:
-        next tick's anchor read of that token (plan.anchor_reads) is then already done. The slot
-        is the one the entering token's anchor 0 was just written to, so no live row reads it
-        for anything else (docs/design.md 3.3)."""
+    def _stage0_anchors(self, hdr: Header, caps: dict[int, torch.Tensor], emb: torch.Tensor | None) -> None:
+        """Stage 0's anchors of a token it stepped in-process (and its embedding [1, 1, H], anchor 0,
+        unless the step was static), into the ring slot of its position: next tick's anchor read
+        of that token (plan.anchor_reads) is then already done. The slot is the entering token's,
+        so no live row reads it for anything else (docs/design.md 3.3)."""
         slot = self._slot(hdr.position)
+        if emb is not None:
+            self.ring[slot, 0].copy_(emb[0, 0])  # [H]
         for a, layer in zip(self.stage_anchors[0], self.local_stage0.anchor_layers):
             self.ring[slot, a].copy_(caps[layer][0, 0])  # [H]
-        self.req.consumed[0] += 1
+        self.req.consumed[0] += self._stage0_reports
 
     def _join_stage0(self) -> None:
         """The end of an overlapped tick: `stage0` then counts only the wait for stage 0's step."""
@@ -339,7 +345,8 @@ class Driver:
                 self._step_stage0_direct(hdr)
             else:
                 self._send_stage0(hdr, overlap=True)
-            self.ring[slot, 0] = self.head.embed(self._token_in.fill_(entry.token))[0, 0]  # anchor 0
+            if not self.anchor0_from_stage0:
+                self.ring[slot, 0] = self.head.embed(self._token_in.fill_(entry.token))[0, 0]  # anchor 0
             return
         ids = torch.tensor(entry.chains, dtype=torch.long, device=self.device)  # [W]
         self._send_stage0(Header(Kind.TOKEN, entry.pos, entry.epoch, entry.token, rows=entry.rows,

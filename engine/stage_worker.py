@@ -84,9 +84,10 @@ class StageWorker:
         self.group = getattr(model, "group", None)  # a TP rank's stage group (engine/tp_group.py)
         self.handled = 0  # messages handled this request (the tick named in receive errors)
         self.trace: list[float] | None = [] if opts.trace else None  # (recv start, compute start, compute end)*
-        # co-located stage 0: (header, captured layer outputs) of a token the driver handed over
-        # in-process (step_local); its anchors then go straight to the driver's ring, no message
-        self.local_reports: Callable[[Header, dict[int, torch.Tensor]], None] | None = None
+        # co-located stage 0: (header, captured layer outputs, its embedding [1, 1, H] or None from
+        # a static step) of a token the driver handed over in-process (step_local); its anchors then
+        # go straight to the driver's ring, no message
+        self.local_reports: Callable[[Header, dict[int, torch.Tensor], torch.Tensor | None], None] | None = None
         self.static = None if opts.step_mode == StepMode.EAGER else \
             StageStep(model, self.cache, graphs=opts.step_mode == StepMode.GRAPH, capture=self.capture)
         if self.static is not None:
@@ -161,12 +162,13 @@ class StageWorker:
             h = self.t.recv_into(self.prev, self.h_in[:T], self.timeout, self.handled)[None]
             t1 = time.perf_counter()
         greedy_dev = None  # the static step's argmax token [1] (a head stage only)
+        emb = None  # stage 0's embedding of the token [1, T, H] (eager steps): a local report's anchor 0
         if self.static is not None and hdr.kind == Kind.TOKEN and not chains:
             out, caps, greedy_dev = self.static.run(pos, h=None if self.stage == 0 else h, token=ids)
             # static buffers, rewritten by the next step while a send may still be in flight
             out, caps = out.clone(), {k: v.clone() for k, v in caps.items()}
         else:
-            h = self.model.embed(ids) if self.stage == 0 else h  # [1, T, H]
+            h = emb = self.model.embed(ids) if self.stage == 0 else h  # [1, T, H]
             out, caps = self._forward(h, hdr) if chains else \
                 self.model.forward_layers(h, self.cache, pos, capture=self.capture)
         if self.model.has_head:  # the pp/ar head stage: its logits and token are part of its compute
@@ -189,8 +191,8 @@ class StageWorker:
             self.trace += [t0, t1, t2]
         if self.next is not None:
             self.t.send(self.next, hdr, [out[0]])
-        if self.reports and local and self.local_reports is not None:
-            self.local_reports(hdr, caps)
+        if local and self.local_reports is not None:
+            self.local_reports(hdr, caps, emb if self.stage == 0 else None)
         elif self.reports:
             reply = dataclasses.replace(hdr, reply=token) if self.model.has_head else hdr
             tensors = {"exit": lambda: out[0]}  # [T, H]

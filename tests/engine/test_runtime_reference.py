@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 from spd_engine.engine.messages import Kind
 from spd_engine.engine.reference import ReferenceExecutor
@@ -290,3 +291,27 @@ def test_colocated_driver_reads_an_arrived_exit_before_the_pdm(one_thread):
     early = [t for t in full if first[(t, "wait")] < first[(t, "pdm")]]
     # a thread the host delays can miss one tick; a driver that never reads early misses them all
     assert len(early) >= len(full) - 2, (early, full)
+
+
+@pytest.mark.parametrize("step_mode", ["eager", "static"])
+def test_colocated_anchor0_is_the_drivers_embedding_of_the_entering_token(step_mode, one_thread):
+    """Direct and eager, stage 0's embedding of the entering token is written as its anchor 0 (the
+    driver does not embed it again); a static stage 0 step keeps its embedding inside, and the
+    driver embeds. Either way the ring holds exactly the driver's embedding."""
+    ecfg = tiny_engine_config("llama", 2, True, step_mode=step_mode)
+    _, prompts, refs = setup("llama", 2, True)
+    with ReferenceExecutor(ecfg) as ex:
+        driver = ex.driver
+        assert driver.anchor0_from_stage0 == (step_mode == "eager")
+        seen = []
+        entry_send = driver._send_entry
+
+        def spy(entry):
+            entry_send(entry)
+            seen.append((entry.token, driver.ring[driver._slot(entry.pos), 0].clone()))
+
+        driver._send_entry = spy
+        res = ex.generate(prompts[1], 10, ())
+        assert res.tokens == refs[1][:10] and len(seen) == res.ticks
+        for token, anchor0 in seen:
+            assert torch.equal(anchor0, driver.head.embed(torch.tensor([[token]]))[0, 0])
