@@ -54,6 +54,8 @@ def _pingpong(t: Transport, peer: int, nbytes: int, iters: int, initiator: bool,
     """The initiator's round trips (s) of header + `nbytes` payload each way, less both ends' compute."""
     out = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)  # [nbytes / 4]
     back = torch.empty_like(out)
+    t.pin(out)  # the tick's decode buffers are pinned the same way (engine/transport.py Transport.pin)
+    t.pin(back)
     x = torch.rand(1024)
     hdr = Header(Kind.TOKEN, 0, 1)
     rtts = []

@@ -129,6 +129,10 @@ class Driver:
         self._anchor_dest = [[self.ring[i:i + 1, ids[0]:ids[-1] + 1] if ids else None  # [1, k, H]
                               for i in range(self.num_slots)] for ids in self.stage_anchors]
         self._exit_row = self.exit_buf[:1]  # [1, H]
+        for dest in [self._exit_row] + [d for per_stage in self._anchor_dest for d in per_stage if d is not None]:
+            transport.pin(dest)  # a decode tick's receive destinations
+        # ring[slot, a] as [1, 1, H], the shape of a co-located stage 0's embedding and captured anchors
+        self._ring_rows = [[self.ring[i, a].view(1, 1, H) for a in range(m)] for i in range(self.num_slots)]
         self.full_type = plan.type_at_depth(self.n)
         self.depth_types = [plan.type_at_depth(d) for d in range(self.n + 1)]
         # Per-tick index tensors, built once: a tick's rows are consecutive positions from the PDM
@@ -189,11 +193,11 @@ class Driver:
         unless the step was static), into the ring slot of its position: next tick's anchor read
         of that token (plan.anchor_reads) is then already done. The slot is the entering token's,
         so no live row reads it for anything else (docs/design.md 3.3)."""
-        slot = self._slot(hdr.position)
+        rows = self._ring_rows[hdr.position % self.num_slots]
         if emb is not None:
-            self.ring[slot, 0].copy_(emb[0, 0])  # [H]
+            rows[0].copy_(emb)  # [1, 1, H]
         for a, layer in zip(self.stage_anchors[0], self.local_stage0.anchor_layers):
-            self.ring[slot, a].copy_(caps[layer][0, 0])  # [H]
+            rows[a].copy_(caps[layer])  # [1, 1, H]
         self.req.consumed[0] += self._stage0_reports
 
     def _join_stage0(self) -> None:

@@ -24,8 +24,10 @@ are not exact there). Fields:
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 import torch
 
@@ -43,8 +45,11 @@ class Kind(IntEnum):
     CONFIG = 6  # per-request sampling parameters for a head stage: int64 [CONFIG_LEN] follows
 
 
-@dataclass(frozen=True)
-class Header:
+class Header(NamedTuple):
+    """A message's integer header. A named tuple, not a dataclass: one is built and one parsed
+    per message on the tick's hot path, where a frozen dataclass's per-field setattr is the
+    cost (docs/benchmarks.md, "Cold caches")."""
+
     kind: Kind
     position: int = 0
     epoch: int = 0
@@ -63,16 +68,15 @@ class Header:
         return self.length if self.kind == Kind.PREFILL else 0
 
     def to_ints(self) -> tuple[int, ...]:
-        return (int(self.kind), self.position, self.epoch, self.token, self.length, self.reply, self.rows,
-                self.branch, self.survivor)
+        return (int(self.kind), *self[1:])
 
     @classmethod
-    def from_ints(cls, values: list[int]) -> "Header":
+    def from_ints(cls, values: Sequence[int]) -> "Header":
         assert len(values) == HEADER_LEN, values
-        try:
-            return cls(Kind(values[0]), *values[1:])
-        except ValueError:
-            raise RuntimeError(f"corrupt message header {values}") from None
+        kind = _KINDS.get(values[0])
+        if kind is None:
+            raise RuntimeError(f"corrupt message header {list(values)}")
+        return cls(kind, *values[1:])
 
     def to_tensor(self) -> torch.Tensor:
         return torch.tensor(self.to_ints(), dtype=torch.int64)
@@ -80,6 +84,10 @@ class Header:
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> "Header":
         return cls.from_ints([int(x) for x in t.tolist()])
+
+
+_KINDS = {int(k): k for k in Kind}
+assert Header._fields == HEADER_FIELDS
 
 
 @dataclass(frozen=True)

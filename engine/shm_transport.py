@@ -32,6 +32,7 @@ import os
 import platform
 import secrets
 import socket
+import struct
 import time
 import zlib
 from collections import deque
@@ -52,6 +53,7 @@ SHARED_SPIN_S = 2e-4  # ... and when ranks share cores (a spinning rank would sl
 MAX_PAUSE_S = 2e-4
 IDLE_PAUSE_S = 1e-3  # an idle stage still wakes within 1 ms for the next request (about 1% of a core)
 ALIVE_CHECK_S = 0.02
+_HDR = struct.Struct(f"<{HEADER_LEN}q")  # a header's ints as they lie in the ring (published after)
 
 
 def shm_usable(world_size: int) -> str | None:
@@ -81,6 +83,62 @@ class _Ring:
             os.close(fd)
         self.ctrl = np.frombuffer(self.mm, dtype=np.int64, count=CTRL_BYTES // 8)
         self.data = np.frombuffer(self.mm, dtype=np.uint8, offset=CTRL_BYTES)
+        self.buf = memoryview(self.mm)  # the same bytes for the struct and memoryview fast path
+        # the control words as native int64: an item read or write is one aligned 8-byte load or
+        # store (a memcpy of 8), as numpy's are; struct's standard-size "<q" may go byte by byte,
+        # and a peer could then see half a count
+        self.ctl = self.buf[:CTRL_BYTES].cast("q")
+
+    # The fast path of a decode tick's message: a whole message that fits without wrapping is
+    # written or read with struct and memoryview copies only. Right after a compute has streamed a
+    # stage's weights through the caches, every numpy or torch call on the way costs tens of
+    # microseconds; these few C calls cost a few (docs/benchmarks.md, "Cold caches").
+    def write_message(self, ints: Sequence[int], views: Sequence[memoryview]) -> bool:
+        """The header ints, then the payload bytes, published with one count; False (nothing
+        written) when the message would wrap around the ring's end or does not fit yet."""
+        ctl = self.ctl
+        w = ctl[_W]
+        at = w % RING_BYTES
+        size = _HDR.size
+        for v in views:
+            size += v.nbytes
+        if at + size > RING_BYTES or size > RING_BYTES - (w - ctl[_R]):
+            return False
+        o = CTRL_BYTES + at
+        _HDR.pack_into(self.mm, o, *ints)
+        o += _HDR.size
+        for v in views:
+            self.buf[o:o + v.nbytes] = v
+            o += v.nbytes
+        ctl[_W] = w + size  # published after the bytes (x86-64 keeps stores in order)
+        return True
+
+    def read_header(self) -> tuple[int, ...] | None:
+        """The next header's ints, if all of it is there and does not wrap; else None (nothing read)."""
+        ctl = self.ctl
+        r = ctl[_R]
+        at = r % RING_BYTES
+        if at + _HDR.size > RING_BYTES or ctl[_W] - r < _HDR.size:
+            return None
+        ints = _HDR.unpack_from(self.mm, CTRL_BYTES + at)
+        ctl[_R] = r + _HDR.size  # the space is free only after the read
+        return ints
+
+    def read_view(self, dst: memoryview) -> bool:
+        """Fill `dst` (bytes) if all of it is there and does not wrap; else False (nothing read)."""
+        ctl = self.ctl
+        r = ctl[_R]
+        at = r % RING_BYTES
+        n = dst.nbytes
+        if at + n > RING_BYTES or ctl[_W] - r < n:
+            return False
+        dst[:] = self.buf[CTRL_BYTES + at:CTRL_BYTES + at + n]
+        ctl[_R] = r + n
+        return True
+
+    def available(self) -> int:
+        """Bytes written and not yet read."""
+        return self.ctl[_W] - self.ctl[_R]
 
     def write_some(self, src: np.ndarray) -> int:
         """Copy as much of `src` (uint8) as fits; the bytes written."""
@@ -189,9 +247,24 @@ class ShmTransport(Transport):
             os.unlink(f"{name}-{src}-{rank}")
         self._queued: dict[int, deque[np.ndarray]] = {dst: deque() for dst in peers}  # bytes not yet in the ring
         self._head = np.zeros(HEADER_LEN, dtype=np.int64)  # the receive buffer of a header
+        self._views: dict[int, memoryview] = {}  # id(pinned tensor) -> its bytes
+        self._pinned: list[torch.Tensor] = []  # keeps them alive, so their ids are not reused
+
+    def pin(self, t: torch.Tensor) -> None:
+        assert t.device.type == "cpu" and t.is_contiguous(), "shared-memory rings carry contiguous CPU tensors"
+        if id(t) not in self._views:
+            self._views[id(t)] = memoryview(_as_bytes(t))
+            self._pinned.append(t)
+
+    def _view(self, t: torch.Tensor) -> memoryview:
+        v = self._views.get(id(t))
+        return v if v is not None else memoryview(_as_bytes(t))
 
     # ---- sending ----
     def send(self, dst: int, header: Header, payloads: Sequence[torch.Tensor] = ()) -> None:
+        queued = self._queued[dst]
+        if not queued and self._out[dst].write_message(header, [self._view(p) for p in payloads]):
+            return
         parts = [np.array(header.to_ints(), dtype=np.int64).view(np.uint8)] + [_as_bytes(p) for p in payloads]
         queued = self._queued[dst]
         if not queued:
@@ -222,14 +295,20 @@ class ShmTransport(Transport):
 
     # ---- receiving ----
     def recv_header(self, src: int, timeout: float | None, tick: int = -1) -> Header:
-        self._read(src, self._head.view(np.uint8), timeout, tick)
-        return Header.from_ints(self._head.tolist())
+        ints = self._in[src].read_header()
+        if ints is None:  # not there yet, or it wraps: the general path
+            self._read(src, self._head.view(np.uint8), timeout, tick)
+            ints = self._head.tolist()
+        return Header.from_ints(ints)
 
     def ready(self, src: int) -> bool:
-        ring = self._in[src]  # reads stop at message boundaries, so a header's bytes come first
-        return int(ring.ctrl[_W]) - int(ring.ctrl[_R]) >= HEADER_LEN * 8
+        # reads stop at message boundaries, so a header's bytes come first
+        return self._in[src].available() >= _HDR.size
 
     def recv_into(self, src: int, out: torch.Tensor, timeout: float | None, tick: int = -1) -> torch.Tensor:
+        v = self._views.get(id(out))
+        if v is not None and self._in[src].read_view(v):
+            return out
         assert out.is_contiguous() and out.device.type == "cpu", "shared-memory rings carry CPU tensors"
         self._read(src, _as_bytes(out), timeout, tick)  # a view: contiguous
         return out

@@ -12,7 +12,6 @@ on to drain its links at the end of a request.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 
@@ -71,6 +70,16 @@ class StageWorker:
         self.chain_width = 1  # rows of the last chain message: the width of the branch point in flight
         rows = max(chunk, width)
         self.h_in = torch.empty(rows, H, device=p.device, dtype=p.dtype)  # [chunk, H] received hidden
+        # a decode message's buffers, pinned with the transport: the hidden state in, the output row
+        # out (downstream and, from the last stage, the exit), the anchors to the driver
+        self.h_in1 = self.h_in[:1]  # [1, H]
+        self.h_in1_3d = self.h_in1.view(1, 1, H)  # [1, 1, H]: the same bytes as the model's input
+        self.out1 = torch.empty(1, H, device=p.device, dtype=p.dtype)  # [1, H]
+        self.out1_3d = self.out1.view(1, 1, H)  # [1, 1, H]: the same bytes, the model output's shape
+        self.anchors1 = torch.empty(1, len(self.anchor_layers), H, device=p.device, dtype=p.dtype)  # [1, k, H]
+        self._anchor_rows = [self.anchors1[:, j:j + 1] for j in range(len(self.anchor_layers))]  # [1, 1, H] each
+        for buf in (self.h_in1, self.out1, self.anchors1):
+            transport.pin(buf)
         self.ids_in = torch.empty(rows, dtype=torch.long, device=p.device)  # [chunk] stage 0 prefill / chain ids
         self.tok = torch.empty(1, 1, dtype=torch.long, device=p.device)
         self.in_request = False
@@ -93,6 +102,7 @@ class StageWorker:
         if self.static is not None:
             self.static.prepare()  # every length bucket now, not inside a timed request
 
+    @torch.no_grad()
     def serve(self) -> None:
         """Loop until SHUTDOWN."""
         while self.step():
@@ -138,8 +148,10 @@ class StageWorker:
         self.in_request = True
         self._compute(hdr, time.perf_counter(), local=True)
 
-    @torch.no_grad()
     def _compute(self, hdr: Header, t0: float, local: bool = False) -> None:
+        if torch.is_grad_enabled():  # serve() and the driver run under no_grad already: entering it
+            with torch.no_grad():  # again per message costs tens of microseconds after a compute
+                return self._compute(hdr, t0, local)
         T = hdr.num_tokens
         pos = hdr.position
         chains = hdr.kind == Kind.TOKEN and hdr.rows > 1
@@ -156,6 +168,11 @@ class StageWorker:
                 ids = self.tok.fill_(hdr.token)
             else:
                 ids = self.t.recv_into(self.prev, self.ids_in[:T], self.timeout, self.handled)[None]
+            t1 = time.perf_counter()
+        elif T == 1:
+            ids = None
+            self.t.recv_into(self.prev, self.h_in1, self.timeout, self.handled)
+            h = self.h_in1_3d  # [1, 1, H]
             t1 = time.perf_counter()
         else:
             ids = None
@@ -189,18 +206,33 @@ class StageWorker:
                 self.stats[4] += self.group.collective_s - coll0
         if self.trace is not None and hdr.kind == Kind.TOKEN:
             self.trace += [t0, t1, t2]
+        if T == 1 and (self.next is not None or self.reports):
+            self.out1_3d.copy_(out)  # a pinned buffer the transport moves fast
+            row = self.out1  # [1, H]
+        else:
+            row = out[0]  # [T, H]
         if self.next is not None:
-            self.t.send(self.next, hdr, [out[0]])
+            self.t.send(self.next, hdr, [row])
         if local and self.local_reports is not None:
             self.local_reports(hdr, caps, emb if self.stage == 0 else None)
         elif self.reports:
-            reply = dataclasses.replace(hdr, reply=token) if self.model.has_head else hdr
-            tensors = {"exit": lambda: out[0]}  # [T, H]
-            if self.anchor_ids:  # [T, k, H], anchors in ascending order
-                tensors["anchors"] = lambda: torch.stack([caps[layer][0] for layer in self.anchor_layers], dim=1)
-            self.t.send(self.driver, reply, [tensors[p.name]() for p in self.wire.to_driver(self.stage, reply)])
+            self._report(hdr._replace(reply=token) if self.model.has_head else hdr, row, caps)
         if hdr.kind == Kind.TOKEN:
             self.stats[5] += time.perf_counter() - t2
+
+    def _report(self, hdr: Header, row: torch.Tensor, caps: dict[int, torch.Tensor]) -> None:
+        """The message to the driver: the anchors [T, k, H] (ascending) and, from the last stage, the
+        exit `row` [T, H], as the wire format orders them."""
+        T = hdr.num_tokens
+        tensors = {"exit": lambda: row}
+        if self.anchor_ids:
+            if T == 1:
+                for dst, layer in zip(self._anchor_rows, self.anchor_layers):
+                    dst.copy_(caps[layer])  # [1, 1, H]
+                tensors["anchors"] = lambda: self.anchors1
+            else:
+                tensors["anchors"] = lambda: torch.stack([caps[layer][0] for layer in self.anchor_layers], dim=1)
+        self.t.send(self.driver, hdr, [tensors[p.name]() for p in self.wire.to_driver(self.stage, hdr)])
 
     def _forward(self, h: torch.Tensor, hdr: Header) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The chains of a branch point: h [1, W, H], every row at `position`, each seeing the

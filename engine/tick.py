@@ -14,16 +14,19 @@ Tokens are `Entry`s: position, token id, the epoch they were sent with, the fill
 that drafted them (0 for the first token and for corrections, which are never verified as
 drafts) and the tick at which they entered stage 0. `drafts` is a sequence so that several
 candidates per position can travel later; today exactly one draft per tick is accepted.
+
+The records are named tuples: the driver builds a plan, entries and rows on every tick, between
+two computes, where a frozen dataclass's per-field setattr costs (docs/benchmarks.md, "Cold caches").
 """
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
     """A token that enters stage 0 (and is in flight until it leaves the last stage)."""
 
     pos: int
@@ -42,8 +45,7 @@ class Entry:
         return max(1, len(self.chains))
 
 
-@dataclass(frozen=True)
-class Draft:
+class Draft(NamedTuple):
     """A candidate for position `pos` made by the tick's drafting (`source`: pdm, policy, ...)."""
 
     pos: int
@@ -51,8 +53,7 @@ class Draft:
     source: str = "pdm"
 
 
-@dataclass(frozen=True)
-class Verdict:
+class Verdict(NamedTuple):
     """The verification of the token proposed behind the exiting one: `token` is what is committed
     (the draft when accepted, else the correction)."""
 
@@ -61,8 +62,7 @@ class Verdict:
     chain: int = 0  # a branch point's verdict: the index of the accepted candidate (its chain survives)
 
 
-@dataclass(frozen=True)
-class Row:
+class Row(NamedTuple):
     """One PDM input row: position `pos` aggregated at `depth` (n: full depth); `pending`: the
     full-depth row that stays in the PDM cache after this tick."""
 
@@ -71,8 +71,7 @@ class Row:
     pending: bool = False
 
 
-@dataclass(frozen=True)
-class TickPlan:
+class TickPlan(NamedTuple):
     tick: int
     enter: tuple[Entry, ...]  # tokens entering stage 0 this tick (one today)
     inflight: tuple[Entry, ...]  # live tokens after the entry, oldest first; index j from the end = lag j
@@ -200,7 +199,7 @@ class TickState:
             if at_branch:
                 proposed, draft = self._resolve(proposed, draft, verdict.chain)
             # n = 1: the tick's own draft was just verified; it enters as a committed token
-            self.entry = draft if self.inflight else replace(draft, fill=0, chains=(), row=0, branch=-1, survivor=-1)
+            self.entry = draft if self.inflight else draft._replace(fill=0, chains=(), row=0, branch=-1, survivor=-1)
             committed = proposed
         else:
             self.epoch += 1  # flush: everything in flight is stale now
@@ -227,10 +226,10 @@ class TickState:
         Returns the committed entry and the next entering one (which names the survivor)."""
         q = self.branch
         self.branch, self.width = None, 1
-        self.inflight = deque(replace(e, token=e.chains[k], row=k) if e.chains else e for e in self.inflight)
-        committed = replace(proposed, token=proposed.chains[k], row=k)
+        self.inflight = deque(e._replace(token=e.chains[k], row=k) if e.chains else e for e in self.inflight)
+        committed = proposed._replace(token=proposed.chains[k], row=k)
         if draft.chains:  # n >= 2: the survivor's draft enters alone and names the survivor
-            draft = replace(draft, token=draft.chains[k], chains=(), row=0, branch=q, survivor=k)
+            draft = draft._replace(token=draft.chains[k], chains=(), row=0, branch=q, survivor=k)
         return committed, draft
 
     def finish(self) -> Counts:

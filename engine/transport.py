@@ -62,6 +62,11 @@ class Transport(abc.ABC):
     def flush(self) -> None:
         """Wait until every queued send has left."""
 
+    def pin(self, t: torch.Tensor) -> None:
+        """`t` is a buffer this rank sends from or receives into again and again (a decode tick's):
+        a transport may keep what it needs to move its bytes fast. The caller keeps it alive and
+        never resizes it. Transports that gain nothing from it ignore it."""
+
     def close(self) -> None:
         self.flush()
 
@@ -381,6 +386,9 @@ class LoopbackTransport(Transport):
 
     def set_frames(self, capacities: dict[tuple[int, int], int]) -> None:
         self.inner.set_frames(capacities)
+
+    def pin(self, t: torch.Tensor) -> None:
+        self.inner.pin(t)
 
     def mark_dead(self) -> None:
         if hasattr(self.inner, "mark_dead"):
