@@ -129,6 +129,10 @@ class Driver:
         self._anchor_dest = [[self.ring[i:i + 1, ids[0]:ids[-1] + 1] if ids else None  # [1, k, H]
                               for i in range(self.num_slots)] for ids in self.stage_anchors]
         self._exit_row = self.exit_buf[:1]  # [1, H]
+        self._stage_rank = [topo.stage_rank(s) for s in range(self.n)]  # TP rank 0 of each stage
+        # what a decode tick's report from stage s carries, in order ("anchors", "exit")
+        self._decode_report = [tuple(p.name for p in self.wire.to_driver(s, Header(Kind.TOKEN)))
+                               for s in range(self.n)]
         for dest in [self._exit_row] + [d for per_stage in self._anchor_dest for d in per_stage if d is not None]:
             transport.pin(dest)  # a decode tick's receive destinations
         # ring[slot, a] as [1, 1, H], the shape of a co-located stage 0's embedding and captured anchors
@@ -209,12 +213,17 @@ class Driver:
 
     def _read_header(self, s: int) -> Header:
         self.req.consumed[s] += 1
-        return self.t.recv_header(self.topo.stage_rank(s), self.timeout, self.req.tick)
+        return self.t.recv_header(self._stage_rank[s], self.timeout, self.req.tick)
 
     def _read_payloads(self, s: int, hdr: Header, ring_slot: int | None = None, row: int = 0) -> None:
         """The payloads behind stage s's header: anchors to ring[ring_slot] (else scratch), the
         last stage's exit hidden states to exit_buf. A chains message (hdr.rows = W): chain c's
         anchors to rings[c], and the representative's (`row`) to ring 0."""
+        if ring_slot is not None and hdr.kind == Kind.TOKEN and hdr.rows == 1:  # a decode tick's: pinned rows
+            for name in self._decode_report[s]:
+                dest = self._exit_row if name == "exit" else self._anchor_dest[s][ring_slot]
+                self.t.recv_into(self._stage_rank[s], dest, self.timeout, self.req.tick)
+            return
         ids = self.stage_anchors[s]
         chains = hdr.kind == Kind.TOKEN and hdr.rows > 1
         for payload in self.wire.to_driver(s, hdr):
@@ -224,7 +233,7 @@ class Driver:
             else:
                 assert payload.name == "exit", payload
                 dest = self._exit_row if hdr.num_tokens == 1 else self.exit_buf[:hdr.num_tokens]
-            self.t.recv_into(self.topo.stage_rank(s), dest, self.timeout, self.req.tick)
+            self.t.recv_into(self._stage_rank[s], dest, self.timeout, self.req.tick)
             if payload.name == "anchors" and chains and ring_slot is not None:
                 a = slice(ids[0], ids[-1] + 1)
                 self.rings[:hdr.rows, ring_slot, a] = dest  # [W, k, H]
@@ -238,7 +247,7 @@ class Driver:
         t0 = time.perf_counter()
         epoch = self.req.epoch
         while True:
-            if arrived_only and not self.t.ready(self.topo.stage_rank(s)):
+            if arrived_only and not self.t.ready(self._stage_rank[s]):
                 return None
             hdr = self._read_header(s)
             wanted = hdr.epoch == epoch and hdr.kind == kind and hdr.position == pos

@@ -181,9 +181,10 @@ class StageWorker:
         greedy_dev = None  # the static step's argmax token [1] (a head stage only)
         emb = None  # stage 0's embedding of the token [1, T, H] (eager steps): a local report's anchor 0
         if self.static is not None and hdr.kind == Kind.TOKEN and not chains:
+            # static buffers that the next step rewrites: everything that leaves this step is copied
+            # out below, before it returns (out1 and anchors1 into the transport, anchors into the
+            # co-located driver's ring), so no clone is needed
             out, caps, greedy_dev = self.static.run(pos, h=None if self.stage == 0 else h, token=ids)
-            # static buffers, rewritten by the next step while a send may still be in flight
-            out, caps = out.clone(), {k: v.clone() for k, v in caps.items()}
         else:
             h = emb = self.model.embed(ids) if self.stage == 0 else h  # [1, T, H]
             out, caps = self._forward(h, hdr) if chains else \

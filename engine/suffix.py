@@ -64,14 +64,15 @@ class SuffixIndex:
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append committed tokens (they never roll back)."""
-        h, max_len = self.history, self.settings.max_len
+        h, max_len, ends = self.history, self.settings.max_len, self._ends
         for tok in tokens:
             h.append(tok)
             e = len(h) - 1
-            for n in range(1, min(max_len, len(h)) + 1):
-                key = tuple(h[e - n + 1:])
-                last = self._ends.get(key)
-                self._ends[key] = (e, last[0] if last is not None else -1)
+            window = tuple(h[max(0, e - max_len + 1):])  # every n-gram ending at e is a suffix of it
+            for i in range(len(window)):
+                key = window[i:]
+                last = ends.get(key)
+                ends[key] = (e, last[0] if last is not None else -1)
 
     def propose_elsewhere(self, tail: Sequence[int]) -> SuffixProposal | None:
         """The longest suffix of `tail` (a context this index does not hold: another request's)

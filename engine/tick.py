@@ -156,11 +156,12 @@ class TickState:
         live = tuple(self.inflight)
         L = len(live)
         # the token at lag j (0 = newest) finished stage j-1 last tick: its anchors are read now
-        reads = tuple((j - 1, live[L - 1 - j]) for j in range(1, L) if j - 1 in self.anchor_stages)
-        rows = ([Row(self.pdm_len, self.n, True)] if self.pending else []) + \
-            [Row(live[L - 1 - j].pos, j) for j in range(L - 1, -1, -1)]
+        reads = tuple([(j - 1, live[L - 1 - j]) for j in range(1, L) if j - 1 in self.anchor_stages])
+        rows = [Row(self.pdm_len, self.n, True)] if self.pending else []
+        for e, j in zip(live, range(L - 1, -1, -1)):  # the staircase, oldest (lag L - 1) first
+            rows.append(Row(e.pos, j))
         # consecutive positions from the PDM cache end (the driver indexes its ring by that)
-        assert [r.pos for r in rows] == list(range(self.pdm_len, self.pdm_len + len(rows))), rows
+        assert rows[0].pos == self.pdm_len and all(b.pos == a.pos + 1 for a, b in zip(rows, rows[1:])), rows
         exiting = live[0] if L == self.n else None
         proposed = (live[1] if L > 1 else None) if exiting is not None else None
         self._plan = TickPlan(self.tick, (entry,), live, reads, tuple(rows), self.pdm_len,
@@ -211,6 +212,9 @@ class TickState:
 
     def _draft_entry(self, plan: TickPlan, drafts: Sequence[Draft]) -> Entry:
         """The entry of this tick's drafts: one token, a new branch point's candidates, or the chains' drafts."""
+        if self.branch is None and len(drafts) == 1:  # the common tick: one draft, no branch point
+            assert drafts[0].pos == plan.draft_pos, (drafts, plan.draft_pos)
+            return Entry(plan.draft_pos, drafts[0].token, self.epoch, plan.fill, self.tick + 1)
         assert drafts and all(d.pos == plan.draft_pos for d in drafts), (drafts, plan.draft_pos)
         tokens = tuple(d.token for d in drafts)
         if self.branch is None and len(drafts) == 1:

@@ -44,7 +44,8 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def send(self, dst: int, header: Header, payloads: Sequence[torch.Tensor] = ()) -> None:
-        """Queue a message; payloads must stay unmodified until `flush` or the next send."""
+        """Queue a message. Every transport copies the payloads (or their bytes) before it returns,
+        so the caller may reuse its buffers at once (a stage's pinned output row, every tick)."""
 
     @abc.abstractmethod
     def recv_header(self, src: int, timeout: float | None, tick: int = -1) -> Header:
@@ -188,9 +189,9 @@ class DistTransport(Transport):
         group = self._groups[(self.rank, dst)]
         try:
             slot[1] = dist.isend(frame, dst, group=group)
-            if not inline:
+            if not inline:  # a copy, kept until the send completes: the caller may reuse its buffer now
                 for p in payloads:
-                    p = p.to(self.device).contiguous()
+                    p = p.detach().to(self.device, copy=True, memory_format=torch.contiguous_format)
                     self._pending.append((dist.isend(p, dst, group=group), p))
         except RuntimeError as err:
             raise TransportError(self.rank, dst, -1, f"send failed: {err}") from err
