@@ -217,6 +217,8 @@ class ShmTransport(Transport):
     """The Transport interface over shared-memory rings; CPU tensors only. Collective: every rank
     of the default process group constructs it at the same point."""
 
+    pins_buffers = True
+
     def __init__(self, rank: int, world_size: int) -> None:
         import torch.distributed as dist
 

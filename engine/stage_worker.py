@@ -78,6 +78,7 @@ class StageWorker:
         self.out1_3d = self.out1.view(1, 1, H)  # [1, 1, H]: the same bytes, the model output's shape
         self.anchors1 = torch.empty(1, len(self.anchor_layers), H, device=p.device, dtype=p.dtype)  # [1, k, H]
         self._anchor_rows = [self.anchors1[:, j:j + 1] for j in range(len(self.anchor_layers))]  # [1, 1, H] each
+        self.pinned = transport.pins_buffers  # copy the output and anchors into out1 / anchors1
         for buf in (self.h_in1, self.out1, self.anchors1):
             transport.pin(buf)
         self.ids_in = torch.empty(rows, dtype=torch.long, device=p.device)  # [chunk] stage 0 prefill / chain ids
@@ -207,7 +208,7 @@ class StageWorker:
                 self.stats[4] += self.group.collective_s - coll0
         if self.trace is not None and hdr.kind == Kind.TOKEN:
             self.trace += [t0, t1, t2]
-        if T == 1 and (self.next is not None or self.reports):
+        if T == 1 and self.pinned and (self.next is not None or self.reports):
             self.out1_3d.copy_(out)  # a pinned buffer the transport moves fast
             row = self.out1  # [1, H]
         else:
@@ -227,7 +228,7 @@ class StageWorker:
         T = hdr.num_tokens
         tensors = {"exit": lambda: row}
         if self.anchor_ids:
-            if T == 1:
+            if T == 1 and self.pinned:
                 for dst, layer in zip(self._anchor_rows, self.anchor_layers):
                     dst.copy_(caps[layer])  # [1, 1, H]
                 tensors["anchors"] = lambda: self.anchors1

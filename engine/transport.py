@@ -41,6 +41,9 @@ class TransportError(RuntimeError):
 class Transport(abc.ABC):
     rank: int
     world_size: int
+    # whether `pin` makes a pinned buffer's messages cheaper (then a stage copies its output row into
+    # one); elsewhere the copy would be one more kernel per step on a GPU, for nothing
+    pins_buffers: bool = False
 
     @abc.abstractmethod
     def send(self, dst: int, header: Header, payloads: Sequence[torch.Tensor] = ()) -> None:
@@ -350,6 +353,7 @@ class LoopbackTransport(Transport):
 
     def __init__(self, inner: Transport, out_fifo: queue.SimpleQueue, in_fifo: queue.SimpleQueue) -> None:
         self.inner, self.rank, self.world_size = inner, inner.rank, inner.world_size
+        self.pins_buffers = inner.pins_buffers
         self._out, self._in = out_fifo, in_fifo
 
     def send(self, dst: int, header: Header, payloads: Sequence[torch.Tensor] = ()) -> None:
