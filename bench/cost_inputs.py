@@ -201,14 +201,26 @@ class LinkModel:
         return _interp_bytes(self.allreduce[k], nbytes) * max(1.0, math.log2(ranks)) / max(1.0, math.log2(k))
 
     @classmethod
-    def from_netbench(cls, report: dict, name: str, stat: str = "idle_mean_us") -> "LinkModel":
+    def from_netbench(cls, report: dict, name: str, stat: str = "idle_mean_us", transport: str = "p2p",
+                      busy_mb: float = 0.0) -> "LinkModel":
         """Hop times: `stat` averaged over the measured pairs. Default idle_mean_us: the mean one-way
         time when the receiver was idle-waiting, as a pipeline stage is (small sizes; larger ones
         fall back to mean_us). Host costs from messages up to 64 KiB: a send costs the mean post
         time (idle variant with idle_* stats), a read of an arrived message the p50 post time, a
-        late receive its mean (p50 with a p50 `stat`) time, where measured."""
+        late receive its mean (p50 with a p50 `stat`) time, where measured.
+
+        transport "gloo" or "shm": the hops of the runtime's own transport instead of raw P2P (the
+        `transport` rows of `spd netbench --tests transport`, those measured after `busy_mb` MiB
+        of weight streaming on both ends: the hop a computing CPU rank meets). gloo's frames are
+        gloo sends underneath, so a send and a read cost what raw P2P's do (where measured); a
+        shared-memory send or read is a copy inside the one-way time, not charged to the ranks
+        apart (optimistic by those copies)."""
         if report.get("schema") != "spd-netbench/1":
             raise ValueError(f"{name}: not an spd-netbench/1 report (schema {report.get('schema')!r})")
+        if transport not in ("p2p", "gloo", "shm"):
+            raise ValueError(f"{name}: transport must be p2p, gloo or shm, got {transport!r}")
+        if busy_mb and transport == "p2p":
+            raise ValueError(f"{name}: busy_mb selects rows of the runtime's transport (gloo or shm), not raw P2P")
         hot = stat.removeprefix("idle_")  # idle statistics exist for small P2P sizes only
 
         def pick(row: dict) -> float:
@@ -218,13 +230,24 @@ class LinkModel:
         posts, reads, lates = [], [], []
         late_key = "late_p50_us" if "p50" in stat else "late_mean_us"
         for row in report.get("p2p", []):
-            by_size.setdefault(row["bytes"], []).append(pick(row))
+            if transport == "p2p":
+                by_size.setdefault(row["bytes"], []).append(pick(row))
             if row["bytes"] <= 65536:
                 post = row.get("idle_post_mean_us") if stat in row and stat != hot else None
                 posts.append((post if post is not None else row.get("post_mean_us", row.get("post_us", 0.0))) / 1e3)
                 reads.append(row.get("post_us", 0.0) / 1e3)
                 if late_key in row:
                     lates.append(row[late_key] / 1e3)
+        if transport != "p2p":
+            for row in report.get("transport", []):
+                if row["transport"] == transport and row["busy_us"] == 0 and row["busy_mb"] == busy_mb:
+                    by_size.setdefault(row["bytes"], []).append(pick(row))
+            if not by_size:
+                raise ValueError(f"{name}: the netbench report has no {transport} transport rows at busy_mb="
+                                 f"{busy_mb:g} (spd netbench --tests transport --busy-mb {busy_mb:g})")
+            name = f"{name} ({transport}" + (f", after {busy_mb:g} MiB of weights)" if busy_mb else ")")
+            if transport == "shm":
+                posts, reads, lates = [], [], []
         if not by_size:
             raise ValueError(f"{name}: the netbench report has no P2P rows")
         allreduce: dict[int, list[tuple[int, float]]] = {}

@@ -35,6 +35,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     net.add_argument("--latency-stat", default="idle_mean_us",
                      choices=("idle_mean_us", "idle_p50_us", "mean_us", "p50_us", "p90_us"),
                      help="netbench statistic used as hop time (default: mean one-way time to an idle peer)")
+    net.add_argument("--net-transport", default="p2p", choices=("p2p", "gloo", "shm"),
+                     help="which netbench rows give the hops: raw P2P, or the runtime's own transport "
+                          "(`--tests transport` rows: gloo frames or the shared-memory rings, whose one-way "
+                          "time holds both ends' copies)")
+    net.add_argument("--net-busy-mb", type=float, default=0.0,
+                     help="with --net-transport gloo/shm: the rows measured after this many MiB of weight "
+                          "streaming on both ends (`--busy-mb`), the hop a computing CPU rank meets")
     acc = p.add_argument_group("acceptance")
     acc.add_argument("--alpha", help="one alpha (0.8) or per n (2:0.9,4:0.85,8:0.8)")
     acc.add_argument("--alpha-json", help="eval JSON with alpha_by_n or results[{n, alpha}]")
@@ -99,7 +106,8 @@ def assumed_link(text: str, name: str) -> LinkModel:
 
 def _links(args: argparse.Namespace) -> Links:
     if args.net:
-        intra = LinkModel.from_netbench(_load_json(args.net), args.net, args.latency_stat)
+        intra = LinkModel.from_netbench(_load_json(args.net), args.net, args.latency_stat, args.net_transport,
+                                        args.net_busy_mb)
     elif args.assume_link:
         intra = assumed_link(args.assume_link, "--assume-link")
     else:
@@ -109,6 +117,8 @@ def _links(args: argparse.Namespace) -> Links:
         inter = LinkModel.from_netbench(_load_json(args.net_inter), args.net_inter, args.latency_stat)
     elif args.assume_inter:
         inter = assumed_link(args.assume_inter, "--assume-inter")
+    if (args.net_transport != "p2p" or args.net_busy_mb) and not args.net:
+        raise ValueError("--net-transport / --net-busy-mb select rows of --net NETBENCH.json")
     if inter is not None and not args.gpus_per_node:
         raise ValueError("--net-inter / --assume-inter need --gpus-per-node")
     return Links(intra, inter, args.gpus_per_node)
@@ -373,6 +383,9 @@ def _branches(args: argparse.Namespace, profile: Profile, links: Links) -> dict:
 def run(args: argparse.Namespace) -> int:
     if sum(map(bool, (args.validate, args.validate_runtime, args.revalidate))) > 1:
         raise ValueError("give one of --validate (tick replays), --validate-runtime (real runs) and --revalidate")
+    if (args.validate or args.validate_runtime or args.revalidate) and \
+            (args.net_transport != "p2p" or args.net_busy_mb):
+        raise ValueError("--net-transport / --net-busy-mb price a plan; the validations measure and use raw P2P")
     if args.revalidate:
         return _revalidate(args)
     if args.validate_runtime:

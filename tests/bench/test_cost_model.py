@@ -127,6 +127,61 @@ def test_link_model_from_netbench_interpolates():
     assert LinkModel.from_netbench({**report, "allreduce": []}, "late", "idle_p50_us").late_ms == pytest.approx(0.075)
 
 
+def test_link_model_from_the_runtime_transport_rows():
+    """--net-transport gloo/shm: the hops of `spd netbench --tests transport` rows (one transport,
+    one busy_mb); gloo keeps raw P2P's send and read costs, shm adds none (its copies are inside
+    the one-way time)."""
+    row = lambda kind, size, mean, busy_mb=0.0, busy_us=0.0: {  # noqa: E731
+        "transport": kind, "a": 0, "b": 1, "bytes": size, "busy_us": busy_us, "busy_mb": busy_mb,
+        "mean_us": mean, "p50_us": mean / 2}
+    report = {"schema": "spd-netbench/1",
+              "p2p": [{"src": 0, "dst": 1, "bytes": 64, "mean_us": 100.0, "post_us": 5.0, "post_mean_us": 9.0}],
+              "transport": [row("gloo", 64, 200.0), row("shm", 64, 10.0), row("shm", 4096, 30.0),
+                            row("shm", 64, 40.0, busy_us=500.0), row("shm", 64, 400.0, busy_mb=256.0)]}
+    shm = LinkModel.from_netbench(report, "nb", "idle_mean_us", "shm")  # no idle rows there: the mean
+    assert shm.hop_ms(64) == pytest.approx(0.010) and shm.hop_ms(2080) == pytest.approx(0.020)
+    assert shm.post_ms == 0.0 and shm.read_ms == 0.0 and "shm" in shm.name
+    assert LinkModel.from_netbench(report, "nb", "p50_us", "shm").hop_ms(64) == pytest.approx(0.005)
+    gloo = LinkModel.from_netbench(report, "nb", "mean_us", "gloo")
+    assert gloo.hop_ms(64) == pytest.approx(0.200) and gloo.post_ms == pytest.approx(0.009)
+    assert gloo.read_ms == pytest.approx(0.005)
+    cold = LinkModel.from_netbench(report, "nb", "mean_us", "shm", busy_mb=256.0)
+    assert cold.hop_ms(64) == pytest.approx(0.400) and "256 MiB" in cold.name
+    assert LinkModel.from_netbench(report, "nb").hop_ms(64) == pytest.approx(0.100)  # raw P2P, as before
+    with pytest.raises(ValueError, match="no gloo transport rows at busy_mb=256"):
+        LinkModel.from_netbench(report, "nb", "mean_us", "gloo", busy_mb=256.0)
+    with pytest.raises(ValueError, match="p2p, gloo or shm"):
+        LinkModel.from_netbench(report, "nb", "mean_us", "nccl")
+    with pytest.raises(ValueError, match="not raw P2P"):
+        LinkModel.from_netbench(report, "nb", "mean_us", "p2p", busy_mb=256.0)
+
+
+def test_spd_plan_prices_the_runtime_transport(tmp_path, capsys):
+    from spd_engine.tools.cli import main
+
+    profile, net = _write_plan_inputs(tmp_path)
+    report = json.loads(open(net).read())
+    report["transport"] = [{"transport": "shm", "a": 0, "b": 1, "bytes": b, "busy_us": 0.0, "busy_mb": 0.0,
+                            "mean_us": 20.0, "p50_us": 20.0} for b in (48, 176, 304)]
+    (tmp_path / "net.json").write_text(json.dumps(report))
+    out = str(tmp_path / "plan.json")
+    assert main(["plan", "--profile", profile, "--net", net, "--net-transport", "shm", "--alpha", "1.0", "--n", "2",
+                 "--sim-tokens", "2000", "--json", out]) == 0
+    result = json.loads(open(out).read())
+    rows = {(r["method"], r["layout"]): r for r in result["rows"]}
+    # PP: 4 ms of layers + verify 0.2 + the activation's and the token's 0.02 ms hops on the rings
+    assert rows[("pp", "-")]["token_ms"] == pytest.approx(4.24)
+    # SPD co-located: stage 0 (2) + PDM 0.5 + verify 0.2; the rings' sends and reads are inside their hops
+    assert rows[("spd", "coloc")]["steady_tick_ms"] == pytest.approx(2.70)
+    assert main(["plan", "--profile", profile, "--assume-link", "5,100", "--alpha", "1.0",
+                 "--net-transport", "shm"]) == 2
+    assert "--net-transport" in capsys.readouterr().err
+    assert main(["plan", "--profile", profile, "--net", net, "--alpha", "1.0", "--net-transport", "shm",
+                 "--net-busy-mb", "256"]) == 2
+    assert "no shm transport rows at busy_mb=256" in capsys.readouterr().err
+    assert main(["plan", "--validate", "--net-transport", "shm"]) == 2
+
+
 def test_alpha_curve_and_profile_validation():
     curve = AlphaCurve({2: 0.9, 8: 0.6})
     notes: list[str] = []
