@@ -47,9 +47,22 @@ class ValidationSettings:
     configs: tuple[str, ...] = CONFIGS  # a subset runs faster (tests); ar always runs; "tp" adds the TP row
     tp: int = 1  # ranks of the tp row
     tp_steps: int = 64  # timed decode steps of the TP shard measurement (bench/tp_shard_time.py)
+    # which hops price the runs, and so what the runs use: "p2p" raw gloo P2P (runs on gloo), "gloo"
+    # the gloo frame transport's own rows (runs on gloo), "shm" the shared-memory rings' (runs on shm)
+    link: str = "p2p"
+
+    def __post_init__(self) -> None:
+        if self.link not in ("p2p", "gloo", "shm"):
+            raise ValueError(f"validation link must be p2p, gloo or shm, got {self.link!r}")
+
+    @property
+    def transport(self) -> str:
+        """The runtime's transport in the measured runs."""
+        return "shm" if self.link == "shm" else "gloo"
 
 
-def bench_cases(ecfg: RunConfig, configs: Sequence[str] = CONFIGS, tp: int = 1) -> list[BenchCase]:
+def bench_cases(ecfg: RunConfig, configs: Sequence[str] = CONFIGS, tp: int = 1, transport: str = "gloo"
+                ) -> list[BenchCase]:
     """ar on one rank, pp on n (traced), SPD co-located on n and with a separate driver on n + 1 (traced),
     and with "tp" --mode tp on `tp` ranks; `configs` picks a subset (ar, the reference and the source
     of layer_ms, always runs)."""
@@ -60,8 +73,9 @@ def bench_cases(ecfg: RunConfig, configs: Sequence[str] = CONFIGS, tp: int = 1) 
     if (TP_CONFIG in configs) != (tp > 1):
         raise ValueError(f"the {TP_CONFIG} config needs tp >= 2 and tp >= 2 the {TP_CONFIG} config (got tp={tp})")
     topo = dataclasses.replace(ecfg.topology, tp=1)
-    # gloo: the transport whose P2P rows the netbench run measures (the link model's input)
-    ecfg = ecfg.replace(topology=topo, transport="gloo")
+    # the transport whose rows the netbench run measures (the link model's input): gloo for its P2P
+    # or frame rows, shm for the rings' rows
+    ecfg = ecfg.replace(topology=topo, transport=transport)
     one = dataclasses.replace(topo, stage_layers=(topo.num_layers,), colocate=False)
     every = {"ar": BenchCase("ar", ecfg.replace(mode="ar", topology=one)),
              "pp": BenchCase("pp", ecfg.replace(mode="pp", topology=dataclasses.replace(topo, colocate=True),
@@ -84,13 +98,15 @@ def run_netbench(ecfg: RunConfig, anchors: int, s: ValidationSettings, allreduce
     """P2P between the n + 1 ranks SPD uses, at the runtime's message sizes (a header message,
     then the payload: one activation, a stage's anchors, the last stage's exit + anchors), and
     small all-reduces for the plan's TP rows, each after `allreduce_busy_us` of compute (the tp
-    row: half a shard layer, what a TP rank computes between two of its reductions)."""
+    row: half a shard layer, what a TP rank computes between two of its reductions); with a
+    gloo or shm link also the runtime's own transport at those sizes (`--tests transport`)."""
     from spd_engine.bench.netbench import NetbenchConfig, default_pairs, launch_local, netbench_rank
 
     world = max(ecfg.topology.n + 1, s.tp)  # the tp row's group is ranks 0..tp-1, as the runtime's
     itemsize = ecfg.torch_dtype.itemsize
     sizes = {HEADER_LEN * 8, *message_bytes(ecfg.cfg.hidden_size, itemsize, anchors).values()}
-    cfg = NetbenchConfig(tests=("p2p", "allreduce"), sizes=tuple(sorted(sizes)), pairs=tuple(default_pairs(world)),
+    tests = ("p2p", "allreduce") + (("transport",) if s.link != "p2p" else ())
+    cfg = NetbenchConfig(tests=tests, sizes=tuple(sorted(sizes)), pairs=tuple(default_pairs(world)),
                          iters=s.net_iters, warmup=10, allreduce_bytes=(8, ecfg.cfg.hidden_size * itemsize),
                          allreduce_busy_us=allreduce_busy_us, timeout_s=s.timeout_s)
     return launch_local(netbench_rank, cfg, world, "gloo", s.timeout_s, 600 + 10 * s.timeout_s)
@@ -179,7 +195,7 @@ def run_round(ecfg: RunConfig, prompts: Sequence[list[int]], s: ValidationSettin
               progress: Progress) -> dict:
     """Profile run, netbench run, measurement run (fresh processes each); the predictions from
     the first two and the measurements of the third."""
-    cores, cases = os.cpu_count(), bench_cases(ecfg, s.configs, s.tp)
+    cores, cases = os.cpu_count(), bench_cases(ecfg, s.configs, s.tp, s.transport)
     tag = f"# round {k + 1}/{s.rounds}"
     progress(f"{tag}, 1/3 profile run: spd bench ({', '.join(c.name for c in cases)}) ...")
     first = bench(cases, prompts, s.max_new_tokens, (), s.repeats, s.synthetic_alpha, s.seed, progress)
@@ -216,7 +232,7 @@ def run_round(ecfg: RunConfig, prompts: Sequence[list[int]], s: ValidationSettin
 def predict_round(rnd: dict, n: int, s: ValidationSettings) -> dict:
     """A round's predictions (from its profile run + netbench run) and the same-run diagnostic
     (from its measurement run's own profile)."""
-    link = LinkModel.from_netbench(rnd["netbench"], "netbench (this host)", s.latency_stat)
+    link = LinkModel.from_netbench(rnd["netbench"], "netbench (this host)", s.latency_stat, s.link)
     own = rnd["measurement_profile"]
     return {"predicted": predict(rnd["profile"], link, rnd["alpha"], n, s.max_new_tokens, s.tp),
             "same_run": predict(own, link, own["source"]["alpha_measured"], n, s.max_new_tokens, s.tp)}
@@ -238,7 +254,7 @@ def validate(ecfg: RunConfig, prompts: Sequence[list[int]], s: ValidationSetting
              progress: Progress = lambda m: None) -> dict:
     """`rounds` rounds of profile run + netbench run + measurement run; medians over rounds of
     predictions and measurements are compared (they damp other jobs' load swings on a shared host)."""
-    bench_cases(ecfg, s.configs, s.tp)  # bad configs fail before anything starts
+    bench_cases(ecfg, s.configs, s.tp, s.transport)  # bad configs fail before anything starts
     load_before = load_note()
     rounds = [run_round(ecfg, prompts, s, k, progress) for k in range(s.rounds)]
     rows = compare([r["predicted"] for r in rounds], [r["measured"] for r in rounds], s.tolerance, os.cpu_count(),
@@ -252,6 +268,10 @@ def validate(ecfg: RunConfig, prompts: Sequence[list[int]], s: ValidationSetting
             "threads_per_rank": ecfg.threads_per_rank()}
 
 
+_LINK_LABELS = {"p2p": "raw gloo P2P, runs on gloo", "gloo": "the gloo frame transport, runs on gloo",
+                "shm": "the shared-memory rings, runs on shm"}
+
+
 def format_validation(result: dict) -> str:
     from spd_engine.bench.stats import format_table
 
@@ -261,7 +281,7 @@ def format_validation(result: dict) -> str:
     lines = [f"# runtime validation: {result['model']}, n={result['n']}, {result['threads_per_rank']} thread(s) per "
              f"rank, {s['max_new_tokens']} tokens per prompt, {label}",
              f"# medians over {s['rounds']} rounds of: profile run + netbench run -> prediction; an independent "
-             f"bench run -> measurement",
+             f"bench run -> measurement; hops: {_LINK_LABELS[s.get('link', 'p2p')]}",
              format_table(result["rows"], [
                  ("config", "config", ""), ("ranks", "ranks", ""), ("measured_tok_s", "meas tok/s", ".2f"),
                  ("spread", "rounds min-max", ""), ("predicted_tok_s", "pred tok/s", ".2f"),

@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     net.add_argument("--net-transport", default="p2p", choices=("p2p", "gloo", "shm"),
                      help="which netbench rows give the hops: raw P2P, or the runtime's own transport "
                           "(`--tests transport` rows: gloo frames or the shared-memory rings, whose one-way "
-                          "time holds both ends' copies)")
+                          "time holds both ends' copies); with --validate-runtime also what its runs use")
     net.add_argument("--net-busy-mb", type=float, default=0.0,
                      help="with --net-transport gloo/shm: the rows measured after this many MiB of weight "
                           "streaming on both ends (`--busy-mb`), the hop a computing CPU rank meets")
@@ -328,7 +328,7 @@ def _validate_runtime(args: argparse.Namespace) -> int:
     settings = ValidationSettings(max_new_tokens=args.max_new_tokens, rounds=args.repeats, synthetic_alpha=alpha,
                                   seed=args.seed, tolerance=args.tolerance, latency_stat=args.latency_stat,
                                   timeout_s=max(args.timeout, 60.0), tp=args.tp,
-                                  configs=CONFIGS + (("tp",) if args.tp > 1 else ()))
+                                  configs=CONFIGS + (("tp",) if args.tp > 1 else ()), link=args.net_transport)
     result = validate(ecfg, prompts, settings, lambda m: print(m, file=sys.stderr, flush=True))
     print(format_validation(result))
     if args.profile_out:
@@ -383,9 +383,11 @@ def _branches(args: argparse.Namespace, profile: Profile, links: Links) -> dict:
 def run(args: argparse.Namespace) -> int:
     if sum(map(bool, (args.validate, args.validate_runtime, args.revalidate))) > 1:
         raise ValueError("give one of --validate (tick replays), --validate-runtime (real runs) and --revalidate")
-    if (args.validate or args.validate_runtime or args.revalidate) and \
-            (args.net_transport != "p2p" or args.net_busy_mb):
-        raise ValueError("--net-transport / --net-busy-mb price a plan; the validations measure and use raw P2P")
+    if (args.validate or args.revalidate) and (args.net_transport != "p2p" or args.net_busy_mb):
+        raise ValueError("--net-transport / --net-busy-mb price a plan or --validate-runtime's runs; "
+                         "--validate and --revalidate use what they measured")
+    if args.validate_runtime and args.net_busy_mb:
+        raise ValueError("--net-busy-mb prices a plan; --validate-runtime measures its hops between idle ranks")
     if args.revalidate:
         return _revalidate(args)
     if args.validate_runtime:

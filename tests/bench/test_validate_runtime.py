@@ -9,8 +9,8 @@ import pytest
 
 from spd_engine.bench.cost_inputs import HEADER_BYTES, LinkModel, Profile
 from spd_engine.bench.cost_model_spd import eal_for_request
-from spd_engine.bench.validate_runtime import (CONFIGS, ValidationSettings, compare, format_validation, measured_of, predict,
-                                              tp_diagnostic, validate)
+from spd_engine.bench.validate_runtime import (CONFIGS, ValidationSettings, bench_cases, compare, format_validation,
+                                              measured_of, predict, tp_diagnostic, validate)
 from spd_engine.engine.messages import HEADER_LEN
 from spd_engine.engine.run_config import PRESETS, RunConfig
 from spd_engine.engine.schedule import expected_eal
@@ -107,20 +107,23 @@ def test_compare_takes_medians_over_rounds():
         assert r["same_run_tick_ms"] == 50.0 and r["same_run_err"] == pytest.approx(100 * (50 / 90 - 1))
 
 
-def _tiny_validation(configs: tuple[str, ...]) -> dict:
+def _tiny_validation(configs: tuple[str, ...], link: str = "p2p") -> dict:
     cfg = PRESETS["tiny-llama"]
     ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, n=2),
                         threads=1, capacity=128, timeout_s=60.0)
-    settings = ValidationSettings(max_new_tokens=12, rounds=1, synthetic_alpha=0.75, net_iters=20, configs=configs)
+    settings = ValidationSettings(max_new_tokens=12, rounds=1, synthetic_alpha=0.75, net_iters=20, configs=configs,
+                                  link=link)
     return validate(ecfg, [[5, 9, 14, 3, 22]], settings)
 
 
-# CI: ar + co-located SPD (4 launches); the slow run covers all four configs.
-@pytest.fixture(scope="module", params=[pytest.param(("ar", "spd-colocate"), marks=pytest.mark.multiproc),
-                                        pytest.param(CONFIGS, marks=[pytest.mark.multiproc, pytest.mark.slow])],
-                ids=["ar+coloc", "all"])
+# CI: ar + co-located SPD (4 launches), priced by raw P2P on gloo and by the rings on shm; the slow
+# run covers all four configs.
+@pytest.fixture(scope="module", params=[pytest.param((("ar", "spd-colocate"), "p2p"), marks=pytest.mark.multiproc),
+                                        pytest.param((("ar", "spd-colocate"), "shm"), marks=pytest.mark.multiproc),
+                                        pytest.param((CONFIGS, "p2p"), marks=[pytest.mark.multiproc, pytest.mark.slow])],
+                ids=["ar+coloc", "ar+coloc-shm", "all"])
 def tiny_validation(request):
-    return _tiny_validation(request.param)
+    return _tiny_validation(*request.param)
 
 
 def test_validation_configs_are_checked():
@@ -128,6 +131,13 @@ def test_validation_configs_are_checked():
     ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, n=2), capacity=128)
     with pytest.raises(ValueError, match="include an SPD run"):
         validate(ecfg, [[5]], ValidationSettings(configs=("ar", "pp")))
+    with pytest.raises(ValueError, match="p2p, gloo or shm"):
+        ValidationSettings(link="nccl")
+    # the runs use the transport whose hops price them
+    for link, transport in (("p2p", "gloo"), ("gloo", "gloo"), ("shm", "shm")):
+        s = ValidationSettings(link=link)
+        assert s.transport == transport
+        assert {c.ecfg.transport for c in bench_cases(ecfg, CONFIGS, 1, s.transport)} == {transport}
 
 
 def test_real_runs_give_a_consistent_table(tiny_validation):
@@ -169,6 +179,10 @@ def test_real_run_inputs_are_usable(tiny_validation):
     text = format_validation(res)
     assert "SYNTHETIC acceptance alpha=0.75" in text and "host load: before:" in text
     assert all(r["config"] in text for r in res["rows"]) and "configs within 15%" in text
+    if res["settings"]["link"] == "shm":  # the rings' own rows, at the runtime's sizes, price the runs
+        sizes = {r["bytes"] for r in net["transport"] if r["transport"] == "shm" and r["busy_mb"] == 0}
+        assert sizes == {r["bytes"] for r in net["p2p"]}
+        assert "hops: the shared-memory rings, runs on shm" in text
 
 
 def test_revalidate_repredicts_a_saved_run(tiny_validation, tmp_path, capsys):
