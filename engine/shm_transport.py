@@ -265,10 +265,11 @@ class ShmTransport(Transport):
     # ---- sending ----
     def send(self, dst: int, header: Header, payloads: Sequence[torch.Tensor] = ()) -> None:
         queued = self._queued[dst]
-        if not queued and self._out[dst].write_message(header, [self._view(p) for p in payloads]):
+        views = [self._view(p) for p in payloads]
+        if not queued and self._out[dst].write_message(header, views):
             return
-        parts = [np.array(header.to_ints(), dtype=np.int64).view(np.uint8)] + [_as_bytes(p) for p in payloads]
-        queued = self._queued[dst]
+        head = np.array(header.to_ints(), dtype=np.int64).view(np.uint8)
+        parts = [head] + [np.frombuffer(v, np.uint8) for v in views]
         if not queued:
             parts = self._out[dst].write_parts(parts)
         for part in parts:

@@ -217,8 +217,6 @@ class TickState:
             return Entry(plan.draft_pos, drafts[0].token, self.epoch, plan.fill, self.tick + 1)
         assert drafts and all(d.pos == plan.draft_pos for d in drafts), (drafts, plan.draft_pos)
         tokens = tuple(d.token for d in drafts)
-        if self.branch is None and len(drafts) == 1:
-            return Entry(plan.draft_pos, tokens[0], self.epoch, plan.fill, self.tick + 1)
         if self.branch is None:  # candidates: the position becomes the branch point
             assert len(set(tokens)) == len(tokens), f"branch candidates repeat a token: {tokens}"
             self.branch, self.width = plan.draft_pos, len(tokens)

@@ -47,8 +47,9 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def send(self, dst: int, header: Header, payloads: Sequence[torch.Tensor] = ()) -> None:
-        """Queue a message. Every transport copies the payloads (or their bytes) before it returns,
-        so the caller may reuse its buffers at once (a stage's pinned output row, every tick)."""
+        """Queue a message. Every transport copies the payloads (or their bytes) before it returns
+        (on a GPU: enqueues the copy on the current stream, ahead of any later write to them), so
+        the caller may reuse its buffers at once (a stage's pinned output row, every tick)."""
 
     @abc.abstractmethod
     def recv_header(self, src: int, timeout: float | None, tick: int = -1) -> Header:

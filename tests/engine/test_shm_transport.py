@@ -216,8 +216,9 @@ def test_a_long_tick_stream_keeps_every_message_and_count_intact():
     arrive intact and in order. (A count read half-written, which struct's standard-size "<q" made
     possible, hung a 300k-message run of this traffic within 15k-75k messages; at this length the
     test does not catch it reliably, so it claims only the stream's integrity.)"""
-    with LocalRanks(_tick_stream, range(2), (local_init_method(), 40_000)) as ranks:
-        ranks.join(120)
+    messages = int(os.environ.get("SPD_SHM_STREAM_MESSAGES", "40000"))  # longer runs: set it higher
+    with LocalRanks(_tick_stream, range(2), (local_init_method(), messages)) as ranks:
+        ranks.join(120 + messages / 1000)
         assert ranks.result(0) == "ok"
 
 
