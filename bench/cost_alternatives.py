@@ -43,6 +43,13 @@ def pp_token_ms(profile: Profile, stage_ms: list[float], link_of, head_ms: float
     return sum(stage_ms) + head_ms + hops
 
 
+def vocab_parallel_head_ms(profile: Profile, g: int, link: LinkModel, notes: list[str]) -> float:
+    """The head of a stage over g TP ranks (each holds 1/g of the vocabulary's rows, docs/design.md
+    3.9): verify_ms / g, then one 8-byte all-reduce to pick the argmax across the shards."""
+    note(notes, "ASSUMPTION: TP head = verify_ms / g (vocab-parallel) + one 8-byte all-reduce for the argmax")
+    return profile.verify_ms / g + link.allreduce_ms(g, 8, notes)
+
+
 def tp_token_ms(profile: Profile, g: int, link: LinkModel, notes: list[str]) -> tuple[float, float]:
     """Tensor parallel over g devices at batch 1, as the runtime runs it (engine/tp_model.py): 1/g
     shards, two all-reduces of [1, H] per layer and one for the vocab-parallel embedding, a

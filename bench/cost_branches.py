@@ -10,6 +10,10 @@ every stage step costs `stage_ms * (1 + f * (cost_W - 1))` on average; the drive
 over every chain (engine/driver.py `_chain_pass`) is priced the same way
 (`pdm * (1 + f * (cost_W - 1))`: its rows grow as a stage step's do); the tick is the steady
 critical cycle of the cost model (bench/cost_model_spd.py) and tokens/s = EAL / (n * tick).
+With verification on the last stage (`verify_on_last`: bench/cost_model_spd.py verifies_on_last
+of the run's --verify-at and layout) a one-token exit is verified there, but a branch point's
+chains message is verified by the driver (docs/design.md 3.5): the driver verifies a share f of
+the exits, the last stage the rest.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ def read_branch_report(report: dict, policy: str, group: str = "overall") -> dic
 
 
 def branch_rows(profile: Profile, link_of, n: int, colocate: bool, measured: dict[int, tuple[float, float]],
-                width_cost: dict[int, float], notes: list[str]) -> list[dict]:
+                width_cost: dict[int, float], notes: list[str], verify_on_last: bool = True) -> list[dict]:
     """One predicted row per W."""
     base = list(profile.stage_ms[n]) if n in profile.stage_ms else \
         stage_times(profile, default_stage_layers(profile.num_layers, n))
@@ -50,7 +54,7 @@ def branch_rows(profile: Profile, link_of, n: int, colocate: bool, measured: dic
         stage = [c * (1 + f * (cost - 1)) for c in base]
         pdm = profile.driver_work_for(n, notes) * (1 + f * (cost - 1))
         case = build_spd_case(stage, pdm, profile.verify_ms, 1.0, colocate, profile.hidden, profile.dtype_bytes,
-                              profile.anchors, link_of)
+                              profile.anchors, link_of, verify_on_last=verify_on_last, driver_verify_share=f)
         tick = max(spd_cycles(case).values())
         rows.append({"W": w, "eal": eal, "tokens_per_step": per_step, "width_cost": cost, "tick_ms": tick,
                      "tok_s": 1e3 * eal / (n * tick), "predicted": True})

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spd_engine.bench.cost_alternatives import ar_token_ms, pp_token_ms, tp_reduce_ms, tp_shard_layer_ms, tp_token_ms
+from spd_engine.bench.cost_alternatives import (ar_token_ms, pp_token_ms, tp_reduce_ms, tp_shard_layer_ms, tp_token_ms,
+                                                vocab_parallel_head_ms)
 from spd_engine.bench.cost_inputs import AlphaCurve, LinkModel, Profile, note
-from spd_engine.bench.cost_model_spd import build_spd_case, predict_spd
+from spd_engine.bench.cost_model_spd import build_spd_case, predict_spd, verifies_on_last
 from spd_engine.bench.cost_partitions import balanced_partition, stage_times
 from spd_engine.engine.topology import default_stage_layers
 
@@ -37,9 +38,13 @@ class Links:
 
 
 def _spd_row(profile: Profile, stage_ms: list[float], counts: list[int] | None, n: int, alpha: float,
-             colocate: bool, link_of, label: str, devices: int, notes: list[str], sim_tokens: int, seed: int) -> dict:
-    case = build_spd_case(stage_ms, profile.driver_work_for(n, notes), profile.verify_ms, alpha, colocate,
-                          profile.hidden, profile.dtype_bytes, profile.anchors, link_of)
+             colocate: bool, link_of, label: str, devices: int, notes: list[str], sim_tokens: int, seed: int,
+             verify_at: str, verify_ms: float | None = None) -> dict:
+    """One SPD row; `verify_ms`: the head's time where it runs (default the profile's)."""
+    verify = profile.verify_ms if verify_ms is None else verify_ms
+    case = build_spd_case(stage_ms, profile.driver_work_for(n, notes), verify, alpha, colocate,
+                          profile.hidden, profile.dtype_bytes, profile.anchors, link_of,
+                          verify_on_last=verifies_on_last(verify_at, colocate))
     pred = predict_spd(case, sim_tokens, seed)
     return {"method": "spd", "n": n, "devices": devices, "layout": "coloc" if colocate else "sep",
             "partition": label, "stage_layers": counts, "stage_ms": [round(c, 4) for c in stage_ms],
@@ -47,9 +52,11 @@ def _spd_row(profile: Profile, stage_ms: list[float], counts: list[int] | None, 
 
 
 def plan(profile: Profile, links: Links, alpha: AlphaCurve, ns: list[int], sim_tokens: int = 1000,
-         seed: int = 0) -> dict:
+         seed: int = 0, verify_at: str = "auto") -> dict:
     """Predictions for SPD (separate / co-located driver, even / balanced split), PP, TP and
-    TP x SPD hybrids at every n, with the best method per device count."""
+    TP x SPD hybrids at every n, with the best method per device count. `verify_at`: where SPD
+    rows verify at T=0, as the runtime's --verify-at (bench/cost_model_spd.py verifies_on_last)."""
+    verifies_on_last(verify_at, False)  # a bad choice fails here, before any row
     notes: list[str] = []
     if links.intra.assumed or (links.inter is not None and links.inter.assumed):
         note(notes, "ASSUMPTION: some link numbers are assumed, not measured (see links)")
@@ -64,30 +71,42 @@ def plan(profile: Profile, links: Links, alpha: AlphaCurve, ns: list[int], sim_t
             link_of = links.of_devices  # devices: driver 0, stage p on p (co-located) or p + 1
             if n in profile.stage_ms:
                 rows.append(_spd_row(profile, list(profile.stage_ms[n]), None, n, a, colocate, link_of,
-                                     "measured", devices, notes, sim_tokens, seed))
+                                     "measured", devices, notes, sim_tokens, seed, verify_at))
                 continue
             even = default_stage_layers(profile.num_layers, n)
-            driver = profile.driver_work_for(n, notes) + profile.verify_ms
-            extra = [driver if (colocate and p == 0) else 0.0 for p in range(n)]
+            extra = _stage_extra_ms(profile, n, colocate, verifies_on_last(verify_at, colocate), notes)
             bal = balanced_partition(profile.layer_ms, n, extra)
             worst = lambda counts: max(t + e for t, e in zip(stage_times(profile, counts), extra))  # noqa: E731
             for label, counts in (("even", even), ("balanced", bal)):
                 if label == "balanced" and worst(bal) >= worst(even) - 1e-9:
                     continue  # no better than the default split
                 rows.append(_spd_row(profile, stage_times(profile, counts), counts, n, a, colocate, link_of,
-                                     label, devices, notes, sim_tokens, seed))
+                                     label, devices, notes, sim_tokens, seed, verify_at))
         rows.append(_pp_row(profile, n, links))
         spans = links.gpus_per_node is not None and n > links.gpus_per_node and links.inter is not None
         tp, comm = tp_token_ms(profile, n, links.inter if spans else links.intra, notes)
         rows.append({"method": "tp", "n": n, "devices": n, "layout": "across nodes" if spans else "one node",
                      "partition": "-", "token_ms": tp, "tok_s": 1e3 / tp, "comm_ms": comm})
-        rows.extend(_hybrid_rows(profile, links, n, alpha, notes, sim_tokens, seed))
+        rows.extend(_hybrid_rows(profile, links, n, alpha, notes, sim_tokens, seed, verify_at))
     for r in rows:
         r["speedup_vs_ar"] = ar_ms / r["token_ms"]
     return {"profile": profile.name, "ar_token_ms": ar_ms, "ar_tok_s": 1e3 / ar_ms, "rows": rows,
+            "verify_at": verify_at,
             "best_by_devices": _best_by_devices(rows), "notes": notes,
             "links": {"intra": _link_label(links.intra), "inter": links.inter and _link_label(links.inter),
                       "gpus_per_node": links.gpus_per_node}}
+
+
+def _stage_extra_ms(profile: Profile, n: int, colocate: bool, verify_on_last: bool, notes: list[str]) -> list[float]:
+    """Per-stage work besides the stage's layers, what a balanced split evens out: the driver's
+    on stage 0's device when co-located (PDM and host work, + the head where the driver
+    verifies), the head on the last stage where it verifies."""
+    extra = [0.0] * n
+    if colocate:
+        extra[0] = profile.driver_work_for(n, notes) + (0.0 if verify_on_last else profile.verify_ms)
+    if verify_on_last:
+        extra[-1] += profile.verify_ms
+    return extra
 
 
 def _pp_row(profile: Profile, n: int, links: Links) -> dict:
@@ -112,9 +131,10 @@ def _link_label(link: LinkModel) -> str:
 
 
 def _hybrid_rows(profile: Profile, links: Links, n: int, alpha: AlphaCurve, notes: list[str], sim_tokens: int,
-                 seed: int) -> list[dict]:
+                 seed: int, verify_at: str) -> list[dict]:
     """g-way TP inside a node, s = n / g SPD stages across nodes (stage group p on node p);
-    acceptance is that of an s-stage pipeline."""
+    acceptance is that of an s-stage pipeline. A verifying last stage group runs the head
+    vocab-parallel over its g ranks (docs/design.md 3.9); the driver's head is unsharded."""
     rows = []
     for g in (2, 4, 8, 16):
         s = n // g
@@ -125,8 +145,10 @@ def _hybrid_rows(profile: Profile, links: Links, n: int, alpha: AlphaCurve, note
         counts = default_stage_layers(profile.num_layers, s)
         stage_ms = stage_times(profile, counts, shard, per_layer_ar)
         for colocate in (False, True):
+            head = vocab_parallel_head_ms(profile, g, links.intra, notes) if verifies_on_last(verify_at, colocate) \
+                else profile.verify_ms
             row = _spd_row(profile, stage_ms, counts, s, alpha(s, notes), colocate, _group_links(links, colocate),
-                           "even", g * s + (0 if colocate else 1), notes, sim_tokens, seed)
+                           "even", g * s + (0 if colocate else 1), notes, sim_tokens, seed, verify_at, head)
             row.update(method=f"tp{g}xspd", n=n, spd_stages=s, tp=g)
             rows.append(row)
     return rows

@@ -6,16 +6,23 @@ SPD is a timed event graph (docs/design.md 3.3). Stage p starts token e when its
 finished token e-1; the driver at tick t starts the PDM when it has posted the previous token
 and the anchors of tick t-1 that its rows need have arrived, then verifies the exit of the
 oldest token (in series: the next token for stage 0 is known only after verification) and
-sends the next token. `simulate_spd` evaluates these max-plus recurrences tick by tick on the
-engine's tick protocol (engine/tick.py) with seeded accept draws (rejections refill the
+sends the next token. Where T=0 verification's head runs (`verify_on_last`, from the runtime's
+`--verify-at` by `verifies_on_last`, docs/design.md 3.5): on the last stage (n >= 2), it is part of
+that stage's work on every token step (stale ones too: the stage cannot tell), and the driver's
+"verification" is an integer compare, priced as nothing; on the driver, the driver pays it on
+every tick that verifies. `simulate_spd` evaluates these max-plus recurrences tick by tick on
+the engine's tick protocol (engine/tick.py) with seeded accept draws (rejections refill the
 pipeline for n-1 ticks without verification). With every draft accepted the tick converges
-to the largest cycle mean, `spd_cycles`:
-  stage p:            read its input + c_p + its send posts
-  driver:             PDM + verify + posts + reads       (co-located: + c_0)
-  verify loop:        (h_tok + sum c + (n-1) h_act + h_exit + verify) / n
-  anchor loop via p:  (h_tok + c_0..c_p + p h_act + h_anchor + PDM + verify) / (p + 2)
-(plus the per-message post and read costs on each path). The first-order rule "tick =
-max(slowest stage, driver work)" is the first two lines; the loops add the hop latencies.
+to the largest cycle mean, `spd_cycles` (v = verify_ms; v_L = v on the last stage, else 0;
+v_D = v on the driver, else 0):
+  stage p:            read its input + c_p (+ v_L for the last) + its send posts
+  driver:             PDM + v_D + posts + reads       (co-located: + c_0)
+  verify loop:        (h_tok + sum c + (n-1) h_act + h_exit + v) / n
+  anchor loop via p:  (h_tok + c_0..c_p + p h_act + h_anchor + PDM + v_D) / (p + 2)
+(plus the per-message post and read costs on each path). The verify loop carries v wherever
+it runs: on the last stage it is before the exit hop, on the driver after it. The first-order
+rule "tick = max(slowest stage, driver work)" is the first two lines; the loops add the hop
+latencies.
 """
 from __future__ import annotations
 
@@ -27,6 +34,19 @@ from spd_engine.engine.schedule import eal, expected_eal
 from spd_engine.engine.tick import Draft, TickState, Verdict
 
 _DRAFT, _CORRECTION = 1, 2  # token ids that stand for a draft and a correction in the tick protocol
+# where SPD verifies at T=0: the runtime's RunConfig.verify_at choices (a number here so the cost
+# model needs no torch; tests check they agree)
+VERIFY_AT = ("auto", "last", "driver")
+
+
+def verifies_on_last(verify_at: str, colocate: bool) -> bool:
+    """Whether a configuration's last stage runs T=0 verification's head, by the runtime's rule
+    (RunConfig.verifies_on_last; n >= 2 is SpdCase's): "last", or "auto" when the driver shares
+    rank 0 with stage 0 (its rank is then the busiest); "driver" and "auto" with a rank of its
+    own keep the head on the driver."""
+    if verify_at not in VERIFY_AT:
+        raise ValueError(f"verify_at must be one of {VERIFY_AT}, got {verify_at!r}")
+    return verify_at == "last" or (verify_at == "auto" and colocate)
 
 
 def eal_for_request(n: int, alpha: float, tokens: int) -> float:
@@ -57,10 +77,39 @@ class SpdCase:
     post_ms: float = 0.0  # a rank's busy time per posted send
     recv_ms: float = 0.0  # a rank's busy time per message it reads (and re-posting the receive)
     late_ms: float = 0.0  # a receive posted after its send was, from posting to completion (rendezvous)
+    verify_on_last: bool = True  # T=0 verification's head on the last stage (verifies_on_last), else the driver's
+    # with verify_on_last: the share of exits the driver still verifies with its own head (a branch
+    # point's chains: the last stage replies -1 for them, docs/design.md 3.5)
+    driver_verify_share: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.driver_verify_share <= 1.0:
+            raise ValueError(f"driver_verify_share must be in [0, 1], got {self.driver_verify_share}")
 
     @property
     def n(self) -> int:
         return len(self.stage_ms)
+
+    @property
+    def head_on_last(self) -> bool:
+        """Whether the last stage runs the head: the runtime's RunConfig.verifies_on_last (at n = 1
+        the last stage is stage 0 and the driver verifies)."""
+        return self.verify_on_last and self.n >= 2
+
+    @property
+    def last_head_ms(self) -> float:
+        """The last stage's head time per token step (0 where the driver verifies)."""
+        return self.verify_ms * (1.0 - self.driver_verify_share) if self.head_on_last else 0.0
+
+    @property
+    def driver_verify_ms(self) -> float:
+        """The driver's verification time per verifying tick (its integer compare counts as 0)."""
+        return self.verify_ms * self.driver_verify_share if self.head_on_last else self.verify_ms
+
+    @property
+    def stage_work_ms(self) -> tuple[float, ...]:
+        """Per-stage compute per token step, the last stage's head included where it verifies."""
+        return self.stage_ms[:-1] + (self.stage_ms[-1] + self.last_head_ms,)
 
 
 def _input_parts(p: int) -> int:
@@ -80,27 +129,32 @@ def spd_cycles(case: SpdCase) -> dict[str, float]:
     converges to the largest. Per tick the driver reads the anchors of stages first..n-2 in
     order, runs the PDM, then reads the exit and verifies (docs/design.md 3.3). A message the
     receiver finds waiting costs `late_ms` per tensor; on a loop the first tensor is awaited."""
-    c, n, po, rv, la = case.stage_ms, case.n, case.post_ms, case.recv_ms, case.late_ms
+    c, n, po, rv, la = case.stage_work_ms, case.n, case.post_ms, case.recv_ms, case.late_ms
     first = 1 if case.colocate else 0
     anchors, exits = MESSAGE_PARTS["anchors"], MESSAGE_PARTS["exit"]
+    v_d = case.driver_verify_ms
+    work = "PDM" if case.head_on_last and not case.driver_verify_share else "PDM + verify"
     out = {}
     for p in range(first, n):
-        out[f"stage {p} compute"] = rv + c[p] + (1 if p == n - 1 else 2) * po + _input_parts(p) * la
+        label = f"stage {p} compute" + (" (+ verify)" if p == n - 1 and case.head_on_last else "")
+        out[label] = rv + c[p] + (1 if p == n - 1 else 2) * po + _input_parts(p) * la
     reads = (n - first) * rv + ((n - 1 - first) * anchors + exits) * la  # anchors of stages first..n-2, the exit
     if case.colocate:
-        out["rank 0: stage 0 + driver (PDM + verify)"] = c[0] + po + reads + case.pdm_ms + case.verify_ms
+        out[f"rank 0: stage 0 + driver ({work})"] = c[0] + po + reads + case.pdm_ms + v_d
     else:
-        out["driver: PDM + verify"] = po + reads + case.pdm_ms + case.verify_ms
+        out[f"driver: {work}"] = po + reads + case.pdm_ms + v_d
     tok = 0.0 if case.colocate else case.hop_token_ms
     extra = sum(_input_parts(p) - 1 for p in range(first, n)) + exits - 1  # tensors behind an awaited first one
+    # the head is on this loop wherever it runs: c holds the last stage's share, v_d the driver's
     out["verify loop (token through all stages, verify, next token)"] = (
-        tok + sum(c) + sum(case.hop_act_ms) + case.hop_exit_ms + (n - first + 1) * rv + case.verify_ms
-        + extra * la) / n
+        tok + sum(c) + sum(case.hop_act_ms) + case.hop_exit_ms + (n - first + 1) * rv + v_d + extra * la) / n
     for p in range(first, n - 1):
         extra = sum(_input_parts(q) - 1 for q in range(first, p + 1)) + anchors - 1 \
             + (n - 2 - p) * anchors + exits  # awaited on the loop, then the messages found waiting
+        # the driver's verification is on this loop (PDM, read the exit, verify, send); a last
+        # stage's head is not: the exit it delays is the verify loop's
         delay = (tok + sum(c[:p + 1]) + sum(case.hop_act_ms[:p]) + (p + 1 - first) * rv + po
-                 + case.hop_anchor_ms[p] + (n - 1 - p) * rv + case.pdm_ms + rv + case.verify_ms + extra * la)
+                 + case.hop_anchor_ms[p] + (n - 1 - p) * rv + case.pdm_ms + rv + v_d + extra * la)
         out[f"anchor loop via stage {p}"] = delay / (p + 2)
     return out
 
@@ -112,7 +166,7 @@ def simulate_spd(case: SpdCase, decode_tokens: int = 1000, seed: int = 0) -> dic
     driver reads each stage's messages in FIFO order, paying `recv_ms` per message (and
     `late_ms` per tensor that was waiting), stale ones included, exactly when a later message
     of that stage is needed."""
-    n, c, po, rv, la = case.n, case.stage_ms, case.post_ms, case.recv_ms, case.late_ms
+    n, c, po, rv, la = case.n, case.stage_work_ms, case.post_ms, case.recv_ms, case.late_ms
     rng = random.Random(seed)
     first = 1 if case.colocate else 0
     state = TickState(n, 0, _DRAFT, anchor_stages=range(first, n - 1))
@@ -149,7 +203,7 @@ def simulate_spd(case: SpdCase, decode_tokens: int = 1000, seed: int = 0) -> dic
         done = ready + case.pdm_ms
         verdict = None
         if tick.exit is not None:
-            done = consume(n - 1, tick.exit.tick, done) + case.verify_ms
+            done = consume(n - 1, tick.exit.tick, done) + case.driver_verify_ms  # a verifying last stage: in c
             verdict = Verdict(True, _DRAFT) if rng.random() < case.alpha else Verdict(False, _CORRECTION)
         state.advance([Draft(tick.draft_pos, _DRAFT)], verdict)
         if state.committed - 1 == decode_tokens:  # the first token came from the prefill
@@ -159,9 +213,11 @@ def simulate_spd(case: SpdCase, decode_tokens: int = 1000, seed: int = 0) -> dic
 
 
 def build_spd_case(stage_ms: list[float], pdm_ms: float, verify_ms: float, alpha: float, colocate: bool,
-                   hidden: int, dtype_bytes: int, anchors: int, link_of) -> SpdCase:
+                   hidden: int, dtype_bytes: int, anchors: int, link_of, *, verify_on_last: bool = True,
+                   driver_verify_share: float = 0.0) -> SpdCase:
     """`link_of(a, b)` gives the LinkModel between devices a and b (driver = device 0;
-    stage p is device p+1, or device p when co-located)."""
+    stage p is device p+1, or device p when co-located). `stage_ms` excludes the head: with
+    `verify_on_last` the case adds `verify_ms` to the last stage (SpdCase)."""
     n = len(stage_ms)
     sizes = message_bytes(hidden, dtype_bytes, anchors)
     dev = (lambda p: p) if colocate else (lambda p: p + 1)
@@ -175,7 +231,7 @@ def build_spd_case(stage_ms: list[float], pdm_ms: float, verify_ms: float, alpha
         recv_ms=max(link_of(0, dev(p)).read_ms for p in range(n)),
         # the runtime's transport posts each link's next decode frame as soon as one arrives
         # (engine/transport.py), so no decode-tick message meets a late receive
-        late_ms=0.0)
+        late_ms=0.0, verify_on_last=verify_on_last, driver_verify_share=driver_verify_share)
 
 
 def predict_spd(case: SpdCase, decode_tokens: int = 1000, seed: int = 0) -> dict:
@@ -185,11 +241,11 @@ def predict_spd(case: SpdCase, decode_tokens: int = 1000, seed: int = 0) -> dict
     critical = max(cycles, key=cycles.get)
     eal = expected_eal(case.n, case.alpha)
     token_ms = case.n * sim["tick_ms"] / eal
-    driver = case.pdm_ms + case.verify_ms
+    driver, slowest = case.pdm_ms + case.driver_verify_ms, max(case.stage_work_ms)
     return {"tick_ms": sim["tick_ms"], "steady_tick_ms": cycles[critical], "critical": critical,
             "eal": eal, "token_ms": token_ms, "tok_s": 1e3 / token_ms,
-            "slowest_stage_ms": max(case.stage_ms), "driver_ms": driver,
-            "driver_slack_ms": max(case.stage_ms) - driver}
+            "slowest_stage_ms": slowest, "driver_ms": driver, "driver_slack_ms": slowest - driver,
+            "verify_at": "last" if case.head_on_last else "driver"}
 
 
 def predict_replay(replay: dict, link: LinkModel, profiled: bool) -> dict:
@@ -197,14 +253,15 @@ def predict_replay(replay: dict, link: LinkModel, profiled: bool) -> dict:
     a separate netbench run. profiled=False uses the configured compute times; profiled=True
     uses the compute durations the replay measured (what a profile of the stages would give).
     The simulation draws the same seeded accept sequence as the replay, so it must land on the
-    same tick count: only timing is predicted, not luck."""
+    same tick count: only timing is predicted, not luck. The replay's driver sleeps the verify
+    time itself (its stages hold no head), so the case verifies on the driver."""
     stage_ms = replay["stage_compute_ms_measured"] if profiled else replay["stage_ms"]
     pdm = replay["pdm_ms_measured"] if profiled else replay["pdm_ms"]
     verify = replay["verify_ms_measured"] if profiled else replay["verify_ms"]
     if profiled and any(c is None for c in stage_ms):
         raise ValueError("replay result lacks measured stage compute times")
     case = build_spd_case(list(stage_ms), pdm, verify, replay["alpha"], replay["colocate"], replay["hidden"],
-                          replay["dtype_bytes"], replay["anchors"], lambda a, b: link)
+                          replay["dtype_bytes"], replay["anchors"], lambda a, b: link, verify_on_last=False)
     sim = simulate_spd(case, replay["tokens"] - 1, replay["seed"])
     assert sim["ticks"] == replay["ticks"], f"model ticks {sim['ticks']} != replay ticks {replay['ticks']}"
     cycles = spd_cycles(case)

@@ -64,23 +64,27 @@ def _driver_ticks(trace: dict) -> tuple[dict[int, dict[str, float]], dict[int, f
 
 
 def residual_per_tick_ms(trace: dict) -> list[float]:
-    """A co-located request's residual per decode tick (ms): the tick's span less stage 0's compute
-    in it and the driver's PDM and verify, i.e. what the tick spends beyond the work that has to
-    run on the driver's rank (the transport, the bookkeeping, the reads: docs/benchmarks.md)."""
+    """A co-located request's residual per decode tick (ms): the tick's span less the busiest rank's
+    work in it, i.e. what the tick spends beyond compute (the transport, the bookkeeping, the
+    reads: docs/benchmarks.md). The driver's rank works stage 0's compute (inline) and the
+    driver's PDM and verify; every other stage's rank its compute (a last stage that verifies:
+    its head too). Compute is clipped to the tick's window; the ranks share one clock
+    (perf_counter is the host's monotonic clock)."""
     by_tick, spans, start = _driver_ticks(trace)
-    compute = sorted((c0, 1e3 * (c1 - c0)) for _, c0, c1 in trace["stages"][0])  # stage 0 ran inline
-    out, i = [], 0
+    computes = [sorted((c0, c1) for _, c0, c1 in steps) for steps in trace["stages"]]
+    out = []
     for t in sorted(spans):
-        end = start[t] + spans[t] / 1e3
-        while i < len(compute) and compute[i][0] < start[t]:
-            i += 1
-        inside = 0.0
-        while i < len(compute) and compute[i][0] < end:
-            inside += compute[i][1]
-            i += 1
+        a, b = start[t], start[t] + spans[t] / 1e3
+        inside = [_overlap_ms(c, a, b) for c in computes]
         parts = by_tick[t]
-        out.append(spans[t] - inside - parts.get("pdm", 0.0) - parts.get("verify", 0.0))
+        rank0 = inside[0] + parts.get("pdm", 0.0) + parts.get("verify", 0.0)
+        out.append(spans[t] - max([rank0] + inside[1:]))
     return out
+
+
+def _overlap_ms(intervals: list[tuple[float, float]], a: float, b: float) -> float:
+    """ms of the sorted (start, end) intervals (s) inside [a, b)."""
+    return 1e3 * sum(max(0.0, min(c1, b) - max(c0, a)) for c0, c1 in intervals if c0 < b and c1 > a)
 
 
 def driver_tick_ms(traces: list[dict]) -> dict[str, float]:
@@ -113,16 +117,29 @@ def choose_spd_row(report: dict, cores: int | None) -> dict:
     return col if col is not None else sep
 
 
+def last_stage_verify_ms(row: dict, n: int, driver_verify_ms: float) -> float | None:
+    """The last stage's mean head time per token step when it ran T=0 verification's head
+    (--verify-at last: `stage{n-1}_verify_ms` of the row's breakdown, engine/metrics.py), else
+    None. A last stage that was asked to verify but replied -1 (T > 0) reports a few
+    microseconds while the driver verified, so the head is where the larger time is."""
+    ms = row.get("breakdown_ms_per_tick", {}).get(f"stage{n - 1}_verify_ms")
+    return ms if ms is not None and ms > driver_verify_ms else None
+
+
 def profile_from_bench(report: dict, ecfg: RunConfig, cores: int | None, host: str = "") -> dict:
     """spd-profile/1 from a same-run bench report (needs the ar row and a traced spd row).
 
-    stage_ms[n] = per-stage mean compute; pp_stage_ms[n] = the same from a traced pp row (its last
-    stage's includes the head; stages that idle between tokens, as pp's do, can compute slower
-    than SPD's busy ones); pdm_ms[n] and verify_ms = the driver's means;
-    driver_fixed_ms = the driver's untimed per-tick work (co-located: plus stage 0's step
-    overhead beyond its compute: the driver's send and inline stage0 step minus stage 0's compute); layer_ms = (AR decode ms
-    per token - verify_ms) / L, so the model's AR time (layers + verify) is the measured one
-    (the embedding and the AR loop's host work are spread over the layers)."""
+    stage_ms[n] = per-stage mean compute without the head; pp_stage_ms[n] = the same from a traced
+    pp row (its last stage's includes the head; stages that idle between tokens, as pp's do, can
+    compute slower than SPD's busy ones); pdm_ms[n] = the driver's mean; verify_ms = the head's
+    time where it ran: the driver's mean verification, or, when the last stage verified
+    (source.verify_at "last"), its mean head time, which is then taken out of its stage_ms (the
+    cost model adds it back where the plan says the head runs) and the driver's remaining
+    compare counts as its host work; driver_fixed_ms = the driver's untimed per-tick work
+    (co-located: plus stage 0's step overhead beyond its compute: the driver's send and inline
+    stage0 step minus stage 0's compute); layer_ms = (AR decode ms per token - verify_ms) / L, so
+    the model's AR time (layers + verify) is the measured one (the embedding and the AR loop's
+    host work are spread over the layers)."""
     rows = {r["name"]: r for r in report["rows"]}
     if "ar" not in rows:
         raise ValueError("profile: the bench report has no ar row")
@@ -133,20 +150,27 @@ def profile_from_bench(report: dict, ecfg: RunConfig, cores: int | None, host: s
     n, L = len(stages), ecfg.cfg.num_layers
     assert n == ecfg.topology.n, (n, ecfg.topology.n)
     fixed = drv["other"] + (max(0.0, drv["send"] + drv["stage0"] - stages[0]) if row["colocate"] else 0.0)
+    on_last = last_stage_verify_ms(row, n, drv["verify"])
+    verify = drv["verify"] if on_last is None else on_last
+    if on_last is not None:
+        stages[-1] = max(0.0, stages[-1] - on_last)  # the model adds the head back on the last stage
+        fixed += drv["verify"]  # the driver's compare of the stage's token: host work, not a head
     ar_ms = rows["ar"]["tick_ms"]
     plan = AnchorPlan.build(stage_bounds(list(ecfg.topology.stage_layers)), ecfg.anchors)
     out = {
         "schema": SCHEMA, "name": f"{_short(ecfg.model)}-n{n}-{ecfg.device}",
-        "num_layers": L, "layer_ms": max(0.0, ar_ms - drv["verify"]) / L,
-        "pdm_ms": {str(n): drv["pdm"]}, "verify_ms": drv["verify"], "driver_fixed_ms": fixed,
+        "num_layers": L, "layer_ms": max(0.0, ar_ms - verify) / L,
+        "pdm_ms": {str(n): drv["pdm"]}, "verify_ms": verify, "driver_fixed_ms": fixed,
         "hidden_size": ecfg.cfg.hidden_size, "dtype_bytes": DTYPES[ecfg.dtype].itemsize,
         "anchors_per_stage": max(1, max(len(plan.anchors_of_stage(s)) for s in range(n))),
         "stage_ms": {str(n): stages},
         "source": {"from": "spd bench", "model": ecfg.model, "head": ecfg.pdm, "device": ecfg.device,
                    "dtype": ecfg.dtype, "threads_per_rank": row["threads_per_rank"], "spd_row": row["name"],
                    "ranks": row["world_size"], "stage_layers": list(ecfg.topology.stage_layers),
+                   "verify_at": "driver" if on_last is None else "last",
                    "synthetic_alpha": report.get("synthetic_alpha"), "alpha_measured": row["alpha"], "host": host},
-        "measured": {"ar_token_ms": ar_ms, "driver_ms_per_tick": drv, "spd_tick_ms": row["tick_ms"]},
+        "measured": {"ar_token_ms": ar_ms, "driver_ms_per_tick": drv, "spd_tick_ms": row["tick_ms"],
+                     "last_stage_verify_ms": on_last},
     }
     if "pp" in report["request_traces"]:  # a traced pp row: its own stage times (bench/validate_runtime.py)
         out["pp_stage_ms"] = {str(n): stage_compute_ms(report["request_traces"]["pp"])}

@@ -5,6 +5,8 @@ separate runs, compared with an independent measurement.
    `spd-profile/1` (bench/profile.py) and the measured acceptance alpha;
 2. netbench run: P2P at the runtime's message sizes between n + 1 local ranks -> link model;
 3. measurement run: the same `spd bench` again, in fresh processes.
+The SPD runs verify where `ValidationSettings.verify_at` says (RunConfig.verify_at), and the
+model prices the SPD rows the same way (bench/cost_model.py `plan`'s verify_at).
 The cost model (bench/cost_model.py `plan`) predicts from 1 + 2 the decode tok/s and the time
 per tick of ar, pp and SPD (co-located and separate driver) at this n, and these are compared
 with 3. This repeats for a few rounds and medians over rounds are compared: on a shared host
@@ -25,7 +27,7 @@ from spd_engine.bench.cost_model import Links, plan
 from spd_engine.bench.cost_model_spd import eal_for_request
 from spd_engine.bench.profile import profile_from_bench
 from spd_engine.bench.speed import BenchCase, bench
-from spd_engine.engine.run_config import RunConfig
+from spd_engine.engine.run_config import VERIFY_AT, RunConfig
 from spd_engine.engine.messages import HEADER_LEN
 
 CONFIGS = ("ar", "pp", "spd-colocate", "spd")
@@ -50,10 +52,13 @@ class ValidationSettings:
     # which hops price the runs, and so what the runs use: "p2p" raw gloo P2P (runs on gloo), "gloo"
     # the gloo frame transport's own rows (runs on gloo), "shm" the shared-memory rings' (runs on shm)
     link: str = "p2p"
+    verify_at: str = "auto"  # where the SPD runs verify at T=0 (RunConfig.verify_at), and so how they are priced
 
     def __post_init__(self) -> None:
         if self.link not in ("p2p", "gloo", "shm"):
             raise ValueError(f"validation link must be p2p, gloo or shm, got {self.link!r}")
+        if self.verify_at not in VERIFY_AT:
+            raise ValueError(f"validation verify_at must be one of {VERIFY_AT}, got {self.verify_at!r}")
 
     @property
     def transport(self) -> str:
@@ -61,11 +66,11 @@ class ValidationSettings:
         return "shm" if self.link == "shm" else "gloo"
 
 
-def bench_cases(ecfg: RunConfig, configs: Sequence[str] = CONFIGS, tp: int = 1, transport: str = "gloo"
-                ) -> list[BenchCase]:
+def bench_cases(ecfg: RunConfig, configs: Sequence[str] = CONFIGS, tp: int = 1, transport: str = "gloo",
+                verify_at: str = "auto") -> list[BenchCase]:
     """ar on one rank, pp on n (traced), SPD co-located on n and with a separate driver on n + 1 (traced),
-    and with "tp" --mode tp on `tp` ranks; `configs` picks a subset (ar, the reference and the source
-    of layer_ms, always runs)."""
+    both verifying at `verify_at`, and with "tp" --mode tp on `tp` ranks; `configs` picks a subset (ar,
+    the reference and the source of layer_ms, always runs)."""
     bad = set(configs) - set(CONFIGS) - {TP_CONFIG}
     if bad or not {"spd", "spd-colocate"} & set(configs):
         raise ValueError(f"validation configs must be among {CONFIGS + (TP_CONFIG,)} and include an SPD run, "
@@ -75,7 +80,7 @@ def bench_cases(ecfg: RunConfig, configs: Sequence[str] = CONFIGS, tp: int = 1, 
     topo = dataclasses.replace(ecfg.topology, tp=1)
     # the transport whose rows the netbench run measures (the link model's input): gloo for its P2P
     # or frame rows, shm for the rings' rows
-    ecfg = ecfg.replace(topology=topo, transport=transport)
+    ecfg = ecfg.replace(topology=topo, transport=transport, verify_at=verify_at)  # verify_at: SPD's only
     one = dataclasses.replace(topo, stage_layers=(topo.num_layers,), colocate=False)
     every = {"ar": BenchCase("ar", ecfg.replace(mode="ar", topology=one)),
              "pp": BenchCase("pp", ecfg.replace(mode="pp", topology=dataclasses.replace(topo, colocate=True),
@@ -112,13 +117,15 @@ def run_netbench(ecfg: RunConfig, anchors: int, s: ValidationSettings, allreduce
     return launch_local(netbench_rank, cfg, world, "gloo", s.timeout_s, 600 + 10 * s.timeout_s)
 
 
-def predict(profile: dict, link: LinkModel, alpha: float, n: int, tokens: int | None = None, tp: int = 1
-            ) -> dict[str, dict]:
+def predict(profile: dict, link: LinkModel, alpha: float, n: int, tokens: int | None = None, tp: int = 1,
+            verify_at: str = "auto") -> dict[str, dict]:
     """Cost-model predictions per bench config: ms per tick (pp/ar/tp: per token), decode tok/s.
     `tokens`: the bench's tokens per request; SPD's tok/s then uses that request length's EAL
     (its initial fill included, `eal_for_request`) rather than the steady-state one. tp > 1: the
-    plan's TP row on tp devices (its shard time from the profile's tp_layer_ms)."""
-    result = plan(Profile.from_dict(profile), Links(link), AlphaCurve({0: alpha}), [n], sim_tokens=2000)
+    plan's TP row on tp devices (its shard time from the profile's tp_layer_ms). `verify_at`: where
+    the SPD runs verified, RunConfig.verify_at (a profile's stage times exclude the head either way)."""
+    result = plan(Profile.from_dict(profile), Links(link), AlphaCurve({0: alpha}), [n], sim_tokens=2000,
+                  verify_at=verify_at)
     rows = [r for r in result["rows"] if r["n"] == n]
     pick = lambda method, layout: next(r for r in rows if r["method"] == method and r["layout"] == layout)  # noqa: E731
     out = {"ar": {"tick_ms": result["ar_token_ms"], "tok_s": result["ar_tok_s"], "critical": "-"}}
@@ -195,7 +202,7 @@ def run_round(ecfg: RunConfig, prompts: Sequence[list[int]], s: ValidationSettin
               progress: Progress) -> dict:
     """Profile run, netbench run, measurement run (fresh processes each); the predictions from
     the first two and the measurements of the third."""
-    cores, cases = os.cpu_count(), bench_cases(ecfg, s.configs, s.tp, s.transport)
+    cores, cases = os.cpu_count(), bench_cases(ecfg, s.configs, s.tp, s.transport, s.verify_at)
     tag = f"# round {k + 1}/{s.rounds}"
     progress(f"{tag}, 1/3 profile run: spd bench ({', '.join(c.name for c in cases)}) ...")
     first = bench(cases, prompts, s.max_new_tokens, (), s.repeats, s.synthetic_alpha, s.seed, progress)
@@ -234,19 +241,23 @@ def predict_round(rnd: dict, n: int, s: ValidationSettings) -> dict:
     (from its measurement run's own profile)."""
     link = LinkModel.from_netbench(rnd["netbench"], "netbench (this host)", s.latency_stat, s.link)
     own = rnd["measurement_profile"]
-    return {"predicted": predict(rnd["profile"], link, rnd["alpha"], n, s.max_new_tokens, s.tp),
-            "same_run": predict(own, link, own["source"]["alpha_measured"], n, s.max_new_tokens, s.tp)}
+    return {"predicted": predict(rnd["profile"], link, rnd["alpha"], n, s.max_new_tokens, s.tp, s.verify_at),
+            "same_run": predict(own, link, own["source"]["alpha_measured"], n, s.max_new_tokens, s.tp, s.verify_at)}
 
 
 def repredict(result: dict) -> dict:
     """A saved validation (`--json` of --validate-runtime) with every round predicted again by
     the current cost model from the same measured inputs; the measurements are unchanged."""
-    s = ValidationSettings(**{**result["settings"], "configs": tuple(result["settings"]["configs"])})
+    # files saved before verify_at existed were measured with the driver verifying (and their
+    # profiles' stage times exclude the head, as the model wants)
+    s = ValidationSettings(**{"verify_at": "driver", **result["settings"],
+                              "configs": tuple(result["settings"]["configs"])})
     rounds = [{**r, **predict_round(r, result["n"], s)} for r in result["rounds"]]
     cores = result.get("cores") or int(result["host"]["before"].split()[0])  # older files: from the load note
     rows = compare([r["predicted"] for r in rounds], [r["measured"] for r in rounds], s.tolerance, cores,
                    [r["same_run"] for r in rounds])
     return {**result, "rows": rows, "rounds": rounds, "cores": cores, "repredicted": True,
+            "settings": {**result["settings"], "verify_at": s.verify_at},
             "tp_diagnostic": tp_diagnostic(rounds)}
 
 
@@ -254,7 +265,7 @@ def validate(ecfg: RunConfig, prompts: Sequence[list[int]], s: ValidationSetting
              progress: Progress = lambda m: None) -> dict:
     """`rounds` rounds of profile run + netbench run + measurement run; medians over rounds of
     predictions and measurements are compared (they damp other jobs' load swings on a shared host)."""
-    bench_cases(ecfg, s.configs, s.tp, s.transport)  # bad configs fail before anything starts
+    bench_cases(ecfg, s.configs, s.tp, s.transport, s.verify_at)  # bad configs fail before anything starts
     load_before = load_note()
     rounds = [run_round(ecfg, prompts, s, k, progress) for k in range(s.rounds)]
     rows = compare([r["predicted"] for r in rounds], [r["measured"] for r in rounds], s.tolerance, os.cpu_count(),
@@ -268,6 +279,8 @@ def validate(ecfg: RunConfig, prompts: Sequence[list[int]], s: ValidationSetting
             "threads_per_rank": ecfg.threads_per_rank()}
 
 
+_VERIFY_LABELS = {"last": "last stage (--verify-at last)", "driver": "driver (--verify-at driver)",
+                  "auto": "last stage co-located, on the driver with a rank of its own (--verify-at auto)"}
 _LINK_LABELS = {"p2p": "raw gloo P2P, runs on gloo", "gloo": "the gloo frame transport, runs on gloo",
                 "shm": "the shared-memory rings, runs on shm"}
 
@@ -281,7 +294,8 @@ def format_validation(result: dict) -> str:
     lines = [f"# runtime validation: {result['model']}, n={result['n']}, {result['threads_per_rank']} thread(s) per "
              f"rank, {s['max_new_tokens']} tokens per prompt, {label}",
              f"# medians over {s['rounds']} rounds of: profile run + netbench run -> prediction; an independent "
-             f"bench run -> measurement; hops: {_LINK_LABELS[s.get('link', 'p2p')]}",
+             f"bench run -> measurement; hops: {_LINK_LABELS[s.get('link', 'p2p')]}; SPD verifies on the "
+             f"{_VERIFY_LABELS[s.get('verify_at', 'driver')]}",
              format_table(result["rows"], [
                  ("config", "config", ""), ("ranks", "ranks", ""), ("measured_tok_s", "meas tok/s", ".2f"),
                  ("spread", "rounds min-max", ""), ("predicted_tok_s", "pred tok/s", ".2f"),

@@ -28,7 +28,7 @@ import torch
 from spd_engine.engine.anchors import AnchorPlan
 from spd_engine.engine.drafting import PDM as PDM_SOURCE, SUFFIX
 from spd_engine.engine.greedy import check_request, prefill_chunks
-from spd_engine.engine.messages import Header, Kind
+from spd_engine.engine.messages import Header, Kind, sampling_payload
 from spd_engine.engine.metrics import GenerationResult
 from spd_engine.engine.model import StageModel
 from spd_engine.engine.graphs import PDMStep, VerifyStep
@@ -110,7 +110,7 @@ class Driver:
         p = next(head.parameters())
         H, m = head.cfg.hidden_size, plan.num_types
         self.device, self.dtype = p.device, p.dtype
-        self.wire = wire_format(topo, plan, H)
+        self.wire = wire_format(topo, plan, H, opts.verify_on_last)
         self._stage0_reports = int(self.wire.reports_to_driver(0))  # messages a stage 0 step counts as read
         self.num_slots = self.n + 2
         W = self.branching.width
@@ -301,6 +301,10 @@ class Driver:
         if self.trace is not None:
             self.trace.clear()
         try:
+            if self.wire.verify_on_last:  # the last stage verifies at T=0 only: it needs to know which
+                # (it never samples, so the seed, which may exceed int64, travels as 0)
+                self._send_stage0(Header(Kind.CONFIG), [sampling_payload(sampling.temperature, sampling.top_k,
+                                                                         sampling.top_p, 0)])
             t0 = time.perf_counter()
             first = self._sample_target(self._prefill(prompt), len(prompt))
             res.prefill_s = time.perf_counter() - t0
@@ -388,16 +392,17 @@ class Driver:
         # (its anchors are next tick's pending row), and on a CPU the read is then not the first
         # code to run after the PDM's weights went through the caches. When it has not arrived the
         # PDM runs first, as it must: it overlaps the wait.
-        exit_read = plan.exit is not None and self._recv_stage(
+        exit_hdr = plan.exit is not None and self._recv_stage(
             self.n - 1, Kind.TOKEN, plan.exit.pos, self._slot(plan.exit.pos), plan.exit.row, arrived_only=True)
         tp = time.perf_counter()
         drafts = self._drafts(plan)
         self._account("pdm", tp)
         if plan.exit is None:  # filling: no token leaves the pipeline this tick
             return drafts, None
-        if not exit_read:
-            self._recv_stage(self.n - 1, Kind.TOKEN, plan.exit.pos, self._slot(plan.exit.pos), plan.exit.row)
+        if not exit_hdr:
+            exit_hdr = self._recv_stage(self.n - 1, Kind.TOKEN, plan.exit.pos, self._slot(plan.exit.pos), plan.exit.row)
         tv = time.perf_counter()
+        reply = exit_hdr.reply if self.wire.verify_on_last else -1  # the last stage's argmax, when it verified
         pos, row = plan.verify_pos, plan.exit.row
         if plan.proposed is not None:
             at_branch = plan.proposed.pos == plan.branch
@@ -405,10 +410,10 @@ class Driver:
         else:  # n = 1: this tick's own draft (or candidates) is verified now
             tokens = tuple(d.token for d in drafts)
         if len(tokens) == 1:
-            accepted, target = self._verify_exit(pos, tokens[0], row)
+            accepted, target = self._verify_exit(pos, tokens[0], row, reply)
             chain = 0
         else:
-            index, target = self._verify_branch(pos, tokens, row)
+            index, target = self._verify_branch(pos, tokens, row, reply)
             accepted, chain = index is not None, index or 0
         self._account("verify", tv)
         src = self.req.source_of.pop(pos)
@@ -572,23 +577,29 @@ class Driver:
             req.cands[pos] = [Candidate(tok, q if i == 0 else None) for i, (tok, _) in enumerate(cands)]
         return [Draft(pos, tok, src) for tok, src in cands]
 
-    def _target_argmax(self, row: int) -> int | None:
-        """T=0 in the graph step modes: the final norm + head + argmax of exit_buf[row] as one static step."""
+    def _target_argmax(self, row: int, reply: int) -> int | None:
+        """T=0: the argmax of the target's logits from exit_buf[row], when it is known without the
+        logits: computed by the last stage (`reply` >= 0), or in the graph step modes by the final
+        norm + head + argmax as one static step."""
+        if reply >= 0:
+            assert self.req.sampling.greedy, "the last stage verifies at T=0 only"
+            return reply
         if self.verify_step is not None and self.req.sampling.greedy:
             return int(self.verify_step.run(self.exit_buf[row]))  # host sync: verification decides control flow
         return None
 
-    def _verify_exit(self, pos: int, proposed: int, row: int = 0) -> tuple[bool, int]:
-        """_verify on the exit hidden state in exit_buf[row] (the representative's row)."""
-        target = self._target_argmax(row)
+    def _verify_exit(self, pos: int, proposed: int, row: int = 0, reply: int = -1) -> tuple[bool, int]:
+        """_verify on the exit hidden state in exit_buf[row] (the representative's row); `reply`: the
+        last stage's argmax for `pos`, or -1."""
+        target = self._target_argmax(row, reply)
         if target is not None:
             return target == proposed, target
         return self._verify(self.head.logits(self.exit_buf[row]), pos, proposed)
 
-    def _verify_branch(self, pos: int, tokens: Sequence[int], row: int) -> tuple[int | None, int]:
+    def _verify_branch(self, pos: int, tokens: Sequence[int], row: int, reply: int = -1) -> tuple[int | None, int]:
         """(index of the surviving candidate or None, committed token) for a branch point at `pos`
         (engine/verify_multi.py: the argmax's candidate at T=0, recursive rejection sampling at T>0)."""
-        target = self._target_argmax(row)
+        target = self._target_argmax(row, reply)
         if target is not None:
             return verify_candidates_greedy(target, tokens)
         logits = self.head.logits(self.exit_buf[row])  # [V]

@@ -180,13 +180,15 @@ class _Bucketed:
 class StageStep(_Bucketed):
     """A stage's one-token decode step on static buffers: the token id [1, 1] (a stage with the
     embedding) or the hidden state [1, 1, H] comes in; the output hidden state [1, 1, H], the
-    captured anchor states and, with the head, the argmax token id [1] come out."""
+    captured anchor states and, with `head` (default: the model's), the argmax token id [1] come out."""
 
     def __init__(self, model: StageModel, cache: KVCache, graphs: bool = True, buckets: tuple[int, ...] | None = None,
-                 capture: frozenset[int] = frozenset()) -> None:
+                 capture: frozenset[int] = frozenset(), head: bool | None = None) -> None:
         p = next(model.parameters())
         super().__init__(p.device, cache.capacity, 1, graphs, buckets)
         self.model, self.cache, self.capture = model, cache, capture
+        self.head = model.has_head if head is None else head
+        assert model.has_head or not self.head
         self.h_in = torch.zeros(1, 1, model.cfg.hidden_size, device=p.device, dtype=p.dtype)  # [1, 1, H]
         self.tok_in = torch.zeros(1, 1, dtype=torch.long, device=p.device)  # [1, 1]
 
@@ -194,7 +196,7 @@ class StageStep(_Bucketed):
         def step():
             h = self.model.embed(self.tok_in) if self.model.has_embedding else self.h_in
             out, caps = static_forward(self.model, h, self.cache, self._slots(), length, self.capture)
-            token = self.model.logits(out[0, -1]).argmax().view(1) if self.model.has_head else None
+            token = self.model.logits(out[0, -1]).argmax().view(1) if self.head else None
             return out, caps, token
         return step
 

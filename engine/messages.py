@@ -13,7 +13,10 @@ are not exact there). Fields:
 - epoch: the driver's flush count when it sent the token; stale messages are recognised by it
 - token: TOKEN from the driver to stage 0: the token id entering the pipeline
 - length: PREFILL: tokens in the chunk; STATS: float64 values that follow
-- reply: a head stage's (pp/ar) token for the position after the message's last one
+- reply: a head stage's (pp/ar) token for the position after the message's last one; on an SPD
+  decode report from a last stage that verifies (WireFormat.verify_on_last), the target's argmax
+  for the position after the exiting token, or -1 where that stage did not compute it (T > 0,
+  the chains of a branch point)
 - rows: TOKEN: token rows the message carries; 1, or W when it carries the chains of a branch
   point (docs/design.md 3.11), which then follow the driver's header as int64 ids
 - branch: the branch point's position, on chain messages and on the message naming the survivor
@@ -106,11 +109,22 @@ class WireFormat:
     stage_anchors[s]: how many anchor states stage s sends the driver per token (0 for pp/ar);
     head_on_last: the last stage holds the head and replies with a token (pp/ar) instead of
     its exit hidden state (spd).
+    verify_on_last: SPD, the last stage holds the head too: its one-row decode reports carry the
+    exit hidden state as always and, at T=0, the target's argmax in the header's `reply`.
     """
 
     hidden: int
     stage_anchors: tuple[int, ...]
     head_on_last: bool = False
+    verify_on_last: bool = False
+
+    def __post_init__(self) -> None:
+        assert not (self.head_on_last and self.verify_on_last), "a head stage replies a token or verifies, not both"
+
+    @property
+    def head_on_last_stage(self) -> bool:
+        """Whether the last stage holds the final norm and LM head (pp/ar, or SPD verifying there)."""
+        return self.head_on_last or self.verify_on_last
 
     @property
     def n(self) -> int:

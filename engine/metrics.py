@@ -71,6 +71,8 @@ class GenerationResult:
             per[f"stage{i}_compute_ms"] = ms
             per[f"stage{i}_wait_ms"] = 1e3 * s.get("wait_s", 0.0) / msgs
             per[f"stage{i}_send_ms"] = 1e3 * s.get("send_s", 0.0) / msgs
+            if s.get("verify_s"):  # a last stage that verifies: its head and argmax, inside its compute
+                per[f"stage{i}_verify_ms"] = 1e3 * s["verify_s"] / msgs
             if s.get("tp_collectives"):  # TP rank 0: collectives per message and the time inside them
                 per[f"stage{i}_tp_collectives"] = s["tp_collectives"] / msgs
                 per[f"stage{i}_tp_collective_ms"] = 1e3 * s["tp_collective_s"] / msgs

@@ -36,13 +36,13 @@ def build_rank(ecfg: RunConfig, rank: int, transport: Transport, pdm=None, tp_gr
     topo = rank_topology(ecfg)
     spd = ecfg.mode == "spd"
     plan = ecfg.plan() if spd else None
-    wire = wire_format(topo, plan, ecfg.cfg.hidden_size)
+    wire = wire_format(topo, plan, ecfg.cfg.hidden_size, ecfg.verifies_on_last)
     transport.set_frames(link_frames(topo, wire, ecfg.torch_dtype.itemsize, ecfg.branches))
     place = topo.place_of_rank(rank)
     worker, driver_transport = None, transport
     if place is not None:
         stage, tp_rank = place
-        parts = dict(embedding=stage == 0, head=stage == topo.n - 1 and not spd)
+        parts = dict(embedding=stage == 0, head=stage == topo.n - 1 and wire.head_on_last_stage)
         if topo.tp > 1:
             assert tp_group is not None and tp_group.members == topo.stage_ranks(stage), (rank, tp_group)
             model = build_tp_stage_model(ecfg, topo.layers_of(stage), group=tp_group, **parts)

@@ -28,6 +28,7 @@ MODES = ("spd", "pp", "ar", "tp", "eagle")
 # P2P transports: gloo/NCCL (engine/transport.py DistTransport) or shared-memory rings between
 # the CPU ranks of one host (engine/shm_transport.py); auto: shm where it can run, else the backend
 TRANSPORTS = ("auto", "gloo", "shm")
+VERIFY_AT = ("auto", "last", "driver")  # RunConfig.verify_at
 # branch width of an SPD run that names none. W = 2 at refill lifts the shipped n=4 head's pooled
 # EAL from 2.03 to 2.16 on the dev prompts, but on the 2-core CPU host, where the ranks share the
 # cores, a tick then costs more than that buys (docs/benchmarks.md), and the H200 profiles
@@ -118,6 +119,10 @@ class RunConfig:
     branches: int | None = None
     branch_when: str = "refill"  # where a branch point may start (engine/branching.py WHEN)
     transport: str = "auto"  # TRANSPORTS: how ranks message each other (collectives stay on the backend)
+    # SPD at T=0: who computes the target's argmax of the token leaving the last stage, "last" (that
+    # stage, which then holds the head too), "driver", or "auto": last when the driver shares rank 0
+    # with stage 0 (its rank is the busiest), driver when it has a rank of its own (docs/design.md 3.5)
+    verify_at: str = "auto"
 
     def __post_init__(self) -> None:
         if self.stage_ms is not None and (len(self.stage_ms) != self.topology.n or min(self.stage_ms) < 0):
@@ -138,6 +143,8 @@ class RunConfig:
             raise ValueError(f"suffix PDM margin must be > 0, got {self.suffix_pdm_margin}")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
+        if self.verify_at not in VERIFY_AT:
+            raise ValueError(f"verify_at must be one of {VERIFY_AT}, got {self.verify_at!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.transport == "shm" and (self.backend != "gloo" or not self.device.startswith("cpu")):
@@ -179,6 +186,13 @@ class RunConfig:
             return 1  # one rank: the target and the draft head
         return dataclasses.replace(self.topology, colocate=True).world_size  # pp/tp/ar: n T stage ranks
 
+    @property
+    def verifies_on_last(self) -> bool:
+        """Whether the last stage holds the head and computes T=0 verification's argmax (SPD, n >= 2;
+        with n = 1 the last stage is the driver's own stage 0)."""
+        last = self.verify_at == "last" or (self.verify_at == "auto" and self.topology.colocate)
+        return self.mode == "spd" and self.topology.n >= 2 and last
+
     def resolved_step_mode(self) -> StepMode:
         """eager, static or graph: auto is graph on CUDA and eager elsewhere."""
         if self.step_mode != StepMode.AUTO:
@@ -192,7 +206,8 @@ class RunConfig:
         if stage is not None and self.topology.tp > 1:
             step_mode = StepMode.EAGER  # TP shards run eager steps: their collectives are not captured in graphs
         return RankOptions(self.capacity, self.prefill_chunk, self.timeout_s, self.trace,
-                           step_mode, min_step, self.chooser(), self.overlap_stage0, self.branch_policy())
+                           step_mode, min_step, self.chooser(), self.overlap_stage0, self.branch_policy(),
+                           self.verifies_on_last)
 
     def chooser(self) -> DraftChooser:
         """The draft sources of this run (engine/drafting.py)."""
@@ -233,6 +248,7 @@ class RankOptions:
     drafting: DraftChooser = DraftChooser()  # the driver's draft sources (PDM only by default)
     overlap_stage0: bool = False  # co-located: stage 0 steps on its own thread (engine/stage0_overlap.py)
     branches: BranchPolicy = BranchPolicy()  # branch width W and where branch points start
+    verify_on_last: bool = False  # SPD: the last stage computes T=0 verification's argmax (RunConfig.verify_at)
 
     def __post_init__(self) -> None:
         assert self.step_mode != StepMode.AUTO, "resolve the step mode before building a rank"

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from spd_engine.engine.anchors import AnchorPlan
-from spd_engine.engine.graphs import StageStep
+from spd_engine.engine.graphs import StageStep, VerifyStep
 from spd_engine.engine.kv_cache import chain_mask, chain_slot0
 from spd_engine.engine.messages import CONFIG_LEN, Header, Kind, WireFormat, parse_sampling_payload
 from spd_engine.engine.sampling import SamplingParams, keyed_generator, sample, target_probs
@@ -29,12 +29,14 @@ from spd_engine.engine.tp_model import resident_bytes
 from spd_engine.engine.transport import Transport
 
 
-def wire_format(topo: Topology, plan: AnchorPlan | None, hidden: int) -> WireFormat:
-    """The run's wire format: SPD stages send their anchors (and the last its exit state) to the
-    driver; a plain pipeline (plan None) has the head on its last stage, which replies a token."""
+def wire_format(topo: Topology, plan: AnchorPlan | None, hidden: int, verify_on_last: bool = False) -> WireFormat:
+    """The run's wire format: SPD stages send their anchors (and the last its exit state, with
+    T=0 verification's argmax when it verifies) to the driver; a plain pipeline (plan None) has
+    the head on its last stage, which replies a token."""
     if plan is None:
         return WireFormat(hidden, (0,) * topo.n, head_on_last=True)
-    return WireFormat(hidden, tuple(len(plan.anchors_of_stage(s)) for s in range(topo.n)))
+    return WireFormat(hidden, tuple(len(plan.anchors_of_stage(s)) for s in range(topo.n)),
+                      verify_on_last=verify_on_last)
 
 
 class StageWorker:
@@ -59,8 +61,9 @@ class StageWorker:
         self.anchor_layers = [plan.anchor_layer(a) for a in self.anchor_ids] if plan is not None else []
         self.capture = frozenset(self.anchor_layers)
         H = model.cfg.hidden_size
-        self.wire = wire_format(topo, plan, H)
-        assert self.wire.head_on_last == model.has_head or self.next is not None
+        self.wire = wire_format(topo, plan, H, opts.verify_on_last)
+        assert self.wire.head_on_last_stage == model.has_head or self.next is not None
+        self.verifies = self.wire.verify_on_last and self.next is None  # T=0 verification's argmax here
         self.reports = self.wire.reports_to_driver(stage) and tp_rank == 0
         p = next(model.parameters())
         chunk = opts.prefill_chunk
@@ -79,13 +82,16 @@ class StageWorker:
         self.anchors1 = torch.empty(1, len(self.anchor_layers), H, device=p.device, dtype=p.dtype)  # [1, k, H]
         self._anchor_rows = [self.anchors1[:, j:j + 1] for j in range(len(self.anchor_layers))]  # [1, 1, H] each
         self.pinned = transport.pins_buffers  # copy the output and anchors into out1 / anchors1
+        # a one-row decode report's payloads in wire order, looked up once: the pinned rows
+        self._report1 = [self.anchors1 if p.name == "anchors" else self.out1
+                         for p in self.wire.to_driver(stage, Header(Kind.TOKEN))]
         for buf in (self.h_in1, self.out1, self.anchors1):
             transport.pin(buf)
         self.ids_in = torch.empty(rows, dtype=torch.long, device=p.device)  # [chunk] stage 0 prefill / chain ids
         self.tok = torch.empty(1, 1, dtype=torch.long, device=p.device)
         self.in_request = False
         self.param_bytes = float(resident_bytes(model))  # this rank's (a TP rank: its shard)
-        self.sampling = SamplingParams()  # used only by a head stage (pp / ar baselines)
+        self.sampling = SamplingParams()  # used only by a head stage (pp / ar baselines, an SPD last stage that verifies)
         self.cfg_in = torch.empty(CONFIG_LEN, dtype=torch.int64)
         # decode (TOKEN) messages only: compute seconds, count, receive-wait seconds, TP collectives
         # and the seconds inside them (part of the compute; host floats: no per-tick tensors);
@@ -98,8 +104,11 @@ class StageWorker:
         # a static step) of a token the driver handed over in-process (step_local); its anchors then
         # go straight to the driver's ring, no message
         self.local_reports: Callable[[Header, dict[int, torch.Tensor], torch.Tensor | None], None] | None = None
+        graphs = opts.step_mode == StepMode.GRAPH
+        # a verifying SPD stage runs the head as its own step, only at T=0 (the pp head stage's is inside)
         self.static = None if opts.step_mode == StepMode.EAGER else \
-            StageStep(model, self.cache, graphs=opts.step_mode == StepMode.GRAPH, capture=self.capture)
+            StageStep(model, self.cache, graphs=graphs, capture=self.capture, head=model.has_head and self.wire.head_on_last)
+        self.verify_step = VerifyStep(model, graphs=graphs) if self.static is not None and self.verifies else None
         if self.static is not None:
             self.static.prepare()  # every length bucket now, not inside a timed request
 
@@ -160,7 +169,7 @@ class StageWorker:
         if pos >= self.capacity or end > limit or T > self.h_in.shape[0]:
             raise RuntimeError(f"stage {self.stage}: message {hdr} exceeds KV capacity {self.capacity} "
                                f"or prefill chunk {self.h_in.shape[0]}")
-        assert not (chains and self.model.has_head), "branch chains travel SPD stages only"
+        assert not (chains and self.wire.head_on_last), "branch chains travel SPD stages only"
         calls0, coll0 = (self.group.calls, self.group.collective_s) if self.group is not None else (0, 0.0)
         if hdr.survivor >= 0:  # the branch point resolved: keep the survivor's entries
             self.cache.keep_chain(hdr.branch, self.chain_width, hdr.survivor, pos - hdr.branch)
@@ -190,7 +199,13 @@ class StageWorker:
             h = emb = self.model.embed(ids) if self.stage == 0 else h  # [1, T, H]
             out, caps = self._forward(h, hdr) if chains else \
                 self.model.forward_layers(h, self.cache, pos, capture=self.capture)
-        if self.model.has_head:  # the pp/ar head stage: its logits and token are part of its compute
+        if self.verifies:  # the target's argmax behind a one-row decode exit at T=0, else -1
+            token = -1
+            if hdr.kind == Kind.TOKEN and not chains and self.sampling.greedy:
+                tv = time.perf_counter()
+                token = self._verify_token(out, pos)
+                self.stats[6] += time.perf_counter() - tv
+        elif self.model.has_head:  # the pp/ar head stage: its logits and token are part of its compute
             if greedy_dev is not None and self.sampling.greedy:
                 token = int(greedy_dev)  # host sync: the id goes in the header; the step ran the head
             else:  # eager steps, prefill, and sampling (which needs the logits, not the argmax)
@@ -226,15 +241,24 @@ class StageWorker:
         """The message to the driver: the anchors [T, k, H] (ascending) and, from the last stage, the
         exit `row` [T, H], as the wire format orders them."""
         T = hdr.num_tokens
+        if T == 1 and self.pinned:  # the payloads are the pinned rows
+            assert row is self.out1
+            for dst, layer in zip(self._anchor_rows, self.anchor_layers):
+                dst.copy_(caps[layer])  # [1, 1, H]
+            self.t.send(self.driver, hdr, self._report1)
+            return
         tensors = {"exit": lambda: row}
         if self.anchor_ids:
-            if T == 1 and self.pinned:
-                for dst, layer in zip(self._anchor_rows, self.anchor_layers):
-                    dst.copy_(caps[layer])  # [1, 1, H]
-                tensors["anchors"] = lambda: self.anchors1
-            else:
-                tensors["anchors"] = lambda: torch.stack([caps[layer][0] for layer in self.anchor_layers], dim=1)
+            tensors["anchors"] = lambda: torch.stack([caps[layer][0] for layer in self.anchor_layers], dim=1)
         self.t.send(self.driver, hdr, [tensors[p.name]() for p in self.wire.to_driver(self.stage, hdr)])
+
+    def _verify_token(self, out: torch.Tensor, pos: int) -> int:
+        """T=0 verification's device work on the exit out [1, 1, H]: the target's argmax for pos + 1
+        (at T > 0 the driver verifies against its q). Every TP rank of the stage computes it: a
+        vocab-parallel head picks the token with a collective."""
+        if self.verify_step is not None:
+            return int(self.verify_step.run(out[0, -1]))  # host sync: the id goes in the header
+        return self._next_token(self.model.logits(out[0, -1]), pos + 1)
 
     def _forward(self, h: torch.Tensor, hdr: Header) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The chains of a branch point: h [1, W, H], every row at `position`, each seeing the
@@ -258,17 +282,19 @@ class StageWorker:
 def _fresh_stats() -> list[float]:
     """A request's decode statistics before its first message: compute s, messages, receive-wait s,
     TP collectives, seconds inside them, send s (the frame downstream and the reply to the driver,
-    after the compute) (the STATS payload's head, in that order)."""
-    return [0.0, 0, 0.0, 0, 0.0, 0.0]
+    after the compute), verify s (a verifying last stage's head and argmax, inside the compute)
+    (the STATS payload's head, in that order)."""
+    return [0.0, 0, 0.0, 0, 0.0, 0.0, 0.0]
 
 
 def receive_stats(t: Transport, rank: int, timeout: float) -> dict:
     """A stage's STATS reply: per-request decode compute/wait/send seconds, decode message count, TP
-    collectives and their seconds (inside the compute), the resident parameter bytes, all of the
-    reporting rank (TP rank 0 of the stage), optional trace."""
+    collectives and their seconds (inside the compute), verify seconds (inside the compute), the
+    resident parameter bytes, all of the reporting rank (TP rank 0 of the stage), optional trace."""
     hdr = t.recv_header(rank, timeout)
     assert hdr.kind == Kind.STATS, hdr
     vals = t.recv_into(rank, torch.empty(hdr.length, dtype=torch.float64), timeout).tolist()
-    trace = [tuple(vals[i:i + 3]) for i in range(7, len(vals), 3)]
+    trace = [tuple(vals[i:i + 3]) for i in range(8, len(vals), 3)]
     return {"compute_s": vals[0], "messages": vals[1], "wait_s": vals[2], "tp_collectives": vals[3],
-            "tp_collective_s": vals[4], "send_s": vals[5], "param_bytes": int(vals[6]), "trace": trace}
+            "tp_collective_s": vals[4], "send_s": vals[5], "verify_s": vals[6], "param_bytes": int(vals[7]),
+            "trace": trace}

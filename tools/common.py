@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from spd_engine.engine.branching import WHEN
-from spd_engine.engine.run_config import (DEFAULT_BRANCHES, MODES, PRESETS, STEP_MODES, TRANSPORTS, RunConfig,
+from spd_engine.engine.run_config import (DEFAULT_BRANCHES, MODES, PRESETS, STEP_MODES, TRANSPORTS, VERIFY_AT, RunConfig,
                                           random_preset)
 from spd_engine.engine.topology import Topology
 
@@ -213,6 +213,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
     g.add_argument("--step-mode", default=run_default("step_mode"), choices=STEP_MODES,
                    help="one-token decode steps: CUDA graphs (auto on cuda), eager (auto elsewhere; the "
                         "fallback), or static (the graph path's buffers without capture)")
+    g.add_argument("--verify-at", default=run_default("verify_at"), choices=VERIFY_AT,
+                   help="SPD at T=0: the target's argmax of the token leaving the pipeline is computed by the last "
+                        "stage, which then holds the head too (last), or by the driver (driver); auto: last when "
+                        "co-located (the driver's rank also runs stage 0), else driver")
     g.add_argument("--overlap-stage0", choices=("on", "off"), default="on" if run_default("overlap_stage0") else "off",
                    help="co-located (n >= 2): stage 0 steps on its own thread while the driver drafts and verifies")
     e = p.add_argument_group("eagle baseline (serial draft-then-verify on one rank)")
@@ -286,7 +290,7 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used:
                      seed=args.seed, step_mode=args.step_mode, suffix_drafts=args.suffix_drafts == "on",
                      suffix_min_match=args.suffix_min_match, suffix_pdm_margin=args.suffix_pdm_margin,
                      suffix_cross_request=args.suffix_cross_request == "on",
-                     overlap_stage0=args.overlap_stage0 == "on", transport=args.transport,
+                     overlap_stage0=args.overlap_stage0 == "on", transport=args.transport, verify_at=args.verify_at,
                      branches=getattr(args, "branches", None),
                      branch_when=getattr(args, "branch_when", run_default("branch_when")))
     return ecfg, tok_dir

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from spd_engine.bench.cost_inputs import REFERENCE_PROFILES, AlphaCurve, LinkModel, Profile
 from spd_engine.bench.cost_model import Links, plan, recommendation
-from spd_engine.bench.cost_model_spd import predict_replay
+from spd_engine.bench.cost_model_spd import VERIFY_AT, predict_replay, verifies_on_last
 from spd_engine.bench.stats import format_table
 
 if TYPE_CHECKING:  # the runtime's config imports torch; the plan itself does not need it
@@ -55,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     br.add_argument("--width-cost", default="2:1.0,4:1.0",
                     help="W:RATIO, a W-token stage step's time over a one-token step's (default ASSUMED 1.0: "
                          "memory-bound GPU decode; python -m spd_engine.bench.stage_width_time measures it)")
+    p.add_argument("--verify-at", choices=VERIFY_AT, default="auto",
+                   help="where SPD verifies at T=0, as the runtime's --verify-at: on the last stage (its compute "
+                        "holds the head), on the driver, or auto (last co-located, driver with a separate driver); "
+                        "with --validate-runtime also where its SPD runs verify")
     p.add_argument("--n", default="2-16", help="stage counts, e.g. 2-16 or 2,4,8")
     p.add_argument("--sim-tokens", type=int, default=1000, help="decode tokens simulated per configuration")
     p.add_argument("--seed", type=int, default=0)
@@ -192,11 +196,16 @@ def _summary_rows(result: dict) -> list[dict]:
     return rows
 
 
+_VERIFY_WHERE = {"last": "last stage", "driver": "driver",
+                 "auto": "last stage co-located, on the driver with a separate driver"}
+
+
 def print_plan(result: dict, details: bool) -> None:
     links = result["links"]
     inter = f"; between nodes: {links['inter']}, {links['gpus_per_node']} devices per node" if links["inter"] else ""
     print(f"# spd plan: {result['profile']}; links: {links['intra']}{inter}")
-    print("# decode tok/s; AR = one device; SPD coloc / PP / TP / hybrid on n devices, SPD sep on n+1")
+    print("# decode tok/s; AR = one device; SPD coloc / PP / TP / hybrid on n devices, SPD sep on n+1; SPD "
+          f"verifies at T=0 on the {_VERIFY_WHERE[result['verify_at']]} (--verify-at {result['verify_at']})")
     print(format_table(_summary_rows(result), [
         ("n", "n", ""), ("ar", "AR", ".1f"), ("pp", "PP", ".1f"), ("tp", "TP", ".1f"),
         ("coloc", "SPD coloc", ".1f"), ("coloc_tick", "tick(ms)", ".3f"), ("eal", "EAL", ".2f"),
@@ -328,7 +337,8 @@ def _validate_runtime(args: argparse.Namespace) -> int:
     settings = ValidationSettings(max_new_tokens=args.max_new_tokens, rounds=args.repeats, synthetic_alpha=alpha,
                                   seed=args.seed, tolerance=args.tolerance, latency_stat=args.latency_stat,
                                   timeout_s=max(args.timeout, 60.0), tp=args.tp,
-                                  configs=CONFIGS + (("tp",) if args.tp > 1 else ()), link=args.net_transport)
+                                  configs=CONFIGS + (("tp",) if args.tp > 1 else ()), link=args.net_transport,
+                                  verify_at=args.verify_at)
     result = validate(ecfg, prompts, settings, lambda m: print(m, file=sys.stderr, flush=True))
     print(format_validation(result))
     if args.profile_out:
@@ -367,7 +377,8 @@ def _branches(args: argparse.Namespace, profile: Profile, links: Links) -> dict:
     n, cost, notes = int(report["n"]), parse_width_cost(args.width_cost), []
     out = {"n": n, "policy": args.branch_policy, "width_cost": cost, "source": args.branches_json, "rows": {}}
     for colocate in (False, True):
-        rows = branch_rows(profile, links.of_devices, n, colocate, measured, cost, notes)
+        rows = branch_rows(profile, links.of_devices, n, colocate, measured, cost, notes,
+                           verifies_on_last(args.verify_at, colocate))
         for r in rows:
             r["x_w1"] = r["tok_s"] / rows[0]["tok_s"]
         out["rows"]["coloc" if colocate else "sep"] = rows
@@ -386,6 +397,11 @@ def run(args: argparse.Namespace) -> int:
     if (args.validate or args.revalidate) and (args.net_transport != "p2p" or args.net_busy_mb):
         raise ValueError("--net-transport / --net-busy-mb price a plan or --validate-runtime's runs; "
                          "--validate and --revalidate use what they measured")
+    if args.validate or args.revalidate:
+        from spd_engine.tools.common import refuse_ignored  # imports the runtime's config (torch), as these do
+
+        refuse_ignored(args, ["verify_at"], "by --validate (its tick replays verify on the driver) or --revalidate "
+                                            "(it prices its saved runs as they verified)")
     if args.validate_runtime and args.net_busy_mb:
         raise ValueError("--net-busy-mb prices a plan; --validate-runtime measures its hops between idle ranks")
     if args.revalidate:
@@ -402,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
         profile = Profile.from_dict({**REFERENCE_PROFILES[args.reference], "name": args.reference})
     eagle = _eagle(args)
     links = _links(args)
-    result = plan(profile, links, _alpha(args), _ns(args.n), args.sim_tokens, args.seed)
+    result = plan(profile, links, _alpha(args), _ns(args.n), args.sim_tokens, args.seed, args.verify_at)
     result["recommendation"] = recommendation(result)
     print_plan(result, args.details)
     if eagle is not None:

@@ -150,31 +150,31 @@ def runtime_acceptance(driver, prompt: Sequence[int], max_new_tokens: int, eos_i
     The last draft made for a position is the one verified (a flush re-drafts the positions
     behind a correction), so fills are recorded by position, last one wins. Each committed
     position after the first is verified exactly once; its verdict is read from the driver's
-    `_verify` (at T>0 a rejected draft cannot be told from its correction by the tokens alone).
+    `_verify_exit` (at T>0 a rejected draft cannot be told from its correction by the tokens alone).
     """
     fills: dict[int, int] = {}
     verdicts: dict[int, bool] = {}
-    previous = vars(driver).get("_verify")  # an instance override (tests) stays in place
+    previous = vars(driver).get("_verify_exit")  # an instance override (tests) stays in place
     previous_branch = vars(driver).get("_verify_branch")
-    verify, verify_branch = driver._verify, driver._verify_branch
+    verify, verify_branch = driver._verify_exit, driver._verify_branch
 
-    def record(logits, position: int, proposed: int) -> tuple[bool, int]:
-        accepted, token = verify(logits, position, proposed)
+    def record(position: int, proposed: int, row: int = 0, reply: int = -1) -> tuple[bool, int]:
+        accepted, token = verify(position, proposed, row, reply)
         verdicts[position] = accepted
         return accepted, token
 
-    def record_branch(position: int, tokens, row: int) -> tuple[int | None, int]:
-        index, token = verify_branch(position, tokens, row)
+    def record_branch(position: int, tokens, row: int, reply: int = -1) -> tuple[int | None, int]:
+        index, token = verify_branch(position, tokens, row, reply)
         verdicts[position] = index is not None
         return index, token
 
     driver.draft_observer = lambda newest, fill, _logits: fills.__setitem__(newest + 1, fill)
-    driver._verify, driver._verify_branch = record, record_branch
+    driver._verify_exit, driver._verify_branch = record, record_branch
     try:
         res = driver.generate(prompt, max_new_tokens, eos_ids, sampling=sampling)
     finally:
         driver.draft_observer = None
-        for name, prev in (("_verify", previous), ("_verify_branch", previous_branch)):
+        for name, prev in (("_verify_exit", previous), ("_verify_branch", previous_branch)):
             if prev is None:
                 delattr(driver, name)
             else:

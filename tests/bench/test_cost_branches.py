@@ -57,3 +57,15 @@ def test_spd_plan_prints_predicted_branch_rows(tmp_path, capsys):
     assert "PREDICTED" in capsys.readouterr().out
     rows = json.loads(out.read_text())["branches"]["rows"]["sep"]
     assert [r["W"] for r in rows] == [1, 2] and all(r["predicted"] for r in rows)
+
+
+def test_branch_chains_are_verified_by_the_driver():
+    """With verification on the last stage a one-token exit is verified there, a branch point's
+    chains by the driver: at one W-token step per tick (f = 1) every verification is the
+    driver's, as with --verify-at driver; W = 1 keeps the head on the last stage."""
+    link = LinkModel.assume("fast", 3.0, 400.0, 8.0)
+    measured = {1: (2.0, 1.0), 2: (2.2, 2.0)}
+    last = branch_rows(profile(), lambda a, b: link, 4, False, measured, {2: 1.0}, [])
+    driver = branch_rows(profile(), lambda a, b: link, 4, False, measured, {2: 1.0}, [], verify_on_last=False)
+    assert last[1]["tick_ms"] == pytest.approx(driver[1]["tick_ms"])
+    assert last[0]["tick_ms"] != pytest.approx(driver[0]["tick_ms"])

@@ -7,14 +7,15 @@ import json
 import pytest
 
 from spd_engine.bench.cost_inputs import HEADER_BYTES, MESSAGE_PARTS, AlphaCurve, LinkModel, Profile
-from spd_engine.bench.cost_model_spd import SpdCase, eal_for_request, simulate_spd, spd_cycles
+from spd_engine.bench.cost_model_spd import SpdCase, eal_for_request, predict_spd, simulate_spd, spd_cycles
 from spd_engine.bench.cost_partitions import balanced_partition
 from spd_engine.engine.schedule import decode_ticks, expected_eal
 
 
 def sep_case(**kw) -> SpdCase:
+    """A separate-driver case that verifies on the driver (--verify-at driver), unless kw says otherwise."""
     base = dict(stage_ms=(3.0, 2.0), pdm_ms=0.5, verify_ms=0.2, alpha=1.0, colocate=False, hop_token_ms=0.1,
-                hop_act_ms=(0.2,), hop_anchor_ms=(0.3,), hop_exit_ms=0.4)
+                hop_act_ms=(0.2,), hop_anchor_ms=(0.3,), hop_exit_ms=0.4, verify_on_last=False)
     base.update(kw)
     return SpdCase(**base)
 
@@ -51,7 +52,8 @@ def test_verify_loop_bound_tick():
 
 def test_colocated_driver_adds_its_work_to_stage_0():
     case = SpdCase(stage_ms=(1.0, 3.0), pdm_ms=1.0, verify_ms=0.5, alpha=1.0, colocate=True, hop_token_ms=0.0,
-                   hop_act_ms=(0.2,), hop_anchor_ms=(0.3,), hop_exit_ms=0.3, post_ms=0.05, recv_ms=0.05)
+                   hop_act_ms=(0.2,), hop_anchor_ms=(0.3,), hop_exit_ms=0.3, post_ms=0.05, recv_ms=0.05,
+                   verify_on_last=False)
     cycles = spd_cycles(case)
     assert cycles["rank 0: stage 0 + driver (PDM + verify)"] == pytest.approx(1.0 + 0.05 + 0.05 + 1.0 + 0.5)
     # stage 1 reads its input, computes, posts one message (the last stage sends only to the driver)
@@ -171,8 +173,9 @@ def test_spd_plan_prices_the_runtime_transport(tmp_path, capsys):
     rows = {(r["method"], r["layout"]): r for r in result["rows"]}
     # PP: 4 ms of layers + verify 0.2 + the activation's and the token's 0.02 ms hops on the rings
     assert rows[("pp", "-")]["token_ms"] == pytest.approx(4.24)
-    # SPD co-located: stage 0 (2) + PDM 0.5 + verify 0.2; the rings' sends and reads are inside their hops
-    assert rows[("spd", "coloc")]["steady_tick_ms"] == pytest.approx(2.70)
+    # SPD co-located: stage 0 (2) + PDM 0.5 on rank 0 (stage 1 + the head: 2.2); the rings' sends and
+    # reads are inside their hops
+    assert rows[("spd", "coloc")]["steady_tick_ms"] == pytest.approx(2.50)
     assert main(["plan", "--profile", profile, "--assume-link", "5,100", "--alpha", "1.0",
                  "--net-transport", "shm"]) == 2
     assert "--net-transport" in capsys.readouterr().err
@@ -209,12 +212,13 @@ def _write_plan_inputs(tmp_path) -> tuple[str, str]:
 
 
 def test_spd_plan_hand_computed(tmp_path, capsys):
+    """The driver verifies (--verify-at driver): its head is in its per-tick work."""
     from spd_engine.tools.cli import main
 
     profile, net = _write_plan_inputs(tmp_path)
     out = str(tmp_path / "plan.json")
     assert main(["plan", "--profile", profile, "--net", net, "--alpha", "1.0", "--n", "2", "--sim-tokens", "2000",
-                 "--json", out]) == 0
+                 "--verify-at", "driver", "--json", out]) == 0
     result = json.loads(open(out).read())
     rows = {(r["method"], r["layout"]): r for r in result["rows"]}
     # AR: 4 layers x 1 ms + verify 0.2
@@ -331,3 +335,182 @@ def test_late_receives_cost_every_tensor_found_waiting():
     assert cycles["verify loop (token through all stages, verify, next token)"] == pytest.approx(5.9 / 2)
     assert simulate_spd(case, 2000)["tick_ms"] == pytest.approx(3.05, rel=2e-3)
     assert simulate_spd(sep_case(), 2000)["tick_ms"] == pytest.approx(3.0, rel=2e-3)  # late 0: as before
+
+
+# ---------------------------------------------------------------- verification on the last stage
+
+def test_verify_on_last_moves_the_head_into_the_last_stage_separate_driver():
+    # the sep_case numbers, the head (verify 0.2) on stage 1:
+    #   stage 1: 2 + 0.2 = 2.2; driver: PDM 0.5 alone (its compare of the stage's token is free)
+    #   verify loop: unchanged, 5.9 / 2: the head is before the exit hop instead of after it
+    #   anchor loop via stage 0: token 0.1 + stage 0 3.0 + anchors 0.3 + PDM 0.5, no verify: 3.9 / 2
+    case = sep_case(verify_on_last=True)
+    cycles = spd_cycles(case)
+    assert cycles["stage 0 compute"] == pytest.approx(3.0)
+    assert cycles["stage 1 compute (+ verify)"] == pytest.approx(2.2)
+    assert cycles["driver: PDM"] == pytest.approx(0.5)
+    assert cycles["verify loop (token through all stages, verify, next token)"] == pytest.approx(5.9 / 2)
+    assert cycles["anchor loop via stage 0"] == pytest.approx(3.9 / 2)
+    assert simulate_spd(case, 2000)["tick_ms"] == pytest.approx(3.0, rel=2e-3)  # still stage 0's
+    # a last stage that bounds the tick pays the head: 2.9 + 0.2 = 3.1; verifying on the driver the
+    # tick is 2.9 (stage 1, and the verify loop: (0.1 + 2 + 2.9 + 0.2 + 0.4 + 0.2) / 2)
+    late = dict(stage_ms=(2.0, 2.9))
+    assert simulate_spd(sep_case(verify_on_last=True, **late), 2000)["tick_ms"] == pytest.approx(3.1, rel=2e-3)
+    assert simulate_spd(sep_case(**late), 2000)["tick_ms"] == pytest.approx(2.9, rel=2e-3)
+    pred = predict_spd(case, 2000)
+    assert pred["driver_ms"] == pytest.approx(0.5) and pred["slowest_stage_ms"] == pytest.approx(3.0)
+    assert pred["driver_slack_ms"] == pytest.approx(2.5) and pred["verify_at"] == "last"
+    assert predict_spd(sep_case(), 2000)["driver_ms"] == pytest.approx(0.7)  # on the driver: PDM + verify
+
+
+def test_verify_on_last_rejections_by_hand():
+    # test_rejections_refill_the_pipeline_by_hand with the head (0.25) on stage 1, which computes
+    # it for every token, stale ones included:
+    # tick 1: x_P at stage 0 [0,1], stage 1 [1,2.25]; driver: PDM -> 0.25, sends d.
+    # tick 2: stage 0 [1,2], stage 1 [2.25,3.5]; driver: anchors (1), PDM -> 1.25, x_P's exit and
+    #         token at 2.25, the compare costs nothing: reject at 2.25.
+    # tick 3: the correction: stage 0 [2.25,3.25]; stage 1 is busy with the stale d until 3.5:
+    #         [3.5,4.75]; refill: PDM -> 2.5, sends d'.
+    # tick 4: stage 0 [3.25,4.25]; driver: the correction's anchors (3.25), PDM -> 3.5, its exit at
+    #         4.75: reject, the run ends (N-1 = 2).
+    case = sep_case(stage_ms=(1.0, 1.0), pdm_ms=0.25, verify_ms=0.25, alpha=0.0, hop_token_ms=0.0,
+                    hop_act_ms=(0.0,), hop_anchor_ms=(0.0,), hop_exit_ms=0.0, verify_on_last=True)
+    sim = simulate_spd(case, decode_tokens=2)
+    assert sim["ticks"] == 4 and sim["time_ms"] == pytest.approx(4.75)
+
+
+def test_verify_on_last_co_located():
+    # test_colocated_driver_adds_its_work_to_stage_0's case, the head (0.5) on stage 1:
+    #   rank 0: stage 0 1.0 + post 0.05 + 1 read 0.05 + PDM 1.0 = 2.1 (2.6 verifying there)
+    #   stage 1: read 0.05 + 3.0 + 0.5 + post 0.05 = 3.6 (3.1 without the head): the slow stage pays it
+    #   verify loop: (stage 0 1.0 + stage 1 3.5 + activation 0.2 + exit 0.3 + 2 reads 0.1) / 2 = 2.55
+    kw = dict(stage_ms=(1.0, 3.0), pdm_ms=1.0, verify_ms=0.5, alpha=1.0, colocate=True, hop_token_ms=0.0,
+              hop_act_ms=(0.2,), hop_anchor_ms=(0.3,), hop_exit_ms=0.3, post_ms=0.05, recv_ms=0.05)
+    case = SpdCase(**kw)  # verify_on_last by default: co-located, the runtime's --verify-at auto puts the head there
+    cycles = spd_cycles(case)
+    assert cycles == pytest.approx({"stage 1 compute (+ verify)": 3.6, "rank 0: stage 0 + driver (PDM)": 2.1,
+                                    "verify loop (token through all stages, verify, next token)": 2.55})
+    assert simulate_spd(case, 2000)["tick_ms"] == pytest.approx(3.6, rel=2e-3)
+    # the other way round (stage 0 3.0, stage 1 1.0) rank 0 bounds the tick and sheds the head:
+    # 3.0 + 0.1 + 1.0 = 4.1 instead of 4.6
+    swapped = {**kw, "stage_ms": (3.0, 1.0)}
+    assert simulate_spd(SpdCase(**swapped), 2000)["tick_ms"] == pytest.approx(4.1, rel=2e-3)
+    assert simulate_spd(SpdCase(**swapped, verify_on_last=False), 2000)["tick_ms"] == pytest.approx(4.6, rel=2e-3)
+    # n = 1: the last stage is stage 0, on the driver's rank: the driver verifies (RunConfig.verifies_on_last)
+    one = SpdCase(**{**kw, "stage_ms": (1.0,), "hop_act_ms": (), "hop_anchor_ms": ()})
+    assert not one.head_on_last and one.driver_verify_ms == 0.5 and one.stage_work_ms == (1.0,)
+
+
+def test_branch_points_leave_a_share_of_verification_on_the_driver():
+    # half the exits are branch chains the driver verifies: stage 1 2 + 0.1, driver 0.5 + 0.1,
+    # the verify loop still carries the whole head (5.9 / 2), the anchor loop the driver's half
+    case = sep_case(verify_on_last=True, driver_verify_share=0.5)
+    cycles = spd_cycles(case)
+    assert cycles["stage 1 compute (+ verify)"] == pytest.approx(2.1)
+    assert cycles["driver: PDM + verify"] == pytest.approx(0.6)
+    assert cycles["verify loop (token through all stages, verify, next token)"] == pytest.approx(5.9 / 2)
+    assert cycles["anchor loop via stage 0"] == pytest.approx(4.0 / 2)
+    with pytest.raises(ValueError, match="driver_verify_share"):
+        sep_case(driver_verify_share=1.5)
+
+
+def test_spd_plan_hand_computed_verifying_on_the_last_stage(tmp_path, capsys):
+    """test_spd_plan_hand_computed's inputs with --verify-at last: the head (0.2) is stage 1's
+    work, the driver's is the PDM."""
+    from spd_engine.tools.cli import main
+
+    profile, net = _write_plan_inputs(tmp_path)
+    out = str(tmp_path / "plan.json")
+    assert main(["plan", "--profile", profile, "--net", net, "--alpha", "1.0", "--n", "2", "--sim-tokens", "2000",
+                 "--verify-at", "last", "--json", out]) == 0
+    result = json.loads(open(out).read())
+    assert result["verify_at"] == "last"
+    rows = {(r["method"], r["layout"]): r for r in result["rows"]}
+    assert rows[("pp", "-")]["token_ms"] == pytest.approx(4.4) and result["ar_token_ms"] == pytest.approx(4.2)
+    # separate driver, [2, 2] layers (the balanced split is the same: [3, 1] puts 3 ms on stage 0);
+    # post = read = 0.01 ms per message. Cycles per tick:
+    #   stage 0: 2.03; stage 1: read + 2 + head 0.2 + 1 post = 2.22; driver: post + 2 reads + PDM 0.5 = 0.53
+    #   verify loop: as verifying on the driver, 4.53 / 2 = 2.265
+    #   anchor loop via stage 0: (token 0.1 + 2 + read + post + anchors 0.1 + 2 reads + PDM 0.5) / 2 = 1.37
+    sep = rows[("spd", "sep")]
+    assert sep["partition"] == "even" and sep["stage_layers"] == [2, 2]
+    assert sep["critical"].startswith("verify loop") and sep["steady_tick_ms"] == pytest.approx(2.265)
+    assert sep["driver_ms"] == pytest.approx(0.5) and sep["slowest_stage_ms"] == pytest.approx(2.2)
+    # co-located: rank 0 does stage 0 (2) + post + 1 read + PDM = 2.52 per tick (2.72 verifying there);
+    #   stage 1 2.22; verify loop (4.2 + activation 0.1 + exit 0.1 + 2 reads) / 2 = 2.21
+    col = rows[("spd", "coloc")]
+    assert col["critical"] == "rank 0: stage 0 + driver (PDM)" and col["steady_tick_ms"] == pytest.approx(2.52)
+    assert col["tick_ms"] == pytest.approx(2.52, rel=2e-3)
+    # now co-located SPD (2.52 ms per token at alpha 1) beats TP (2.69 ms) on 2 devices
+    assert result["best_by_devices"]["2"]["method"] == "spd"
+    assert "verifies at T=0 on the last stage (--verify-at last)" in capsys.readouterr().out
+    # --verify-at auto, the default as the runtime's: each layout as the runtime runs it, the
+    # co-located row verifying on the last stage (2.52), the separate driver's on the driver
+    # (test_spd_plan_hand_computed: 2.265 through the verify loop, its driver 0.7 ms)
+    assert main(["plan", "--profile", profile, "--net", net, "--alpha", "1.0", "--n", "2", "--sim-tokens", "2000",
+                 "--json", out]) == 0
+    auto = json.loads(open(out).read())
+    assert auto["verify_at"] == "auto"
+    rows = {(r["method"], r["layout"]): r for r in auto["rows"]}
+    col = rows[("spd", "coloc")]
+    assert col["verify_at"] == "last" and col["steady_tick_ms"] == pytest.approx(2.52)
+    assert rows[("spd", "sep")]["verify_at"] == "driver" and rows[("spd", "sep")]["driver_ms"] == pytest.approx(0.7)
+    assert "on the last stage co-located, on the driver with a separate driver (--verify-at auto)" in \
+        capsys.readouterr().out
+
+
+def test_balanced_split_moves_layers_off_the_verifying_last_stage():
+    from spd_engine.bench.cost_model import Links, plan
+
+    # 8 layers of 1 ms, a 2 ms head, PDM 0.5 ms. The head on stage 1: [5, 3] (5 | 3 + 2) beats the
+    # even [4, 4] (4 | 6), separate or co-located (5.5 | 5); on the driver: separate, [4, 4] is
+    # already best; co-located, the driver's 2.5 ms sit on stage 0: [3, 5] (5.5 | 5)
+    prof = Profile.from_dict({"name": "head", "num_layers": 8, "layer_ms": 1.0, "pdm_ms": 0.5, "verify_ms": 2.0,
+                              "hidden_size": 64})
+    link = LinkModel.assume("hand", 1.0, 100.0, None)
+    for verify_at, want in (("last", {"sep": [5, 3], "coloc": [5, 3]}), ("driver", {"coloc": [3, 5]}),
+                            ("auto", {"coloc": [5, 3]})):
+        rows = plan(prof, Links(link), AlphaCurve({0: 1.0}), [2], sim_tokens=200, verify_at=verify_at)["rows"]
+        got = {r["layout"]: r["stage_layers"] for r in rows if r["method"] == "spd" and r["partition"] == "balanced"}
+        assert got == want, verify_at
+    with pytest.raises(ValueError, match="verify_at must be one of"):
+        plan(prof, Links(link), AlphaCurve({0: 1.0}), [2], verify_at="stage0")
+
+
+def test_hybrid_last_stage_runs_a_vocab_parallel_head(tmp_path):
+    # tp2xspd at n = 4: 2 SPD stages of 1.2 ms (test_hybrid_tp_inside_spd_across); verifying on the
+    # last stage group, its head is vocab-parallel: 0.2 / 2 + an 8-byte all-reduce (0.04) = 0.14
+    from spd_engine.tools.cli import main
+
+    profile, net = _write_plan_inputs(tmp_path)
+    for flag, slowest, driver in (("last", 1.2 + 0.14, 0.5), ("driver", 1.2, 0.7)):
+        out = tmp_path / f"plan-{flag}.json"
+        assert main(["plan", "--profile", profile, "--net", net, "--alpha", "0.9", "--n", "4", "--sim-tokens", "200",
+                     "--verify-at", flag, "--json", str(out)]) == 0
+        rows = [r for r in json.loads(out.read_text())["rows"] if r["method"] == "tp2xspd"]
+        assert rows and all(r["slowest_stage_ms"] == pytest.approx(slowest) for r in rows), flag
+        assert all(r["driver_ms"] == pytest.approx(driver) for r in rows), flag
+
+
+def test_verify_at_flag_is_refused_where_it_prices_nothing(tmp_path, capsys):
+    from spd_engine.tools.cli import main
+
+    profile, net = _write_plan_inputs(tmp_path)
+    assert main(["plan", "--validate", "--verify-at", "driver"]) == 2
+    assert "--verify-at: not used by --validate" in capsys.readouterr().err
+    assert main(["plan", "--revalidate", str(tmp_path / "saved.json"), "--verify-at", "last"]) == 2
+    assert "--verify-at: not used" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: not a choice
+        main(["plan", "--profile", profile, "--net", net, "--alpha", "1.0", "--verify-at", "stage0"])
+    from spd_engine.engine.run_config import VERIFY_AT
+    from spd_engine.tools.cli import sub_parser
+    from spd_engine.tools.plan import add_arguments
+
+    parser = sub_parser("spd plan", "")
+    add_arguments(parser)
+    action = next(a for a in parser._actions if a.dest == "verify_at")
+    # the runtime's choices and default (the cost model keeps its own copy: it needs no torch)
+    from spd_engine.bench.cost_model_spd import VERIFY_AT as MODEL_VERIFY_AT
+    from spd_engine.engine.run_config import RunConfig
+
+    assert tuple(action.choices) == MODEL_VERIFY_AT == VERIFY_AT and action.default == RunConfig.verify_at

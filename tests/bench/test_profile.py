@@ -22,12 +22,12 @@ def _threads(one_thread):
 
 # ---------------------------------------------------------------- profile from a bench report
 
-def _bench_report(c0: list[float], c1: list[float], colocate_world: int = 2) -> dict:
+def _bench_report(c0: list[float], c1: list[float], colocate_world: int = 2, verify_s: float = 0.004) -> dict:
     """A hand-made report: stage compute durations (s) per token step, driver events per tick."""
     stages = [[(0.0, float(i), float(i) + d) for i, d in enumerate(c)] for c in (c0, c1)]
     driver, t = [], 100.0
     for tick in range(1, 7):  # per tick: send 2 ms, wait 1 ms, pdm 3 ms, (verify 4 ms from tick 2), 0.5 ms untimed
-        parts = (("send", 0.002), ("wait", 0.001), ("pdm", 0.003)) + ((("verify", 0.004),) if tick > 1 else ())
+        parts = (("send", 0.002), ("wait", 0.001), ("pdm", 0.003)) + ((("verify", verify_s),) if tick > 1 else ())
         for what, dur in parts:
             driver.append((tick, what, t, t + dur))
             t += dur
@@ -97,6 +97,38 @@ def test_profile_from_bench_report():
         profile_from_bench({**report, "rows": report["rows"][1:]}, ecfg, 16)
     with pytest.raises(ValueError, match="no traced spd run"):
         profile_from_bench({**report, "request_traces": {}}, ecfg, 16)
+
+
+def test_profile_from_bench_with_verification_on_the_last_stage():
+    """--verify-at last: the driver's "verify" is a 0.01 ms compare; the head's time is the last
+    stage's (stage1_verify_ms of the row's breakdown, inside its compute). The profile keeps
+    verify_ms = the head and takes it out of stage 1's compute, so the model, which adds it back
+    on the last stage, predicts the measured stage."""
+    report = _bench_report([0.002, 0.004, 0.003], [0.005, 0.005, 0.006], verify_s=0.00001)
+    for row in report["rows"][1:]:
+        row["breakdown_ms_per_tick"] = {"stage1_compute_ms": 16 / 3, "stage1_verify_ms": 1.5}
+    ecfg = _ecfg()
+    prof = profile_from_bench(report, ecfg, 16)
+    assert prof["source"]["verify_at"] == "last" and prof["measured"]["last_stage_verify_ms"] == 1.5
+    assert prof["verify_ms"] == pytest.approx(1.5)
+    assert prof["stage_ms"] == {"2": [pytest.approx(3.0), pytest.approx(16 / 3 - 1.5)]}
+    assert prof["driver_fixed_ms"] == pytest.approx(0.5 + 0.01)  # the compare is host work
+    assert prof["layer_ms"] == pytest.approx((30.0 - 1.5) / ecfg.cfg.num_layers)
+    model = Profile.from_dict(json.loads(json.dumps(prof)))
+    assert sum(model.layer_ms) + model.verify_ms == pytest.approx(30.0)  # the model's AR = measured AR
+    link = LinkModel.assume("fast", 1.0, 100.0, None)
+    rows = plan(model, Links(link), AlphaCurve({0: 1.0}), [2], sim_tokens=200, verify_at="last")["rows"]
+    sep = next(r for r in rows if r["method"] == "spd" and r["layout"] == "sep")
+    assert sep["slowest_stage_ms"] == pytest.approx(16 / 3)  # the measured last stage, head included
+    # verifying on the driver (no stage1_verify_ms, or a last stage that replied -1 at T > 0 and
+    # reports microseconds): the driver's verification is the head, stage 1 keeps its compute
+    for breakdown in ({}, {"stage1_verify_ms": 0.002}):
+        plain = _bench_report([0.002, 0.004, 0.003], [0.005, 0.005, 0.006])
+        for row in plain["rows"][1:]:
+            row["breakdown_ms_per_tick"] = breakdown
+        drv = profile_from_bench(plain, ecfg, 16)
+        assert drv["source"]["verify_at"] == "driver" and drv["verify_ms"] == pytest.approx(4.0)
+        assert drv["stage_ms"]["2"][1] == pytest.approx(16 / 3) and drv["driver_fixed_ms"] == pytest.approx(0.5)
 
 
 def test_driver_fixed_time_lengthens_the_driver_cycle():

@@ -3,14 +3,15 @@ real profile run + netbench run + measurement run on a tiny random model checkin
 structure and invariants (not the 15% accuracy, which depends on the host's load)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from spd_engine.bench.cost_inputs import HEADER_BYTES, LinkModel, Profile
-from spd_engine.bench.cost_model_spd import eal_for_request
+from spd_engine.bench.cost_model_spd import eal_for_request, verifies_on_last
 from spd_engine.bench.validate_runtime import (CONFIGS, ValidationSettings, bench_cases, compare, format_validation,
-                                              measured_of, predict, tp_diagnostic, validate)
+                                              measured_of, predict, repredict, tp_diagnostic, validate)
 from spd_engine.engine.messages import HEADER_LEN
 from spd_engine.engine.run_config import PRESETS, RunConfig
 from spd_engine.engine.schedule import expected_eal
@@ -32,10 +33,15 @@ def test_predict_from_a_hand_profile():
         p = pred[name]
         assert p["eal"] == pytest.approx(expected_eal(2, 0.5))
         assert p["tok_s"] == pytest.approx(1e3 * p["eal"] / (2 * p["tick_ms"]))
-    # co-located rank 0: stage 0 (2) + PDM 0.5 + driver host work 0.1 per tick, + verify 0.2 on the
-    # ticks that verify (refill ticks after a rejection do not)
-    assert 2.6 < pred["spd-colocate"]["tick_ms"] < 2.8 and pred["spd-colocate"]["critical"].startswith("rank 0")
+    # co-located (--verify-at auto: the head on the last stage) rank 0: stage 0 (2) + PDM 0.5 + driver
+    # host work 0.1 on every tick; the head (verify 0.2) is stage 1's (2.2 per tick)
+    col = pred["spd-colocate"]
+    assert col["tick_ms"] == pytest.approx(2.6) and col["critical"].startswith("rank 0")
     assert pred["spd"]["tick_ms"] < pred["spd-colocate"]["tick_ms"]  # a separate driver takes that work off
+    # verifying on the driver, rank 0 adds verify 0.2 on the ticks that verify (refill ticks after a
+    # rejection do not)
+    driver = predict(HAND, link, alpha=0.5, n=2, verify_at="driver")
+    assert 2.6 < driver["spd-colocate"]["tick_ms"] < 2.8 and driver["spd-colocate"]["critical"].startswith("rank 0")
     short = predict(HAND, link, alpha=0.5, n=2, tokens=32)  # the bench's request length: the fill counts
     for name in ("spd-colocate", "spd"):
         assert short[name]["eal"] == pytest.approx(eal_for_request(2, 0.5, 32))
@@ -140,6 +146,56 @@ def test_validation_configs_are_checked():
         assert {c.ecfg.transport for c in bench_cases(ecfg, CONFIGS, 1, s.transport)} == {transport}
 
 
+def test_spd_runs_verify_where_the_model_prices_them(monkeypatch, capsys):
+    """ValidationSettings.verify_at is the SPD runs' RunConfig.verify_at and the model's verify_on_last;
+    `spd plan --validate-runtime --verify-at` sets it."""
+    cfg = PRESETS["tiny-llama"]
+    ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, n=2), capacity=128)
+    for verify_at, sep, coloc in (("last", True, True), ("driver", False, False), ("auto", False, True)):
+        s = ValidationSettings(verify_at=verify_at)
+        cases = {c.name: c.ecfg for c in bench_cases(ecfg, CONFIGS, 1, s.transport, s.verify_at)}
+        assert (cases["spd"].verifies_on_last, cases["spd-colocate"].verifies_on_last) == (sep, coloc)
+        assert not cases["pp"].verifies_on_last and not cases["ar"].verifies_on_last  # their head is on the last stage
+        # the model prices each layout as the runtime runs it
+        assert (verifies_on_last(verify_at, False), verifies_on_last(verify_at, True)) == (sep, coloc)
+    assert ValidationSettings().verify_at == RunConfig.verify_at == "auto"  # the runtime's default
+    with pytest.raises(ValueError, match="verify_at"):
+        ValidationSettings(verify_at="stage0")
+    import spd_engine.bench.validate_runtime as vr
+    from spd_engine.tools.cli import main
+
+    seen = []
+    monkeypatch.setattr(vr, "validate", lambda ecfg, prompts, settings, progress: seen.append(settings) or {"rows": []})
+    monkeypatch.setattr(vr, "format_validation", lambda result: "table")
+    for argv, want in (([], "auto"), (["--verify-at", "driver"], "driver"), (["--verify-at", "last"], "last")):
+        assert main(["plan", "--validate-runtime", "--model", "random:tiny-llama", "--prompt", "hi", *argv]) == 0
+        assert seen[-1].verify_at == want
+
+
+def test_repredict_prices_older_files_as_verifying_on_the_driver():
+    """A saved validation without settings.verify_at was measured before the last stage could
+    verify: it is predicted again with the driver verifying; a newer one as it says."""
+    report = {"schema": "spd-netbench/1", "p2p": [{"src": 0, "dst": 1, "bytes": b, "mean_us": 100.0, "post_us": 0.0}
+                                                   for b in (64, 4096)],
+              "allreduce": [{"ranks": 2, "bytes": 8, "mean_us": 40.0}]}
+    prof = {**HAND, "source": {"alpha_measured": 0.5}}
+    meas = _measured(dict.fromkeys(CONFIGS, 100.0), dict.fromkeys(CONFIGS, 2.5))
+    rnd = {"profile": prof, "measurement_profile": prof, "netbench": report, "alpha": 0.5, "measured": meas}
+    settings = {k: v for k, v in dataclasses.asdict(ValidationSettings(max_new_tokens=32)).items() if k != "verify_at"}
+    link = LinkModel.from_netbench(report, "netbench (this host)")
+    for extra, verify_at, where in (({}, "driver", "driver"), ({"verify_at": "auto"}, "auto", "last stage co-located")):
+        saved = {"rounds": [rnd], "settings": {**settings, **extra}, "n": 2, "cores": 16}
+        again = repredict(saved)
+        want = predict(prof, link, 0.5, 2, 32, verify_at=verify_at)["spd-colocate"]["tick_ms"]
+        assert again["rounds"][0]["predicted"]["spd-colocate"]["tick_ms"] == pytest.approx(want)
+        assert again["settings"]["verify_at"] == verify_at
+        assert "SPD verifies on the " + where in format_validation(
+            {**again, "model": "m", "head": "h", "threads_per_rank": 1, "host": {}})
+    # verifying on the driver, co-located rank 0 pays the head: a longer tick than with auto's last stage
+    assert predict(prof, link, 0.5, 2, 32, verify_at="driver")["spd-colocate"]["tick_ms"] > \
+        predict(prof, link, 0.5, 2, 32, verify_at="auto")["spd-colocate"]["tick_ms"]
+
+
 def test_real_runs_give_a_consistent_table(tiny_validation):
     res = tiny_validation
     rows = res["rows"]
@@ -170,6 +226,13 @@ def test_real_run_inputs_are_usable(tiny_validation):
     prof = Profile.from_dict(json.loads(json.dumps(res["profile"])))
     assert prof.stage_ms[2] and len(prof.stage_ms[2]) == 2 and prof.verify_ms > 0
     assert res["profile"]["source"]["spd_row"] in ("spd", "spd-colocate")
+    # --verify-at auto (the default): the co-located run verified on the last stage, the separate
+    # driver's run on the driver, and the profile took the head from where it ran
+    assert res["settings"]["verify_at"] == "auto"
+    on_last = res["profile"]["source"]["spd_row"] == "spd-colocate"
+    assert res["profile"]["source"]["verify_at"] == ("last" if on_last else "driver")
+    if on_last:
+        assert res["profile"]["verify_ms"] == res["profile"]["measured"]["last_stage_verify_ms"] > 0
     if "pp" in res["settings"]["configs"]:  # pp is traced: its own stage times predict it
         assert len(prof.pp_stage_ms[2]) == 2 and min(prof.pp_stage_ms[2]) > 0
     net = res["rounds"][0]["netbench"]

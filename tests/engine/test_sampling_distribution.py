@@ -205,7 +205,7 @@ def suffix_as_uniform(driver) -> None:
 def forget_residual(driver) -> None:
     """A multi-draft bug: each candidate of a branch point is tested against p itself instead of
     the residual the candidates before it left (and the last residual is p's)."""
-    def broken(pos, tokens, row):
+    def broken(pos, tokens, row, reply):
         sp = driver.req.sampling
         p = target_probs(driver.head.logits(driver.exit_buf[row]), sp)
         cands = driver.req.cands.pop(pos)
