@@ -32,21 +32,9 @@ from dataclasses import dataclass
 from spd_engine.bench.cost_inputs import MESSAGE_PARTS, LinkModel, message_bytes
 from spd_engine.engine.schedule import eal, expected_eal
 from spd_engine.engine.tick import Draft, TickState, Verdict
+from spd_engine.engine.topology import VERIFY_AT, verifies_on_last  # noqa: F401 (the runtime's rule, re-exported)
 
 _DRAFT, _CORRECTION = 1, 2  # token ids that stand for a draft and a correction in the tick protocol
-# where SPD verifies at T=0: the runtime's RunConfig.verify_at choices (a number here so the cost
-# model needs no torch; tests check they agree)
-VERIFY_AT = ("auto", "last", "driver")
-
-
-def verifies_on_last(verify_at: str, colocate: bool) -> bool:
-    """Whether a configuration's last stage runs T=0 verification's head, by the runtime's rule
-    (RunConfig.verifies_on_last; n >= 2 is SpdCase's): "last", or "auto" when the driver shares
-    rank 0 with stage 0 (its rank is then the busiest); "driver" and "auto" with a rank of its
-    own keep the head on the driver."""
-    if verify_at not in VERIFY_AT:
-        raise ValueError(f"verify_at must be one of {VERIFY_AT}, got {verify_at!r}")
-    return verify_at == "last" or (verify_at == "auto" and colocate)
 
 
 def eal_for_request(n: int, alpha: float, tokens: int) -> float:

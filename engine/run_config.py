@@ -21,14 +21,13 @@ from spd_engine.engine.suffix import SuffixSettings
 
 from spd_engine.engine.anchors import AnchorPlan
 from spd_engine.engine.model_config import ModelConfig, tiny_config
-from spd_engine.engine.topology import Topology
+from spd_engine.engine.topology import VERIFY_AT, Topology, verifies_on_last  # noqa: F401 (VERIFY_AT: re-exported)
 from spd_engine.engine.tp_shard import check_tp
 
 MODES = ("spd", "pp", "ar", "tp", "eagle")
 # P2P transports: gloo/NCCL (engine/transport.py DistTransport) or shared-memory rings between
 # the CPU ranks of one host (engine/shm_transport.py); auto: shm where it can run, else the backend
 TRANSPORTS = ("auto", "gloo", "shm")
-VERIFY_AT = ("auto", "last", "driver")  # RunConfig.verify_at
 # branch width of an SPD run that names none. W = 2 at refill lifts the shipped n=4 head's pooled
 # EAL from 2.03 to 2.16 on the dev prompts, but on the 2-core CPU host, where the ranks share the
 # cores, a tick then costs more than that buys (docs/benchmarks.md), and the H200 profiles
@@ -143,8 +142,7 @@ class RunConfig:
             raise ValueError(f"suffix PDM margin must be > 0, got {self.suffix_pdm_margin}")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
-        if self.verify_at not in VERIFY_AT:
-            raise ValueError(f"verify_at must be one of {VERIFY_AT}, got {self.verify_at!r}")
+        verifies_on_last(self.verify_at, self.topology.colocate)  # names a bad verify_at
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.transport == "shm" and (self.backend != "gloo" or not self.device.startswith("cpu")):
@@ -190,8 +188,7 @@ class RunConfig:
     def verifies_on_last(self) -> bool:
         """Whether the last stage holds the head and computes T=0 verification's argmax (SPD, n >= 2;
         with n = 1 the last stage is the driver's own stage 0)."""
-        last = self.verify_at == "last" or (self.verify_at == "auto" and self.topology.colocate)
-        return self.mode == "spd" and self.topology.n >= 2 and last
+        return self.mode == "spd" and self.topology.n >= 2 and verifies_on_last(self.verify_at, self.topology.colocate)
 
     def resolved_step_mode(self) -> StepMode:
         """eager, static or graph: auto is graph on CUDA and eager elsewhere."""

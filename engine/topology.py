@@ -11,6 +11,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# where SPD computes T=0 verification's argmax (RunConfig.verify_at, docs/design.md 3.5)
+VERIFY_AT = ("auto", "last", "driver")
+
+
+def verifies_on_last(verify_at: str, colocate: bool) -> bool:
+    """Whether the last stage runs T=0 verification's head (at n >= 2): "last", or "auto" when the
+    driver shares rank 0 with stage 0 (its rank is then the busiest); "driver", and "auto" with a
+    rank of its own, keep the head on the driver. The runtime (RunConfig.verifies_on_last) and the
+    cost model (bench/cost_model_spd.py) decide by this one rule."""
+    if verify_at not in VERIFY_AT:
+        raise ValueError(f"verify_at must be one of {VERIFY_AT}, got {verify_at!r}")
+    return verify_at == "last" or (verify_at == "auto" and colocate)
+
 
 def default_stage_layers(num_layers: int, n: int) -> list[int]:
     """Layer counts per stage: the first `num_layers % n` stages get one extra layer."""
