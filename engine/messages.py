@@ -79,7 +79,12 @@ class Header(NamedTuple):
         kind = _KINDS.get(values[0])
         if kind is None:
             raise RuntimeError(f"corrupt message header {list(values)}")
-        return cls(kind, *values[1:])
+        return _new(cls, (kind, *values[1:]))  # tuple.__new__: a named tuple's own __new__ is Python
+
+    def with_reply(self, reply: int) -> "Header":
+        """This header with `reply` set (a head stage's token): `_replace` runs a few Python
+        calls, on the path from a stage's head to its report."""
+        return _new(Header, (*self[:_REPLY], reply, *self[_REPLY + 1:]))
 
     def to_tensor(self) -> torch.Tensor:
         return torch.tensor(self.to_ints(), dtype=torch.int64)
@@ -91,6 +96,8 @@ class Header(NamedTuple):
 
 _KINDS = {int(k): k for k in Kind}
 assert Header._fields == HEADER_FIELDS
+_new = tuple.__new__
+_REPLY = HEADER_FIELDS.index("reply")
 
 
 @dataclass(frozen=True)

@@ -124,9 +124,11 @@ class DecoderLayer(nn.Module):
         self.pre_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, device, dtype)
         self.mlp = MLP(cfg, device, dtype)
 
-    def forward(self, x, layer, cache, slot0, cos, sin, mask):
+    def forward(self, x, layer, cache, slot0, cos, sin, mask, out: torch.Tensor | None = None):
+        """out: where the layer's output goes (the last residual add writes it), else a new tensor."""
         h = x + self.reduce(self.self_attention(self.input_layernorm(x), layer, cache, slot0, cos, sin, mask))
-        return h + self.reduce(self.mlp(self.pre_mlp_layernorm(h)))
+        m = self.reduce(self.mlp(self.pre_mlp_layernorm(h)))
+        return h + m if out is None else torch.add(h, m, out=out)
 
     @staticmethod
     def reduce(partial: torch.Tensor) -> torch.Tensor:
@@ -189,12 +191,14 @@ class StageModel(nn.Module):
         return self.embedding.word_embeddings(tokens)
 
     def forward_layers(self, h: torch.Tensor, cache: KVCache, slot0: int, positions: torch.Tensor | None = None,
-                       mask: torch.Tensor | None = None, capture: frozenset[int] = frozenset()
-                       ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                       mask: torch.Tensor | None = None, capture: frozenset[int] = frozenset(),
+                       into: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Run owned layers on h [B, T, H] whose K/V go to cache slots [slot0, slot0 + T).
 
         positions [B, T] are the RoPE positions (default: the slots, i.e. unpadded batch);
         mask [B or 1, 1, T, slot0 + T] overrides the causal mask (padded batches).
+        into {layer: [B, T, H]}: buffers the layers' outputs are written into (a stage's decode
+        rows pinned with its transport: they leave without a copy).
         Returns the output and the raw outputs of the layers in `capture` (anchor states).
         """
         B, T, _ = h.shape
@@ -208,7 +212,7 @@ class StageModel(nn.Module):
         cos, sin = cos_t[positions], sin_t[positions]  # [B, T, hd]
         captured: dict[int, torch.Tensor] = {}
         for i in self.layer_range:
-            h = self.decoder.layers[str(i)](h, i, cache, slot0, cos, sin, mask)
+            h = self.decoder.layers[str(i)](h, i, cache, slot0, cos, sin, mask, None if into is None else into.get(i))
             if i in capture:
                 captured[i] = h
         return h, captured

@@ -77,14 +77,23 @@ class StageWorker:
         # out (downstream and, from the last stage, the exit), the anchors to the driver
         self.h_in1 = self.h_in[:1]  # [1, H]
         self.h_in1_3d = self.h_in1.view(1, 1, H)  # [1, 1, H]: the same bytes as the model's input
-        self.out1 = torch.empty(1, H, device=p.device, dtype=p.dtype)  # [1, H]
+        k = len(self.anchor_layers)
+        self.anchors1 = torch.empty(1, k, H, device=p.device, dtype=p.dtype)  # [1, k, H]
+        self._anchor_rows = [self.anchors1[:, j:j + 1] for j in range(k)]  # [1, 1, H] each
+        last = model.layer_range[-1] if len(model.layer_range) else None
+        if k and self.anchor_layers[-1] == last:  # the last anchor is the stage's output: one row for both
+            self.out1 = self.anchors1[0, k - 1:]  # [1, H]
+        else:
+            self.out1 = torch.empty(1, H, device=p.device, dtype=p.dtype)  # [1, H]
         self.out1_3d = self.out1.view(1, 1, H)  # [1, 1, H]: the same bytes, the model output's shape
-        self.anchors1 = torch.empty(1, len(self.anchor_layers), H, device=p.device, dtype=p.dtype)  # [1, k, H]
-        self._anchor_rows = [self.anchors1[:, j:j + 1] for j in range(len(self.anchor_layers))]  # [1, 1, H] each
-        self.pinned = transport.pins_buffers  # copy the output and anchors into out1 / anchors1
         # a one-row decode report's payloads in wire order, looked up once: the pinned rows
-        self._report1 = [self.anchors1 if p.name == "anchors" else self.out1
-                         for p in self.wire.to_driver(stage, Header(Kind.TOKEN))]
+        names = [p.name for p in self.wire.to_driver(stage, Header(Kind.TOKEN))]
+        self._report1 = [self.anchors1 if name == "anchors" else self.out1 for name in names]
+        self.pinned = transport.pins_buffers  # decode outputs land in out1 / anchors1
+        # an eager one-row decode step's layers write their outputs straight into those rows
+        self._into1 = {layer: row for layer, row in zip(self.anchor_layers, self._anchor_rows) if self.reports}
+        if last is not None and (self.next is not None or "exit" in names):
+            self._into1[last] = self.out1_3d
         for buf in (self.h_in1, self.out1, self.anchors1):
             transport.pin(buf)
         self.ids_in = torch.empty(rows, dtype=torch.long, device=p.device)  # [chunk] stage 0 prefill / chain ids
@@ -189,6 +198,7 @@ class StageWorker:
             h = self.t.recv_into(self.prev, self.h_in[:T], self.timeout, self.handled)[None]
             t1 = time.perf_counter()
         greedy_dev = None  # the static step's argmax token [1] (a head stage only)
+        into = None  # the pinned rows an eager one-row decode step writes its outputs into
         emb = None  # stage 0's embedding of the token [1, T, H] (eager steps): a local report's anchor 0
         if self.static is not None and hdr.kind == Kind.TOKEN and not chains:
             # static buffers that the next step rewrites: everything that leaves this step is copied
@@ -197,8 +207,9 @@ class StageWorker:
             out, caps, greedy_dev = self.static.run(pos, h=None if self.stage == 0 else h, token=ids)
         else:
             h = emb = self.model.embed(ids) if self.stage == 0 else h  # [1, T, H]
+            into = self._into1 if T == 1 and self.pinned and hdr.kind == Kind.TOKEN else None
             out, caps = self._forward(h, hdr) if chains else \
-                self.model.forward_layers(h, self.cache, pos, capture=self.capture)
+                self.model.forward_layers(h, self.cache, pos, capture=self.capture, into=into)
         if self.verifies:  # the target's argmax behind a one-row decode exit at T=0, else -1
             token = -1
             if hdr.kind == Kind.TOKEN and not chains and self.sampling.greedy:
@@ -223,28 +234,36 @@ class StageWorker:
                 self.stats[4] += self.group.collective_s - coll0
         if self.trace is not None and hdr.kind == Kind.TOKEN:
             self.trace += [t0, t1, t2]
-        if T == 1 and self.pinned and (self.next is not None or self.reports):
-            self.out1_3d.copy_(out)  # a pinned buffer the transport moves fast
-            row = self.out1  # [1, H]
-        else:
-            row = out[0]  # [T, H]
+        via_report = self.reports and not (local and self.local_reports is not None)
+        row = self._rows_out(out, caps, T, via_report, into is not None)
         if self.next is not None:
             self.t.send(self.next, hdr, [row])
         if local and self.local_reports is not None:
             self.local_reports(hdr, caps, emb if self.stage == 0 else None)
-        elif self.reports:
-            self._report(hdr._replace(reply=token) if self.model.has_head else hdr, row, caps)
+        elif via_report:
+            self._report(hdr.with_reply(token) if self.model.has_head else hdr, row, caps)
         if hdr.kind == Kind.TOKEN:
             self.stats[5] += time.perf_counter() - t2
+
+    def _rows_out(self, out: torch.Tensor, caps: dict[int, torch.Tensor], T: int, report: bool,
+                  written: bool) -> torch.Tensor:
+        """The output rows to send, out [1, T, H] -> [T, H]: a one-row decode output in out1 (and,
+        when this stage reports by message, its anchors in their rows), the buffers pinned with
+        the transport; an eager step's layers wrote them already (`written`), a static step's are
+        copied from its own buffers. Else a view of out."""
+        if T > 1 or not self.pinned or (self.next is None and not report):
+            return out[0]  # [T, H]
+        if not written:
+            self.out1_3d.copy_(out)
+            if report:
+                for dst, layer in zip(self._anchor_rows, self.anchor_layers):
+                    dst.copy_(caps[layer])  # [1, 1, H]
+        return self.out1  # [1, H]
 
     def _report(self, hdr: Header, row: torch.Tensor, caps: dict[int, torch.Tensor]) -> None:
         """The message to the driver: the anchors [T, k, H] (ascending) and, from the last stage, the
         exit `row` [T, H], as the wire format orders them."""
-        T = hdr.num_tokens
-        if T == 1 and self.pinned:  # the payloads are the pinned rows
-            assert row is self.out1
-            for dst, layer in zip(self._anchor_rows, self.anchor_layers):
-                dst.copy_(caps[layer])  # [1, 1, H]
+        if row is self.out1:  # a one-row decode report: the payloads are the pinned rows (_rows_out)
             self.t.send(self.driver, hdr, self._report1)
             return
         tensors = {"exit": lambda: row}

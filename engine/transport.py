@@ -41,8 +41,8 @@ class TransportError(RuntimeError):
 class Transport(abc.ABC):
     rank: int
     world_size: int
-    # whether `pin` makes a pinned buffer's messages cheaper (then a stage copies its output row into
-    # one); elsewhere the copy would be one more kernel per step on a GPU, for nothing
+    # whether `pin` makes a pinned buffer's messages cheaper (then a stage's decode outputs land in
+    # pinned rows); elsewhere a copy into them would be one more kernel per step on a GPU, for nothing
     pins_buffers: bool = False
 
     @abc.abstractmethod
