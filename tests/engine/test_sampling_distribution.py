@@ -342,7 +342,7 @@ def test_spd_samples_the_target_distribution_small(one_thread):
     the first 200 seeds (a count in a cell of probability 0, so every superset of those seeds fails
     too) and the stale-q verifier on the first 500 seeds."""
     joint = exact_joint(conditionals(POOR_TOPK))
-    good = draw(POOR_TOPK, range(SMALL))
+    good = draw_parallel(POOR_TOPK, range(SMALL))
     verdict = judge(good, joint)
     report(f"{POOR_TOPK.name} correct", good, verdict)
     assert verdict.passes, verdict
@@ -368,7 +368,7 @@ def test_suffix_drafts_sample_the_target_distribution_small(one_thread):
     one): 3,000 requests pass; verifying a suffix draft as if it were drawn from a uniform q (a
     multi-source bug) fails on the first 500 seeds."""
     joint = exact_joint(conditionals(SUFFIX_TOPK))
-    good = draw(SUFFIX_TOPK, range(SMALL))
+    good = draw_parallel(SUFFIX_TOPK, range(SMALL))
     verdict = judge(good, joint)
     report(f"{SUFFIX_TOPK.name} correct", good, verdict)
     assert verdict.passes, verdict
@@ -386,7 +386,7 @@ def test_branch_candidates_sample_the_target_distribution_small(one_thread):
     lower than the other small runs': 0.84, asserted >= 0.8); a verifier that tests every
     candidate against p instead of the residual fails on the first 500 seeds (observed p ~ 1e-8)."""
     joint = exact_joint(conditionals(BRANCH_TOPK))
-    good = draw(BRANCH_TOPK, range(BRANCH_SMALL))
+    good = draw_parallel(BRANCH_TOPK, range(BRANCH_SMALL))
     verdict = judge(good, joint)
     report(f"{BRANCH_TOPK.name} correct", good, verdict)
     assert verdict.passes, verdict
