@@ -19,7 +19,7 @@ from spd_engine.engine.anchors import AnchorPlan
 from spd_engine.engine.draft_stack import DraftStack, check_draft_vocab
 from spd_engine.engine.head_io import HeadFormat, check_fingerprint, read_head_meta, read_head_state, save_head
 from spd_engine.engine.model_config import ModelConfig
-from spd_engine.kernels.anchor_gather import anchor_rows, pack_projection_weights
+from spd_engine.ops.anchor_gather import anchor_rows, pack_projection_weights
 
 PDM_FORMAT = "spd-pdm-v1"
 PDM_FILES = HeadFormat("pdm", PDM_FORMAT, name="PDM", head_name="PDM head", dir_name="PDM checkpoint")

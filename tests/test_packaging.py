@@ -5,9 +5,9 @@ Import rules (docs/design.md 4), checked on the source with `ast`, nothing impor
 - no cycle among module-level imports (imports inside functions run late and do not count;
   `if TYPE_CHECKING:` blocks never run and do not count either);
 - layering, over every import including those inside functions: a module of package X imports
-  only X itself and packages before X in `kernels < engine < checkpoint_tools < train < bench
+  only X itself and packages before X in `ops < engine < checkpoint_tools < train < bench
   < tools` (tools may import everything, nothing imports tools; engine never imports
-  checkpoint_tools, train, bench or tools; kernels import none of the others);
+  checkpoint_tools, train, bench or tools; ops import none of the others);
 - the packages are imported through their namespace only (`spd_engine.engine...`), never as
   top-level `engine`, `tools`, ..., which do not exist once installed.
 """
@@ -28,7 +28,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = "spd_engine"
-LAYERS = ("kernels", "engine", "checkpoint_tools", "train", "bench", "tools")
+LAYERS = ("ops", "engine", "checkpoint_tools", "train", "bench", "tools")
 
 
 # ---- the static import graph ----
@@ -176,11 +176,11 @@ def test_import_scanner_tells_module_level_from_function_level(tmp_path):
 def test_layering_rule_flags_upward_imports_only():
     edges = [("spd_engine.engine.driver", "spd_engine.tools.common", 3, False),
              ("spd_engine.tools.common", "spd_engine.engine.driver", 4, True),
-             ("spd_engine.kernels.anchor_gather", "spd_engine.engine.pdm", 5, True),
+             ("spd_engine.ops.anchor_gather", "spd_engine.engine.pdm", 5, True),
              ("spd_engine.bench.speed", "spd_engine.train.evaluate", 6, True)]
     assert layering_violations(edges) == [
         "spd_engine.engine.driver:3 imports spd_engine.tools.common (engine may not import tools)",
-        "spd_engine.kernels.anchor_gather:5 imports spd_engine.engine.pdm (kernels may not import engine)"]
+        "spd_engine.ops.anchor_gather:5 imports spd_engine.engine.pdm (ops may not import engine)"]
 
 
 def test_no_import_cycle_among_module_level_imports():
@@ -259,7 +259,7 @@ def test_plain_install_into_a_fresh_venv(tmp_path):
 
     outside = tmp_path / "elsewhere"  # not the checkout: nothing importable from the working directory
     outside.mkdir()
-    for generic in ("tools", "train", "bench", "engine", "kernels", "checkpoint_tools", "heads"):
+    for generic in ("tools", "train", "bench", "engine", "ops", "checkpoint_tools", "heads"):
         r = _run([py, "-c", f"import {generic}"], outside)
         assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr, (generic, r.stdout, r.stderr)
     purelib = Path(json.loads(_run([py, "-c", "import json, sysconfig; print(json.dumps(sysconfig.get_paths()"

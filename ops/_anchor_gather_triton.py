@@ -1,4 +1,4 @@
-"""Triton kernel for the anchor gather + projection (see kernels/anchor_gather.py for the API).
+"""Triton kernel for the anchor gather + projection (see ops/anchor_gather.py for the API).
 
 One launch computes every row. Program `(n_block, type, row_block)` owns output columns
 `n_block` of the rows (within `row_block`) whose aggregation type is `type`, so each weight

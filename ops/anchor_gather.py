@@ -14,7 +14,7 @@ consecutive and, flattened, form `W_a^T [(a+1)H, H]`: the K-loop walks contiguou
 almost twice the bytes.
 
 `anchor_rows(..., impl="torch")` is the specification (plain indexing + matmul in fp32);
-the Triton kernel (kernels/_anchor_gather_triton.py, imported only when used) must match it.
+the Triton kernel (ops/_anchor_gather_triton.py, imported only when used) must match it.
 """
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def _resolve_impl(impl: str, ring: torch.Tensor) -> str:
     if impl == "triton":
         if not _triton_available():
             raise ValueError("impl='triton' but triton is not installed; use impl='torch'")
-        from spd_engine.kernels._anchor_gather_triton import interpreting
+        from spd_engine.ops._anchor_gather_triton import interpreting
         if not ring.is_cuda and not interpreting():
             raise ValueError(f"impl='triton' on {ring.device} tensors needs TRITON_INTERPRET=1 "
                              "(the Triton interpreter); use CUDA tensors or impl='torch'")
@@ -196,5 +196,5 @@ def anchor_rows(ring: torch.Tensor, slots: torch.Tensor, types: torch.Tensor, pa
         return out
     if impl == "torch":
         return anchor_rows_reference(ring, slots, types, packed, out)
-    from spd_engine.kernels._anchor_gather_triton import launch
+    from spd_engine.ops._anchor_gather_triton import launch
     return launch(ring, slots, types, packed, out, num_types, config)

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from spd_engine.kernels.anchor_gather import (anchor_rows, num_types_of, pack_projection_weights, type_weight_t,
+from spd_engine.ops.anchor_gather import (anchor_rows, num_types_of, pack_projection_weights, type_weight_t,
                                    unpack_projection_weights)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -103,7 +103,7 @@ def test_torch_zero_rows_and_auto_on_cpu(rng, monkeypatch):
     ws, ring, slots, types = make_case(gen, 16, 2, 0, torch.float32)
     assert anchor_rows(ring, slots, types, pack_projection_weights(ws)).shape == (0, 16)
     if HAS_TRITON:  # "auto" must not reach the Triton launcher for CPU tensors
-        import spd_engine.kernels._anchor_gather_triton as tri
+        import spd_engine.ops._anchor_gather_triton as tri
         monkeypatch.setattr(tri, "launch", lambda *a, **k: pytest.fail("auto used Triton on CPU"))
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     ws, ring, slots, types = make_case(gen, 16, 2, 3, torch.float32)
@@ -113,7 +113,7 @@ def test_torch_zero_rows_and_auto_on_cpu(rng, monkeypatch):
 
 def test_torch_path_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
-            "import torch\nfrom spd_engine.kernels.anchor_gather import anchor_rows, pack_projection_weights\n"
+            "import torch\nfrom spd_engine.ops.anchor_gather import anchor_rows, pack_projection_weights\n"
             "p = pack_projection_weights([torch.ones(4, 4), torch.ones(4, 8)])\n"
             "out = anchor_rows(torch.ones(2, 2, 4), torch.tensor([1]), torch.tensor([1]), p)\n"
             "assert out.tolist() == [[8.0] * 4], out\n"
@@ -177,7 +177,7 @@ def test_triton_compiles_for_hopper_without_a_gpu(dtype, monkeypatch):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from spd_engine.kernels._anchor_gather_triton import BLOCK_R, _anchor_rows_body, default_config
+    from spd_engine.ops._anchor_gather_triton import BLOCK_R, _anchor_rows_body, default_config
     fn = triton.jit(_anchor_rows_body)
     cfg = default_config(4096, interpret=False)
     sig = {name: "constexpr" for name in fn.arg_names}
