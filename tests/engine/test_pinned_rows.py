@@ -100,15 +100,16 @@ def test_decode_rows_leave_from_the_pinned_buffers_with_the_plain_bytes(stage, s
         got = torch.frombuffer(bytearray(stream), dtype=torch.float32).view_as(want)
         if step_mode == "eager":  # the same operations: bit-identical
             assert torch.equal(got, want)
-        else:  # a static step attends over its length bucket: equal up to summation order
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        else:  # a static step attends over its length bucket: equal up to summation order (rows
+            # out of order or from another tick would differ by the values themselves, ~1e-2)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         assert all(p is r for p, r in zip(payloads, worker._report1)) and len(payloads) == len(worker._report1)
         if stage == 0:
             (dst, _, down, down_stream), = [m for m in t.sent if m[0] != ecfg.topology.driver_rank]
             assert dst == ecfg.topology.stage_rank(1) and down[0] is worker.out1
             assert down_stream == stream  # the anchor is the output: the same bytes
         else:  # T=0 verification on the last stage: the target's argmax on the exit sent, in the header
-            assert hdr.reply == int(model.logits(got[-1]).argmax())
+            assert hdr.reply == int(model.logits(got[-1].clone()).argmax())  # clone: an aligned buffer, as the stage's
     assert (copies[0] == 0) == (step_mode == "eager")  # the eager layers wrote the rows themselves
 
 
