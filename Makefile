@@ -29,10 +29,10 @@ demo: install
 		--prompt "Explain in two sentences why the sky is blue."
 
 test: install
-	$(BIN)/python -m pytest -q -x
+	$(BIN)/pytest -q -x
 
 test-slow: install
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/pytest -q -m slow
 
 clean:
 	rm -rf $(VENV) build *.egg-info

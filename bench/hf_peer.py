@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from spd_engine.engine.metrics import GenerationResult
+from spd_engine.engine.protocol.metrics import GenerationResult
 
 DEFAULT_LOOKUP_TOKENS = 10  # the value transformers' prompt-lookup documentation suggests
 

@@ -7,7 +7,7 @@ import csv
 import json
 import os
 
-from spd_engine.bench.netbench import NCCL_NOTE, TIME_DEFINITIONS
+from spd_engine.bench.interconnect import NCCL_NOTE, TIME_DEFINITIONS
 from spd_engine.bench.stats import format_table, human_bytes
 
 

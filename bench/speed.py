@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from spd_engine.bench.hf_peer import HFPeer
-from spd_engine.bench.profile import residual_per_tick_ms
-from spd_engine.engine.run_config import RunConfig
-from spd_engine.engine.launch import launch
-from spd_engine.engine.metrics import GenerationResult
+from spd_engine.bench.profiling import residual_per_tick_ms
+from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.runtime.launch import launch
+from spd_engine.engine.protocol.metrics import GenerationResult
 
 Progress = Callable[[str], None]
 
@@ -119,7 +119,7 @@ def colocated_residual(runs: list[list[GenerationResult]], traces: list[dict] | 
     """The co-located tick beyond the busiest rank's work (the driver's rank: stage 0's compute,
     the PDM, the driver's verification; any other: its stage's compute, a verifying last stage's
     head included): `residual_ms`, the median over requests of its mean per tick, and the p50 /
-    p90 over the ticks of the last repeat's traced requests (bench/profile.py). The mean carries
+    p90 over the ticks of the last repeat's traced requests (bench/profiling.py). The mean carries
     the host's rare long stalls; the per-tick p50 is the typical tick."""
     means = []
     for b in (r.breakdown_ms_per_tick() for results in runs for r in results if r.ticks):

@@ -1,7 +1,7 @@
 """SPD tick replay: the runtime's per-tick message pattern (docs/design.md 3.3) with synthetic
-(sleeping) compute, on the engine's own wire code: its transport (engine/transport.py
-DistTransport), header and wire format (engine/messages.py), rank map (engine/topology.py)
-and tick protocol (engine/tick.py TickState).
+(sleeping) compute, on the engine's own wire code: its transport (engine/comm/transport.py
+DistTransport), header and wire format (engine/protocol/messages.py), rank map (engine/protocol/topology.py)
+and tick protocol (engine/protocol/tick.py TickState).
 
 Stage ranks sleep their configured compute time per token, then send their output downstream
 and their anchor states to the driver (the last stage sends its anchors and its exit), each a
@@ -28,13 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
-from spd_engine.bench.cost_inputs import message_bytes
-from spd_engine.engine.dist import PeerError, RankContext
-from spd_engine.engine.messages import Header, Kind, Payload, WireFormat, link_frames
-from spd_engine.engine.schedule import decode_ticks, eal, expected_eal
-from spd_engine.engine.tick import Draft, TickPlan, TickState, Verdict
-from spd_engine.engine.topology import Topology
-from spd_engine.engine.transport import DistTransport, TransportError
+from spd_engine.costmodel.cost_inputs import message_bytes
+from spd_engine.engine.comm.dist import PeerError, RankContext
+from spd_engine.engine.protocol.messages import Header, Kind, Payload, WireFormat, link_frames
+from spd_engine.engine.protocol.schedule import decode_ticks, eal, expected_eal
+from spd_engine.engine.protocol.tick import Draft, TickPlan, TickState, Verdict
+from spd_engine.engine.protocol.topology import Topology
+from spd_engine.engine.comm.transport import DistTransport, TransportError
 
 _DRAFT, _CORRECTION = 1, 2  # token ids that stand for a draft and a correction
 _DTYPES = {1: torch.uint8, 2: torch.float16, 4: torch.float32, 8: torch.float64}  # synthetic activations

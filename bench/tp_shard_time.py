@@ -1,8 +1,8 @@
 """Step time of tensor-parallel shards on this host, all T shards running at once: what a
 `--mode tp` rank computes per layer, without its all-reduces (the cost model adds those from
-netbench). The cost model's TP row takes it as `tp_layer_ms[T]` (bench/cost_alternatives.py).
+netbench). The cost model's TP row takes it as `tp_layer_ms[T]` (costmodel/cost_alternatives.py).
 
-Each TP rank's shard of the whole model is built as the runtime builds it (engine/build.py,
+Each TP rank's shard of the whole model is built as the runtime builds it (engine/runtime/build.py,
 its own weights only) in its own process with the run's threads per rank; the T processes
 step together (a barrier before the timed loop), so on a host with fewer cores than T they
 time-share the cores exactly as the TP ranks of a real run do. The shard's row-parallel
@@ -11,7 +11,7 @@ does not). Mean ms over `steps` one-token decode steps, the slowest rank's mean 
 ends when its last shard does), divided by the layer count.
 
 `lockstep=True` instead runs the shards with their real all-reduces (a gloo group of the T
-processes, the runtime's engine/tp_group.py) and subtracts the time each rank spent inside them
+processes, the runtime's engine/comm/tp_group.py) and subtracts the time each rank spent inside them
 (TPGroup.collective_s): the compute between collectives as a TP rank really does it, woken from
 a wait at every one of its 2 L reductions, which on a CPU costs more than the same layers run
 back to back. The cost model then adds the all-reduces from netbench, once each.
@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from spd_engine.engine.run_config import RunConfig
-from spd_engine.engine.tp_group import DistTPGroup, TPGroup
+from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.comm.tp_group import DistTPGroup, TPGroup
 
 
 class _ComputeOnly(TPGroup):
@@ -56,7 +56,7 @@ def _group(tp: int, rank: int, port: int | None, timeout_s: float) -> TPGroup:
 
 def _time_shard(ecfg: RunConfig, tp: int, rank: int, steps: int, warmup: int, barrier, out,
                 port: int | None = None, timeout_s: float = 600.0) -> None:
-    from spd_engine.engine.build import build_tp_stage_model
+    from spd_engine.engine.runtime.build import build_tp_stage_model
 
     torch.set_num_threads(ecfg.threads_per_rank(tp))
     L = ecfg.cfg.num_layers
@@ -80,7 +80,7 @@ def shard_timing(ecfg: RunConfig, tp: int, steps: int = 64, warmup: int = 8, tim
     (slowest rank), "allreduce_ms": with lockstep, the mean all-reduce between them (the slowest
     rank's; 0 without)}. lockstep: with their real all-reduces, whose time is left out of layer_ms
     (the module docstring)."""
-    from spd_engine.engine.dist import free_port
+    from spd_engine.engine.comm.dist import free_port
 
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(tp), ctx.Manager().dict()

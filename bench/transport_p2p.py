@@ -2,8 +2,8 @@
 netbench --tests transport`), for the gloo frame transport and the shared-memory rings.
 
 netbench's `p2p` test times raw isend/irecv pairs; a tick's message goes through the transport
-instead (a header and its payloads in one frame or one ring record, engine/transport.py and
-engine/shm_transport.py), so this is the hop the tick-cost accounting compares against. Each
+instead (a header and its payloads in one frame or one ring record, engine/comm/transport.py and
+engine/comm/shm_transport.py), so this is the hop the tick-cost accounting compares against. Each
 size is ping-ponged `iters` times between the pairs' ends; optionally the responder computes
 for `busy_us` before it answers, as a stage does, so the sender's message meets a busy peer.
 
@@ -21,9 +21,9 @@ import time
 import torch
 
 from spd_engine.bench.stats import summarize_us
-from spd_engine.engine.messages import Header, Kind
-from spd_engine.engine.shm_transport import ShmTransport, shm_usable
-from spd_engine.engine.transport import DistTransport, Transport
+from spd_engine.engine.protocol.messages import Header, Kind
+from spd_engine.engine.comm.shm_transport import ShmTransport, shm_usable
+from spd_engine.engine.comm.transport import DistTransport, Transport
 
 TRANSPORT_KINDS = ("gloo", "shm")
 
@@ -54,7 +54,7 @@ def _pingpong(t: Transport, peer: int, nbytes: int, iters: int, initiator: bool,
     """The initiator's round trips (s) of header + `nbytes` payload each way, less both ends' compute."""
     out = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)  # [nbytes / 4]
     back = torch.empty_like(out)
-    t.pin(out)  # the tick's decode buffers are pinned the same way (engine/transport.py Transport.pin)
+    t.pin(out)  # the tick's decode buffers are pinned the same way (engine/comm/transport.py Transport.pin)
     t.pin(back)
     x = torch.rand(1024)
     hdr = Header(Kind.TOKEN, 0, 1)

@@ -2,12 +2,12 @@
 separate runs, compared with an independent measurement.
 
 1. profile run: `spd bench` (ar, pp, spd-colocate, spd) with traced spd ticks -> an
-   `spd-profile/1` (bench/profile.py) and the measured acceptance alpha;
+   `spd-profile/1` (bench/profiling.py) and the measured acceptance alpha;
 2. netbench run: P2P at the runtime's message sizes between n + 1 local ranks -> link model;
 3. measurement run: the same `spd bench` again, in fresh processes.
 The SPD runs verify where `ValidationSettings.verify_at` says (RunConfig.verify_at), and the
-model prices the SPD rows the same way (bench/cost_model.py `plan`'s verify_at).
-The cost model (bench/cost_model.py `plan`) predicts from 1 + 2 the decode tok/s and the time
+model prices the SPD rows the same way (costmodel/cost_model.py `plan`'s verify_at).
+The cost model (costmodel/cost_model.py `plan`) predicts from 1 + 2 the decode tok/s and the time
 per tick of ar, pp and SPD (co-located and separate driver) at this n, and these are compared
 with 3. This repeats for a few rounds and medians over rounds are compared: on a shared host
 the machine's speed swings over minutes, and one pair of runs can land on different sides of
@@ -22,13 +22,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from statistics import median
 
-from spd_engine.bench.cost_inputs import AlphaCurve, LinkModel, Profile, message_bytes
-from spd_engine.bench.cost_model import Links, plan
-from spd_engine.bench.cost_model_spd import eal_for_request
-from spd_engine.bench.profile import profile_from_bench
+from spd_engine.costmodel.cost_inputs import AlphaCurve, LinkModel, Profile, message_bytes
+from spd_engine.costmodel.cost_model import Links, plan
+from spd_engine.costmodel.cost_model_spd import eal_for_request
+from spd_engine.bench.profiling import profile_from_bench
 from spd_engine.bench.speed import BenchCase, bench
-from spd_engine.engine.run_config import VERIFY_AT, RunConfig
-from spd_engine.engine.messages import HEADER_LEN
+from spd_engine.engine.runtime.run_config import VERIFY_AT, RunConfig
+from spd_engine.engine.protocol.messages import HEADER_LEN
 
 CONFIGS = ("ar", "pp", "spd-colocate", "spd")
 TP_CONFIG = "tp"  # --mode tp over ValidationSettings.tp ranks (optional)
@@ -105,7 +105,7 @@ def run_netbench(ecfg: RunConfig, anchors: int, s: ValidationSettings, allreduce
     small all-reduces for the plan's TP rows, each after `allreduce_busy_us` of compute (the tp
     row: half a shard layer, what a TP rank computes between two of its reductions); with a
     gloo or shm link also the runtime's own transport at those sizes (`--tests transport`)."""
-    from spd_engine.bench.netbench import NetbenchConfig, default_pairs, launch_local, netbench_rank
+    from spd_engine.bench.interconnect import NetbenchConfig, default_pairs, launch_local, netbench_rank
 
     world = max(ecfg.topology.n + 1, s.tp)  # the tp row's group is ranks 0..tp-1, as the runtime's
     itemsize = ecfg.torch_dtype.itemsize

@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType, GGUFReader, dequantize
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from spd_engine.engine.model_config import ModelConfig
+from spd_engine.engine.model.model_config import ModelConfig
 
 # GGUF per-layer tensor name -> HF name under `model.layers.{i}.`
 LAYER_TENSORS = {

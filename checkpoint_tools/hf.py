@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from spd_engine.engine.checkpoint import dtype_name, save_safetensors
-from spd_engine.engine.model_config import ModelConfig
+from spd_engine.engine.model.checkpoint import dtype_name, save_safetensors
+from spd_engine.engine.model.model_config import ModelConfig
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"

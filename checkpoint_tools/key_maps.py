@@ -8,7 +8,7 @@ Megatron fused layouts (the engine's `StageModel` uses them as well):
   linear_qkv [(nh + 2 nkv) hd, H]: for each KV head g: its q_per_group q heads, then k_g, then v_g
   linear_fc1 [2 I, H]: gate rows, then up rows
 
-Tensor parallelism (Megatron's scheme; engine/tp_shard.py, which the runtime shares):
+Tensor parallelism (Megatron's scheme; engine/model/tp_shard.py, which the runtime shares):
   column-parallel linear_qkv: each rank gets whole query groups (its q heads with their k and v);
       tp must divide num_kv_heads and num_heads
   column-parallel linear_fc1: rank r holds its gate shard stacked on its up shard (splitting the
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from spd_engine.engine import tp_shard
-from spd_engine.engine.model_config import ModelConfig
+from spd_engine.engine.model import tp_shard
+from spd_engine.engine.model.model_config import ModelConfig
 
 Tensor = torch.Tensor
 LAYER = "{i}"  # placeholder for the global layer index in key patterns
@@ -173,7 +173,7 @@ def mcore_to_hf(mcore: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]
     return out
 
 
-# ---- tensor parallelism: the engine's own sharding (engine/tp_shard.py), re-exported here ----
+# ---- tensor parallelism: the engine's own sharding (engine/model/tp_shard.py), re-exported here ----
 
 check_tp, shard_tensor, merge_tensor = tp_shard.check_tp, tp_shard.shard_tensor, tp_shard.merge_tensor
 shard_state, merge_state = tp_shard.shard_state, tp_shard.merge_state

@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from spd_engine.checkpoint_tools import hf, key_maps
-from spd_engine.engine.checkpoint import EMBEDDING_KEY, OUTPUT_KEY, expected_shapes
-from spd_engine.engine.model_config import ModelConfig
+from spd_engine.engine.model.checkpoint import EMBEDDING_KEY, OUTPUT_KEY, expected_shapes
+from spd_engine.engine.model.model_config import ModelConfig
 
 METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                  "common_backend": "torch", "common_backend_version": 1}

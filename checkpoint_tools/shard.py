@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from spd_engine.checkpoint_tools import hf, key_maps
-from spd_engine.engine import checkpoint as ckpt
-from spd_engine.engine.model_config import ModelConfig
-from spd_engine.engine.topology import Topology, stage_bounds
+from spd_engine.engine.model import checkpoint as ckpt
+from spd_engine.engine.model.model_config import ModelConfig
+from spd_engine.engine.protocol.topology import Topology, stage_bounds
 
 SOURCE_HF_CONFIG = "hf_config.json"  # the source config.json, kept so mcore2hf can restore its extra fields
 

@@ -1,22 +1,26 @@
-"""Packaging: the import graph of the spd_engine packages (fast, static) and a plain install into
-a fresh virtual environment (slow).
+"""Packaging: the import graph of the spd_engine packages (fast, static), how the suite and the
+documented commands find the package (never through the repository root), and a plain install
+into a fresh virtual environment (slow).
 
-Import rules (docs/design.md 4), checked on the source with `ast`, nothing imported:
-- no cycle among module-level imports (imports inside functions run late and do not count;
-  `if TYPE_CHECKING:` blocks never run and do not count either);
-- layering, over every import including those inside functions: a module of package X imports
-  only X itself and packages before X in `ops < engine < checkpoint_tools < train < bench
-  < tools` (tools may import everything, nothing imports tools; engine never imports
-  checkpoint_tools, train, bench or tools; ops import none of the others);
-- the packages are imported through their namespace only (`spd_engine.engine...`), never as
-  top-level `engine`, `tools`, ..., which do not exist once installed.
+Import rules (docs/design.md 4), checked on the source with `ast`, nothing imported, over every
+import, those inside functions included (`if TYPE_CHECKING:` blocks never run and do not count):
+- layering: a module imports only its own layer and the layers before it in `kernels <
+  engine.protocol < engine.comm < engine.model < engine.runtime < checkpoint_tools < train <
+  costmodel < bench < server < tools` (tools may import everything, nothing imports tools; the
+  protocol's pure rules import no other part of the engine);
+- no import cycle among the modules;
+- no two modules share a name, and packages are imported through their namespace only
+  (`spd_engine.engine...`), never as top-level `engine`, `tools`, ..., which do not exist once
+  installed.
 """
 from __future__ import annotations
 
 import ast
 import hashlib
+import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,19 +32,31 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = "spd_engine"
-LAYERS = ("ops", "engine", "checkpoint_tools", "train", "bench", "tools")
+LAYERS = ("kernels", "engine.protocol", "engine.comm", "engine.model", "engine.runtime", "checkpoint_tools", "train",
+          "costmodel", "bench", "server", "tools")
+PACKAGES = sorted({layer.split(".")[0] for layer in LAYERS})
 
 
 # ---- the static import graph ----
 
 def package_modules() -> dict[str, Path]:
-    """spd_engine.<package>[.<module>] -> source file, for every module of every layer."""
+    """spd_engine.<package>[.<sub>...][.<module>] -> source file, for every module of every package."""
     mods = {}
-    for pkg in LAYERS:
-        for f in sorted((ROOT / pkg).glob("*.py")):
-            name = f"{NAMESPACE}.{pkg}" + ("" if f.stem == "__init__" else f".{f.stem}")
-            mods[name] = f
+    for pkg in PACKAGES:
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            parts = (f.relative_to(ROOT).with_suffix("")).parts
+            mods[".".join((NAMESPACE, *(parts[:-1] if f.stem == "__init__" else parts)))] = f
     return mods
+
+
+def layer_of(module: str) -> str:
+    """The layer a module of the namespace belongs to (the engine's own __init__: its lowest)."""
+    rest = module.removeprefix(f"{NAMESPACE}.")
+    if rest == "engine":
+        return "engine.protocol"
+    found = [layer for layer in LAYERS if rest == layer or rest.startswith(layer + ".")]
+    assert found, f"{module} belongs to no layer: add its package to LAYERS"
+    return max(found, key=len)
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -135,18 +151,19 @@ def strongly_connected(nodes: list[str], edges: dict[str, set[str]]) -> list[lis
 
 
 def import_cycles(mods: dict[str, Path], edges: list[tuple[str, str, int, bool]]) -> list[list[str]]:
+    """Cycles among the modules over every import, those inside functions included: a cycle hidden
+    behind a late import is still two modules that need each other."""
     graph: dict[str, set[str]] = {}
-    for src, dst, _, top in edges:
-        if top:
-            graph.setdefault(src, set()).add(dst)
+    for src, dst, _, _ in edges:
+        graph.setdefault(src, set()).add(dst)
     return [c for c in strongly_connected(sorted(mods), graph) if len(c) > 1]
 
 
 def layering_violations(edges: list[tuple[str, str, int, bool]]) -> list[str]:
-    rank = {pkg: i for i, pkg in enumerate(LAYERS)}
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
     bad = []
     for src, dst, line, _ in edges:
-        a, b = src.split(".")[1], dst.split(".")[1]
+        a, b = layer_of(src), layer_of(dst)
         if rank[b] > rank[a]:
             bad.append(f"{src}:{line} imports {dst} ({a} may not import {b})")
     return bad
@@ -162,32 +179,56 @@ def test_strongly_connected_finds_cycles_and_only_cycles():
 def test_import_scanner_tells_module_level_from_function_level(tmp_path):
     src = tmp_path / "m.py"
     src.write_text("from __future__ import annotations\nfrom typing import TYPE_CHECKING\n"
-                   "import spd_engine.engine.tick\n"
-                   "try:\n    from spd_engine.engine import schedule\nexcept ImportError:\n    pass\n"
+                   "import spd_engine.engine.protocol.tick\n"
+                   "try:\n    from spd_engine.engine.protocol import schedule\nexcept ImportError:\n    pass\n"
                    "if TYPE_CHECKING:\n    from spd_engine.tools.common import x\n"
                    "def f():\n    from ..train import evaluate\n")
     found = {(name, top) for name, _, top in imports_of("spd_engine.bench.m", src)}
-    assert ("spd_engine.engine.tick", True) in found
-    assert ("spd_engine.engine.schedule", True) in found
+    assert ("spd_engine.engine.protocol.tick", True) in found
+    assert ("spd_engine.engine.protocol.schedule", True) in found
     assert ("spd_engine.tools.common", False) in found
     assert ("spd_engine.train.evaluate", False) in found  # relative import resolved
 
 
 def test_layering_rule_flags_upward_imports_only():
-    edges = [("spd_engine.engine.driver", "spd_engine.tools.common", 3, False),
-             ("spd_engine.tools.common", "spd_engine.engine.driver", 4, True),
-             ("spd_engine.ops.anchor_gather", "spd_engine.engine.pdm", 5, True),
+    edges = [("spd_engine.engine.runtime.driver", "spd_engine.tools.common", 3, False),
+             ("spd_engine.tools.common", "spd_engine.engine.runtime.driver", 4, True),
+             ("spd_engine.kernels.anchor_gather", "spd_engine.engine.model.pdm", 5, True),
              ("spd_engine.bench.speed", "spd_engine.train.evaluate", 6, True)]
     assert layering_violations(edges) == [
-        "spd_engine.engine.driver:3 imports spd_engine.tools.common (engine may not import tools)",
-        "spd_engine.ops.anchor_gather:5 imports spd_engine.engine.pdm (ops may not import engine)"]
+        "spd_engine.engine.runtime.driver:3 imports spd_engine.tools.common (engine.runtime may not import tools)",
+        "spd_engine.kernels.anchor_gather:5 imports spd_engine.engine.model.pdm (kernels may not import engine.model)"]
+    inside = [("spd_engine.engine.protocol.tick", "spd_engine.engine.comm.transport", 7, False),
+              ("spd_engine.engine.comm.transport", "spd_engine.engine.protocol.messages", 8, True),
+              ("spd_engine.server.app", "spd_engine.bench.stats", 9, True)]
+    assert layering_violations(inside) == [
+        "spd_engine.engine.protocol.tick:7 imports spd_engine.engine.comm.transport "
+        "(engine.protocol may not import engine.comm)"]
+
+
+def test_cycle_rule_counts_imports_inside_functions():
+    mods = {"spd_engine.train.a": Path("a.py"), "spd_engine.train.b": Path("b.py")}
+    edges = [("spd_engine.train.a", "spd_engine.train.b", 1, True), ("spd_engine.train.b", "spd_engine.train.a", 9, False)]
+    assert import_cycles(mods, edges) == [["spd_engine.train.a", "spd_engine.train.b"]]
 
 
 def test_no_import_cycle_among_module_level_imports():
     mods = package_modules()
-    assert f"{NAMESPACE}.engine.tick" in mods and f"{NAMESPACE}.tools.cli" in mods
+    assert f"{NAMESPACE}.engine.protocol.tick" in mods and f"{NAMESPACE}.tools.cli" in mods
+    assert f"{NAMESPACE}.tools.experiments.sync_time" in mods  # sub-packages are scanned
     cycles = import_cycles(mods, import_edges(mods))
-    assert not cycles, f"import cycles (module-level imports): {cycles}"
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_every_module_in_a_layer_and_no_two_modules_share_a_name():
+    mods = package_modules()
+    for mod in mods:
+        layer_of(mod)
+    stems: dict[str, list[str]] = {}
+    for mod, path in mods.items():
+        if path.stem != "__init__":
+            stems.setdefault(path.stem, []).append(mod)
+    assert not {s: m for s, m in stems.items() if len(m) > 1}
 
 
 def test_no_package_imports_a_later_layer():
@@ -201,9 +242,80 @@ def test_package_folders_are_imported_through_the_namespace_only():
     bad = []
     for mod, path in package_modules().items():
         for name, line, _ in imports_of(mod, path):
-            if name.split(".")[0] in LAYERS:
+            if name.split(".")[0] in PACKAGES:
                 bad.append(f"{mod}:{line} imports {name} (write {NAMESPACE}.{name})")
     assert not bad, bad
+
+
+# ---- docs/design.md section 4 lists the tree ----
+
+def design_layout() -> dict[str, set[str]]:
+    """Package folder -> the module names docs/design.md section 4 lists under it."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text[text.index("## 4. Layout"):text.index("## 5.")]
+    block = section.split("```")[1]
+    listed: dict[str, set[str]] = {}
+    stack: list[tuple[int, str]] = []  # (indent, folder path)
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        words = re.split(r"\s{2,}", line.strip())[0]
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        if words.endswith("/"):
+            folder = "/".join([*(s[1] for s in stack[-1:]), words.rstrip("/")])
+            stack.append((indent, folder))
+            listed.setdefault(folder, set())
+        elif stack:
+            listed[stack[-1][1]].update(w.strip() for w in words.split(","))
+    return listed
+
+
+def test_design_section_4_lists_every_module_and_no_other():
+    listed = design_layout()
+    actual = {str(f.parent.relative_to(ROOT)): set() for f in package_modules().values()}
+    for path in package_modules().values():
+        if path.stem != "__init__":
+            actual[str(path.parent.relative_to(ROOT))].add(path.stem)
+    for folder, mods in actual.items():
+        assert listed.get(folder) == mods, (folder, "missing from the doc:", mods - listed.get(folder, set()),
+                                            "not in the tree:", listed.get(folder, set()) - mods)
+    assert {f for f in listed if f not in ("engine", "heads", "tests")} == set(actual) - {"engine"}
+
+
+# ---- the repository root never on sys.path ----
+
+# Commands that put the working directory first on sys.path; from the repository root its folders
+# would shadow installed packages of the same names (`kernels`, which transformers imports).
+ROOT_ON_PATH = re.compile(r"python3?\s+-m\s+(spd_engine|pytest)\b|[\"']-m[\"'],\s*[\"'](spd_engine|pytest)\b")
+
+
+def test_the_suite_runs_without_the_repository_root_on_sys_path():
+    assert ROOT not in {Path(p or os.getcwd()).resolve() for p in sys.path}
+
+
+def test_kernels_imports_the_installed_package_not_the_folder():
+    spec = importlib.util.find_spec("kernels")
+    assert spec is None or Path(spec.origin).resolve() != (ROOT / "kernels" / "__init__.py").resolve(), spec.origin
+
+
+def test_the_kernels_folder_refuses_to_stand_in_for_the_pypi_package(tmp_path):
+    (tmp_path / "kernels").symlink_to(ROOT / "kernels")
+    out = subprocess.run([sys.executable, "-c", "import kernels"], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode != 0 and "repository root is on sys.path" in out.stderr
+
+
+def test_no_command_the_project_runs_or_documents_puts_the_root_on_sys_path():
+    files = [p for p in _source_files() if p.suffix in (".py", ".md", ".cfg", ".toml", "") and p.name != "test_packaging.py"
+             and p.parts[0] not in ("heads",)]
+    assert any(p.name == "Makefile" for p in files) and any(p.suffix == ".md" for p in files)
+    bad = [f"{p}:{i}: {line.strip()}" for p in files for i, line in enumerate((ROOT / p).read_text(errors="replace")
+                                                                            .splitlines(), 1)
+           if ROOT_ON_PATH.search(line)]
+    assert not bad, "run `spd` / `pytest` (or spd_command()), never python -m from the root:\n" + "\n".join(bad)
+    assert ROOT_ON_PATH.search('cmd = [sys.executable, "-m", "spd_engine.tools.cli"]')
+    assert ROOT_ON_PATH.search("python -m pytest -q") and not ROOT_ON_PATH.search("python -m pip install x")
 
 
 # ---- a plain install into a fresh virtual environment ----

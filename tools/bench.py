@@ -33,7 +33,7 @@ LATENCY_COLUMNS = [("name", "config", "")] + [
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from spd_engine.tools.generate import add_request_arguments
+    from spd_engine.tools.common import add_request_arguments
 
     add_engine_arguments(p, mode_flags=False)  # --configs names the modes and layouts
     g = p.add_argument_group("benchmark")
@@ -91,10 +91,10 @@ def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
         out.append(BenchCase("spd-colocate-vd", ecfg.replace(mode="spd", overlap_stage0=False, verify_at="driver",
                                                              topology=dataclasses.replace(topo, colocate=True),
                                                              trace=True)))
-    if "spd-overlap" in names:  # co-located, stage 0 on its own thread (engine/stage0_overlap.py)
+    if "spd-overlap" in names:  # co-located, stage 0 on its own thread (engine/runtime/stage0_overlap.py)
         out.append(BenchCase("spd-overlap", ecfg.replace(mode="spd", overlap_stage0=True,
                                                          topology=dataclasses.replace(topo, colocate=True))))
-    if "eagle" in names:  # the serial baseline on one rank (engine/eagle_driver.py)
+    if "eagle" in names:  # the serial baseline on one rank (engine/runtime/eagle_driver.py)
         out.append(BenchCase("eagle", ecfg.replace(mode="eagle", topology=one)))
     for name in ("hf", "hf-lookup"):
         if name in names:
@@ -110,10 +110,10 @@ def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
 
 
 def write_profile(report: dict, ecfg, path: str) -> None:
-    """The run's spd-profile/1 (bench/profile.py), with the host's cores and load recorded."""
+    """The run's spd-profile/1 (bench/profiling.py), with the host's cores and load recorded."""
     import os
 
-    from spd_engine.bench.profile import profile_from_bench
+    from spd_engine.bench.profiling import profile_from_bench
 
     host = f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} after the run"
     prof = profile_from_bench(report, ecfg, os.cpu_count(), host)
@@ -123,8 +123,8 @@ def write_profile(report: dict, ecfg, path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from spd_engine.engine.tokenizer import Tokenizer
-    from spd_engine.tools.generate import encode_prompts
+    from spd_engine.engine.model.tokenizer import Tokenizer
+    from spd_engine.engine.runtime.request_inputs import encode_prompts
 
     if args.synthetic_alpha is not None and not 0 <= args.synthetic_alpha <= 1:
         raise ValueError(f"--synthetic-alpha must be in [0, 1], got {args.synthetic_alpha}")

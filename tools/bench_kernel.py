@@ -1,4 +1,4 @@
-"""`spd bench-kernel`: GPU benchmark of the anchor-gather + projection kernel (ops/anchor_gather.py).
+"""`spd bench-kernel`: GPU benchmark of the anchor-gather + projection kernel (kernels/anchor_gather.py).
 
 For each model shape it builds the rows one steady-state tick feeds the PDM (the pending
 full-depth row plus the staircase of the n in-flight tokens, types from the default anchor
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from spd_engine.engine.anchors import AnchorPlan
-from spd_engine.engine.topology import default_stage_layers, stage_bounds
+from spd_engine.engine.protocol.anchors import AnchorPlan
+from spd_engine.engine.protocol.topology import default_stage_layers, stage_bounds
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def copy_bandwidth() -> float:
 
 
 def bench_shape(shape: Shape, dtype: torch.dtype, iters: int, sweep: bool, copy_bw: float) -> dict:
-    from spd_engine.ops.anchor_gather import anchor_rows, pack_projection_weights
+    from spd_engine.kernels.anchor_gather import anchor_rows, pack_projection_weights
 
     num_types, row_types = bench_rows(shape)
     hidden, rows = shape.hidden, len(row_types)

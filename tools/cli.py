@@ -27,6 +27,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("spd_engine.tools.plan", "cost model: predict tick time and speedup from measured inputs"),
     "bench-kernel": ("spd_engine.tools.bench_kernel", "GPU benchmark of the anchor-gather kernel"),
     "serve": ("spd_engine.tools.serve", "OpenAI-compatible HTTP server on the SPD runtime (streaming, metrics)"),
+    "measure": ("spd_engine.tools.measure", "one-off measurements (spd measure --help lists them)"),
     "profile": ("spd_engine.tools.profile", "per-stage / PDM / verify / AR step times of model shapes (GPU device check)"),
 }
 

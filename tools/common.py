@@ -17,10 +17,10 @@ import dataclasses
 import json
 from pathlib import Path
 
-from spd_engine.engine.branching import WHEN
-from spd_engine.engine.run_config import (DEFAULT_BRANCHES, MODES, PRESETS, STEP_MODES, TRANSPORTS, VERIFY_AT, RunConfig,
+from spd_engine.engine.protocol.branching import WHEN
+from spd_engine.engine.runtime.run_config import (DEFAULT_BRANCHES, MODES, PRESETS, STEP_MODES, TRANSPORTS, VERIFY_AT, RunConfig,
                                           random_preset)
-from spd_engine.engine.topology import Topology
+from spd_engine.engine.protocol.topology import Topology
 
 REPO_HEADS = Path(__file__).resolve().parents[1] / "heads"  # site-packages/spd_engine/heads when installed
 BUILTIN_MODELS = ("smollm2-135m",)
@@ -158,7 +158,7 @@ def model_config(engine_spec: str):
     cfg = random_preset(engine_spec)
     if cfg is not None:
         return cfg
-    from spd_engine.engine.checkpoint import read_index
+    from spd_engine.engine.model.checkpoint import read_index
 
     return read_index(engine_spec).cfg
 
@@ -297,6 +297,16 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used:
 
 
 # ---- prompts and chats ----
+
+def add_request_arguments(g) -> None:
+    """Prompt sources shared by generate and bench."""
+    g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    g.add_argument("--prompts-file", help="one prompt per line, or jsonl ('prompt', 'messages' or EAGLE 'turns')")
+    g.add_argument("--messages-file", help="JSON: one chat [{\"role\": ..., \"content\": ...}, ...], a list of "
+                                           "chats, or jsonl of {\"messages\": [...]}; always through the chat template")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt at most")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template to text prompts")
+
 
 def _jsonl_prompt(rec, where: str):
     """A prompt of a jsonl line: 'prompt' (text), 'messages' (a chat) or EAGLE 'turns' (first turn)."""

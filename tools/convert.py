@@ -5,14 +5,14 @@
   spd convert export-megatron SRC OUT [--release-layout]        (SRC: engine or HF directory)
   spd convert import-megatron MEGATRON_DIR OUT [--stages/--stage-layers/--tp] [--dtype D] [--hf-config DIR]
   spd convert verify A B [--atol X] [--min-agreement F] [--prompts N] [--length T]
-  spd convert head SRC OUT --dtype int8|float16|bfloat16|float32     (a PDM head's weights, engine/pdm_quant.py)
+  spd convert head SRC OUT --dtype int8|float16|bfloat16|float32     (a PDM head's weights, engine/model/pdm_quant.py)
 """
 from __future__ import annotations
 
 import argparse
 
-from spd_engine.checkpoint_tools import hf, megatron_dcp, shard, verify
-from spd_engine.engine.checkpoint import parse_dtype
+from spd_engine.checkpoint_tools import hf, megatron_dcp, shard, verify_checkpoint as verify
+from spd_engine.engine.model.checkpoint import parse_dtype
 from spd_engine.tools.common import add_dtype_argument, dtype_name
 
 
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "head":
         import torch
 
-        from spd_engine.engine.pdm_quant import convert_head
+        from spd_engine.engine.model.pdm_quant import convert_head
 
         print(f"wrote {convert_head(args.src, args.dst, getattr(torch, args.dtype))}")
         return 0

@@ -18,7 +18,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from spd_engine.engine.tokenizer import Tokenizer
+from spd_engine.engine.model.tokenizer import Tokenizer
 from spd_engine.train.corpus import BuildOptions, build_corpus
 from spd_engine.train.decontaminate import Decontaminator
 from spd_engine.train.sources import SOURCES, cache_root, chitchat_records, evals_records, \

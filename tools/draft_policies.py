@@ -23,8 +23,8 @@ POLICY_GRID = {"pdm": None, **{f"suffix>={m}": (m, math.inf) for m in (1, 2, 3, 
 
 
 def _policies():
-    from spd_engine.engine.drafting import DraftChooser
-    from spd_engine.engine.suffix import SuffixSettings
+    from spd_engine.engine.protocol.drafting import DraftChooser
+    from spd_engine.engine.protocol.suffix import SuffixSettings
 
     return {name: DraftChooser() if spec is None else DraftChooser(SuffixSettings(16, spec[0]), spec[1])
             for name, spec in POLICY_GRID.items()}
@@ -39,7 +39,7 @@ def _pooled(accs, n: int) -> dict:
 
 
 def _branch_policies(widths: str, whens: str) -> list:
-    from spd_engine.engine.branching import WHEN, BranchPolicy
+    from spd_engine.engine.protocol.branching import WHEN, BranchPolicy
     from spd_engine.tools.common import parse_names
 
     try:
@@ -72,11 +72,11 @@ def run(args) -> int:
 def _run(args) -> int:
     import torch
 
-    from spd_engine.engine.build import build_pdm
-    from spd_engine.engine.drafting import DraftChooser
-    from spd_engine.engine.greedy import greedy_generate
-    from spd_engine.engine.suffix import SuffixSettings
-    from spd_engine.engine.tokenizer import Tokenizer
+    from spd_engine.engine.runtime.build import build_pdm
+    from spd_engine.engine.protocol.drafting import DraftChooser
+    from spd_engine.engine.model.greedy import greedy_generate
+    from spd_engine.engine.protocol.suffix import SuffixSettings
+    from spd_engine.engine.model.tokenizer import Tokenizer
     from spd_engine.tools.common import engine_config, parse_names, write_json
     from spd_engine.train.branch_replay import pooled as branch_pooled
     from spd_engine.train.branch_replay import score_branches

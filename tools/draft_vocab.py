@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 
 from spd_engine.train.corpus import Corpus
-from spd_engine.train.draft_vocab import build_draft_vocab, save_draft_vocab
+from spd_engine.train.draft_vocab_build import build_draft_vocab, save_draft_vocab
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

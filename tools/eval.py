@@ -65,7 +65,7 @@ def _datasets(arg: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from spd_engine.engine.tokenizer import Tokenizer
+    from spd_engine.engine.model.tokenizer import Tokenizer
     from spd_engine.tools.common import engine_config, write_json
     from spd_engine.train.evaluate import encode_prompt, evaluate, format_table, load_dataset, open_runner
 

@@ -22,18 +22,10 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from spd_engine.engine.sampling import SamplingParams
-from spd_engine.tools.common import add_engine_arguments, add_json_argument, engine_config, load_prompts
-
-
-def add_request_arguments(g) -> None:
-    """Prompt sources shared by generate and bench."""
-    g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
-    g.add_argument("--prompts-file", help="one prompt per line, or jsonl ('prompt', 'messages' or EAGLE 'turns')")
-    g.add_argument("--messages-file", help="JSON: one chat [{\"role\": ..., \"content\": ...}, ...], a list of "
-                                           "chats, or jsonl of {\"messages\": [...]}; always through the chat template")
-    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt at most")
-    g.add_argument("--chat", action="store_true", help="apply the model's chat template to text prompts")
+from spd_engine.engine.protocol.sampling import SamplingParams
+from spd_engine.engine.runtime.request_inputs import encode_prompts, sampling_params
+from spd_engine.tools.common import (add_engine_arguments, add_json_argument, add_request_arguments, engine_config,
+                                     load_prompts)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,33 +48,6 @@ def sampling_overrides(args: argparse.Namespace) -> dict:
     return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.sampling_seed)
 
 
-def sampling_params(overrides: dict, tok_dir: Path | None) -> SamplingParams:
-    """generation_config.json in tok_dir (if any) read as HF does, then the explicit flags on top."""
-    path = Path(tok_dir) / "generation_config.json" if tok_dir is not None else None
-    if path is None or not path.is_file():
-        return SamplingParams(**{k: v for k, v in overrides.items() if v is not None})
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not JSON: {err}") from None
-    return SamplingParams.from_generation_config(config, **overrides)
-
-
-def encode_prompts(texts: list, tok, chat: bool, vocab_size: int) -> list[list[int]]:
-    """Prompt ids: text (chat template with `chat`) or a chat (a list of messages: always the template)."""
-    return [encode_prompt(t, tok, chat, vocab_size) for t in texts]
-
-
-def encode_prompt(prompt, tok, chat: bool, vocab_size: int) -> list[int]:
-    if isinstance(prompt, list):
-        if tok is None:
-            raise ValueError("a chat (--messages-file) needs a model with a tokenizer and chat template")
-        return tok.chat_ids_messages(prompt)
-    if tok is None:  # random-weight models have no tokenizer: map bytes into the vocabulary
-        return [3 + b % (vocab_size - 3) for b in prompt.encode()]
-    return tok.chat_ids(prompt) if chat else tok.encode(prompt)
-
-
 def result_json(i: int, ecfg, res, tok, sampling: SamplingParams) -> dict:
     """The --json record of one prompt: what was generated, by which model and head, and the stats."""
     return {"prompt": i, "text": tok.text(res.tokens) if tok is not None else None, "token_ids": list(res.tokens),
@@ -92,8 +57,8 @@ def result_json(i: int, ecfg, res, tok, sampling: SamplingParams) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from spd_engine.engine.launch import launch
-    from spd_engine.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+    from spd_engine.engine.runtime.launch import launch
+    from spd_engine.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")

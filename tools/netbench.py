@@ -9,11 +9,11 @@ import argparse
 import os
 import sys
 
-from spd_engine.bench.netbench import NCCL_NOTE, NetbenchConfig, launch_local, netbench_rank, run_torchrun_rank
+from spd_engine.bench.interconnect import NCCL_NOTE, NetbenchConfig, launch_local, netbench_rank, run_torchrun_rank
 from spd_engine.bench.plot import format_report, plot_netbench, write_outputs
 from spd_engine.bench.stats import parse_bytes
 from spd_engine.bench.tick_replay import ReplayConfig
-from spd_engine.engine.dist import RunFailed, under_torchrun
+from spd_engine.engine.comm.dist import RunFailed, under_torchrun
 
 TESTS = ("p2p", "allreduce", "fanin", "replay", "transport")
 

@@ -1,6 +1,6 @@
 """`spd plan`: predict SPD tick time, tokens/s and speedup against TP, PP and TP x SPD hybrids
 from a compute profile, netbench link measurements and an acceptance alpha (and, given its
-acceptance, the serial eagle baseline on one device: bench/cost_eagle.py); or, with
+acceptance, the serial eagle baseline on one device: costmodel/cost_eagle.py); or, with
 `--validate`, check the model against tick replays with sleeping stages on this host; or, with
 `--validate-runtime`, against real ar / pp / SPD runs (bench/validate_runtime.py).
 """
@@ -13,13 +13,13 @@ from pathlib import Path
 from statistics import median
 from typing import TYPE_CHECKING
 
-from spd_engine.bench.cost_inputs import REFERENCE_PROFILES, AlphaCurve, LinkModel, Profile
-from spd_engine.bench.cost_model import Links, plan, recommendation
-from spd_engine.bench.cost_model_spd import VERIFY_AT, predict_replay, verifies_on_last
+from spd_engine.costmodel.cost_inputs import REFERENCE_PROFILES, AlphaCurve, LinkModel, Profile
+from spd_engine.costmodel.cost_model import Links, plan, recommendation
+from spd_engine.costmodel.cost_model_spd import VERIFY_AT, predict_replay, verifies_on_last
 from spd_engine.bench.stats import format_table
 
 if TYPE_CHECKING:  # the runtime's config imports torch; the plan itself does not need it
-    from spd_engine.engine.run_config import RunConfig
+    from spd_engine.engine.runtime.run_config import RunConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     br.add_argument("--branch-policy", default="refill suffix>=2", help="branch rule and chooser of the report rows")
     br.add_argument("--width-cost", default="2:1.0,4:1.0",
                     help="W:RATIO, a W-token stage step's time over a one-token step's (default ASSUMED 1.0: "
-                         "memory-bound GPU decode; python -m spd_engine.bench.stage_width_time measures it)")
+                         "memory-bound GPU decode; spd measure stage-width-time measures it)")
     p.add_argument("--verify-at", choices=VERIFY_AT, default="auto",
                    help="where SPD verifies at T=0, as the runtime's --verify-at: on the last stage (its compute "
                         "holds the head), on the driver, or auto (last co-located, driver with a separate driver); "
@@ -143,7 +143,7 @@ def _alpha(args: argparse.Namespace) -> AlphaCurve:
 
 def _eagle(args: argparse.Namespace):
     """EagleInputs from --eagle-alpha / --eagle-json, or None (no eagle row)."""
-    from spd_engine.bench.cost_eagle import EagleInputs, eagle_inputs_from_eval
+    from spd_engine.costmodel.cost_eagle import EagleInputs, eagle_inputs_from_eval
 
     if args.eagle_alpha is not None and args.eagle_json:
         raise ValueError("give --eagle-alpha or --eagle-json, not both")
@@ -233,7 +233,7 @@ def _validate(args: argparse.Namespace) -> int:
     """Rounds of: a netbench P2P run at the replay's message sizes, then every replay scenario,
     in one launch. Each round's replays are predicted from that round's netbench numbers (or
     from --net for all rounds); medians over rounds are compared."""
-    from spd_engine.bench.netbench import NetbenchConfig, launch_local, netbench_rank
+    from spd_engine.bench.interconnect import NetbenchConfig, launch_local, netbench_rank
     from spd_engine.bench.tick_replay import VALIDATION_SCENARIOS, validation_message_sizes
 
     world = max(sc.ranks_needed() for sc in VALIDATION_SCENARIOS)
@@ -296,8 +296,8 @@ def _runtime_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
     """(the RunConfig of --validate-runtime's SPD runs, tokenizer directory or None): --model on
     --stages stages with --spec (default: the shipped head for that n, else an untrained one),
     --threads per rank, --seed; receives inside a request wait at least a minute."""
-    from spd_engine.engine.run_config import RunConfig
-    from spd_engine.engine.topology import Topology
+    from spd_engine.engine.runtime.run_config import RunConfig
+    from spd_engine.engine.protocol.topology import Topology
     from spd_engine.tools.common import default_head, model_config, resolve_model
 
     engine_spec, tok_dir = resolve_model(args.model)
@@ -306,7 +306,7 @@ def _runtime_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
     ecfg = RunConfig(model=engine_spec, cfg=cfg, topology=topo, pdm=args.spec or default_head(args.model, topo.n),
                      threads=args.threads, seed=args.seed, timeout_s=max(args.timeout, 60.0),
                      capacity=min(RunConfig.capacity, cfg.max_position),
-                     branches=1)  # the runtime the cost model's SPD row prices (W > 1: bench/cost_branches.py)
+                     branches=1)  # the runtime the cost model's SPD row prices (W > 1: costmodel/cost_branches.py)
     return ecfg, tok_dir
 
 
@@ -316,8 +316,8 @@ def _validate_runtime(args: argparse.Namespace) -> int:
     import sys
 
     from spd_engine.bench.validate_runtime import CONFIGS, ValidationSettings, format_validation, validate
-    from spd_engine.engine.tokenizer import Tokenizer
-    from spd_engine.tools.generate import encode_prompts
+    from spd_engine.engine.model.tokenizer import Tokenizer
+    from spd_engine.engine.runtime.request_inputs import encode_prompts
 
     alpha = None if args.synthetic_alpha.lower() == "none" else float(args.synthetic_alpha)
     if alpha is not None and not 0 <= alpha <= 1:
@@ -330,7 +330,7 @@ def _validate_runtime(args: argparse.Namespace) -> int:
     prompts = encode_prompts(list(args.prompt or VALIDATION_PROMPTS), tok, True, ecfg.cfg.vocab_size)
     if args.nice:
         os.nice(args.nice)  # inherited by every rank this process starts
-    from spd_engine.engine.tp_shard import check_tp
+    from spd_engine.engine.model.tp_shard import check_tp
 
     if args.tp > 1:
         check_tp(ecfg.cfg, args.tp)
@@ -369,8 +369,8 @@ def _revalidate(args: argparse.Namespace) -> int:
 
 
 def _branches(args: argparse.Namespace, profile: Profile, links: Links) -> dict:
-    """Predicted rows for each W of a draft-policies report (bench/cost_branches.py), printed."""
-    from spd_engine.bench.cost_branches import branch_rows, parse_width_cost, read_branch_report
+    """Predicted rows for each W of a draft-policies report (costmodel/cost_branches.py), printed."""
+    from spd_engine.costmodel.cost_branches import branch_rows, parse_width_cost, read_branch_report
 
     report = _load_json(args.branches_json)
     measured = read_branch_report(report, args.branch_policy)
@@ -422,7 +422,7 @@ def run(args: argparse.Namespace) -> int:
     result["recommendation"] = recommendation(result)
     print_plan(result, args.details)
     if eagle is not None:
-        from spd_engine.bench.cost_eagle import eagle_row
+        from spd_engine.costmodel.cost_eagle import eagle_row
 
         result["eagle"] = eagle_row(profile, eagle, result["notes"])
         print_eagle(result["eagle"])

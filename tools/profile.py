@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace):
     import torch
 
-    from spd_engine.bench.profile import DeviceSettings
+    from spd_engine.bench.profiling import DeviceSettings
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -73,7 +73,7 @@ def _settings(args: argparse.Namespace):
 
 
 def _shapes(args: argparse.Namespace, device: str) -> list[str]:
-    from spd_engine.engine.run_config import PRESETS
+    from spd_engine.engine.runtime.run_config import PRESETS
     from spd_engine.tools.common import parse_names
 
     text = args.shapes or (QUICK_CPU_SHAPES if args.quick and device == "cpu" else DEFAULT_SHAPES)
@@ -82,7 +82,7 @@ def _shapes(args: argparse.Namespace, device: str) -> list[str]:
 
 def _links(args: argparse.Namespace) -> list:
     """(label, Links) pairs: the measured netbench links and/or the assumed one."""
-    from spd_engine.bench.cost_model import LinkModel, Links
+    from spd_engine.costmodel.cost_model import LinkModel, Links
     from spd_engine.tools.plan import assumed_link
 
     out = []
@@ -98,7 +98,7 @@ def _links(args: argparse.Namespace) -> list:
 
 
 def _alpha(args: argparse.Namespace):
-    from spd_engine.bench.cost_model import AlphaCurve
+    from spd_engine.costmodel.cost_model import AlphaCurve
 
     if args.alpha_json:
         with open(args.alpha_json) as f:
@@ -142,9 +142,9 @@ def _print_summary(rows: list[dict], ns: tuple[int, ...]) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from spd_engine.bench.cost_model import Profile, plan, recommendation
-    from spd_engine.bench.profile import fully_graphed, measure_shape, profile_json
-    from spd_engine.engine.run_config import PRESETS
+    from spd_engine.costmodel.cost_model import Profile, plan, recommendation
+    from spd_engine.bench.profiling import fully_graphed, measure_shape, profile_json
+    from spd_engine.engine.runtime.run_config import PRESETS
     from spd_engine.tools.plan import print_plan
 
     s = _settings(args)
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
                    f"CUDA graphs: skipped ({'disabled' if not s.graphs else 'not on ' + s.device}); eager times only")
     log(f"# spd profile on {dev_name}, {s.dtype}, context {s.context}, {s.iters} iters, n = {list(s.ns)}, "
         f"PDM K={s.pdm_layers}, random weights\n# {graphs_note}")
-    from spd_engine.bench.sync_time import host_sync_ms
+    from spd_engine.tools.experiments.sync_time import host_sync_ms
 
     sync_ms = host_sync_ms(torch.device(s.device))
     log(f"# one host sync (one-element read after a tiny kernel): {1e3 * sync_ms:.1f} us")

@@ -47,13 +47,13 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from spd_engine.engine.launch import launch, under_torchrun
-    from spd_engine.engine.tokenizer import Tokenizer
-    from spd_engine.tools.serve_app import build_app
-    from spd_engine.tools.serve_engine import EngineLoop
-    from spd_engine.tools.serve_metrics import ServeMetrics
-    from spd_engine.tools.serve_request import ModelInfo
-    from spd_engine.tools.serve_runner import bind, run_server
+    from spd_engine.engine.runtime.launch import launch, under_torchrun
+    from spd_engine.engine.model.tokenizer import Tokenizer
+    from spd_engine.server.app import build_app
+    from spd_engine.server.engine_loop import EngineLoop
+    from spd_engine.server.exporter import ServeMetrics
+    from spd_engine.server.request import ModelInfo
+    from spd_engine.server.runner import bind, run_server
 
     check_arguments(args)
     ecfg, tok_dir = engine_config(args)

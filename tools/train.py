@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from spd_engine.engine.topology import Topology
+from spd_engine.engine.protocol.topology import Topology
 from spd_engine.tools.common import add_dtype_argument, model_config, resolve_model
 
 
@@ -82,12 +82,12 @@ def _fill_weights(text: str | None) -> tuple[float, ...] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from spd_engine.engine.build import build_stage_model
-    from spd_engine.engine.run_config import RunConfig
+    from spd_engine.engine.runtime.build import build_stage_model
+    from spd_engine.engine.runtime.run_config import RunConfig
     from spd_engine.train.corpus import Corpus
     from spd_engine.train.data_parallel import DataParallel
     from spd_engine.train.distill import TrainConfig, Trainer
-    from spd_engine.train.draft_vocab import load_draft_vocab
+    from spd_engine.train.draft_vocab_build import load_draft_vocab
     from spd_engine.train.self_distill import self_distill
 
     _check_method_flags(args)

@@ -1,4 +1,4 @@
-"""The exact T=0 replay with branch width W (engine/branching.py): what W chains would buy,
+"""The exact T=0 replay with branch width W (engine/protocol/branching.py): what W chains would buy,
 before any runtime carries them.
 
 At T=0 only the chain whose tokens are the greedy reference's matters: the others die when their
@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from spd_engine.engine.branching import BranchPolicy
-from spd_engine.engine.drafting import DraftChooser
-from spd_engine.engine.tick import TickPlan
+from spd_engine.engine.protocol.branching import BranchPolicy
+from spd_engine.engine.protocol.drafting import DraftChooser
+from spd_engine.engine.protocol.tick import TickPlan
 from spd_engine.train.fast_eval import Acceptance, DraftTable, replay, suffix_table
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from spd_engine.engine.anchors import AnchorPlan
-from spd_engine.engine.model import StageModel
-from spd_engine.engine.pdm import PDM, PDMConfig, load_pdm, read_pdm_config, save_pdm
+from spd_engine.engine.protocol.anchors import AnchorPlan
+from spd_engine.engine.model.model import StageModel
+from spd_engine.engine.model.pdm import PDM, PDMConfig, load_pdm, read_pdm_config, save_pdm
 from spd_engine.train.data_parallel import DataParallel
 from spd_engine.train.head_training import HeadTrainer, check_loop_config
 from spd_engine.train.head_training import lr_at  # noqa: F401  (part of this module's API)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from spd_engine.engine.drafting import DraftChooser
+from spd_engine.engine.protocol.drafting import DraftChooser
 from spd_engine.train.fast_eval import Acceptance, DraftTable, replay_table, suffix_table
 
 LOOP_SPAN = 16

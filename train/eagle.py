@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from spd_engine.engine.eagle_head import EagleConfig, EagleHead, default_feature_layers, save_eagle
-from spd_engine.engine.model import StageModel
+from spd_engine.engine.model.eagle_head import EagleConfig, EagleHead, default_feature_layers, save_eagle
+from spd_engine.engine.model.model import StageModel
 from spd_engine.train.data_parallel import DataParallel
 from spd_engine.train.head_training import HeadTrainer, check_loop_config
 

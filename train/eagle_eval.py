@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 import torch
 
-from spd_engine.engine.eagle_driver import build_eagle_driver
-from spd_engine.engine.greedy import greedy_generate
-from spd_engine.engine.run_config import RunConfig
-from spd_engine.train.evaluate import EvalReport, EvalSettings, Outcome, _fmt
+from spd_engine.engine.runtime.eagle_driver import build_eagle_driver
+from spd_engine.engine.model.greedy import greedy_generate
+from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.train.eval_records import EvalReport, EvalSettings, Outcome, fmt
 from spd_engine.train.fast_eval import Acceptance
 from spd_engine.train.reference_cache import ReferenceCache
 
@@ -87,7 +87,7 @@ def format_eagle_table(report: EvalReport) -> str:
     lines = [f"{head[0]:<12}" + "".join(f"{h:>13}" for h in head[1:])]
     for name, s in rows:
         first = s.by_fill.get(1, [0, 0])
-        cells = (s.prompts, s.tokens, s.ticks, _fmt(s.alpha), _fmt(s.eal), _fmt(first[1] / first[0] if first[0] else None),
+        cells = (s.prompts, s.tokens, s.ticks, fmt(s.alpha), fmt(s.eal), fmt(first[1] / first[0] if first[0] else None),
                  s.near_ties, s.failures)
         lines.append(f"{name:<12}" + "".join(f"{c:>13}" for c in cells))
     by_step = report.summary().alpha_by_fill

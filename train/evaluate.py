@@ -2,8 +2,8 @@
 
 Three executors give the same T=0 counts:
 - `fast`: train/fast_eval.py (one greedy decode + one teacher-forced pass per prompt);
-- `reference`: the runtime in one process (engine/reference.py);
-- `dist`: the runtime over torch.distributed, one process per rank (engine/launch.py).
+- `reference`: the runtime in one process (engine/runtime/reference.py);
+- `dist`: the runtime over torch.distributed, one process per rank (engine/runtime/launch.py).
 At T=0 the runtime executors also check every output against `greedy_generate`; a mismatch
 is a failure. Drafts are grouped by the fill of the tick that made them: fill == n is the full
 pipeline, fill < n the start of a request and the refill after a rejection.
@@ -19,39 +19,26 @@ import contextlib
 import json
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from spd_engine.engine.build import build_driver_head, build_pdm, build_stage_model, build_tp_stage_model
-from spd_engine.engine.run_config import RunConfig
-from spd_engine.engine.greedy import greedy_generate
-from spd_engine.engine.sampling import SamplingParams
-from spd_engine.engine.tp_model import SerialTP
+from spd_engine.engine.runtime.build import build_driver_head, build_pdm, build_stage_model, build_tp_stage_model
+from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.model.greedy import greedy_generate
+from spd_engine.engine.protocol.sampling import SamplingParams
+from spd_engine.engine.model.tp_model import SerialTP
 from spd_engine.train.branch_replay import replay_branches
 from spd_engine.train.draft_potential import loops
 from spd_engine.train.fast_eval import Acceptance, FastRun, draft_table, fast_generate
+from spd_engine.train.eagle_eval import EagleRunner
+from spd_engine.train.eval_records import (NON_LOOPING, EvalReport, EvalSettings, Outcome, PromptRecord, Summary,  # noqa: F401
+                                          fmt, ratio, summarize)
 from spd_engine.train.reference_cache import ReferenceCache
 
 DATASETS = ("mt_bench", "humaneval", "gsm8k")
 EXECUTORS = ("fast", "reference", "dist")
-NON_LOOPING = "non-looping"  # the summary of the prompts whose output does not repeat itself (docs/eval.md)
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    executor: str = "fast"
-    limit: int | None = None  # prompts per dataset; None = all
-    top_k: int = 0  # sampling filters (T > 0 only); 0 / 1.0 = off
-    top_p: float = 1.0
-    seed: int = 0  # request k of a run samples with seed + k
-
-    def sampling(self, request: int = 0) -> SamplingParams:
-        """The sampling parameters of the run's request number `request` (greedy at T=0)."""
-        return SamplingParams(self.temperature, self.top_k, self.top_p, (self.seed + request) % (1 << 64))
 
 
 def default_executor(temperature: float) -> str:
@@ -122,19 +109,9 @@ def encode_prompt(text: str, tok, vocab_size: int) -> list[int]:
 
 # ---- runners: one request -> tokens and acceptance counts ----
 
-@dataclass
-class Outcome:
-    tokens: list[int]
-    acceptance: Acceptance
-    lossless: bool | None  # runtime executors at T=0: output == greedy_generate; else None (not checked)
-    near_ties: int | None = None  # fast path: consulted drafts decided by a near tie
-    outside_vocab: int | None = None  # fast path: verified reference tokens the draft vocabulary lacks
-    seed: int | None = None  # T>0: the seed of this request's draws
-
-
 def full_target(ecfg: RunConfig):
     """The whole target (embedding, every layer, head) with the weights the stages get; with
-    --tp T the same TP split and the driver's head (engine/tp_model.py SerialTP), the greedy
+    --tp T the same TP split and the driver's head (engine/model/tp_model.py SerialTP), the greedy
     oracle of an SPD x TP run."""
     L = ecfg.cfg.num_layers
     if ecfg.topology.tp > 1:
@@ -252,8 +229,6 @@ def open_runner(ecfg: RunConfig, settings: EvalSettings, reference_cache: str | 
     """`reference_cache` (fast executor only): a directory of greedy outputs reused across heads."""
     check_settings(settings)
     if ecfg.mode == "eagle":  # the serial baseline: its own runtime in this process (train/eagle_eval.py)
-        from spd_engine.train.eagle_eval import EagleRunner
-
         yield EagleRunner(ecfg, settings, ReferenceCache(reference_cache, ecfg) if reference_cache is not None else None)
         return
     if ecfg.mode != "spd":
@@ -265,154 +240,18 @@ def open_runner(ecfg: RunConfig, settings: EvalSettings, reference_cache: str | 
     if settings.executor == "fast":
         yield FastRunner(ecfg, ReferenceCache(reference_cache, ecfg) if reference_cache is not None else None)
     elif settings.executor == "reference":
-        from spd_engine.engine.reference import ReferenceExecutor
+        from spd_engine.engine.runtime.reference import ReferenceExecutor
 
         with ReferenceExecutor(ecfg) as ex:
             yield RuntimeRunner(ex.driver, ecfg, settings)
     else:
-        from spd_engine.engine.launch import launch
+        from spd_engine.engine.runtime.launch import launch
 
         with launch(ecfg) as driver:
             yield RuntimeRunner(driver, ecfg, settings)
 
 
-# ---- records and summaries ----
-
-@dataclass
-class PromptRecord:
-    dataset: str
-    index: int
-    question_id: object
-    prompt_tokens: int
-    acceptance: Acceptance
-    seconds: float
-    lossless: bool | None
-    near_ties: int | None
-    seed: int | None = None  # T>0: the seed of this request's draws
-    outside_vocab: int | None = None  # fast path: verified reference tokens outside the draft vocabulary
-    loops: bool | None = None  # the output repeats itself (train/draft_potential.py `loops`)
-
-    def to_json(self) -> dict:
-        a = self.acceptance
-        d = {k: v for k, v in asdict(self).items() if k != "acceptance"}
-        d.update(tokens=a.tokens, ticks=a.ticks, verified=a.verified, accepted=a.accepted,
-                 rejections=a.rejections, alpha=a.accepted / a.verified if a.verified else None,
-                 eal=a.n * (a.tokens - 1) / a.ticks if a.ticks else None,
-                 verified_by_fill=a.verified_by_fill, accepted_by_fill=a.accepted_by_fill,
-                 by_source=a.by_source)
-        return d
-
-
-def _ratio(num: float, den: float) -> float | None:
-    return num / den if den else None
-
-
-@dataclass
-class Summary:
-    n: int
-    prompts: int = 0
-    tokens: int = 0
-    ticks: int = 0
-    verified: int = 0
-    accepted: int = 0
-    rejections: int = 0
-    verified_full: int = 0
-    accepted_full: int = 0
-    seconds: float = 0.0
-    failures: int = 0
-    near_ties: int = 0
-    outside_vocab: int = 0  # fast path: verified reference tokens outside the draft vocabulary
-    by_fill: dict[int, list[int]] = field(default_factory=dict)  # fill -> [verified, accepted]
-    by_source: dict[str, list[int]] = field(default_factory=dict)  # draft source -> [verified, accepted]
-
-    def add(self, r: PromptRecord) -> None:
-        a = r.acceptance
-        self.prompts += 1
-        self.tokens += a.tokens
-        self.ticks += a.ticks
-        self.verified += a.verified
-        self.accepted += a.accepted
-        self.rejections += a.rejections
-        for f, v in a.verified_by_fill.items():
-            cell = self.by_fill.setdefault(int(f), [0, 0])
-            cell[0] += v
-            cell[1] += a.accepted_by_fill.get(f, 0)
-        for src, (v, acc) in a.by_source.items():
-            cell = self.by_source.setdefault(src, [0, 0])
-            cell[0] += v
-            cell[1] += acc
-        self.verified_full += a.verified_by_fill.get(self.n, 0)
-        self.accepted_full += a.accepted_by_fill.get(self.n, 0)
-        self.seconds += r.seconds
-        self.failures += int(r.lossless is False)
-        self.near_ties += r.near_ties or 0
-        self.outside_vocab += r.outside_vocab or 0
-
-    @property
-    def alpha(self) -> float | None:
-        return _ratio(self.accepted, self.verified)
-
-    @property
-    def eal(self) -> float | None:
-        """Pooled: n * sum(N - 1) / sum(ticks)."""
-        return _ratio(self.n * (self.tokens - self.prompts), self.ticks)
-
-    @property
-    def alpha_by_fill(self) -> dict[int, float]:
-        """Alpha of the drafts made at each fill 1..n (fill 1: the first draft after a rejection)."""
-        return {f: acc / ver for f, (ver, acc) in sorted(self.by_fill.items()) if ver}
-
-    @property
-    def alpha_full(self) -> float | None:
-        return _ratio(self.accepted_full, self.verified_full)
-
-    @property
-    def alpha_refill(self) -> float | None:
-        return _ratio(self.accepted - self.accepted_full, self.verified - self.verified_full)
-
-    def to_json(self) -> dict:
-        return {**asdict(self), "alpha": self.alpha, "eal": self.eal, "alpha_full": self.alpha_full,
-                "alpha_refill": self.alpha_refill, "alpha_by_fill": self.alpha_by_fill,
-                "alpha_by_source": {k: acc / v for k, (v, acc) in self.by_source.items() if v}}
-
-
-def summarize(records: Sequence[PromptRecord], n: int) -> Summary:
-    s = Summary(n=n)
-    for r in records:
-        s.add(r)
-    return s
-
-
 # ---- the run ----
-
-@dataclass
-class EvalReport:
-    n: int
-    records: list[PromptRecord] = field(default_factory=list)
-
-    def datasets(self) -> list[str]:
-        return list(dict.fromkeys(r.dataset for r in self.records))
-
-    def summary(self, dataset: str | None = None) -> Summary:
-        """One dataset's, all prompts' (None), or NON_LOOPING: the prompts whose output does not loop."""
-        if dataset == NON_LOOPING:
-            return summarize([r for r in self.records if r.loops is False], self.n)
-        return summarize([r for r in self.records if dataset is None or r.dataset == dataset], self.n)
-
-    @property
-    def failures(self) -> list[PromptRecord]:
-        return [r for r in self.records if r.lossless is False]
-
-    def to_json(self, meta: dict) -> dict:
-        """Summaries and records; `alpha_by_n` ({"4": alpha}, pooled over all prompts) is what
-        `spd plan --alpha-json` reads."""
-        overall = self.summary()
-        alpha_by_n = {str(self.n): overall.alpha} if overall.alpha is not None else {}
-        return {**meta, "alpha_by_n": alpha_by_n,
-                "datasets": {d: self.summary(d).to_json() for d in self.datasets()},
-                "overall": overall.to_json(), NON_LOOPING: self.summary(NON_LOOPING).to_json(),
-                "records": [r.to_json() for r in self.records]}
-
 
 def evaluate(runner, prompts: Sequence[tuple[Prompt, list[int]]], n: int, settings: EvalSettings,
              eos_ids: Sequence[int], progress: Callable[[str], None] = lambda _: None) -> EvalReport:
@@ -428,12 +267,8 @@ def evaluate(runner, prompts: Sequence[tuple[Prompt, list[int]]], n: int, settin
         a = out.acceptance
         flag = "" if out.lossless is not False else "  OUTPUT DIFFERS FROM GREEDY"
         progress(f"[{k + 1}/{len(prompts)}] {p.dataset}#{p.index}: {a.tokens} tokens, {a.ticks} ticks, "
-                 f"alpha {_fmt(_ratio(a.accepted, a.verified))}, {rec.seconds:.1f}s{flag}")
+                 f"alpha {fmt(ratio(a.accepted, a.verified))}, {rec.seconds:.1f}s{flag}")
     return report
-
-
-def _fmt(x: float | None, digits: int = 3) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
 
 
 def format_table(report: EvalReport) -> str:
@@ -443,12 +278,12 @@ def format_table(report: EvalReport) -> str:
                                                                   (NON_LOOPING, report.summary(NON_LOOPING))]
     lines = [f"{head[0]:<12}" + "".join(f"{h:>13}" for h in head[1:])]
     for name, s in rows:
-        cells = (s.prompts, s.tokens, s.ticks, _fmt(s.alpha), _fmt(s.eal), _fmt(s.alpha_full),
-                 _fmt(s.alpha_refill), s.failures)
+        cells = (s.prompts, s.tokens, s.ticks, fmt(s.alpha), fmt(s.eal), fmt(s.alpha_full),
+                 fmt(s.alpha_refill), s.failures)
         lines.append(f"{name:<12}" + "".join(f"{c:>13}" for c in cells))
     overall = report.summary()
     if len(overall.by_source) > 1:  # several draft sources: how often each drafted and was right
         lines.append("by draft source (verified drafts, alpha): " + ", ".join(
-            f"{k} {v} ({_fmt(acc / v if v else None)})" for k, (v, acc) in sorted(overall.by_source.items())))
+            f"{k} {v} ({fmt(acc / v if v else None)})" for k, (v, acc) in sorted(overall.by_source.items())))
     return "\n".join(lines)
 

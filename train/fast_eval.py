@@ -5,7 +5,7 @@ verified when every in-flight token before it is correct (a wrong one is verifie
 flushes the pipeline). So one greedy decode (tokens `y`, N of them), one teacher-forced target
 pass over prompt + y and, per fill `f = 1..n`, the simulated PDM draft for every position
 (train/pipeline_sim.py) decide everything: `replay` runs the driver's tick protocol
-(engine/tick.py, as engine/driver.py does) with correctness bits instead of tokens and returns
+(engine/protocol/tick.py, as engine/runtime/driver.py does) with correctness bits instead of tokens and returns
 the counts the driver would report (ticks, verified, accepted, rejections), plus verified / accepted drafts grouped by
 the fill at which each verified draft was made (fill < n: right after the start or a rejection,
 while the pipeline refills; fill == n: full pipeline).
@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spd_engine.engine.greedy import DEFAULT_PREFILL_CHUNK, greedy_generate
-from spd_engine.engine.model import StageModel
-from spd_engine.engine.pdm import PDM
-from spd_engine.engine.drafting import DraftChooser
-from spd_engine.engine.suffix import CrossRequestHistory, SuffixProposal
-from spd_engine.engine.tick import Draft, TickPlan, TickState, Verdict
+from spd_engine.engine.model.greedy import DEFAULT_PREFILL_CHUNK, greedy_generate
+from spd_engine.engine.model.model import StageModel
+from spd_engine.engine.model.pdm import PDM
+from spd_engine.engine.protocol.drafting import DraftChooser
+from spd_engine.engine.protocol.suffix import CrossRequestHistory, SuffixProposal
+from spd_engine.engine.protocol.tick import Draft, TickPlan, TickState, Verdict
 from spd_engine.train.pipeline_sim import simulated_hidden, target_anchors
 
 # (fill, newest index t) -> whether the draft made then for index t + 1 equals y[t + 1].
@@ -36,7 +36,7 @@ DraftPolicy = Callable[[int, int], int]
 
 @dataclass
 class Acceptance:
-    """One request's counters, defined as engine/metrics.py defines them, plus counts per fill."""
+    """One request's counters, defined as engine/protocol/metrics.py defines them, plus counts per fill."""
 
     n: int
     tokens: int  # N, the first token and a final EOS included
@@ -46,7 +46,7 @@ class Acceptance:
     rejections: int = 0  # rejections followed by at least one more committed token
     verified_by_fill: dict[int, int] = field(default_factory=dict)  # fill of the verified draft -> count
     accepted_by_fill: dict[int, int] = field(default_factory=dict)
-    # draft source (engine/drafting.py) -> [verified, accepted]; empty when not recorded
+    # draft source (engine/protocol/drafting.py) -> [verified, accepted]; empty when not recorded
     by_source: dict[str, list[int]] = field(default_factory=dict, compare=False)  # checked on its own
 
     def count(self, fill: int, accepted: bool) -> None:

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from spd_engine.engine.model import StageModel
+from spd_engine.engine.model.model import StageModel
 from spd_engine.train.data_parallel import DataParallel
 from spd_engine.train.lr_schedule import schedule_lr
 

@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from spd_engine.engine.run_config import RunConfig, random_preset
+from spd_engine.engine.runtime.run_config import RunConfig, random_preset
 
 
 def weights_identity(ecfg: RunConfig) -> str:

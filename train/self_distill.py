@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from spd_engine.engine.greedy import greedy_generate_batch
-from spd_engine.engine.model import StageModel
+from spd_engine.engine.model.greedy import greedy_generate_batch
+from spd_engine.engine.model.model import StageModel
 from spd_engine.train.corpus import Corpus
 
 

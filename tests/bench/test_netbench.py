@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from spd_engine.server.process import spd_script
 from spd_engine.bench.stats import bandwidth_gbps, parse_bytes, percentile, summarize_us
 
 REPO = Path(__file__).resolve().parents[2]
@@ -105,7 +106,7 @@ def test_busy_compute_lasts_as_long_as_asked():
 
     import torch
 
-    from spd_engine.bench.netbench import _compute_for
+    from spd_engine.bench.interconnect import _compute_for
 
     t0 = time.perf_counter()
     _compute_for(torch.ones(64, 64), 3000)
@@ -125,7 +126,7 @@ def test_two_torchrun_agents_as_two_nodes(tmp_path):
     for node in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", port,
-               "-m", "spd_engine.tools.cli", "netbench", "--backend", "gloo", "--sizes", "4,1K", "--iters", "10",
+               spd_script(), "netbench", "--backend", "gloo", "--sizes", "4,1K", "--iters", "10",
                "--warmup", "2", "--allreduce-bytes", "4", "--hidden", "64", "--fanin-rows", "1",
                "--timeout", "20", "--no-png", "--out-dir", str(tmp_path / f"node{node}")]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -219,7 +220,7 @@ def test_pingpong_takes_both_ends_compute_out_of_the_hop(monkeypatch):
     import time
 
     from spd_engine.bench import transport_p2p
-    from spd_engine.engine.transport import LocalHub
+    from spd_engine.engine.comm.transport import LocalHub
 
     def sleepy(weights, x, busy_us):
         t0 = time.perf_counter()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from spd_engine.bench.pdm_vocab_time import main, time_heads
+from spd_engine.tools.experiments.pdm_vocab_time import main, time_heads
 
 
 def test_times_both_heads(tmp_path, capsys):

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from spd_engine.bench.cost_model import AlphaCurve, LinkModel, Links, Profile, plan
-from spd_engine.bench.profile import (DeviceSettings, choose_spd_row, driver_tick_ms, fully_graphed, measure_shape,
+from spd_engine.costmodel.cost_model import AlphaCurve, LinkModel, Links, Profile, plan
+from spd_engine.bench.profiling import (DeviceSettings, choose_spd_row, driver_tick_ms, fully_graphed, measure_shape,
                            profile_from_bench, profile_json, residual_per_tick_ms)
-from spd_engine.engine.run_config import PRESETS, RunConfig
-from spd_engine.engine.topology import Topology
+from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
+from spd_engine.engine.protocol.topology import Topology
 
 
 @pytest.fixture(autouse=True)
@@ -160,7 +160,7 @@ def test_host_syncs_are_charged_per_frame_header():
 
 
 def test_host_sync_is_measured():
-    from spd_engine.bench.sync_time import host_sync_ms, main
+    from spd_engine.tools.experiments.sync_time import host_sync_ms, main
 
     assert 0 < host_sync_ms(torch.device("cpu"), iters=20, warmup=2) < 50
     assert main(["--device", "cpu"]) == 0

@@ -1,9 +1,9 @@
-"""bench/suffix_time.py: runs on a reference-cache directory, refuses an empty or corrupt one."""
+"""tools/experiments/suffix_time.py: runs on a reference-cache directory, refuses an empty or corrupt one."""
 from __future__ import annotations
 
 import json
 
-from spd_engine.bench.suffix_time import main
+from spd_engine.tools.experiments.suffix_time import main
 
 
 def test_times_outputs_and_refuses_bad_dirs(tmp_path, capsys):

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from spd_engine.bench.cost_inputs import LinkModel
-from spd_engine.bench.cost_model_spd import predict_replay
-from spd_engine.bench.netbench import NetbenchConfig, launch_local, netbench_rank
+from spd_engine.costmodel.cost_inputs import LinkModel
+from spd_engine.costmodel.cost_model_spd import predict_replay
+from spd_engine.bench.interconnect import NetbenchConfig, launch_local, netbench_rank
+from spd_engine.server.process import spd_command
 from spd_engine.bench.tick_replay import ReplayConfig
 
 STAGE_MS = 30.0  # long next to host overheads (ms on a busy shared host), so the bound below is clean
@@ -79,7 +79,7 @@ def test_plan_validate_within_tolerance(tmp_path):
     """`spd plan --validate`: netbench, then the replays, in rounds; all within 15% (profiled).
     On a shared host, raised priority (when allowed) keeps other jobs from stretching wake-ups."""
     nice = ["--nice", "-10"] if os.geteuid() == 0 else []
-    out = subprocess.run([sys.executable, "-m", "spd_engine.tools.cli", "plan", "--validate", *nice,
+    out = subprocess.run([*spd_command(), "plan", "--validate", *nice,
                           "--json", str(tmp_path / "v.json")],
                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=900)
     print(out.stdout)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from spd_engine.bench.train_step_time import main, time_steps
+from spd_engine.tools.experiments.train_step_time import main, time_steps
 
 
 def test_times_every_configuration(capsys):

@@ -67,7 +67,7 @@ def main(tokens_json: str, pairs: list[str]) -> None:
     from megatron.core import parallel_state
 
     from spd_engine.checkpoint_tools.megatron_dcp import CONFIG_KEY, read_common
-    from spd_engine.engine.model_config import ModelConfig
+    from spd_engine.engine.model.model_config import ModelConfig
 
     parallel_state.initialize_model_parallel(1, 1)
     tokens = torch.tensor(json.loads(Path(tokens_json).read_text()))  # [B, T]

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spd_engine.checkpoint_tools import megatron_dcp, shard, verify
-from spd_engine.engine.model_config import tiny_config
+from spd_engine.checkpoint_tools import megatron_dcp, shard, verify_checkpoint as verify
+from spd_engine.engine.model.model_config import tiny_config
 from ckpt_helpers import tiny_state, write_tiny_hf
 from near_ties import count_near_ties
 

@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from spd_engine.checkpoint_tools import key_maps, shard
-from spd_engine.engine import checkpoint as ckpt
-from spd_engine.engine.model_config import ModelConfig, tiny_config
-from spd_engine.engine.model import StageModel
-from spd_engine.engine.topology import stage_bounds
+from spd_engine.engine.model import checkpoint as ckpt
+from spd_engine.engine.model.model_config import ModelConfig, tiny_config
+from spd_engine.engine.model.model import StageModel
+from spd_engine.engine.protocol.topology import stage_bounds
 from ckpt_helpers import ARCHS, tiny_state
 
 RUNTIME_SPLITS = ([6], [3, 3], [2, 2, 2], [1, 2, 3], [2, 1, 1, 2], [1] * 6)

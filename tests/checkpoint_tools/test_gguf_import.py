@@ -18,7 +18,7 @@ from tokenizers import pre_tokenizers
 from spd_engine.checkpoint_tools import fetch
 from spd_engine.checkpoint_tools.gguf_import import (LAYER_TENSORS, gguf_to_hf, model_config, open_gguf, rope_permute,
                                           rope_unpermute)
-from spd_engine.engine.model_config import ModelConfig, tiny_config
+from spd_engine.engine.model.model_config import ModelConfig, tiny_config
 from spd_engine.tools import cli
 from near_ties import assert_close_and_argmax_agrees
 
@@ -207,7 +207,7 @@ def test_smollm2_logits_match_transformers_gguf_loader(smollm2_dir: Path, smollm
     ours = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
                                                             dtype=torch.float32)
-    from spd_engine.engine.tokenizer import Tokenizer
+    from spd_engine.engine.model.tokenizer import Tokenizer
 
     ids = torch.tensor([Tokenizer.from_dir(smollm2_dir).chat_ids("Name three colours of the rainbow.")])
     with torch.no_grad():
@@ -221,7 +221,7 @@ def test_smollm2_logits_match_transformers_gguf_loader(smollm2_dir: Path, smollm
 @pytest.mark.slow
 def test_smollm2_greedy_generation_is_english(smollm2_dir: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    from spd_engine.engine.tokenizer import Tokenizer
+    from spd_engine.engine.model.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(smollm2_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32)

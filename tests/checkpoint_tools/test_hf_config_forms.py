@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from spd_engine.checkpoint_tools import shard
-from spd_engine.engine import checkpoint as ckpt
-from spd_engine.engine.hf_config import FAMILY_DEFAULTS, REQUIRED
-from spd_engine.engine.model import rope_tables
-from spd_engine.engine.model_config import ModelConfig
+from spd_engine.engine.model import checkpoint as ckpt
+from spd_engine.engine.model.hf_config import FAMILY_DEFAULTS, REQUIRED
+from spd_engine.engine.model.model import rope_tables
+from spd_engine.engine.model.model_config import ModelConfig
 from hf_config_forms import DATA, FORMS, SHAPE
 
 transformers = pytest.importorskip("transformers")
@@ -124,7 +124,7 @@ def test_other_refusals_name_the_field():
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("rope_form", ["legacy", "parameters"])
 def test_to_hf_is_read_back_by_us_and_by_transformers(arch, rope_form):
-    from spd_engine.engine.model_config import tiny_config
+    from spd_engine.engine.model.model_config import tiny_config
 
     cfg = tiny_config(arch if arch != "mistral" else "llama", rope_theta=123456.0)
     cfg = dataclasses.replace(cfg, arch=arch)

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 from spd_engine.checkpoint_tools import hf, shard
-from spd_engine.engine import checkpoint as ckpt
-from spd_engine.engine.model_config import tiny_config
+from spd_engine.engine.model import checkpoint as ckpt
+from spd_engine.engine.model.model_config import tiny_config
 from ckpt_helpers import ARCHS, assert_same_tensors, write_tiny_hf
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from spd_engine.checkpoint_tools import key_maps
-from spd_engine.engine.model_config import tiny_config
-from spd_engine.engine.kv_cache import KVCache
-from spd_engine.engine.model import MLP, SelfAttention, causal_mask, rope_tables
+from spd_engine.engine.model.model_config import tiny_config
+from spd_engine.engine.model.kv_cache import KVCache
+from spd_engine.engine.model.model import MLP, SelfAttention, causal_mask, rope_tables
 from ckpt_helpers import ARCHS, tiny_state
 
 

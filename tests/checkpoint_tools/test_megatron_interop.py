@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from spd_engine.checkpoint_tools import megatron_dcp
-from spd_engine.engine.model_config import tiny_config
-from spd_engine.engine.model import StageModel
+from spd_engine.engine.model.model_config import tiny_config
+from spd_engine.engine.model.model import StageModel
 from ckpt_helpers import tiny_state
 
 pytest.importorskip("megatron.core", reason="megatron-core is a test extra: pip install --no-deps megatron-core==0.16.1")

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from spd_engine.checkpoint_tools import convert_cache, hf_cache
-from spd_engine.engine.model_config import tiny_config
-from spd_engine.engine.tokenizer import Tokenizer
+from spd_engine.engine.model.model_config import tiny_config
+from spd_engine.engine.model.tokenizer import Tokenizer
 from spd_engine.tools.cli import main
 from spd_engine.tools.common import resolve_model
 from ckpt_helpers import write_tiny_hf

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from spd_engine.checkpoint_tools import hf, megatron_dcp, shard, verify
-from spd_engine.engine import checkpoint as ckpt
+from spd_engine.checkpoint_tools import hf, megatron_dcp, shard, verify_checkpoint as verify
+from spd_engine.engine.model import checkpoint as ckpt
 from ckpt_helpers import assert_same_tensors
 from near_ties import count_near_ties
 
@@ -25,8 +25,8 @@ SAME_BOUND = 1e-4  # logits of the same weights at other addresses (logit scale 
 
 RSS_PROBE = """
 import json, resource, sys
-from spd_engine.engine import checkpoint as ckpt
-from spd_engine.engine.model import StageModel
+from spd_engine.engine.model import checkpoint as ckpt
+from spd_engine.engine.model.model import StageModel
 path, stage = sys.argv[1], int(sys.argv[2])
 index = ckpt.read_index(path)
 StageModel(index.cfg, range(0, 1), True, True, device="meta")  # imports done before measuring

@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from spd_engine.engine.build import build_stage_model
-from spd_engine.engine.model_config import ModelConfig
-from spd_engine.engine.run_config import PRESETS, RunConfig
-from spd_engine.engine.greedy import greedy_generate
-from spd_engine.engine.metrics import GenerationResult
-from spd_engine.engine.schedule import decode_ticks
-from spd_engine.engine.topology import Topology
+from spd_engine.engine.runtime.build import build_stage_model
+from spd_engine.engine.model.model_config import ModelConfig
+from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
+from spd_engine.engine.model.greedy import greedy_generate
+from spd_engine.engine.protocol.metrics import GenerationResult
+from spd_engine.engine.protocol.schedule import decode_ticks
+from spd_engine.engine.protocol.topology import Topology
 
 ARCHS = ("llama", "qwen2", "qwen3")
 CHUNK = 16  # small prefill chunk: prompts longer than 16 tokens take several chunks
@@ -190,7 +190,7 @@ def _rank_main(rank: int, world: int, port: int, ecfg: RunConfig, job: Callable,
                       LOCAL_RANK=str(rank))
     out = Path(out_dir)
     forbid_collectives(out / f"collectives-{rank}.log", allow)
-    from spd_engine.engine.launch import launch
+    from spd_engine.engine.runtime.launch import launch
 
     try:
         with launch(ecfg) as runtime:  # ranks other than 0 serve inside and exit
@@ -214,7 +214,7 @@ def run_ranks(ecfg: RunConfig, job: Callable, job_args: tuple, out_dir: Path, ti
     """Run every rank of `ecfg` as its own spawned process (as torchrun would), with collectives
     patched to raise (but those in `allow`: a stage's TP group all_gathers); rank 0 runs
     `job(runtime, *job_args)` and its return value comes back."""
-    from spd_engine.engine.launch import free_port
+    from spd_engine.engine.runtime.launch import free_port
 
     world, port = ecfg.world_size, free_port()
     ctx = mp.get_context("spawn")
@@ -245,8 +245,8 @@ def idle_wait_rank(rank: int, port: int, pause_s: float, out: str) -> None:
 
     import torch.distributed as dist
 
-    from spd_engine.engine.messages import Header, Kind
-    from spd_engine.engine.transport import DistTransport
+    from spd_engine.engine.protocol.messages import Header, Kind
+    from spd_engine.engine.comm.transport import DistTransport
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=2))

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from spd_engine.engine.anchors import AnchorPlan, default_anchors, prune_anchors
-from spd_engine.engine.topology import default_stage_layers, stage_bounds
+from spd_engine.engine.protocol.anchors import AnchorPlan, default_anchors, prune_anchors
+from spd_engine.engine.protocol.topology import default_stage_layers, stage_bounds
 
 
 def brute_type(plan: AnchorPlan, depth: int) -> int:

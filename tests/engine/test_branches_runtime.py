@@ -14,11 +14,11 @@ import dataclasses
 
 import pytest
 
-from spd_engine.engine.branching import BranchPolicy
-from spd_engine.engine.reference import ReferenceExecutor
-from spd_engine.engine.sampling import SamplingParams
-from spd_engine.engine.tick import Draft, TickState, Verdict
-from spd_engine.engine.topology import Topology
+from spd_engine.engine.protocol.branching import BranchPolicy
+from spd_engine.engine.runtime.reference import ReferenceExecutor
+from spd_engine.engine.protocol.sampling import SamplingParams
+from spd_engine.engine.protocol.tick import Draft, TickState, Verdict
+from spd_engine.engine.protocol.topology import Topology
 from helpers import Policy, full_model, random_prompts, reference, tiny_cfg, tiny_engine_config
 from near_ties import assert_greedy_agrees, teacher_forced
 
@@ -176,7 +176,7 @@ def test_forced_candidates_on_tensor_parallel_stages(n, width, one_thread):
     """--tp 2: the chains' rows go through the sharded layers (one reduction per row-parallel
     layer, all rows at once) and the survivor's entries move in every shard's cache."""
     from tp_cases import serial_tp, tp_engine_config
-    from spd_engine.engine.greedy import greedy_generate
+    from spd_engine.engine.model.greedy import greedy_generate
 
     ecfg = tp_engine_config("spd", n, 2).replace(branches=width, branch_when="always")
     V = ecfg.cfg.vocab_size

@@ -1,4 +1,4 @@
-"""The launch and process-group layer (engine/dist.py): results and errors of local ranks, the
+"""The launch and process-group layer (engine/comm/dist.py): results and errors of local ranks, the
 launcher's summary, a hung rank, and a dead rank ending a bounded wait on its peer (gloo)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from spd_engine.engine.dist import (LocalRanks, PeerError, finish_group, gpu_for_rank, join_group, report_failure,
+from spd_engine.engine.comm.dist import (LocalRanks, PeerError, finish_group, gpu_for_rank, join_group, report_failure,
                                     resolve_backend)
 
 pytestmark = pytest.mark.multiproc  # most tests start ranks as processes
@@ -79,7 +79,7 @@ def test_a_hung_rank_is_terminated_and_named():
 
 
 def test_join_and_finish_together():
-    from spd_engine.engine.dist import local_init_method
+    from spd_engine.engine.comm.dist import local_init_method
 
     with LocalRanks(_together, range(2), (local_init_method(),)) as ranks:
         ranks.join(120)
@@ -88,7 +88,7 @@ def test_join_and_finish_together():
 
 
 def test_a_dead_peer_ends_a_bounded_wait():
-    from spd_engine.engine.dist import local_init_method
+    from spd_engine.engine.comm.dist import local_init_method
 
     with LocalRanks(_dead_peer, range(2), (local_init_method(),)) as ranks:
         ranks.join(120)

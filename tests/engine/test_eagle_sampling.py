@@ -27,9 +27,9 @@ import numpy as np
 import pytest
 import torch
 
-from spd_engine.engine.greedy import prefill
-from spd_engine.engine.reference import ReferenceExecutor
-from spd_engine.engine.sampling import SamplingParams, keyed_generator, sample, target_probs, uniform
+from spd_engine.engine.model.greedy import prefill
+from spd_engine.engine.runtime.reference import ReferenceExecutor
+from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs, uniform
 from helpers import full_model, tiny_cfg, tiny_engine_config
 from stats import TEST_LEVEL, chi_square_pvalue, rejection_rate, tv_distance, worst_case_shift
 

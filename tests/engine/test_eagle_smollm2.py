@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from spd_engine.engine.launch import launch
-from spd_engine.engine.reference import ReferenceExecutor
+from spd_engine.engine.runtime.launch import launch
+from spd_engine.engine.runtime.reference import ReferenceExecutor
 from helpers import Policy
 from near_ties import assert_greedy_agrees, teacher_forced
 from test_real_smollm2 import CHUNK, NEW, PROMPTS, refs, smollm2  # noqa: F401  (fixtures)
@@ -19,8 +19,8 @@ SMOLLM2_BOUND = 2e-4
 
 
 def eagle_config(smollm2, k: int, head: str = "random"):
-    from spd_engine.engine.run_config import RunConfig
-    from spd_engine.engine.topology import Topology
+    from spd_engine.engine.runtime.run_config import RunConfig
+    from spd_engine.engine.protocol.topology import Topology
 
     engine_dir, cfg, _, _ = smollm2
     return RunConfig(model=str(engine_dir), cfg=cfg, topology=Topology.build(cfg.num_layers, 1), mode="eagle",

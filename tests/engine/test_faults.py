@@ -6,20 +6,20 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from spd_engine.engine.run_config import PRESETS
-from spd_engine.engine.launch import FAULT_ENV
-from spd_engine.engine.pdm import random_pdm, save_pdm
-from spd_engine.engine.reference import ReferenceExecutor
-from spd_engine.engine.stage_worker import StageWorker
-from spd_engine.engine.topology import Topology
-from spd_engine.engine.transport import TransportError
+from spd_engine.engine.runtime.run_config import PRESETS
+from spd_engine.engine.runtime.launch import FAULT_ENV
+from spd_engine.engine.model.pdm import random_pdm, save_pdm
+from spd_engine.engine.runtime.reference import ReferenceExecutor
+from spd_engine.engine.runtime.stage_worker import StageWorker
+from spd_engine.engine.protocol.topology import Topology
+from spd_engine.engine.comm.transport import TransportError
+from spd_engine.server.process import spd_command
 from helpers import random_prompts, reference, run_ranks, tiny_engine_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,7 +30,7 @@ ERROR = re.compile(r"\(rank=(\d+), peer=(\d+), tick=(-?\d+)\)")
 
 def cli(*args: str, env: dict | None = None) -> subprocess.Popen:
     """`spd` leading a new process group, so every rank it starts can be found (and cleaned up) by group."""
-    return subprocess.Popen([sys.executable, "-m", "spd_engine.tools.cli", *args], cwd=REPO, stdout=subprocess.PIPE,
+    return subprocess.Popen([*spd_command(), *args], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
                             start_new_session=True)
 
@@ -187,7 +187,7 @@ def test_a_failed_launch_leaves_no_process_group_behind(wrong_heads):
 
     import torch.distributed as dist
 
-    from spd_engine.engine.launch import launch
+    from spd_engine.engine.runtime.launch import launch
 
     ecfg = tiny_engine_config("llama", 2, colocate=True, pdm=str(wrong_heads["n"]), cfg=PRESETS["tiny-llama"],
                               threads=1)
@@ -209,7 +209,7 @@ def test_a_failed_launch_leaves_no_process_group_behind(wrong_heads):
 def test_defaults_work_for_a_tiny_preset():
     """No --capacity and no --spec: the defaults must fit the preset (its max_position is 512), and the
     tokens printed are the greedy decoder's."""
-    from spd_engine.tools.generate import encode_prompts
+    from spd_engine.engine.runtime.request_inputs import encode_prompts
 
     proc = cli("generate", "--model", "random:tiny-llama", "--stages", "2", "--prompt", "hi there",
                "--max-new-tokens", "6", "--threads", "1")
@@ -261,9 +261,9 @@ def test_a_failing_stage_thread_ends_the_request_with_rank_and_peer(monkeypatch)
 
 
 def test_one_gpu_per_rank_is_checked_before_anything_starts():
-    from spd_engine.engine.run_config import RunConfig
-    from spd_engine.engine.dist import gpu_for_rank
-    from spd_engine.engine.launch import launch
+    from spd_engine.engine.runtime.run_config import RunConfig
+    from spd_engine.engine.comm.dist import gpu_for_rank
+    from spd_engine.engine.runtime.launch import launch
 
     assert gpu_for_rank(2, None, 4, 3) == 2  # one node: rank r on GPU r
     assert gpu_for_rank(5, 1, 2, 6) == 1  # torchrun: LOCAL_RANK on each node
@@ -285,7 +285,7 @@ def test_an_idle_rank_outlives_the_process_group_timeout(tmp_path):
     # timeout (here 2 s), so idle waits pass their own (days) and the late message still arrives
     import multiprocessing as mp
 
-    from spd_engine.engine.dist import free_port
+    from spd_engine.engine.comm.dist import free_port
     from helpers import idle_wait_rank
 
     ctx, port, out = mp.get_context("spawn"), free_port(), tmp_path / "got.txt"

@@ -1,4 +1,4 @@
-"""Capturable decode steps (engine/graphs.py): length buckets, the device-position KV writes, and
+"""Capturable decode steps (engine/model/graphs.py): length buckets, the device-position KV writes, and
 StageStep / PDMStep / VerifyStep against the eager path they replace.
 
 The static steps attend over a whole length bucket with a device-side mask, so attention sums
@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spd_engine.engine.graphs import (DevicePositionCache, PDMStep, StageStep, StepGraph, VerifyStep, bucket_for,
+from spd_engine.engine.model.graphs import (DevicePositionCache, PDMStep, StageStep, StepGraph, VerifyStep, bucket_for,
                                       length_buckets)
-from spd_engine.engine.model import StageModel, init_random_
-from spd_engine.engine.pdm import greedy_draft, random_pdm
-from spd_engine.engine.run_config import PRESETS
+from spd_engine.engine.model.model import StageModel, init_random_
+from spd_engine.engine.model.pdm import greedy_draft, random_pdm
+from spd_engine.engine.runtime.run_config import PRESETS
 from near_ties import assert_close_and_argmax_agrees
 
 # Observed differences are ~1e-7 (hidden states) and ~1e-7 (logits O(1)); the bounds leave room

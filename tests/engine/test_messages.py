@@ -1,11 +1,11 @@
-"""The wire format (engine/messages.py): header round trip with every field exact, and what
+"""The wire format (engine/protocol/messages.py): header round trip with every field exact, and what
 follows each header on each link. Pure logic."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from spd_engine.engine.messages import (CONFIG_LEN, HEADER_FIELDS, HEADER_LEN, Header, Kind, WireFormat,
+from spd_engine.engine.protocol.messages import (CONFIG_LEN, HEADER_FIELDS, HEADER_LEN, Header, Kind, WireFormat,
                                         parse_sampling_payload, sampling_payload)
 
 

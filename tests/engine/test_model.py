@@ -29,11 +29,11 @@ import pytest
 import torch
 
 from spd_engine.checkpoint_tools.key_maps import hf_to_mcore
-from spd_engine.engine.model_config import ModelConfig
-from spd_engine.engine.run_config import PRESETS
-from spd_engine.engine.greedy import greedy_generate, greedy_generate_batch, prefill_chunks
-from spd_engine.engine.model import StageModel, init_random_
-from spd_engine.engine.topology import Topology
+from spd_engine.engine.model.model_config import ModelConfig
+from spd_engine.engine.runtime.run_config import PRESETS
+from spd_engine.engine.model.greedy import greedy_generate, greedy_generate_batch, prefill_chunks
+from spd_engine.engine.model.model import StageModel, init_random_
+from spd_engine.engine.protocol.topology import Topology
 from helpers import ARCHS, tiny_cfg  # noqa: F401
 from near_ties import assert_close_and_argmax_agrees, assert_greedy_agrees, count_near_ties, teacher_forced
 
@@ -225,8 +225,8 @@ def test_batched_greedy_equals_single_greedy_up_to_near_ties(one_thread):
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
     """(HF model, our full model on the converted checkpoint, tokenizer, config, checkpoint dir)."""
-    from spd_engine.engine.checkpoint import load_stage_model, read_index
-    from spd_engine.engine.tokenizer import Tokenizer
+    from spd_engine.engine.model.checkpoint import load_stage_model, read_index
+    from spd_engine.engine.model.tokenizer import Tokenizer
     from spd_engine.tools.common import resolve_model
 
     engine_dir, tok_dir = resolve_model("smollm2-135m")
@@ -270,7 +270,7 @@ def test_smollm2_greedy_matches_transformers_generate(smollm2, one_thread):
 
 def smollm2_stages(engine_dir, cfg: ModelConfig, n: int) -> list[StageModel]:
     """The stages of an n-way split loaded the way stage ranks load them (each its own tensors)."""
-    from spd_engine.engine.checkpoint import load_stage_model
+    from spd_engine.engine.model.checkpoint import load_stage_model
 
     topo = Topology.build(cfg.num_layers, n)
     return [load_stage_model(engine_dir, topo.layers_of(p), embedding=p == 0, head=p == n - 1).eval()

@@ -1,4 +1,4 @@
-"""Int8 PDM heads (engine/pdm_quant.py): bounded rounding, the same head after a round trip through
+"""Int8 PDM heads (engine/model/pdm_quant.py): bounded rounding, the same head after a round trip through
 `spd convert head`, lossless decoding with it, clear errors for broken files."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from spd_engine.engine.pdm import load_pdm, random_pdm, save_pdm
-from spd_engine.engine.pdm_quant import SCALE_SUFFIX, dequantize_state, quantize_state
-from spd_engine.engine.reference import ReferenceExecutor
+from spd_engine.engine.model.pdm import load_pdm, random_pdm, save_pdm
+from spd_engine.engine.model.pdm_quant import SCALE_SUFFIX, dequantize_state, quantize_state
+from spd_engine.engine.runtime.reference import ReferenceExecutor
 from helpers import random_prompts, reference, tiny_engine_config
 
 
@@ -59,8 +59,8 @@ def test_convert_head_refuses_what_is_not_a_head(tmp_path):
 
 
 def test_an_eagle_head_converts_and_loads_too(tmp_path):
-    from spd_engine.engine.eagle_head import load_eagle, random_eagle, save_eagle
-    from spd_engine.engine.pdm_quant import convert_head
+    from spd_engine.engine.model.eagle_head import load_eagle, random_eagle, save_eagle
+    from spd_engine.engine.model.pdm_quant import convert_head
 
     cfg = tiny_engine_config("llama", 2).cfg
     head = random_eagle(cfg, seed=1)

@@ -1,5 +1,5 @@
 """A stage's one-row decode messages over a transport that pins buffers (the shared-memory rings,
-engine/shm_transport.py): an eager step's layers write the output row and the anchors straight
+engine/comm/shm_transport.py): an eager step's layers write the output row and the anchors straight
 into the pinned rows, so nothing is copied or allocated to send them, and the bytes that leave
 equal the wire format's computed the plain way (anchors ascending, then the exit; the row that
 goes downstream), tick after tick. A recording transport stands in for the rings: like them it
@@ -11,10 +11,10 @@ from collections import deque
 import pytest
 import torch
 
-from spd_engine.engine.build import build_stage_model
-from spd_engine.engine.messages import Header, Kind
-from spd_engine.engine.stage_worker import StageWorker
-from spd_engine.engine.transport import Transport
+from spd_engine.engine.runtime.build import build_stage_model
+from spd_engine.engine.protocol.messages import Header, Kind
+from spd_engine.engine.runtime.stage_worker import StageWorker
+from spd_engine.engine.comm.transport import Transport
 from helpers import tiny_engine_config
 
 

@@ -9,11 +9,11 @@ import functools
 import pytest
 import torch
 
-from spd_engine.engine.run_config import RunConfig
-from spd_engine.engine.greedy import greedy_generate
-from spd_engine.engine.launch import launch
-from spd_engine.engine.reference import ReferenceExecutor
-from spd_engine.engine.topology import Topology
+from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.model.greedy import greedy_generate
+from spd_engine.engine.runtime.launch import launch
+from spd_engine.engine.runtime.reference import ReferenceExecutor
+from spd_engine.engine.protocol.topology import Topology
 from helpers import Policy, check_run  # noqa: F401
 from near_ties import assert_greedy_agrees, teacher_forced
 
@@ -29,8 +29,8 @@ NEW = 32
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
     """(engine checkpoint dir, model config, full model, tokenizer)."""
-    from spd_engine.engine.checkpoint import load_stage_model, read_index
-    from spd_engine.engine.tokenizer import Tokenizer
+    from spd_engine.engine.model.checkpoint import load_stage_model, read_index
+    from spd_engine.engine.model.tokenizer import Tokenizer
     from spd_engine.tools.common import resolve_model
 
     engine_dir, tok_dir = resolve_model("smollm2-135m")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from spd_engine.engine.launch import launch
-from spd_engine.engine.reference import ReferenceExecutor
+from spd_engine.engine.runtime.launch import launch
+from spd_engine.engine.runtime.reference import ReferenceExecutor
 from helpers import CHUNK, Policy, check_run, full_model, random_prompts, reference, summary, tiny_engine_config
 from near_ties import assert_greedy_agrees, teacher_forced
 

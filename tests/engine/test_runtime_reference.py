@@ -8,9 +8,9 @@ import functools
 import pytest
 import torch
 
-from spd_engine.engine.messages import Kind
-from spd_engine.engine.reference import ReferenceExecutor
-from spd_engine.engine.schedule import decode_ticks
+from spd_engine.engine.protocol.messages import Kind
+from spd_engine.engine.runtime.reference import ReferenceExecutor
+from spd_engine.engine.protocol.schedule import decode_ticks
 from helpers import (ARCHS, CHUNK, Policy, check_run, expected_ticks, full_model, random_prompts,  # noqa: F401
                      reference, tiny_engine_config)
 from near_ties import assert_greedy_agrees, teacher_forced
@@ -195,7 +195,7 @@ def test_static_steps_are_lossless(arch, n, colocate, one_thread, monkeypatch):
     bucket (other sums than the eager steps), so its greedy decoding, the pp baseline on the same
     steps, equals eager greedy decoding up to near-ties; SPD on the static steps equals that
     greedy decoding token for token, with the tick counts of the formula."""
-    from spd_engine.engine.graphs import PDMStep, VerifyStep
+    from spd_engine.engine.model.graphs import PDMStep, VerifyStep
 
     rows_run, verified = set(), []  # the row counts of the PDM steps that really ran; static verifications
     run, verify = PDMStep.run, VerifyStep.run

@@ -14,8 +14,8 @@ import torch
 from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-import spd_engine.engine.sampling as sampling
-from spd_engine.engine.sampling import (PURPOSES, SamplingParams, draw_key, keyed_generator, sample, splitmix64,
+import spd_engine.engine.protocol.sampling as sampling
+from spd_engine.engine.protocol.sampling import (PURPOSES, SamplingParams, draw_key, keyed_generator, sample, splitmix64,
                              target_probs, uniform)
 from stats import (TEST_LEVEL, chi2_sf, chi_square_pvalue, rejection_rate, tv_distance,
                    worst_case_shift)
@@ -179,7 +179,7 @@ def test_same_draws_in_another_process():
     """Keys must not involve Python's salted hash: another process with another hash seed agrees."""
     keys = [(0, 0, "draft"), (5, 17, "accept"), (2**64 - 1, 10**6, "residual")]
     probs = [0.1, 0.2, 0.3, 0.4]
-    code = ("import json, sys, torch; from spd_engine.engine.sampling import keyed_generator, uniform, sample; "
+    code = ("import json, sys, torch; from spd_engine.engine.protocol.sampling import keyed_generator, uniform, sample; "
             "keys, probs = json.loads(sys.argv[1]); "
             "print(json.dumps([[uniform(keyed_generator(*k)), sample(torch.tensor(probs), keyed_generator(*k))] "
             "for k in keys]))")

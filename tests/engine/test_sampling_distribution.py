@@ -44,12 +44,12 @@ import numpy as np
 import pytest
 import torch
 
-from spd_engine.engine.drafting import SUFFIX
-from spd_engine.engine.run_config import RunConfig
-from spd_engine.engine.greedy import prefill
-from spd_engine.engine.messages import Kind
-from spd_engine.engine.reference import ReferenceExecutor
-from spd_engine.engine.sampling import SamplingParams, keyed_generator, sample, target_probs, uniform
+from spd_engine.engine.protocol.drafting import SUFFIX
+from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.model.greedy import prefill
+from spd_engine.engine.protocol.messages import Kind
+from spd_engine.engine.runtime.reference import ReferenceExecutor
+from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs, uniform
 from helpers import full_model, tiny_cfg, tiny_engine_config  # noqa: F401
 from stats import TEST_LEVEL, chi_square_pvalue, rejection_rate, tv_distance, worst_case_shift
 
@@ -73,7 +73,7 @@ class Setup:
     branches: int = 1  # branch width W: several candidates at a branch point (recursive rejection sampling)
 
     def engine_config(self) -> RunConfig:
-        # A random:<preset> source builds its weights from the config's shape (engine/build.py),
+        # A random:<preset> source builds its weights from the config's shape (engine/runtime/build.py),
         # so a 6-token vocabulary needs no preset of its own. One layer per stage keeps it cheap.
         cfg = tiny_cfg("llama", vocab_size=V, num_layers=self.n)
         extra = dict(suffix_drafts=True, suffix_min_match=1) if self.suffix else {}

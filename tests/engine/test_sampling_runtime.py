@@ -16,14 +16,14 @@ import pytest
 import torch
 
 import spd_engine.train.evaluate as ev
-from spd_engine.engine.run_config import PRESETS
-from spd_engine.engine.greedy import prefill
-from spd_engine.engine.launch import launch
-from spd_engine.engine.reference import ReferenceExecutor
-from spd_engine.engine.sampling import SamplingParams, keyed_generator, sample, target_probs
-from spd_engine.engine.schedule import decode_ticks
+from spd_engine.engine.runtime.run_config import PRESETS
+from spd_engine.engine.model.greedy import prefill
+from spd_engine.engine.runtime.launch import launch
+from spd_engine.engine.runtime.reference import ReferenceExecutor
+from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs
+from spd_engine.engine.protocol.schedule import decode_ticks
 from helpers import full_model, random_prompts, reference, summary, tiny_engine_config  # noqa: F401
-from spd_engine.tools import generate as generate_cli
+from spd_engine.engine.runtime import request_inputs
 from spd_engine.tools.cli import main
 
 NEW = 16
@@ -172,18 +172,18 @@ def test_generate_rejects_bad_sampling_flags(flags, message, capsys):
 
 def test_generate_defaults_from_generation_config(tmp_path):
     none = dict(temperature=None, top_k=None, top_p=None, seed=None)
-    assert generate_cli.sampling_params(none, None) == SamplingParams()  # no file: greedy
-    assert generate_cli.sampling_params(none, tmp_path) == SamplingParams()
+    assert request_inputs.sampling_params(none, None) == SamplingParams()  # no file: greedy
+    assert request_inputs.sampling_params(none, tmp_path) == SamplingParams()
     (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.6,
                                                                  "top_p": 0.9, "eos_token_id": [2]}))
-    assert generate_cli.sampling_params(none, tmp_path) == SamplingParams(0.6, 50, 0.9, 0)  # HF's top_k 50
+    assert request_inputs.sampling_params(none, tmp_path) == SamplingParams(0.6, 50, 0.9, 0)  # HF's top_k 50
     flags = dict(none, top_k=5, seed=11)
-    assert generate_cli.sampling_params(flags, tmp_path) == SamplingParams(0.6, 5, 0.9, 11)
-    assert generate_cli.sampling_params(dict(none, temperature=0.0), tmp_path).greedy  # an explicit 0 wins
-    assert generate_cli.sampling_params(dict(none, temperature=0.7), None) == SamplingParams(0.7)
+    assert request_inputs.sampling_params(flags, tmp_path) == SamplingParams(0.6, 5, 0.9, 11)
+    assert request_inputs.sampling_params(dict(none, temperature=0.0), tmp_path).greedy  # an explicit 0 wins
+    assert request_inputs.sampling_params(dict(none, temperature=0.7), None) == SamplingParams(0.7)
     (tmp_path / "generation_config.json").write_text("{broken")
     with pytest.raises(ValueError, match="generation_config.json: not JSON"):
-        generate_cli.sampling_params(none, tmp_path)
+        request_inputs.sampling_params(none, tmp_path)
 
 
 def printed_tokens(out: str) -> list[list[int]]:
@@ -203,7 +203,7 @@ def test_generate_samples_with_the_given_seed(capsys, one_thread):
         runs.setdefault(seed, []).append(printed_tokens(out)[0])
     assert runs["3"][0] == runs["3"][1] != runs["4"][0]
     ecfg = tiny_engine_config("llama", 1, mode="ar", cfg=PRESETS["tiny-llama"])  # what the CLI builds
-    prompt = generate_cli.encode_prompts(["hello there"], None, False, ecfg.cfg.vocab_size)[0]
+    prompt = request_inputs.encode_prompts(["hello there"], None, False, ecfg.cfg.vocab_size)[0]
     assert runs["3"][0] == sample_generate(full_model(ecfg), prompt, 12, SamplingParams(0.9, 30, 1.0, 3))
 
 

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from spd_engine.engine.schedule import (CORRECTION, DRAFT, FIRST, STALE, Token, decode_ticks, eal, expected_eal,
+from spd_engine.engine.protocol.schedule import (CORRECTION, DRAFT, FIRST, STALE, Token, decode_ticks, eal, expected_eal,
                              format_schedule, pooled_eal, simulate)
 
 

@@ -1,4 +1,4 @@
-"""The shared-memory transport (engine/shm_transport.py) between real processes: headers and
+"""The shared-memory transport (engine/comm/shm_transport.py) between real processes: headers and
 payloads intact and in order (payloads larger than a ring stream through it), two ranks that
 send to each other before receiving do not deadlock, a receive times out naming (rank, peer,
 tick), a dead or abandoning peer ends a wait at once, nothing is left in /dev/shm; the runtime
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from spd_engine.engine.dist import LocalRanks, join_group, local_init_method
-from spd_engine.engine.messages import Header, Kind
-from spd_engine.engine.shm_transport import RING_BYTES, ShmTransport, TransportError, _Ring
+from spd_engine.engine.comm.dist import LocalRanks, join_group, local_init_method
+from spd_engine.engine.protocol.messages import Header, Kind
+from spd_engine.engine.comm.shm_transport import RING_BYTES, ShmTransport, TransportError, _Ring
 
 pytestmark = pytest.mark.multiproc
 
@@ -223,9 +223,9 @@ def test_a_long_tick_stream_keeps_every_message_and_count_intact():
 
 
 def test_run_config_refuses_shm_off_cpu():
-    from spd_engine.engine.model_config import tiny_config
-    from spd_engine.engine.run_config import RunConfig
-    from spd_engine.engine.topology import Topology
+    from spd_engine.engine.model.model_config import tiny_config
+    from spd_engine.engine.runtime.run_config import RunConfig
+    from spd_engine.engine.protocol.topology import Topology
 
     cfg = tiny_config()
     topo = Topology.build(cfg.num_layers, n=2)
@@ -237,7 +237,7 @@ def test_run_config_refuses_shm_off_cpu():
 
 @pytest.mark.parametrize("transport,colocate", [("shm", False), ("shm", True), ("gloo", True)])
 def test_runtime_over_each_transport_equals_greedy(transport, colocate):
-    from spd_engine.engine.launch import launch
+    from spd_engine.engine.runtime.launch import launch
     from helpers import CHUNK, random_prompts, reference, tiny_engine_config
 
     ecfg = tiny_engine_config("llama", 3, colocate, threads=1, transport=transport)

@@ -1,4 +1,4 @@
-"""The co-located driver with stage 0 on its own thread (engine/stage0_overlap.py): the same tokens
+"""The co-located driver with stage 0 on its own thread (engine/runtime/stage0_overlap.py): the same tokens
 and tick counts as the inline driver and the greedy decoder, in threads and processes, at T=0 and
 T>0; an error of stage 0's step reaches the driver's thread."""
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spd_engine.engine.launch import launch
-from spd_engine.engine.reference import ReferenceExecutor
-from spd_engine.engine.sampling import SamplingParams
-from spd_engine.engine.stage0_overlap import Stage0Runner
+from spd_engine.engine.runtime.launch import launch
+from spd_engine.engine.runtime.reference import ReferenceExecutor
+from spd_engine.engine.protocol.sampling import SamplingParams
+from spd_engine.engine.runtime.stage0_overlap import Stage0Runner
 from helpers import Policy, check_run, random_prompts, reference, summary, tiny_engine_config
 
 NEW = 40

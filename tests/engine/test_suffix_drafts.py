@@ -1,4 +1,4 @@
-"""Suffix drafts (engine/suffix.py, engine/drafting.py): the index on its own, the runtime with
+"""Suffix drafts (engine/protocol/suffix.py, engine/protocol/drafting.py): the index on its own, the runtime with
 suffix drafts on (lossless against greedy decoding on every topology, the tick formula, the
 suffix source really drafting), and the exact T=0 replay agreeing with the runtime."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from spd_engine.engine.drafting import PDM, SUFFIX, DraftChooser
-from spd_engine.engine.reference import ReferenceExecutor
-from spd_engine.engine.suffix import SuffixIndex, SuffixSettings
+from spd_engine.engine.protocol.drafting import PDM, SUFFIX, DraftChooser
+from spd_engine.engine.runtime.reference import ReferenceExecutor
+from spd_engine.engine.protocol.suffix import SuffixIndex, SuffixSettings
 from spd_engine.train.fast_eval import fast_generate
 from helpers import full_model, random_prompts, reference, tiny_engine_config
 
@@ -42,7 +42,7 @@ def test_index_never_matches_the_suffix_with_itself_and_respects_min_match():
 
 
 def test_chooser_rule():
-    from spd_engine.engine.suffix import SuffixProposal
+    from spd_engine.engine.protocol.suffix import SuffixProposal
 
     c = DraftChooser(SuffixSettings(16, 2), pdm_margin=3.0)
     assert c.choose(4, 1.0, SuffixProposal(9, 2)) == (9, SUFFIX)
@@ -88,7 +88,7 @@ def test_fast_replay_equals_the_runtime_with_suffix_drafts(n, margin, one_thread
 
 
 def test_cross_request_history_never_proposes_a_separator_and_is_bounded():
-    from spd_engine.engine.suffix import CrossRequestHistory
+    from spd_engine.engine.protocol.suffix import CrossRequestHistory
 
     cross = CrossRequestHistory(SuffixSettings(max_len=4, min_match=2), max_tokens=10)
     cross.add([1, 2], [3, 4])  # history 1 2 3 4 SEP

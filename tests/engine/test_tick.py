@@ -1,4 +1,4 @@
-"""The tick protocol (engine/tick.py) on its own: the plan of each tick, the counters and the
+"""The tick protocol (engine/protocol/tick.py) on its own: the plan of each tick, the counters and the
 tick formula of docs/design.md 3.3, for random verdict patterns. Pure logic, no torch."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from spd_engine.engine.schedule import decode_ticks
-from spd_engine.engine.tick import Draft, Entry, TickState, Verdict
+from spd_engine.engine.protocol.schedule import decode_ticks
+from spd_engine.engine.protocol.tick import Draft, Entry, TickState, Verdict
 
 
 def run(n: int, verdicts: list[bool], anchor_stages=()) -> tuple[TickState, list]:

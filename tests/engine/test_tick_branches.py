@@ -1,4 +1,4 @@
-"""Branch width W in the tick protocol (engine/tick.py, docs/design.md 3.11), pure logic: branch
+"""Branch width W in the tick protocol (engine/protocol/tick.py, docs/design.md 3.11), pure logic: branch
 points start where the policy says, chains draft one token each until the branch point is
 verified, the survivor's tokens become the representative's, the first entry after a resolution
 names the survivor, and the committed tokens are the target's whatever the candidates."""
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from spd_engine.engine.branching import BranchPolicy
-from spd_engine.engine.tick import Draft, TickState, Verdict
+from spd_engine.engine.protocol.branching import BranchPolicy
+from spd_engine.engine.protocol.tick import Draft, TickState, Verdict
 
 
 def truth(pos: int) -> int:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from spd_engine.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from spd_engine.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 MIXED = "Hello 世界! 🙂👍🏽 naïve café — 東京は晴れ. Ünïcödé ok"
 NON_DIGIT_TEXTS = [

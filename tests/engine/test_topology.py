@@ -1,9 +1,9 @@
-"""engine/topology.py: layer counts per stage, boundaries, and the rank of every stage (pure)."""
+"""engine/protocol/topology.py: layer counts per stage, boundaries, and the rank of every stage (pure)."""
 from __future__ import annotations
 
 import pytest
 
-from spd_engine.engine.topology import Topology, default_stage_layers, parse_stage_layers, stage_bounds
+from spd_engine.engine.protocol.topology import Topology, default_stage_layers, parse_stage_layers, stage_bounds
 
 
 @pytest.mark.parametrize("layers,n,want", [(30, 4, [8, 8, 7, 7]), (6, 3, [2, 2, 2]), (7, 3, [3, 2, 2]),

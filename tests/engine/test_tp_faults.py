@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from spd_engine.engine.launch import FAULT_ENV
+from spd_engine.engine.runtime.launch import FAULT_ENV
 from helpers import random_prompts, run_ranks
 from test_faults import TIMEOUT_S, cli, generate_once, reported, wait_group_gone
 from tp_cases import tp_engine_config

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spd_engine.engine.build import build_stage_model
-from spd_engine.engine.launch import launch
-from spd_engine.engine.reference import ReferenceExecutor
-from spd_engine.engine.sampling import SamplingParams
-from spd_engine.engine.tp_model import resident_bytes
+from spd_engine.engine.runtime.build import build_stage_model
+from spd_engine.engine.runtime.launch import launch
+from spd_engine.engine.runtime.reference import ReferenceExecutor
+from spd_engine.engine.protocol.sampling import SamplingParams
+from spd_engine.engine.model.tp_model import resident_bytes
 from helpers import CHUNK, Policy, check_run, full_model, random_prompts, reference, summary
 from near_ties import assert_greedy_agrees, teacher_forced
 from tp_cases import tp_engine_config, tp_reference
@@ -71,7 +71,7 @@ def test_each_tp_rank_holds_about_one_tth_of_its_stage(one_thread):
 
 def test_tp_stages_count_their_collectives_per_decode_message(one_thread):
     """Two all-reduces per layer, one for a vocab-parallel embedding and one all_gather for the
-    head's greedy argmax: the count the cost model prices (bench/cost_alternatives.py tp_token_ms)."""
+    head's greedy argmax: the count the cost model prices (costmodel/cost_alternatives.py tp_token_ms)."""
     ecfg = tp_engine_config("pp", 2, 2, threads=1)
     with ReferenceExecutor(ecfg) as ex:
         res = ex.generate([5, 6, 7], 6)

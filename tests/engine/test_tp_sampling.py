@@ -1,4 +1,4 @@
-"""Sampling at T>0 with a vocab-parallel head (engine/tp_sampling.py): the tokens `--mode tp`
+"""Sampling at T>0 with a vocab-parallel head (engine/model/tp_sampling.py): the tokens `--mode tp`
 draws are distributed exactly as plain sampling from the target with the same TP split, and the
 check is shown to catch a broken cross-shard top-k; a seed's draw is the one the unsharded
 `sample(target_probs(logits))` makes with the same key, except where rounding moves a CDF
@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from spd_engine.engine import tp_sampling
-from spd_engine.engine.greedy import prefill
-from spd_engine.engine.reference import ReferenceExecutor
-from spd_engine.engine.sampling import SamplingParams, keyed_generator, sample, target_probs
-from spd_engine.engine.tp_group import LocalTPHub
+from spd_engine.engine.model import tp_sampling
+from spd_engine.engine.model.greedy import prefill
+from spd_engine.engine.runtime.reference import ReferenceExecutor
+from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs
+from spd_engine.engine.comm.tp_group import LocalTPHub
 from stats import TEST_LEVEL, chi_square_pvalue
 from test_sampling_distribution import POWER, judge, power
 from tp_cases import serial_tp, tp_cfg, tp_engine_config

@@ -1,5 +1,5 @@
-"""Tensor-parallel pieces without processes: the shard plan (engine/tp_shard.py), the topology's
-(stage, TP rank) <-> rank map, the serial TP oracle against the unsharded model (engine/tp_model.py),
+"""Tensor-parallel pieces without processes: the shard plan (engine/model/tp_shard.py), the topology's
+(stage, TP rank) <-> rank map, the serial TP oracle against the unsharded model (engine/model/tp_model.py),
 and the threaded TP group running the real shards bit-identical to the serial oracle."""
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import threading
 import pytest
 import torch
 
-from spd_engine.engine.build import build_stage_model, build_tp_stage_model
-from spd_engine.engine.greedy import greedy_generate
-from spd_engine.engine.model_config import tiny_config
-from spd_engine.engine.run_config import PRESETS, RunConfig
-from spd_engine.engine.sampling import SamplingParams
-from spd_engine.engine.topology import Topology
-from spd_engine.engine.tp_group import LocalTPHub, reduce_parts
-from spd_engine.engine.tp_model import SerialTP, resident_bytes
-from spd_engine.engine.tp_shard import (check_tp, merge_tensor, reshard_piece, shard_config, shard_tensor,
+from spd_engine.engine.runtime.build import build_stage_model, build_tp_stage_model
+from spd_engine.engine.model.greedy import greedy_generate
+from spd_engine.engine.model.model_config import tiny_config
+from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
+from spd_engine.engine.protocol.sampling import SamplingParams
+from spd_engine.engine.protocol.topology import Topology
+from spd_engine.engine.comm.tp_group import LocalTPHub, reduce_parts
+from spd_engine.engine.model.tp_model import SerialTP, resident_bytes
+from spd_engine.engine.model.tp_shard import (check_tp, merge_tensor, reshard_piece, shard_config, shard_tensor,
                                         vocab_range)
 
 

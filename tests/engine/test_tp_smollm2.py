@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spd_engine.engine.build import build_stage_model
-from spd_engine.engine.checkpoint import read_index
-from spd_engine.engine.greedy import greedy_generate
-from spd_engine.engine.launch import launch
-from spd_engine.engine.reference import ReferenceExecutor
-from spd_engine.engine.run_config import RunConfig
-from spd_engine.engine.topology import Topology
-from spd_engine.engine.tp_model import resident_bytes
+from spd_engine.engine.runtime.build import build_stage_model
+from spd_engine.engine.model.checkpoint import read_index
+from spd_engine.engine.model.greedy import greedy_generate
+from spd_engine.engine.runtime.launch import launch
+from spd_engine.engine.runtime.reference import ReferenceExecutor
+from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.protocol.topology import Topology
+from spd_engine.engine.model.tp_model import resident_bytes
 from near_ties import assert_greedy_agrees, teacher_forced
 from tp_cases import tp_reference
 
@@ -24,7 +24,7 @@ NEW = 24
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
-    from spd_engine.engine.tokenizer import Tokenizer
+    from spd_engine.engine.model.tokenizer import Tokenizer
     from spd_engine.tools.common import resolve_model
 
     engine_dir, tok_dir = resolve_model("smollm2-135m")

@@ -1,4 +1,4 @@
-"""engine/transport.py's in-process transports: LocalHub / LocalTransport (the reference executor's
+"""engine/comm/transport.py's in-process transports: LocalHub / LocalTransport (the reference executor's
 ranks as threads) and LoopbackTransport (a co-located driver and stage 0 on one rank).
 
 What the runtime relies on: FIFO order per link (the lazy rollback of docs/design.md 3.4),
@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from spd_engine.engine.messages import Header, Kind
-from spd_engine.engine.transport import LocalHub, LoopbackTransport, TransportError, loopback_pair
+from spd_engine.engine.protocol.messages import Header, Kind
+from spd_engine.engine.comm.transport import LocalHub, LoopbackTransport, TransportError, loopback_pair
 
 
 def token(position: int, epoch: int = 0) -> Header:

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from spd_engine.engine.sampling import SamplingParams, keyed_generator, sample, target_probs, uniform
-from spd_engine.engine.verify import verify_greedy, verify_sampled
+from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs, uniform
+from spd_engine.engine.protocol.verify import verify_greedy, verify_sampled
 from stats import TEST_LEVEL, chi_square_pvalue, tv_distance
 
 # token 3 has q = 0 (reachable only through the residual), token 8 has p = 0 (never accepted)

@@ -1,6 +1,6 @@
-"""Several candidates for one position (engine/verify_multi.py): the committed token is distributed
+"""Several candidates for one position (engine/protocol/verify_multi.py): the committed token is distributed
 exactly as the target's p, summed over every way the candidates can be drawn; the check is shown to
-fail two broken rules; the keyed sampler follows the exact law; one candidate is engine/verify.py."""
+fail two broken rules; the keyed sampler follows the exact law; one candidate is engine/protocol/verify.py."""
 from __future__ import annotations
 
 import itertools
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from stats import TEST_LEVEL, chi_square_pvalue
-from spd_engine.engine.sampling import keyed_generator
-from spd_engine.engine.verify import verify_sampled
-from spd_engine.engine.verify_multi import (Candidate, committed_distribution, verify_candidates,
+from spd_engine.engine.protocol.sampling import keyed_generator
+from spd_engine.engine.protocol.verify import verify_sampled
+from spd_engine.engine.protocol.verify_multi import (Candidate, committed_distribution, verify_candidates,
                                             verify_candidates_greedy)
 
 V = 5

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from spd_engine.engine.messages import WireFormat
-from spd_engine.engine.reference import ReferenceExecutor
-from spd_engine.engine.sampling import SamplingParams
+from spd_engine.engine.protocol.messages import WireFormat
+from spd_engine.engine.runtime.reference import ReferenceExecutor
+from spd_engine.engine.protocol.sampling import SamplingParams
 from helpers import Policy, check_run, random_prompts, reference, tiny_engine_config
 
 NEW = 40

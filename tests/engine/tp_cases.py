@@ -1,5 +1,5 @@
 """Shared pieces of the tensor-parallel runtime tests: run configs with --tp, and the greedy
-oracle with the same TP split (engine/tp_model.py SerialTP: the T shards in one thread, partial
+oracle with the same TP split (engine/model/tp_model.py SerialTP: the T shards in one thread, partial
 sums added in the all-reduce's order), with the head the run uses (vocab-parallel for tp / pp,
 the driver's unsharded head for SPD)."""
 from __future__ import annotations
@@ -9,10 +9,10 @@ from collections.abc import Sequence
 
 import torch
 
-from spd_engine.engine.build import build_driver_head, build_tp_stage_model
-from spd_engine.engine.greedy import greedy_generate
-from spd_engine.engine.run_config import RunConfig
-from spd_engine.engine.tp_model import SerialTP
+from spd_engine.engine.runtime.build import build_driver_head, build_tp_stage_model
+from spd_engine.engine.model.greedy import greedy_generate
+from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.model.tp_model import SerialTP
 from helpers import tiny_cfg, tiny_engine_config
 
 

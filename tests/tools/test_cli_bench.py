@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from spd_engine.bench.chrome_trace import trace_events
 from spd_engine.bench.speed import TokenClock, latency_summary
-from spd_engine.engine.model_config import tiny_config
+from spd_engine.engine.model.model_config import tiny_config
 from spd_engine.tools.cli import main
 
 
@@ -45,7 +45,7 @@ def test_chrome_trace_events_follow_the_trace_event_format():
 @pytest.fixture
 def eos_first_model(tmp_path):
     """An HF directory whose greedy first token is its EOS (all logits 0 -> id 0 = EOS)."""
-    from tests.checkpoint_tools.ckpt_helpers import write_tiny_hf
+    from ckpt_helpers import write_tiny_hf
 
     cfg = tiny_config("llama", eos_token_ids=(0,), num_layers=2)
     state = write_tiny_hf(tmp_path / "m", cfg)
@@ -102,8 +102,8 @@ def test_a_peer_that_differs_is_reported_not_failed(tmp_path, monkeypatch):
 
     from spd_engine.bench import speed
     from spd_engine.bench.hf_peer import HFPeer
-    from spd_engine.engine.metrics import GenerationResult
-    from spd_engine.engine.run_config import RunConfig
+    from spd_engine.engine.protocol.metrics import GenerationResult
+    from spd_engine.engine.runtime.run_config import RunConfig
 
     class Fake:
         def __init__(self, shift: int) -> None:
@@ -115,7 +115,7 @@ def test_a_peer_that_differs_is_reported_not_failed(tmp_path, monkeypatch):
                 on_token(t)
             return GenerationResult(tokens=toks, n=1, ticks=max_new - 1, decode_s=1.0)
 
-    from spd_engine.engine.topology import Topology
+    from spd_engine.engine.protocol.topology import Topology
 
     cfg = tiny_config("llama", num_layers=2)
     ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(2, n=1), mode="ar", capacity=64)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from spd_engine.engine.run_config import RunConfig
+from spd_engine.engine.runtime.run_config import RunConfig
 from spd_engine.tools import cli
 from spd_engine.tools.cli import SUBCOMMANDS, main
 
@@ -103,8 +103,8 @@ def test_pdm_layers_with_a_trained_head_is_refused(tmp_path, capsys):
 
 
 def test_seed_with_real_weights_and_a_trained_head_is_refused(tmp_path, capsys, monkeypatch):
-    from tests.checkpoint_tools.ckpt_helpers import write_tiny_hf
-    from spd_engine.engine.model_config import tiny_config
+    from ckpt_helpers import write_tiny_hf
+    from spd_engine.engine.model.model_config import tiny_config
 
     monkeypatch.setenv("SPD_CACHE", str(tmp_path / "cache"))
     write_tiny_hf(tmp_path / "m", tiny_config("llama"))

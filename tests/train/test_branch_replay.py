@@ -1,4 +1,4 @@
-"""Branch width W in the exact T=0 replay (train/branch_replay.py, engine/branching.py)."""
+"""Branch width W in the exact T=0 replay (train/branch_replay.py, engine/protocol/branching.py)."""
 from __future__ import annotations
 
 import math
@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from spd_engine.engine.branching import BranchPolicy
-from spd_engine.engine.drafting import DraftChooser
-from spd_engine.engine.suffix import SuffixSettings
+from spd_engine.engine.protocol.branching import BranchPolicy
+from spd_engine.engine.protocol.drafting import DraftChooser
+from spd_engine.engine.protocol.suffix import SuffixSettings
 from spd_engine.train.branch_replay import replay_branches
 from spd_engine.train.fast_eval import DraftTable, replay_table
 

@@ -11,7 +11,7 @@ import pytest
 from spd_engine.tools.cli import main as spd_main
 from spd_engine.train.corpus import BuildOptions, Corpus, build_corpus, interleave, record_ids, token_dtype
 from spd_engine.train.decontaminate import Decontaminator
-from spd_engine.train.draft_vocab import build_draft_vocab
+from spd_engine.train.draft_vocab_build import build_draft_vocab
 
 EVAL_TURN = ("what is the capital city of the country that hosted the first modern olympic games "
              "in the year eighteen ninety six")
@@ -215,7 +215,7 @@ def hf_dir(tmp_path: Path) -> Path:
 
 
 def test_target_tokenizer_matches_engine_tokenizer(hf_dir: Path) -> None:
-    from spd_engine.engine.tokenizer import Tokenizer
+    from spd_engine.engine.model.tokenizer import Tokenizer
     from spd_engine.tools.data import TargetTokenizer
 
     tok = TargetTokenizer(hf_dir)

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from spd_engine.engine.pdm import load_pdm, read_pdm_config
-from tests.engine.helpers import full_model, tiny_engine_config
-from tests.train.test_corpus import build
+from spd_engine.engine.model.pdm import load_pdm, read_pdm_config
+from spd_engine.server.process import spd_script
+from helpers import full_model, tiny_engine_config
+from test_corpus import build
 from spd_engine.train.corpus import Corpus
 from spd_engine.train.data_parallel import DataParallel
 from spd_engine.train.distill import TrainConfig, Trainer, distill_loss
@@ -207,7 +208,7 @@ class ModTokenizer:
     """Byte-level fake tokenizer folded into the tiny models' 96-id vocabulary."""
 
     def __init__(self) -> None:
-        from tests.train.test_corpus import ByteTokenizer
+        from test_corpus import ByteTokenizer
 
         self.inner = ByteTokenizer(vocab_size=ECFG.cfg.vocab_size)
         self.vocab_size, self.eos_ids = self.inner.vocab_size, self.inner.eos_ids
@@ -265,7 +266,7 @@ def test_cli_under_torchrun_two_ranks(tmp_path: Path) -> None:
     corpus_dir, _ = build(tmp_path, tok=ModTokenizer())
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "spd_engine.tools.cli", "train", *TRAIN_ARGS, "--corpus", str(corpus_dir), "--out", str(out)]
+           spd_script(), "train", *TRAIN_ARGS, "--corpus", str(corpus_dir), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count(f"{out}/pdm") == 1  # the main rank reports; both trained

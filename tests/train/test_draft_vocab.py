@@ -10,7 +10,7 @@ import pytest
 from spd_engine.tools.cli import main as spd_main
 from spd_engine.train.corpus import BuildOptions, Corpus, build_corpus
 from spd_engine.train.decontaminate import Decontaminator
-from spd_engine.train.draft_vocab import build_draft_vocab, coverage, load_draft_vocab, select_ids, token_counts
+from spd_engine.train.draft_vocab_build import build_draft_vocab, coverage, load_draft_vocab, select_ids, token_counts
 
 
 class DigitTokenizer:

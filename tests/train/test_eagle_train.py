@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from spd_engine.engine.eagle_driver import EagleDriver
-from spd_engine.engine.eagle_head import load_eagle, random_eagle
-from spd_engine.engine.greedy import greedy_generate_batch
+from spd_engine.engine.runtime.eagle_driver import EagleDriver
+from spd_engine.engine.model.eagle_head import load_eagle, random_eagle
+from spd_engine.engine.model.greedy import greedy_generate_batch
 from spd_engine.train.eagle import EagleTrainConfig, EagleTrainer, eagle_loss, ttt_mask, unrolled_hidden
-from tests.engine.helpers import Policy, full_model, random_prompts, reference, tiny_engine_config
-from tests.train.test_distill import ModTokenizer, json_steps
-from tests.train.test_corpus import build
+from helpers import Policy, full_model, random_prompts, reference, tiny_engine_config
+from test_distill import ModTokenizer, json_steps
+from test_corpus import build
 
 ECFG = tiny_engine_config("llama", 1, mode="eagle", threads=1)
 S = 24

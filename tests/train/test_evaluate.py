@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import spd_engine.train.evaluate as ev
-from spd_engine.engine.run_config import PRESETS, RunConfig
-from spd_engine.engine.pdm import random_pdm
-from spd_engine.engine.topology import Topology
+from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
+from spd_engine.engine.model.pdm import random_pdm
+from spd_engine.engine.protocol.topology import Topology
 from spd_engine.tools.cli import main
 from spd_engine.train.fast_eval import Acceptance
 

@@ -9,23 +9,20 @@ draft the fast path consulted. The slow test does the same on SmolLM2-135M with 
 from __future__ import annotations
 
 import random
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from helpers import full_model, random_prompts, reference, tiny_engine_config  # noqa: E402
+from helpers import full_model, random_prompts, reference, tiny_engine_config
 
-from spd_engine.engine.build import build_pdm  # noqa: E402
-from spd_engine.engine.run_config import RunConfig  # noqa: E402
-from spd_engine.engine.pdm import PDM, random_pdm  # noqa: E402
-from spd_engine.engine.reference import ReferenceExecutor  # noqa: E402
-from spd_engine.engine.schedule import decode_ticks, simulate  # noqa: E402
-from spd_engine.engine.topology import Topology  # noqa: E402
-from spd_engine.train.fast_eval import Acceptance, fast_generate, replay  # noqa: E402
+from spd_engine.engine.runtime.build import build_pdm
+from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.model.pdm import PDM, random_pdm
+from spd_engine.engine.runtime.reference import ReferenceExecutor
+from spd_engine.engine.protocol.schedule import decode_ticks, simulate
+from spd_engine.engine.protocol.topology import Topology
+from spd_engine.train.fast_eval import Acceptance, fast_generate, replay
 
 
 # ---- replay: pure ----
@@ -211,8 +208,8 @@ CHAT = ["What is the capital of France? Answer in one sentence.",
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4])
 def test_fast_path_equals_reference_on_smollm2(n):
-    from spd_engine.engine.build import build_stage_model
-    from spd_engine.engine.tokenizer import Tokenizer
+    from spd_engine.engine.runtime.build import build_stage_model
+    from spd_engine.engine.model.tokenizer import Tokenizer
     from spd_engine.tools.common import model_config, resolve_model
 
     spec, tok_dir = resolve_model("smollm2-135m")

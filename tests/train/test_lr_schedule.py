@@ -10,7 +10,7 @@ import torch
 
 from spd_engine.train.distill import Trainer
 from spd_engine.train.lr_schedule import decay_start, draw_fill, schedule_lr
-from tests.train.test_distill import params, stream, target, tcfg
+from test_distill import params, stream, target, tcfg
 
 
 def test_wsd_is_flat_then_decays_to_a_tenth():

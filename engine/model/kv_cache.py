@@ -1,0 +1,64 @@
+"""Static KV cache for a contiguous range of layers, written by position.
+
+Rollback is implicit: a write at slot `q` makes `q + T` the visible length for that step, so
+a stage that receives a token at position `q` simply overwrites whatever stale entries sat at
+`q` and beyond (docs/design.md 3.4). Buffers are preallocated once; no step allocates.
+
+Branch width W (docs/design.md 3.11): the chains of a branch point at position `q` write their
+entries for position `p >= q` at slots `q + (p - q) W + c` (chain c), so a chain step writes W
+contiguous slots and sees the shared prefix below `q` (a tree mask selects its own chain above
+it). `keep_chain` moves the survivor's entries down to slots `q, q + 1, ...`, after which the
+cache is what a single chain would have written.
+"""
+from __future__ import annotations
+
+import torch
+
+from spd_engine.engine.model.model_config import ModelConfig
+
+
+def chain_slot0(q: int, pos: int, width: int) -> int:
+    """First slot of the chains' entries for position `pos` of the branch point at `q`."""
+    return q + (pos - q) * width
+
+
+def chain_mask(q: int, pos: int, width: int, device: torch.device) -> torch.Tensor:
+    """Bool [1, 1, W, slot0 + W]: chain c's token at `pos` sees slots below q and its own chain's
+    entries at q .. pos (slots q + i*W + c), not its siblings'."""
+    end = chain_slot0(q, pos, width) + width
+    cols = torch.arange(end, device=device)
+    chain = torch.arange(width, device=device)[:, None]
+    return ((cols < q) | ((cols >= q) & ((cols - q) % width == chain)))[None, None]
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, layers: range, batch: int, capacity: int,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
+        if capacity < 1:
+            raise ValueError(f"KV cache capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self.layers = layers
+        shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+        self.k = {i: torch.zeros(shape, device=device, dtype=dtype) for i in layers}  # [B, nkv, S, hd]
+        self.v = {i: torch.zeros(shape, device=device, dtype=dtype) for i in layers}
+
+    def write(self, layer: int, slot0: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, nkv, T, hd] at slots [slot0, slot0+T); return the visible [B, nkv, slot0+T, hd]."""
+        end = slot0 + k.shape[2]
+        assert end <= self.capacity, (end, self.capacity)
+        self.k[layer][:, :, slot0:end] = k
+        self.v[layer][:, :, slot0:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def keep_chain(self, q: int, width: int, row: int, count: int) -> None:
+        """Chain `row` of the branch point at `q` survived: its entries of positions q .. q+count-1
+        (slots q + i*width + row) move to slots q .. q+count-1."""
+        assert 0 <= row < width and q + count * width <= self.capacity, (q, width, row, count, self.capacity)
+        device = next(iter(self.k.values())).device
+        src = torch.arange(count, device=device) * width + (q + row)  # [count]
+        for layer in self.layers:
+            for buf in (self.k[layer], self.v[layer]):
+                buf[:, :, q:q + count] = buf[:, :, src]  # the gather copies first: overlapping slots are safe
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))

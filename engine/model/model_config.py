@@ -1,0 +1,145 @@
+"""Model configuration: a validated, explicit description of a Llama-family target model.
+
+One object describes Llama (incl. llama3 RoPE scaling), Mistral (Llama-shaped), Qwen2 (QKV bias)
+and Qwen3 (q/k norm). It is built from an HF `config.json` dict (read exactly or refused:
+engine/model/hf_config.py) and written back to one, and it is what every
+checkpoint index records, so a stage, a PDM head and a converted checkpoint can be checked
+against the model they were made for.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from spd_engine.engine.model.hf_config import read_hf_fields
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # llama3: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
+    max_position: int = 8192
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"unknown architecture {self.arch!r}; supported: {sorted(ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model config: {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model config: num_heads={self.num_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"model config: head_dim={self.head_dim} must be even for RoPE")
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type", "llama3") != "llama3":
+            raise ValueError(f"model config: unsupported rope_scaling {self.rope_scaling!r} (only llama3)")
+
+    @property
+    def q_per_group(self) -> int:
+        """Query heads per KV head (query group)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def qkv_rows(self) -> int:
+        """Output rows of the fused QKV projection."""
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    # ---- HF config.json ----
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        """From an HF config.json dict, either form transformers writes (ValueError naming a field we cannot run)."""
+        return cls(**read_hf_fields(cfg))
+
+    def to_hf(self, rope_form: str = "legacy") -> dict:
+        """An HF config.json dict. rope_form "legacy" writes top-level rope_theta / rope_scaling (read by
+        transformers 4 and 5), "parameters" the 5.x `rope_parameters` dict."""
+        assert rope_form in ("legacy", "parameters"), rope_form
+        cfg = {
+            "architectures": [ARCHITECTURES[self.arch]],
+            "model_type": self.arch,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_eps,
+            "max_position_embeddings": self.max_position,
+            "tie_word_embeddings": self.tie_embeddings,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+        }
+        if rope_form == "legacy":
+            cfg.update(rope_theta=self.rope_theta, rope_scaling=dict(self.rope_scaling) if self.rope_scaling else None)
+        else:
+            cfg["rope_parameters"] = {"rope_theta": self.rope_theta, **(self.rope_scaling or {"rope_type": "default"})}
+        if self.arch in ("llama", "qwen3"):
+            cfg["attention_bias"] = False
+        if self.arch == "llama":
+            cfg["mlp_bias"] = False
+        if self.arch == "mistral":
+            cfg["sliding_window"] = None  # MistralConfig's default (4096) would switch it on
+        if self.arch in ("qwen2", "qwen3"):
+            cfg["use_sliding_window"] = False
+        return cfg
+
+    # ---- our own JSON (checkpoint index, PDM config) ----
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"model config: unknown fields {sorted(unknown)}")
+        d = dict(d)
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+    def fingerprint(self) -> str:
+        """Short hash of the architecture (not the weights): identifies the model shape."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def tiny_config(arch: str = "llama", **overrides) -> ModelConfig:
+    """A small random-weight config of the given family, for tests and synthetic benchmarks."""
+    base = dict(arch=arch, vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=6,
+                num_heads=4, num_kv_heads=2, head_dim=16, rms_eps=1e-6, rope_theta=10000.0,
+                max_position=512, tie_embeddings=arch != "llama", qkv_bias=arch == "qwen2",
+                qk_norm=arch == "qwen3", bos_token_id=1, eos_token_ids=(2,))
+    if arch == "llama":
+        base["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    base.update(overrides)
+    return ModelConfig(**base)

@@ -1,0 +1,60 @@
+"""Builds a rank's parts (stage model, driver head, PDM) from an RunConfig.
+
+Checkpoints are read tensor by tensor for the layers a rank owns only; random presets are
+built from seeds by name, so every rank gets the same weights without any transfer.
+"""
+from __future__ import annotations
+
+import torch
+
+from spd_engine.engine.model.checkpoint import expected_shapes, load_stage_model, load_tp_stage_state, read_index
+from spd_engine.engine.runtime.run_config import RunConfig, random_preset
+from spd_engine.engine.model.model import StageModel, init_random_, random_tensor
+from spd_engine.engine.comm.tp_group import TPGroup
+from spd_engine.engine.model.tp_model import TPStageModel
+from spd_engine.engine.model.tp_shard import shard_tensor
+from spd_engine.engine.model.pdm import PDM, load_pdm, random_pdm
+
+
+def build_stage_model(ecfg: RunConfig, layers: range, embedding: bool, head: bool) -> StageModel:
+    if random_preset(ecfg.model) is not None:
+        model = StageModel(ecfg.cfg, layers, embedding=embedding, head=head, dtype=torch.float32)
+        init_random_(model, seed=ecfg.seed)
+        return model.to(device=ecfg.device, dtype=ecfg.torch_dtype).eval()
+    if read_index(ecfg.model).tp > 1:  # a TP checkpoint: each tensor's pieces merged (engine/model/tp_shard.py)
+        state = load_tp_stage_state(ecfg.model, layers, embedding, head, 1, 0, cfg=ecfg.cfg, dtype=ecfg.torch_dtype)
+        model = StageModel(ecfg.cfg, layers, embedding=embedding, head=head, device="meta")
+        model.load_state_dict(state, assign=True)
+        return model.to(ecfg.device).eval()
+    model = load_stage_model(ecfg.model, layers, embedding, head, device=ecfg.device, dtype=ecfg.torch_dtype)
+    return model.eval()
+
+
+def build_tp_stage_model(ecfg: RunConfig, layers: range, embedding: bool, head: bool, group: TPGroup
+                         ) -> TPStageModel:
+    """One TP rank's shard of a stage, holding only its piece of every tensor: a random preset's
+    weights are made tensor by tensor (the full model's, by name) and cut; a checkpoint of any TP
+    split is read tensor by tensor and re-sharded where the splits differ."""
+    cfg, tp, r = ecfg.cfg, group.size, group.rank
+    if random_preset(ecfg.model) is not None:
+        state = {name: shard_tensor(name, random_tensor(name, shape, cfg, ecfg.seed), cfg, tp)[r]
+                 for name, shape in expected_shapes(cfg, layers, embedding, head).items()}
+    else:
+        state = load_tp_stage_state(ecfg.model, layers, embedding, head, tp, r, cfg=cfg)
+    model = TPStageModel(cfg, layers, group, embedding=embedding, head=head, device="meta")
+    model.load_state_dict({k: v.to(ecfg.torch_dtype) for k, v in state.items()}, assign=True)
+    return model.to(device=ecfg.device).eval()
+
+
+def build_driver_head(ecfg: RunConfig) -> StageModel:
+    """Embedding (anchor 0) + final norm + LM head: what the driver needs, no decoder layers."""
+    return build_stage_model(ecfg, range(0, 0), embedding=True, head=True)
+
+
+def build_pdm(ecfg: RunConfig) -> PDM:
+    stage_layers = tuple(ecfg.topology.stage_layers)
+    if ecfg.pdm == "random":
+        pdm = random_pdm(ecfg.cfg, stage_layers, ecfg.pdm_layers, seed=ecfg.seed + 1, anchors=ecfg.anchors)
+    else:
+        pdm = load_pdm(ecfg.pdm, ecfg.cfg, stage_layers)
+    return pdm.to(device=ecfg.device, dtype=ecfg.torch_dtype).eval()

@@ -1,0 +1,142 @@
+"""Distributed launch of the runtime: one process per rank over torch.distributed (gloo on CPU,
+NCCL on GPU), on the process-group layer of engine/comm/dist.py.
+
+`launch(ecfg)` is a context manager yielding the driver-side runtime on rank 0.
+- Started by `torchrun` (RANK/WORLD_SIZE set; single node or multi-node rendezvous): every
+  process enters; ranks other than 0 serve their stage and exit when the driver shuts down.
+- Started plainly: rank 0 is this process and the other ranks are spawned children. There is no
+  elastic agent killing survivors, so a dead rank is detected by the others themselves: a
+  receive inside a request fails on a closed connection or times out, and the rank exits
+  with an error naming (rank, peer, tick).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Iterator
+
+import torch
+import torch.distributed
+
+from spd_engine.engine.comm.dist import (LocalRanks, RunFailed, check_gpus, fail_rank, join_group, leave_group,
+                                    local_init_method, rank_device, torchrun_rank, under_torchrun)
+from spd_engine.engine.comm.dist import free_port  # noqa: F401  (re-exported: test harnesses import it from here)
+from spd_engine.engine.runtime.roles import build_rank, rank_topology
+from spd_engine.engine.comm.tp_group import TPGroup, dist_tp_groups
+from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.comm.shm_transport import ShmTransport, shm_usable
+from spd_engine.engine.comm.transport import DistTransport, Transport
+
+# Test hook: "RANK:MESSAGES" makes that rank SIGKILL itself after handling MESSAGES messages,
+# the same as `kill -9` from outside, to check that no surviving rank hangs.
+FAULT_ENV = "SPD_FAULT_KILL_RANK"
+
+
+def _transport(ecfg: RunConfig, rank: int, world: int, one_host: bool) -> Transport:
+    """The run's P2P transport (collective): `auto` takes shared memory for CPU ranks that this
+    process launched on its own host, else the process group's backend."""
+    choice = ecfg.transport
+    if choice == "auto":  # one_host, backend and device are the same on every rank
+        choice = "gloo"
+        if world > 1 and one_host and ecfg.backend == "gloo" and ecfg.device.startswith("cpu"):
+            # every rank must pick the same: each checks /dev/shm's free space, so they agree on it
+            ok = torch.tensor([int(shm_usable(world) is None)])
+            torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+            choice = "shm" if int(ok) else "gloo"
+    return ShmTransport(rank, world) if choice == "shm" else DistTransport(rank, world, ecfg.device)
+
+
+def _join(ecfg: RunConfig, rank: int, world: int, init_method: str) -> tuple[RunConfig, Transport, TPGroup]:
+    """(this rank's config: plain `cuda` made this rank's GPU, its transport, its stage's TP group)."""
+    device = str(rank_device(ecfg.device, rank, world))  # before the threads: sets the current GPU
+    ecfg = ecfg if device == ecfg.device else ecfg.replace(device=device)
+    torch.set_num_threads(ecfg.threads_per_rank())
+    # requests bound their own waits (Transport timeouts); a stage idles between them
+    join_group(rank, world, ecfg.backend, ecfg.device, init_method, max(60.0, ecfg.timeout_s), idle_waits=True)
+    transport = _transport(ecfg, rank, world, one_host=not under_torchrun())
+    return ecfg, transport, dist_tp_groups(rank_topology(ecfg), rank, ecfg.timeout_s)  # collective: every rank
+
+
+def _serve(ecfg: RunConfig, rank: int, transport: Transport, group: TPGroup) -> None:
+    _, worker = build_rank(ecfg, rank, transport, tp_group=group)
+    assert worker is not None
+    fault = os.environ.get(FAULT_ENV, "")
+    if fault and int(fault.split(":")[0]) == rank:
+        limit = int(fault.split(":")[1])
+        for _ in range(limit):
+            worker.step()
+        os.kill(os.getpid(), signal.SIGKILL)
+    worker.serve()
+
+
+def _stage_rank(rank: int, world: int, ecfg: RunConfig, init_method: str) -> None:
+    """A spawned rank's life (engine/comm/dist.py run_rank reports its error and exits)."""
+    ecfg, transport, group = _join(ecfg, rank, world, init_method)
+    _serve(ecfg, rank, transport, group)
+    leave_group()
+
+
+def check_head(ecfg: RunConfig) -> None:
+    """A PDM or EAGLE head made for another model (or another stage split) is a user error: say so up front."""
+    if ecfg.mode == "spd" and ecfg.pdm != "random":
+        from spd_engine.engine.model.pdm import check_pdm_matches, read_pdm_config
+
+        pcfg, _ = read_pdm_config(ecfg.pdm)
+        check_pdm_matches(pcfg, ecfg.cfg, tuple(ecfg.topology.stage_layers))
+    if ecfg.mode == "eagle" and ecfg.eagle_head != "random":
+        from spd_engine.engine.model.eagle_head import check_eagle_matches, read_eagle_config
+
+        check_eagle_matches(read_eagle_config(ecfg.eagle_head)[0], ecfg.cfg)
+
+
+@contextlib.contextmanager
+def launch(ecfg: RunConfig) -> Iterator[object]:
+    world = ecfg.world_size
+    if under_torchrun():
+        me = torchrun_rank()
+        if me.world_size != world:
+            raise ValueError(f"torchrun started {me.world_size} processes; mode {ecfg.mode} with "
+                             f"n={ecfg.topology.n} needs world size {world}")
+        ecfg, transport, group = _join(ecfg, me.rank, world, "env://")
+        if me.rank != 0:
+            try:
+                _serve(ecfg, me.rank, transport, group)
+            except Exception as err:  # a dead peer or a bad message: name this rank, leave at once
+                fail_rank(me.rank, err)
+            leave_group()
+            sys.exit(0)
+        yield from _drive(ecfg, transport, group, None)
+        return
+    check_head(ecfg)  # fail fast, before any rank is spawned
+    check_gpus(ecfg.device, world)  # enough GPUs for every rank
+    init_method = local_init_method()
+    with LocalRanks(_stage_rank, range(1, world), (world, ecfg, init_method)) as ranks:
+        ecfg, transport, group = _join(ecfg, 0, world, init_method)
+        yield from _drive(ecfg, transport, group, ranks)
+
+
+def _drive(ecfg: RunConfig, transport: Transport, group: TPGroup, ranks: LocalRanks | None
+           ) -> Iterator[object]:
+    ok = False
+    try:
+        driver, _ = build_rank(ecfg, 0, transport, tp_group=group)
+        yield driver
+        driver.shutdown()
+        ok = True
+    except BaseException as err:
+        # Work objects (queued sends, the failed receive held by this traceback) keep the
+        # process group's connections open; drop them so the teardown below really closes them.
+        transport.abandon()
+        traceback.clear_frames(err.__traceback__)
+        raise
+    finally:
+        # Also on error: closing our connections makes every surviving rank's receive fail
+        # at once with an error naming us, instead of waiting for its timeout.
+        leave_group()
+        if ranks is not None:
+            ranks.join(ecfg.timeout_s if ok else 5.0)
+    if ok and ranks is not None and ranks.failed():
+        raise RunFailed(ranks.failure_report())

@@ -1,0 +1,69 @@
+"""Reference executor: the runtime in one process, for every mode.
+
+The driver and the stage workers are the very same objects as in a distributed run
+(engine/runtime/roles.py); the stage ranks run as threads over the in-process transport. SPD results
+(tokens, tick count, alpha) are timing-independent by construction (docs/design.md 3.3/3.4), so this
+executor produces exactly what the distributed run produces; tests, training checks and
+evaluation use it when wall-clock does not matter.
+"""
+from __future__ import annotations
+
+import threading
+
+from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.runtime.roles import build_rank, rank_topology
+from spd_engine.engine.comm.tp_group import LocalTPHub
+from spd_engine.engine.runtime.stage_worker import StageWorker
+from spd_engine.engine.comm.transport import LocalHub
+
+
+class ReferenceExecutor:
+    """Use as a context manager; `generate` has the Driver's signature."""
+
+    def __init__(self, ecfg: RunConfig, pdm=None) -> None:
+        world = ecfg.world_size
+        self.hub = LocalHub(world)
+        self.errors: list[BaseException] = []
+        self.threads: list[threading.Thread] = []
+        self.driver = None
+        topo = rank_topology(ecfg)
+        tp_hubs = [LocalTPHub(topo.stage_ranks(s), ecfg.timeout_s) for s in range(topo.n)]  # one per stage
+        # building a TP shard needs no collective, so the ranks are built one after another here
+        for rank in range(world):
+            transport = self.hub.transport(rank)
+            place = topo.place_of_rank(rank)
+            group = tp_hubs[place[0]].group(place[1]) if place is not None else None
+            driver, worker = build_rank(ecfg, rank, transport, pdm=pdm, tp_group=group)
+            if driver is not None:
+                self.driver = driver
+            if worker is not None:
+                th = threading.Thread(target=self._serve, args=(worker, transport, group), daemon=True,
+                                      name=f"rank{rank}")
+                th.start()
+                self.threads.append(th)
+        assert self.driver is not None
+
+    def _serve(self, worker: StageWorker, transport, group) -> None:
+        try:
+            worker.serve()
+        except BaseException as err:  # a stage failure must end the run with an error, not hang it
+            self.errors.append(err)
+            transport.mark_dead()
+            if group is not None:
+                group.abort()  # the TP peers waiting in a collective fail at once
+            raise
+
+    def generate(self, *args, **kwargs):
+        return self.driver.generate(*args, **kwargs)
+
+    def close(self) -> None:
+        if not self.errors:
+            self.driver.shutdown()
+        for th in self.threads:
+            th.join(timeout=10)
+
+    def __enter__(self) -> "ReferenceExecutor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

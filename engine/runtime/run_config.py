@@ -1,0 +1,251 @@
+"""The run configuration: one explicit, validated object every rank builds its part from.
+
+Model sources: an engine checkpoint directory, or `random:<preset>` (seeded random weights of a
+named shape; every rank builds the same tensors independently, so no weights travel). PDM
+sources: a PDM checkpoint directory, or `random` (an untrained head; output stays lossless); the
+same for the eagle baseline's head (`--mode eagle`, engine/model/eagle_head.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from spd_engine.engine.protocol.branching import BranchPolicy
+from spd_engine.engine.protocol.drafting import DraftChooser
+from spd_engine.engine.protocol.suffix import SuffixSettings
+
+from spd_engine.engine.protocol.anchors import AnchorPlan
+from spd_engine.engine.model.model_config import ModelConfig, tiny_config
+from spd_engine.engine.protocol.topology import VERIFY_AT, Topology, verifies_on_last  # noqa: F401 (VERIFY_AT: re-exported)
+from spd_engine.engine.model.tp_shard import check_tp
+
+MODES = ("spd", "pp", "ar", "tp", "eagle")
+# P2P transports: gloo/NCCL (engine/comm/transport.py DistTransport) or shared-memory rings between
+# the CPU ranks of one host (engine/comm/shm_transport.py); auto: shm where it can run, else the backend
+TRANSPORTS = ("auto", "gloo", "shm")
+# branch width of an SPD run that names none. W = 2 at refill lifts the shipped n=4 head's pooled
+# EAL from 2.03 to 2.16 on the dev prompts, but on the 2-core CPU host, where the ranks share the
+# cores, a tick then costs more than that buys (docs/benchmarks.md), and the H200 profiles
+# predict a few percent at best: W = 2 stays opt-in until a GPU run measures it.
+DEFAULT_BRANCHES = 1
+EAGLE_K = 2  # draft chain length of --mode eagle: the shipped head accepts nothing past step 2 (README, docs/eval.md)
+
+
+class StepMode(str, enum.Enum):
+    """How the stages' and the driver's one-token decode steps run (engine/model/graphs.py)."""
+
+    AUTO = "auto"  # graph on CUDA, eager elsewhere (resolved once, in RunConfig)
+    EAGER = "eager"  # plain module calls
+    STATIC = "static"  # preallocated buffers, device-side position and mask: the graph path's code, run eagerly
+    GRAPH = "graph"  # static steps captured as CUDA graphs
+
+    @classmethod
+    def parse(cls, value: "str | StepMode") -> "StepMode":
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"step mode must be one of {STEP_MODES}, got {value!r}") from None
+
+
+STEP_MODES = tuple(m.value for m in StepMode)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _shape(arch, vocab, hidden, inter, layers, heads, kv, head_dim, tie, **kw) -> ModelConfig:
+    return ModelConfig(arch=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
+                       num_heads=heads, num_kv_heads=kv, head_dim=head_dim, tie_embeddings=tie,
+                       max_position=8192, eos_token_ids=(2,), **kw)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny-llama": tiny_config("llama"),
+    "tiny-qwen2": tiny_config("qwen2"),
+    "tiny-qwen3": tiny_config("qwen3"),
+    "smollm2-135m": _shape("llama", 49152, 576, 1536, 30, 9, 3, 64, True, rope_theta=100000.0),
+    # SmolLM2-135M's size with 8 heads / 4 KV heads (head_dim 72): --tp 2 divides it (2-core TP checks)
+    "smollm2-135m-tp2": _shape("llama", 49152, 576, 1536, 30, 8, 4, 72, True, rope_theta=100000.0),
+    "llama-3.2-1b": _shape("llama", 128256, 2048, 8192, 16, 32, 8, 64, True, rope_theta=500000.0),
+    "qwen3-4b": _shape("qwen3", 151936, 2560, 9728, 36, 32, 8, 128, True, qk_norm=True, rope_theta=1e6),
+    "llama-3.1-8b": _shape("llama", 128256, 4096, 14336, 32, 32, 8, 128, False, rope_theta=500000.0),
+}
+
+
+def random_preset(spec: str) -> ModelConfig | None:
+    """The config of a `random:<preset>` model source, None for a checkpoint path."""
+    if not spec.startswith("random:"):
+        return None
+    name = spec.split(":", 1)[1]
+    if name not in PRESETS:
+        raise ValueError(f"unknown random model preset {name!r}; choose from {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: str  # engine checkpoint dir or random:<preset>
+    cfg: ModelConfig
+    topology: Topology
+    mode: str = "spd"
+    pdm: str = "random"  # PDM checkpoint dir or "random"
+    pdm_layers: int = 1
+    anchors: tuple[int, ...] | None = None
+    backend: str = "gloo"
+    device: str = "cpu"
+    dtype: str = "float32"
+    capacity: int = 2048
+    prefill_chunk: int = 128
+    timeout_s: float = 60.0
+    threads: int | None = None
+    seed: int = 0
+    stage_ms: tuple[float, ...] | None = None  # synthetic per-stage decode step time (sleep-padded)
+    trace: bool = False  # record per-tick timestamps on every rank (timeline plots)
+    step_mode: StepMode = StepMode.AUTO  # one-token decode steps (a string is parsed once, here)
+    suffix_drafts: bool = True  # draft from the longest earlier occurrence of the context's suffix too (engine/protocol/suffix.py)
+    suffix_min_match: int = 2  # shortest suffix match that may draft
+    suffix_max_len: int = 16  # longest suffix looked up
+    suffix_pdm_margin: float = float("inf")  # suffix drafts only where the PDM's top-1 margin is below this
+    suffix_cross_request: bool = False  # also draft from the process's earlier requests (a server's)
+    overlap_stage0: bool = False  # co-located, n >= 2: stage 0's decode step overlaps the driver's draft and verify
+    eagle_head: str = "random"  # --mode eagle: EAGLE head directory or "random" (engine/model/eagle_head.py)
+    eagle_k: int = EAGLE_K  # --mode eagle: drafts per round
+    # branch width W: candidate chains a draft position may start (docs/design.md 3.11); None:
+    # DEFAULT_BRANCHES for SPD, else 1 (resolved once, here)
+    branches: int | None = None
+    branch_when: str = "refill"  # where a branch point may start (engine/protocol/branching.py WHEN)
+    transport: str = "auto"  # TRANSPORTS: how ranks message each other (collectives stay on the backend)
+    # SPD at T=0: who computes the target's argmax of the token leaving the last stage, "last" (that
+    # stage, which then holds the head too), "driver", or "auto": last when the driver shares rank 0
+    # with stage 0 (its rank is the busiest), driver when it has a rank of its own (docs/design.md 3.5)
+    verify_at: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.stage_ms is not None and (len(self.stage_ms) != self.topology.n or min(self.stage_ms) < 0):
+            raise ValueError(f"stage_ms needs {self.topology.n} non-negative values, got {self.stage_ms}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        object.__setattr__(self, "step_mode", StepMode.parse(self.step_mode))
+        self.chooser()  # SuffixSettings names a bad suffix setting
+        if self.branches is None:
+            auto = DEFAULT_BRANCHES if self.mode == "spd" else 1
+            object.__setattr__(self, "branches", auto)
+        self.branch_policy()  # BranchPolicy names a bad width or policy
+        if self.branches > 1 and self.mode != "spd":
+            raise ValueError(f"--branches {self.branches} needs --mode spd (branch chains are SPD drafts)")
+        if not self.suffix_pdm_margin > 0:
+            raise ValueError(f"suffix PDM margin must be > 0, got {self.suffix_pdm_margin}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
+        verifies_on_last(self.verify_at, self.topology.colocate)  # names a bad verify_at
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.transport == "shm" and (self.backend != "gloo" or not self.device.startswith("cpu")):
+            raise ValueError(f"--transport shm carries CPU tensors between ranks of one host: it needs "
+                             f"--device cpu and the gloo backend, got {self.device} / {self.backend}")
+        if self.topology.num_layers != self.cfg.num_layers:
+            raise ValueError(f"stage layers {list(self.topology.stage_layers)} sum to {self.topology.num_layers}, "
+                             f"the model has {self.cfg.num_layers} layers")
+        if self.mode in ("ar", "eagle") and self.topology.n != 1:
+            raise ValueError(f"--mode {self.mode} runs the whole model on one rank: use --stages 1")
+        if self.mode in ("ar", "eagle") and self.topology.tp != 1:
+            raise ValueError(f"--mode {self.mode} runs the whole model on one rank: use --mode tp for --tp > 1")
+        if self.mode == "tp" and self.topology.n != 1:
+            raise ValueError("--mode tp runs the whole model as one stage over the TP ranks: use --stages 1")
+        if self.topology.tp > 1:
+            check_tp(self.cfg, self.topology.tp)
+        if self.eagle_k < 1:
+            raise ValueError(f"--eagle-k must be >= 1, got {self.eagle_k}")
+        if self.eagle_head != "random" and not Path(self.eagle_head).is_dir():
+            raise ValueError(f"EAGLE head not found: {self.eagle_head}")
+        if self.capacity < 2 or self.capacity > self.cfg.max_position:
+            raise ValueError(f"KV capacity {self.capacity} must be in [2, max_position={self.cfg.max_position}]")
+        if self.prefill_chunk < 1 or self.timeout_s <= 0:
+            raise ValueError("prefill chunk must be >= 1 and the timeout positive")
+        if random_preset(self.model) is None and not Path(self.model).is_dir():
+            raise ValueError(f"model checkpoint not found: {self.model}")
+        if self.pdm != "random" and not Path(self.pdm).is_dir():
+            raise ValueError(f"PDM checkpoint not found: {self.pdm}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def world_size(self) -> int:
+        if self.mode == "spd":
+            return self.topology.world_size
+        if self.mode == "eagle":
+            return 1  # one rank: the target and the draft head
+        return dataclasses.replace(self.topology, colocate=True).world_size  # pp/tp/ar: n T stage ranks
+
+    @property
+    def verifies_on_last(self) -> bool:
+        """Whether the last stage holds the head and computes T=0 verification's argmax (SPD, n >= 2;
+        with n = 1 the last stage is the driver's own stage 0)."""
+        return self.mode == "spd" and self.topology.n >= 2 and verifies_on_last(self.verify_at, self.topology.colocate)
+
+    def resolved_step_mode(self) -> StepMode:
+        """eager, static or graph: auto is graph on CUDA and eager elsewhere."""
+        if self.step_mode != StepMode.AUTO:
+            return self.step_mode
+        return StepMode.GRAPH if self.device.startswith("cuda") else StepMode.EAGER
+
+    def rank_options(self, stage: int | None = None) -> "RankOptions":
+        """What a driver or stage worker needs of this run (stage None: the driver)."""
+        min_step = self.stage_ms[stage] / 1e3 if self.stage_ms and stage is not None else 0.0
+        step_mode = self.resolved_step_mode()
+        if stage is not None and self.topology.tp > 1:
+            step_mode = StepMode.EAGER  # TP shards run eager steps: their collectives are not captured in graphs
+        return RankOptions(self.capacity, self.prefill_chunk, self.timeout_s, self.trace,
+                           step_mode, min_step, self.chooser(), self.overlap_stage0, self.branch_policy(),
+                           self.verifies_on_last)
+
+    def chooser(self) -> DraftChooser:
+        """The draft sources of this run (engine/protocol/drafting.py)."""
+        if not self.suffix_drafts:
+            return DraftChooser()
+        return DraftChooser(SuffixSettings(self.suffix_max_len, self.suffix_min_match), self.suffix_pdm_margin,
+                            self.suffix_cross_request)
+
+    def branch_policy(self) -> BranchPolicy:
+        return BranchPolicy(self.branches, self.branch_when)
+
+    def plan(self) -> AnchorPlan:
+        return AnchorPlan.build(self.topology.bounds, self.anchors)
+
+    def threads_per_rank(self, ranks_on_host: int | None = None) -> int:
+        if self.threads is not None:
+            return self.threads
+        ranks = ranks_on_host or self.world_size
+        return max(1, (os.cpu_count() or 1) // ranks)
+
+    def replace(self, **kw) -> "RunConfig":
+        """A copy with fields changed; one that cannot branch (not SPD) gets W = 1 unless given."""
+        if "branches" not in kw and kw.get("mode", self.mode) != "spd":
+            kw["branches"] = 1
+        return dataclasses.replace(self, **kw)
+
+
+@dataclass(frozen=True)
+class RankOptions:
+    """The run settings a driver or a stage worker uses (RunConfig.rank_options)."""
+
+    capacity: int = 2048  # KV slots per sequence
+    prefill_chunk: int = 128  # prompt tokens per prefill message
+    timeout_s: float = 60.0  # receive timeout inside a request
+    trace: bool = False  # per-tick timestamps (timelines)
+    step_mode: StepMode = StepMode.EAGER  # resolved: never AUTO
+    min_step_s: float = 0.0  # synthetic stage step time: compute is padded to this (benchmarks, bubble tests)
+    drafting: DraftChooser = DraftChooser()  # the driver's draft sources (PDM only by default)
+    overlap_stage0: bool = False  # co-located: stage 0 steps on its own thread (engine/runtime/stage0_overlap.py)
+    branches: BranchPolicy = BranchPolicy()  # branch width W and where branch points start
+    verify_on_last: bool = False  # SPD: the last stage computes T=0 verification's argmax (RunConfig.verify_at)
+
+    def __post_init__(self) -> None:
+        assert self.step_mode != StepMode.AUTO, "resolve the step mode before building a rank"

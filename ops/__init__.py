@@ -1,1 +1,0 @@
-"""Kernels used by the runtime; each ships with a plain torch reference."""

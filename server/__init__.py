@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server behind `spd serve`: app, engine loop, requests, responses, metrics."""

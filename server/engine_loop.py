@@ -1,0 +1,342 @@
+"""The engine side of `spd serve`: one thread owns the runtime and runs one request at a time.
+
+The engine thread enters the runtime (engine/launch.launch: ranks, KV caches and CUDA graphs stay
+up for the life of the server), then takes jobs from a bounded FIFO queue. A job's `on_token`
+runs on that thread for every committed token: it detokenizes, cuts at stop strings and hands
+pieces to the job's asyncio queue; it returns False to end the request after that token (a stop
+string, a client that went away, a deadline), and the driver then drains the pipeline so the next
+request starts clean. A stage failure (the driver raises, naming the rank) fails the request in
+flight with a 500, fails every queued one with a 503 and marks the engine failed; so does a rank
+process that dies while the server is idle (spawned ranks are watched).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from spd_engine.engine.protocol.metrics import GenerationResult
+from spd_engine.engine.model.tokenizer import Tokenizer
+from spd_engine.engine.comm.transport import TransportError
+from spd_engine.server.openai_api import ApiError
+from spd_engine.server.request import ServeRequest
+from spd_engine.server.responses import Summary
+from spd_engine.server.text import TextStream
+
+SPD_FIELDS = ("ticks", "verified", "accepted", "rejections", "alpha", "eal", "prefill_s", "decode_s", "decode_tok_s")
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Job:
+    """One request. The engine thread calls on_token / finish / fail; the event loop reads `events`:
+    ("piece", text), then ("done", Summary) or ("error", ApiError)."""
+
+    def __init__(self, req: ServeRequest, tok: Tokenizer | None, loop: asyncio.AbstractEventLoop) -> None:
+        self.req, self.loop = req, loop
+        self.text = TextStream(tok, req.stops)
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.arrival = time.monotonic()
+        self.started: float | None = None
+        self.token_times: list[float] = []  # commit time of every token of the reply
+        self.cancel_reason: str | None = None  # "cancelled" (client gone) or "timeout"; set by the event loop
+        self.finish_reason: str | None = None  # stop / length / cancelled / timeout / error
+        self.result: GenerationResult | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _emit(self, event: tuple) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is gone (server shut down): nobody is listening
+            pass
+
+    def on_token(self, token: int) -> bool:
+        """Called by the driver per committed token; False ends the request after this token."""
+        if self.finish_reason is not None:
+            return False  # ended already (the driver ran on past a False)
+        self.token_times.append(time.monotonic())
+        piece = self.text.push(token)
+        if piece:
+            self._emit(("piece", piece))
+        if self.text.stopped:
+            self.finish_reason = "stop"
+        elif self.cancel_reason is not None:
+            self.finish_reason = self.cancel_reason
+        return self.finish_reason is None
+
+    def finish(self, res: GenerationResult, eos: set[int]) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.result = res
+        if self.finish_reason is None:
+            tail = self.text.finish()
+            if tail:
+                self._emit(("piece", tail))
+            if self.cancel_reason is not None:
+                self.finish_reason = self.cancel_reason
+            elif self.text.stopped or (res.tokens and res.tokens[-1] in eos):
+                self.finish_reason = "stop"
+            else:
+                self.finish_reason = "length"
+        spd = {k: getattr(res, k) for k in SPD_FIELDS}
+        self._emit(("done", Summary(self.finish_reason, len(self.req.prompt_ids), len(self.token_times), spd)))
+
+    def fail(self, err: ApiError) -> bool:
+        """Fail the request (once); False if it had ended already."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+        self.finish_reason = "error"
+        self._emit(("error", err))
+        return True
+
+
+class DirectCall:
+    """A function run on the engine thread with the runtime (the streaming-overhead benchmark runs
+    `runtime.generate` itself there, exactly as `spd generate` does, on the server's own ranks)."""
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.fn, self.done, self.value, self.error = fn, threading.Event(), None, None
+
+
+class JobQueue:
+    """Bounded FIFO of jobs waiting for the pipeline (the running one is not counted)."""
+
+    def __init__(self, limit: int) -> None:
+        assert limit >= 0
+        self.limit = limit
+        self._items: deque = deque()
+        self._cv = threading.Condition()
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, item) -> None:
+        with self._cv:
+            if self._closed:
+                raise QueueFull("closed")
+            if len(self._items) >= self.limit:
+                raise QueueFull(f"{len(self._items)} requests waiting (limit {self.limit})")
+            self._items.append(item)
+            self._cv.notify()
+
+    def get(self):
+        """The next item, or None once closed and empty (blocks until one of the two)."""
+        with self._cv:
+            while not self._items and not self._closed:
+                self._cv.wait()
+            return self._items.popleft() if self._items else None
+
+    def remove(self, item) -> bool:
+        with self._cv:
+            try:
+                self._items.remove(item)
+                return True
+            except ValueError:
+                return False
+
+    def close(self, discard: bool = False) -> list:
+        """No more puts; get() returns what is left, then None. discard: also take out (and return) what is left."""
+        with self._cv:
+            self._closed = True
+            left = list(self._items) if discard else []
+            if discard:
+                self._items.clear()
+            self._cv.notify_all()
+            return left
+
+
+class EngineFailure(RuntimeError):
+    pass
+
+
+def describe_failure(err: BaseException) -> str:
+    if isinstance(err, TransportError):
+        return f"lost stage rank {err.peer}: {err}"
+    return f"the pipeline failed: {err}"
+
+
+def describe_exit(code: int) -> str:
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+class EngineLoop:
+    """The engine thread, its queue and its state: starting, ready, draining, stopped or failed."""
+
+    def __init__(self, open_runtime: Callable[[], AbstractContextManager], queue_limit: int, eos_ids,
+                 metrics=None, rank_processes: Callable[[], list] | None = None, rank_grace_s: float = 5.0,
+                 on_fatal: Callable[[str], None] | None = None) -> None:
+        self.open_runtime, self.metrics, self.eos = open_runtime, metrics, set(eos_ids)
+        self.queue = JobQueue(queue_limit)
+        self.rank_processes, self.rank_grace_s = rank_processes, rank_grace_s
+        self.on_fatal = on_fatal
+        self.state = "starting"
+        self.failure: str | None = None
+        self.current: Job | DirectCall | None = None
+        self._start_error: BaseException | None = None
+        self._ready = threading.Event()
+        self._leaving = threading.Event()  # set once the loop is done and the runtime shuts its ranks down
+        self._lock = threading.Lock()
+        self.thread = threading.Thread(target=self._main, name="spd-engine", daemon=True)
+
+    # ---- control (any thread) ----
+    def start(self, timeout: float | None = None) -> None:
+        """Start the engine thread and wait until the ranks are up; raises if they did not come up."""
+        self.thread.start()
+        if not self._ready.wait(timeout):
+            raise RuntimeError(f"the ranks did not come up within {timeout} s")
+        if self.state != "ready":
+            raise self._start_error
+
+    def submit(self, job: Job) -> None:
+        """Queue a job: ApiError 503 when not accepting, 429 when the queue is full."""
+        if self.state != "ready":
+            reason = self.failure if self.state == "failed" else f"the server is {self.state}"
+            raise ApiError(503, f"not accepting requests: {reason}", type="server_error", code="unavailable")
+        try:
+            self.queue.put(job)
+        except QueueFull as err:
+            raise ApiError(429, f"the request queue is full: {err}", type="rate_limit_error",
+                           code="queue_full") from None
+
+    def cancel(self, job: Job, reason: str = "cancelled") -> None:
+        """Client gone or deadline passed: drop it from the queue, or end it at its next token."""
+        if job.cancel_reason is None:
+            job.cancel_reason = reason
+        if self.queue.remove(job):
+            job.finish_reason = reason
+            self._count(reason)
+
+    def call(self, fn: Callable[[Any], Any], timeout: float | None = None):
+        """Run fn(runtime) on the engine thread, after the requests queued before it; return its value."""
+        item = DirectCall(fn)
+        self.queue.put(item)
+        if not item.done.wait(timeout):
+            raise TimeoutError("the engine did not run the call in time")
+        if item.error is not None:
+            raise item.error
+        return item.value
+
+    def drain(self) -> None:
+        """Refuse new requests; queued and running ones go on."""
+        if self.state == "ready":
+            self.state = "draining"
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """After the queued requests: leave the runtime (ranks shut down). True if the thread ended."""
+        self.drain()
+        self.queue.close()
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+    def waiting(self) -> int:
+        return len(self.queue)
+
+    # ---- the engine thread ----
+    def _main(self) -> None:
+        try:
+            with self.open_runtime() as runtime:
+                self.state = "ready"
+                self._ready.set()
+                self._watch_ranks()
+                while (item := self.queue.get()) is not None:
+                    self.current = item
+                    self._run(runtime, item)
+                    self.current = None
+                self._leaving.set()  # the ranks shut down next, with exit code 0: not a death
+                if self.failure is not None:
+                    raise EngineFailure(self.failure)  # leave the runtime through its error path
+        except BaseException as err:  # noqa: B036 - the engine thread must record every way it ends
+            self._start_error = err
+            self._fail(describe_failure(err) if self.failure is None else self.failure)
+        finally:
+            if self.state not in ("failed",):
+                self.state = "stopped"
+            self._ready.set()
+
+    def _run(self, runtime, item: Job | DirectCall) -> None:
+        if isinstance(item, DirectCall):
+            try:
+                item.value = item.fn(runtime)
+            except BaseException as err:  # noqa: B036 - handed back to the caller
+                item.error = err
+                raise
+            finally:
+                item.done.set()
+            return
+        job = item
+        if job.cancel_reason is not None:  # gone before its turn
+            job.finish_reason = job.cancel_reason
+            self._count(job.cancel_reason)
+            return
+        job.started = time.monotonic()
+        req = job.req
+        try:
+            res = runtime.generate(req.prompt_ids, req.max_tokens, tuple(self.eos), on_token=job.on_token,
+                                   sampling=req.sampling)
+        except ValueError as err:  # refused before any work: the pipeline is untouched
+            job.fail(ApiError(400, str(err)))
+            self._count("bad_request")
+            return
+        except (TransportError, RuntimeError, AssertionError) as err:
+            self._fail(describe_failure(err))
+            raise
+        job.finish(res, self.eos)
+        if self.metrics is not None:
+            self.metrics.request_done(job, res)
+
+    def _count(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.outcome(outcome)
+
+    def _fail(self, reason: str) -> None:
+        """Mark the engine failed (once): the request in flight gets a 500, queued ones a 503."""
+        with self._lock:
+            if self.state == "failed":
+                return
+            self.failure, self.state = reason, "failed"
+        current = self.current
+        if isinstance(current, Job) and current.fail(ApiError(500, reason, type="server_error", code="rank_failed")):
+            self._count("error")
+        for item in self.queue.close(discard=True):
+            if isinstance(item, Job) and item.fail(ApiError(503, f"not served: {reason}", type="server_error",
+                                                            code="unavailable")):
+                self._count("error")
+            elif isinstance(item, DirectCall):
+                item.error = EngineFailure(reason)
+                item.done.set()
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+
+    def _watch_ranks(self) -> None:
+        """Watch spawned rank processes: one that dies fails the engine even while no request runs."""
+        procs = self.rank_processes() if self.rank_processes is not None else []
+        if procs:
+            threading.Thread(target=self._watch, args=(procs,), name="spd-rank-watch", daemon=True).start()
+
+    def _watch(self, procs: list) -> None:
+        while self.state in ("ready", "draining") and not self._leaving.is_set():
+            dead = [p for p in procs if p.exitcode is not None]
+            if not dead:
+                time.sleep(0.5)
+                continue
+            what = ", ".join(f"rank process pid {p.pid} ({describe_exit(p.exitcode)})" for p in dead)
+            busy = self.current
+            if busy is not None:  # the driver's own error names the rank it lost: give it a moment
+                deadline = time.monotonic() + self.rank_grace_s
+                while self.current is busy and self.state != "failed" and time.monotonic() < deadline:
+                    time.sleep(0.1)
+            if self.state in ("ready", "draining") and not self._leaving.is_set():
+                self._fail(f"a stage rank died: {what}")
+            return

@@ -1,0 +1,112 @@
+"""Prometheus metrics of `spd serve` (prometheus_client, one registry per server).
+
+Names follow vLLM's where one exists (`vllm:` -> `spd:`): request outcomes, queue length, time to
+first token (from arrival, queue wait included), inter-token latency, end-to-end latency, prompt
+and generation tokens, and the speculative-decoding counters (`spec_decode_num_draft_tokens` =
+verified drafts, `spec_decode_num_accepted_tokens`). SPD's own: ticks, rejections, pooled EAL and
+acceptance, branch points and saves, per-stage compute and steps, driver timers and the per-tick
+driver slack.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from spd_engine.engine.protocol.metrics import GenerationResult
+
+OUTCOMES = ("stop", "length", "cancelled", "timeout", "error", "bad_request", "queue_full", "unavailable")
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+SLACK_BUCKETS = (-0.05, -0.02, -0.01, -0.005, -0.002, 0.0, 0.002, 0.005, 0.01, 0.02, 0.05)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServeMetrics:
+    def __init__(self, n: int, waiting: Callable[[], int], running: Callable[[], int]) -> None:
+        self.n = n
+        self._totals = dict.fromkeys(("ticks", "decode", "drafts", "accepted"), 0)  # for the pooled gauges
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("spd:request", "Finished or refused requests by outcome", ["outcome"], registry=r)
+        for o in OUTCOMES:
+            self.requests.labels(outcome=o)
+        Gauge("spd:num_requests_waiting", "Requests in the queue", registry=r).set_function(waiting)
+        Gauge("spd:num_requests_running", "Requests in the pipeline (0 or 1)", registry=r).set_function(running)
+        self.ttft = Histogram("spd:time_to_first_token_seconds", "Arrival to first token", buckets=TTFT_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("spd:inter_token_latency_seconds", "Between consecutive tokens of a reply",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("spd:e2e_request_latency_seconds", "Arrival to the last token", buckets=E2E_BUCKETS,
+                             registry=r)
+        self.queue_time = Histogram("spd:request_queue_time_seconds", "Arrival to entering the pipeline",
+                                    buckets=E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("spd:prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.generation_tokens = Counter("spd:generation_tokens", "Tokens of the replies", registry=r)
+        self.drafts = Counter("spd:spec_decode_num_draft_tokens", "Verified drafts", registry=r)
+        self.accepted = Counter("spd:spec_decode_num_accepted_tokens", "Accepted drafts", registry=r)
+        self.rejections = Counter("spd:spec_decode_num_rejections", "Rejections followed by more tokens",
+                                  registry=r)
+        self.branch_points = Counter("spd:spec_decode_branch_points", "Verified branch points (--branches W > 1)",
+                                     registry=r)
+        self.branch_saves = Counter("spd:spec_decode_branch_saves", "Branch points a candidate other than the "
+                                    "first one held the target's token", registry=r)
+        self.ticks = Counter("spd:spec_decode_ticks", "Decode ticks (fill and refill included)", registry=r)
+        self.decode_tokens = Counter("spd:spec_decode_decode_tokens", "Tokens committed by decode ticks", registry=r)
+        self.eal = Gauge("spd:spec_decode_eal", "Pooled EAL since start: n * decode tokens / ticks", registry=r)
+        self.alpha = Gauge("spd:spec_decode_draft_acceptance_rate", "Pooled accepted / verified drafts",
+                           registry=r)
+        self.stage_compute = Counter("spd:stage_compute_seconds", "Stage compute time", ["stage"], registry=r)
+        self.stage_steps = Counter("spd:stage_steps", "Messages a stage computed", ["stage"], registry=r)
+        self.driver = Counter("spd:driver_seconds", "Driver time by part (pdm, verify, wait, send)", ["part"],
+                              registry=r)
+        self.slack = Histogram("spd:driver_slack_seconds_per_tick", "Per request: slowest stage's compute "
+                               "per tick minus the driver's pdm + verify + send per tick", buckets=SLACK_BUCKETS,
+                               registry=r)
+
+    def outcome(self, outcome: str) -> None:
+        assert outcome in OUTCOMES, outcome
+        self.requests.labels(outcome=outcome).inc()
+
+    def request_done(self, job, res: GenerationResult) -> None:
+        """One request that went through the pipeline (job: serve_engine.Job)."""
+        self.outcome(job.finish_reason)
+        times = job.token_times
+        if job.started is not None:
+            self.queue_time.observe(job.started - job.arrival)
+        if times:
+            self.ttft.observe(times[0] - job.arrival)
+            self.e2e.observe(times[-1] - job.arrival)
+        for a, b in zip(times, times[1:]):
+            self.itl.observe(b - a)
+        self.prompt_tokens.inc(len(job.req.prompt_ids))
+        self.generation_tokens.inc(len(times))
+        self._spd(res)
+
+    def _spd(self, res: GenerationResult) -> None:
+        self.drafts.inc(res.verified)
+        self.accepted.inc(res.accepted)
+        self.rejections.inc(res.rejections)
+        self.branch_points.inc(res.branch_points)
+        self.branch_saves.inc(res.branch_saves)
+        self.ticks.inc(res.ticks)
+        self.decode_tokens.inc(res.decode_tokens)
+        t = self._totals
+        for key, value in (("ticks", res.ticks), ("decode", res.decode_tokens), ("drafts", res.verified),
+                           ("accepted", res.accepted)):
+            t[key] += value
+        if t["ticks"]:
+            self.eal.set(self.n * t["decode"] / t["ticks"])
+        if t["drafts"]:
+            self.alpha.set(t["accepted"] / t["drafts"])
+        for s, st in enumerate(res.stages):
+            self.stage_compute.labels(stage=str(s)).inc(st.get("compute_s", 0.0))
+            self.stage_steps.labels(stage=str(s)).inc(st.get("messages", 0.0))
+        for part, seconds in res.driver.items():
+            self.driver.labels(part=part).inc(seconds)
+        slack = res.breakdown_ms_per_tick().get("driver_slack_ms")
+        if slack is not None:
+            self.slack.observe(slack / 1e3)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

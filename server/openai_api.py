@@ -1,0 +1,227 @@
+"""The OpenAI request side of `spd serve`: validate a JSON body into a ParsedRequest. Pure logic.
+
+Every field the engine honours is checked (type and range) and every other field is refused with
+a 400 in OpenAI's error shape naming it, never ignored. Fields OpenAI defines but the engine does
+not implement (n > 1, logprobs, penalties, tools, ...) are accepted only at their neutral value
+(n = 1, logprobs null, penalties 0, ...), which asks for nothing the engine does not do.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_SEED = 1 << 64  # seeds key splitmix64 draws (engine/protocol/sampling.py): [0, 2**64)
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param)
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A validated completion or chat request (None: the field was not given)."""
+
+    chat: bool
+    model: str
+    prompt: str | list[int] | None = None  # completions: text or token ids
+    messages: tuple[tuple[str, str], ...] = ()  # chat: (role, text) turns
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _neutral(*values) -> Callable[[Any], bool]:
+    """Accept only these values (and null): the value that asks for nothing."""
+    return lambda v: v is None or any(v == x and type(v) is type(x) for x in values)
+
+
+# OpenAI fields the engine does not implement -> the values that leave them off.
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "n": _neutral(1), "best_of": _neutral(1), "echo": _neutral(False), "suffix": _neutral(),
+    "logprobs": _neutral(False), "top_logprobs": _neutral(), "logit_bias": _neutral({}),
+    "presence_penalty": _neutral(0, 0.0), "frequency_penalty": _neutral(0, 0.0),
+    "tools": _neutral([]), "tool_choice": _neutral("none"), "parallel_tool_calls": _neutral(),
+    "functions": _neutral([]), "function_call": _neutral("none"),
+    "response_format": _neutral({"type": "text"}), "store": _neutral(False), "metadata": _neutral(),
+    "modalities": _neutral(["text"]), "audio": _neutral(), "prediction": _neutral(),
+    "reasoning_effort": _neutral(), "service_tier": _neutral(), "web_search_options": _neutral(),
+}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
+          "user"}
+COMPLETION_FIELDS = COMMON | {"prompt"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
+ROLES = ("system", "user", "assistant")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _number(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_number(v) or v > hi or v < lo or (lo_open and v == lo):
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise bad(name, f"must be a number in {interval}, got {v!r}")
+    return float(v)
+
+
+def _int(body: dict, name: str, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_int(v) or v < lo or (hi is not None and v >= hi):
+        upper = f" and below {hi}" if hi is not None else ""
+        raise bad(name, f"must be an integer >= {lo}{upper}, got {v!r}")
+    return v
+
+
+def _bool(body: dict, name: str) -> bool:
+    v = body.get(name, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad(name, f"must be true or false, got {v!r}")
+    return v
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad("stop", f"must be a string or a list of strings, got {v!r}")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    if any(s == "" for s in stops):
+        raise bad("stop", "stop strings must not be empty")
+    return tuple(stops)
+
+
+def _prompt(body: dict) -> str | list[int]:
+    v = body.get("prompt")
+    if v is None:
+        raise bad("prompt", "is required")
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]  # a batch of one prompt
+    if isinstance(v, str):
+        if not v:
+            raise bad("prompt", "must not be empty")
+        return v
+    if isinstance(v, list) and v and all(_is_int(t) for t in v):
+        return list(v)
+    if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+        raise bad("prompt", f"batches of prompts are not supported (got {len(v)}); send one request per prompt")
+    raise bad("prompt", "must be a non-empty string or a non-empty list of token ids")
+
+
+def _content(v, where: str) -> str:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list):
+        parts = []
+        for j, part in enumerate(v):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad(f"{where}[{j}]", "only text content parts ({\"type\": \"text\", \"text\": ...}) "
+                                          "are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad(where, f"must be a string or a list of text parts, got {type(v).__name__}")
+
+
+def _messages(body: dict) -> tuple[tuple[str, str], ...]:
+    v = body.get("messages")
+    if not isinstance(v, list) or not v:
+        raise bad("messages", "must be a non-empty list of messages")
+    turns = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(where, "must be an object with 'role' and 'content'")
+        if m.get("role") not in ROLES:
+            raise bad(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {m.get('role')!r}")
+        extra = sorted(set(m) - {"role", "content"})
+        if extra:
+            raise bad(f"{where}.{extra[0]}", "is not supported")
+        turns.append((m["role"], _content(m.get("content"), f"{where}.content")))
+    return tuple(turns)
+
+
+def _max_tokens(body: dict, chat: bool) -> int | None:
+    value = _int(body, "max_tokens", 1)
+    if chat:
+        newer = _int(body, "max_completion_tokens", 1)
+        if value is not None and newer is not None and value != newer:
+            raise bad("max_completion_tokens", f"disagrees with max_tokens ({newer} != {value})")
+        value = newer if newer is not None else value
+    return value
+
+
+def _stream_options(body: dict, stream: bool) -> bool:
+    """include_usage of stream_options (only with stream: true)."""
+    v = body.get("stream_options")
+    if v is None:
+        return False
+    if not stream:
+        raise bad("stream_options", "is only allowed with stream: true")
+    if not isinstance(v, dict) or set(v) - {"include_usage"}:
+        raise bad("stream_options", f"only {{\"include_usage\": bool}} is supported, got {v!r}")
+    return _bool(v, "include_usage")
+
+
+def parse_request(body: Any, chat: bool) -> ParsedRequest:
+    """A /v1/completions (chat False) or /v1/chat/completions body -> ParsedRequest, or ApiError(400)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for name in sorted(body):
+        if name in UNSUPPORTED:
+            if not UNSUPPORTED[name](body[name]):
+                raise bad(name, f"is not supported by this server (got {body[name]!r})")
+        elif name not in allowed:
+            raise bad(name, "unknown or unsupported field")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model", "is required (a string; see GET /v1/models)")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise bad("user", "must be a string")
+    stream = _bool(body, "stream")
+    top_k = body.get("top_k")
+    if _is_int(top_k) and top_k == -1:
+        top_k = 0  # vLLM's spelling of "off"
+    return ParsedRequest(
+        chat=chat, model=model,
+        prompt=None if chat else _prompt(body),
+        messages=_messages(body) if chat else (),
+        max_tokens=_max_tokens(body, chat),
+        temperature=_number(body, "temperature", 0.0, 2.0),
+        top_p=_number(body, "top_p", 0.0, 1.0, lo_open=True),
+        top_k=_int({"top_k": top_k}, "top_k", 0),
+        seed=_int(body, "seed", 0, MAX_SEED),
+        stop=_stop(body), stream=stream, include_usage=_stream_options(body, stream))

@@ -1,0 +1,120 @@
+"""A `spd serve` process on 127.0.0.1 for tests and load benchmarks: start it, wait until it is
+ready, find its address, stop it, and check that none of its processes is left behind.
+
+The server leads a new process group (its spawned ranks included), so everything it started can
+be found and, as a last resort, killed by group.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+READY = re.compile(r"spd serve: ready on (http://[\d.]+:\d+)")
+# `spd` run by this interpreter without the current directory on sys.path: `python -m` would put
+# it first, and from the repository root its folders would shadow installed packages (`kernels`).
+SPD = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
+       "from spd_engine.tools.cli import main; sys.exit(main())")
+
+
+def spd_command() -> list[str]:
+    """argv prefix that runs the `spd` command line with this interpreter, from any directory."""
+    return [sys.executable, "-c", SPD]
+
+
+def spd_script() -> str:
+    """The installed `spd` console script beside this interpreter, for launchers that take a script
+    (torchrun): run as a script, its own folder heads sys.path, not the working directory."""
+    script = Path(sys.executable).with_name("spd")
+    if not script.is_file():
+        raise FileNotFoundError(f"no `spd` script beside {sys.executable}: install the package (make install)")
+    return str(script)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended while we looked
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+class ServerProcess:
+    """`spd serve ARGS --host 127.0.0.1 --port 0`; stderr lines are kept with their arrival times."""
+
+    def __init__(self, args: list[str], env: dict | None = None, ready_timeout: float = 300.0) -> None:
+        cmd = [*spd_command(), "serve", *args, "--host", "127.0.0.1", "--port", "0"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        self.lines: list[tuple[float, str]] = []
+        self.url: str | None = None
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        if not self._ready.wait(ready_timeout) or self.url is None:
+            self.kill()
+            raise RuntimeError(f"spd serve did not come up:\n{self.stderr()[-3000:]}")
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+            m = READY.search(line)
+            if m and self.url is None:
+                self.url = m.group(1)
+                self._ready.set()
+        self._ready.set()  # the process ended (before or after it was ready)
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def stderr(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def wait(self, timeout: float = 60.0) -> int | None:
+        """The exit code once the process has ended and its last stderr line is in `lines`
+        (None if it did not end in time)."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        self._reader.join(timeout)  # the pipe's end: every line read
+        return code
+
+    def terminate(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM (a drain) and wait; the exit code, or None if it did not exit in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def leftovers(self, within: float = 10.0) -> list[int]:
+        """Processes of the server's group still alive after `within` seconds."""
+        deadline = time.monotonic() + within
+        while (left := group_members(self.proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return left
+
+    def kill(self) -> None:
+        """Last resort: SIGKILL the whole group."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def close(self) -> int | None:
+        """Drain and stop; kill whatever is left. The drain's exit code (None: it had to be killed)."""
+        code = self.terminate()
+        if code is None or self.leftovers(5.0):
+            self.kill()
+        return code

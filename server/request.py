@@ -1,0 +1,90 @@
+"""A validated request made ready for the pipeline: prompt ids, token budget, sampling, stop strings.
+
+Everything that can be refused is refused here, before the request queues: an unknown model
+name (404), a prompt or chat turns the tokenizer cannot take, prompt + max_tokens beyond the KV
+capacity, or sampling values the engine rejects (400, naming the field). Pure logic.
+"""
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from spd_engine.engine.protocol.sampling import SamplingParams
+from spd_engine.engine.model.tokenizer import Tokenizer
+from spd_engine.engine.runtime.request_inputs import sampling_params
+from spd_engine.server.openai_api import ApiError, ParsedRequest, bad
+from spd_engine.server.text import chat_ids, completion_ids
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what fits
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the HTTP side knows of the served model."""
+
+    name: str  # the id in /v1/models and the `model` field of requests
+    tok: Tokenizer | None
+    tok_dir: Path | None  # generation_config.json: sampling defaults
+    vocab_size: int
+    capacity: int  # KV positions per request: prompt + generated tokens
+    eos_ids: tuple[int, ...]
+    seed_limit: int = 1 << 64  # the pp / ar baselines carry seeds below 2**63
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stops: tuple[str, ...]
+    parsed: ParsedRequest
+
+
+def _prompt_ids(parsed: ParsedRequest, info: ModelInfo) -> list[int]:
+    field = "messages" if parsed.chat else "prompt"
+    try:
+        ids = chat_ids(info.tok, parsed.messages) if parsed.chat else \
+            completion_ids(info.tok, parsed.prompt, info.vocab_size)
+    except (ValueError, jinja2.TemplateError) as err:
+        raise bad(field, str(err)) from None
+    if not ids:
+        raise bad(field, "encodes to no tokens")
+    outside = [t for t in ids if not 0 <= t < info.vocab_size]
+    if outside:
+        raise bad(field, f"token ids outside the vocabulary [0, {info.vocab_size}): {outside[:5]}")
+    return ids
+
+
+def _sampling(parsed: ParsedRequest, info: ModelInfo) -> SamplingParams:
+    """generation_config.json defaults with the request's values on top (as `spd generate` does).
+    An unseeded sampled request gets a fresh random seed, as OpenAI servers draw fresh samples."""
+    seed = parsed.seed if parsed.seed is not None else secrets.randbelow(info.seed_limit)
+    overrides = dict(temperature=parsed.temperature, top_k=parsed.top_k, top_p=parsed.top_p, seed=seed)
+    try:
+        params = sampling_params(overrides, info.tok_dir)
+    except ValueError as err:  # "sampling: top_p must be ..." names the field first
+        name = str(err).removeprefix("sampling: ").split(" ", 1)[0]
+        raise bad(name if name in overrides else "temperature", str(err)) from None
+    if params.seed >= info.seed_limit:
+        raise bad("seed", f"must be below {info.seed_limit} with this server's mode, got {params.seed}")
+    return params
+
+
+def prepare(parsed: ParsedRequest, info: ModelInfo) -> ServeRequest:
+    if parsed.model != info.name:
+        raise ApiError(404, f"The model `{parsed.model}` does not exist; this server serves `{info.name}`",
+                       param="model", code="model_not_found")
+    ids = _prompt_ids(parsed, info)
+    room = info.capacity - len(ids)
+    if room < 1:
+        raise bad("messages" if parsed.chat else "prompt",
+                  f"the prompt has {len(ids)} tokens; the KV capacity is {info.capacity} positions")
+    default = room if parsed.chat else min(room, COMPLETION_DEFAULT_MAX_TOKENS)
+    max_tokens = parsed.max_tokens if parsed.max_tokens is not None else default
+    if max_tokens > room:
+        raise bad("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the KV "
+                                f"capacity of {info.capacity} positions")
+    return ServeRequest(ids, max_tokens, _sampling(parsed, info), parsed.stop, parsed)

@@ -1,0 +1,118 @@
+"""The engine thread of `spd serve` on the real runtime in one process (ReferenceExecutor: the
+driver and stage workers of a distributed run, ranks as threads): FIFO requests stay lossless,
+a stop string or a cancel ends the request at that token, and the next request is unaffected."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from spd_engine.engine.runtime.reference import ReferenceExecutor
+from spd_engine.engine.protocol.sampling import SamplingParams
+from spd_engine.server.engine_loop import EngineLoop, Job
+from spd_engine.server.openai_api import ParsedRequest
+from spd_engine.server.request import ServeRequest
+from helpers import random_prompts, reference, tiny_engine_config
+
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def setup():
+    ecfg = tiny_engine_config("llama", 3)
+    prompts = random_prompts(ecfg.cfg, [5, 9, 21])
+    refs = [reference(ecfg, p, NEW) for p in prompts]
+    engine = EngineLoop(lambda: ReferenceExecutor(ecfg), queue_limit=4, eos_ids=())
+    engine.start(timeout=60)
+    yield engine, prompts, refs
+    assert engine.stop(timeout=30)
+
+
+def request(prompt: list[int], stops: tuple[str, ...] = ()) -> ServeRequest:
+    parsed = ParsedRequest(chat=False, model="m", prompt=prompt)
+    return ServeRequest(list(prompt), NEW, SamplingParams(), stops, parsed)
+
+
+async def collect(job: Job, cancel_after: int | None = None, engine: EngineLoop | None = None) -> tuple[str, tuple]:
+    text = []
+    while (event := await job.events.get())[0] == "piece":
+        text.append(event[1])
+        if cancel_after is not None and len(text) == cancel_after:
+            engine.cancel(job)
+    return "".join(text), event
+
+
+def ids(text: str) -> list[int]:
+    return [int(x) for x in text.split()]
+
+
+def test_queued_requests_run_in_order_and_stay_lossless(setup):
+    engine, prompts, refs = setup
+
+    async def main():
+        jobs = [Job(request(p), None, asyncio.get_running_loop()) for p in prompts]
+        for job in jobs:
+            engine.submit(job)
+        return [await collect(job) for job in jobs], jobs
+
+    outs, jobs = asyncio.run(main())
+    for (text, done), job, ref in zip(outs, jobs, refs):
+        assert ids(text) == ref == job.result.tokens
+        assert done[1].finish_reason == "length" and done[1].completion_tokens == NEW
+    assert jobs[0].started < jobs[1].started < jobs[2].started
+
+
+def test_stop_string_ends_the_request_at_that_token(setup):
+    engine, prompts, refs = setup
+    ref = refs[1]
+    text_of = lambda toks: "".join(f"{t} " for t in toks)  # noqa: E731 - how IdText writes ids
+    # a token at k >= 3 whose text first occurs in the reply right there
+    k = next(i for i in range(3, NEW) if text_of(ref[:i + 1]).find(f"{ref[i]} ") == len(text_of(ref[:i])))
+    stop = f"{ref[k]} "
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        job, after = Job(request(prompts[1], (stop,)), None, loop), Job(request(prompts[2]), None, loop)
+        engine.submit(job)
+        engine.submit(after)
+        return await collect(job), job, await collect(after)
+
+    (text, done), job, (after_text, _) = asyncio.run(main())
+    assert ids(text) == ref[:k] and done[1].finish_reason == "stop"
+    assert job.result.tokens == ref[:k + 1]  # the driver stopped right after the stop string's token
+    assert done[1].completion_tokens == k + 1
+    assert ids(after_text) == refs[2]
+
+
+def test_cancel_ends_the_request_at_the_next_token(setup):
+    engine, prompts, refs = setup
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        job, after = Job(request(prompts[0]), None, loop), Job(request(prompts[1]), None, loop)
+        engine.submit(job)
+        engine.submit(after)
+        cancelled = asyncio.ensure_future(collect(job, cancel_after=3, engine=engine))
+        return await cancelled, job, await collect(after)
+
+    (_, done), job, (after_text, _) = asyncio.run(main())
+    assert done[1].finish_reason == "cancelled" and job.finish_reason == "cancelled"
+    # cancelled from the event loop while the engine thread runs on: it ends within a few tokens
+    assert 3 <= len(job.result.tokens) < NEW and job.result.tokens == refs[0][:len(job.result.tokens)]
+    assert ids(after_text) == refs[1]
+
+
+def test_a_queued_request_cancelled_before_its_turn_never_runs(setup):
+    engine, prompts, refs = setup
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        first, second = Job(request(prompts[2]), None, loop), Job(request(prompts[0]), None, loop)
+        engine.submit(first)
+        engine.submit(second)
+        engine.cancel(second)
+        return await collect(first), second
+
+    (text, _), second = asyncio.run(main())
+    assert ids(text) == refs[2]
+    assert second.started is None and second.result is None and second.finish_reason == "cancelled"

@@ -1,0 +1,1 @@
+"""One-off measurements, run as `spd measure NAME`."""

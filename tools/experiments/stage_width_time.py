@@ -1,0 +1,70 @@
+"""What a stage step costs when it carries W tokens (branch width W, docs/design.md 3.11): one
+stage of a preset's shape (random weights, real sizes) runs a decode step of 1, 2 and 4 tokens
+in the shape a tree step has: W tokens at the same position, each seeing the shared prefix and
+itself (a tree attention mask). The widths are timed in alternation so host drift hits them
+alike; medians, and each width's ratio to W = 1.
+
+    spd measure stage-width-time [--preset smollm2-135m] [--layers 8] [--widths 1,2,4]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from spd_engine.engine.model.model import StageModel, init_random_
+from spd_engine.engine.runtime.run_config import PRESETS
+
+
+def tree_mask(prefix: int, width: int) -> torch.Tensor:
+    """Bool [W, prefix + W]: every token sees the prefix and itself, not its sibling chains."""
+    return torch.cat([torch.ones(width, prefix, dtype=torch.bool), torch.eye(width, dtype=torch.bool)], dim=1)
+
+
+@torch.no_grad()
+def time_widths(preset: str, layers: int, widths: tuple[int, ...], prefix: int = 300, iters: int = 60,
+                warmup: int = 10) -> dict[int, float]:
+    """Median ms per stage step for each width."""
+    cfg = PRESETS[preset]
+    if not 1 <= layers <= cfg.num_layers:
+        raise ValueError(f"--layers must be in 1..{cfg.num_layers} for {preset}, got {layers}")
+    stage = init_random_(StageModel(cfg, range(layers))).eval()
+    cache = stage.new_cache(1, prefix + max(widths))
+    h = {w: torch.randn(1, w, cfg.hidden_size) for w in widths}  # [1, W, H]
+    pos = {w: torch.full((1, w), prefix) for w in widths}  # [1, W]: siblings share the position
+    masks = {w: tree_mask(prefix, w) if w > 1 else None for w in widths}
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    for _ in range(warmup + iters):
+        for w in widths:
+            t0 = time.perf_counter()
+            stage.forward_layers(h[w], cache, prefix, pos[w], masks[w])
+            times[w].append(time.perf_counter() - t0)
+    return {w: 1e3 * statistics.median(v[warmup:]) for w, v in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="spd measure stage-width-time", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="smollm2-135m", choices=sorted(PRESETS))
+    p.add_argument("--layers", type=int, default=8, help="layers in the stage (SmolLM2 at n=4: 8)")
+    p.add_argument("--widths", default="1,2,4")
+    p.add_argument("--prefix", type=int, default=300, help="tokens already in the KV cache")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    try:
+        widths = tuple(int(x) for x in args.widths.split(","))
+    except ValueError:
+        p.error(f"--widths takes comma-separated integers, got {args.widths!r}")
+    if 1 not in widths or min(widths) < 1:
+        p.error("--widths must include 1 (the reference) and be >= 1")
+    torch.set_num_threads(args.threads)
+    try:
+        t = time_widths(args.preset, args.layers, widths, args.prefix)
+    except ValueError as err:
+        p.error(str(err))
+    for w in widths:
+        print(f"W={w}: {t[w]:.2f} ms per stage step ({args.layers} layers of {args.preset}, prefix {args.prefix}, "
+              f"{args.threads} thread(s)), {t[w] / t[1]:.2f}x W=1")
+    return 0
+

@@ -1,0 +1,38 @@
+"""`spd measure NAME [ARGS...]`: the one-off measurements of tools/experiments/, each behind a name.
+
+Each experiment module exposes `main(argv) -> int` with its own options (`spd measure NAME --help`).
+They answer single questions the docs cite (what a W-row stage step costs, how long a host sync
+takes, how TP crossings compare); `spd bench`, `spd netbench`, `spd plan` and `spd profile` are
+the standing tools.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# name -> (module under spd_engine.tools.experiments, one-line help)
+EXPERIMENTS: dict[str, tuple[str, str]] = {
+    "pdm-budget": ("pdm_budget", "how many PDM layers K hide behind a stage, on a compute profile"),
+    "pdm-vocab-time": ("pdm_vocab_time", "the PDM's step time against the draft vocabulary's size"),
+    "stage-width-time": ("stage_width_time", "the cost of a W-row stage step against one row"),
+    "suffix-time": ("suffix_time", "the suffix index's time per tick on cached references"),
+    "sync-time": ("sync_time", "the cost of one host sync on a device"),
+    "tp-agreement": ("tp_agreement", "greedy tokens of a TP split against the unsharded model"),
+    "tp-crossing": ("tp_crossing", "peer sends against a broadcast when states cross a TP stage boundary"),
+    "train-step-time": ("train_step_time", "a PDM training step's time by PDM layers and fill"),
+    "serve-load": ("serve_load", "concurrent clients against a real `spd serve`: latency, 429s, disconnects"),
+    "serve-overhead": ("serve_overhead", "a request streamed through the server against the same request run directly"),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    lines = "\n".join(f"  {name:<18} {text}" for name, (_, text) in EXPERIMENTS.items())
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = f"experiments:\n{lines}"
+    p.add_argument("name", choices=list(EXPERIMENTS), metavar="NAME", help="the experiment (listed below)")
+    p.add_argument("rest", nargs=argparse.REMAINDER, metavar="ARGS", help="the experiment's own options")
+
+
+def run(args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"spd_engine.tools.experiments.{EXPERIMENTS[args.name][0]}")
+    return int(module.main(args.rest) or 0)
