@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_INDEX_URL ?=
 TORCH_PIP_ARGS := $(if $(strip $(TORCH_INDEX_URL)),--index-url $(strip $(TORCH_INDEX_URL)))
 
-.PHONY: install demo test test-slow clean
+.PHONY: install demo test test-fast test-slow clean
 
 install: $(STAMP)
 
@@ -30,6 +30,12 @@ demo: install
 
 test: install
 	$(BIN)/pytest -q -x
+
+# the pure tier: logic only, no process, no model file (docs/testing.md, tiers); only the files
+# that mark it are collected, so the others' imports cost nothing
+PURE_FILES = $(shell grep -rl '^pytestmark = pytest.mark.pure' tests)
+test-fast: install
+	$(BIN)/pytest -q -x -m "pure and not slow" $(PURE_FILES)
 
 test-slow: install
 	$(BIN)/pytest -q -m slow

@@ -35,6 +35,7 @@ from spd_engine.engine.protocol.schedule import decode_ticks, eal, expected_eal
 from spd_engine.engine.protocol.tick import Draft, TickPlan, TickState, Verdict
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.comm.transport import DistTransport, TransportError
+from spd_engine.engine.runtime.stage_links import StageLinks
 
 _DRAFT, _CORRECTION = 1, 2  # token ids that stand for a draft and a correction
 _DTYPES = {1: torch.uint8, 2: torch.float16, 4: torch.float32, 8: torch.float64}  # synthetic activations
@@ -195,8 +196,11 @@ class _Driver:
         self.first = 1 if sc.colocate else 0  # co-located: stage 0 runs here, its anchors are local
         self.rng = random.Random(sc.seed)
         self.state = TickState(sc.n, 0, _DRAFT, anchor_stages=range(self.first, sc.n - 1))
-        self.sent = 0
-        self.consumed = {s: 0 for s in range(self.first, sc.n) if self.wire.reports_to_driver(s)}
+        # the runtime's receive and drain code (engine/runtime/stage_links.py); a co-located stage 0's
+        # anchors are local, so its link carries nothing
+        self.links = StageLinks(io.t, [self.topo.stage_rank(s) for s in range(sc.n)],
+                                [s >= self.first and self.wire.reports_to_driver(s) for s in range(sc.n)],
+                                ctx.timeout_s, self._payloads)
         self.stage0: list[float] = []
         self.busy = {"wait_anchors": 0.0, "pdm": 0.0, "wait_exit": 0.0, "verify": 0.0}  # seconds, summed
 
@@ -212,23 +216,20 @@ class _Driver:
         else:
             dst, payloads = self.topo.stage_rank(0), self.wire.from_driver(hdr)
         self.io.send(dst, hdr, payloads, f"driver: send to rank {dst}")
-        self.sent += 1
+        self.links.sent += 1
 
-    def _read(self, s: int, tick: int) -> Header:
-        rank = self.topo.stage_rank(s)
-        self.consumed[s] += 1
-        hdr, _ = self.io.recv(rank, lambda h: self.wire.to_driver(s, h), f"driver: receive from stage {s} (rank {rank})",
-                              tick)
-        return hdr
+    def _payloads(self, s: int, hdr: Header, _where: object) -> None:
+        """What follows stage s's header, into synthetic buffers."""
+        for p in self.wire.to_driver(s, hdr):
+            self.io.t.recv_into(self.topo.stage_rank(s), self.io._buffer(self.io._in, p), self.io.timeout,
+                                self.state.tick)
 
     def read(self, s: int, pos: int, epoch: int, tick: int) -> None:
         """Stage s's messages up to the current-epoch one for `pos`; stale ones are dropped."""
-        while True:
-            hdr = self._read(s, tick)
-            wanted = hdr.kind == Kind.TOKEN and hdr.epoch == epoch and hdr.position == pos
-            assert wanted or hdr.epoch < epoch, f"stage {s} sent {hdr}, the driver expected {pos} in epoch {epoch}"
-            if wanted:
-                return
+        try:
+            self.links.find(s, Kind.TOKEN, pos, epoch, tick)
+        except TransportError as err:
+            raise PeerError(f"driver: receive from stage {s} (rank {self.topo.stage_rank(s)}) failed: {err}") from err
 
     def tick(self, plan: TickPlan) -> Verdict | None:
         t0 = time.perf_counter()
@@ -256,9 +257,10 @@ class _Driver:
         self.io.send(dst, Header(Kind.END), (), f"driver: send to rank {dst}")
         stats = []
         for s in range(self.first, self.n):
-            if s in self.consumed:
-                while self.consumed[s] < self.sent:
-                    self._read(s, self.state.tick)
+            try:
+                self.links.drain(self.state.tick, [s])
+            except TransportError as err:
+                raise PeerError(f"driver: draining stage {s} failed: {err}") from err
             rank = self.topo.stage_rank(s)
             hdr, (values,) = self.io.recv(rank, lambda h: self.wire.to_driver(s, h),
                                           f"driver: receive stats from stage {s} (rank {rank})", self.state.tick)

@@ -1,5 +1,13 @@
-"""Shared test fixtures, the `gpu` marker's skip, and the environment every test starts from."""
+"""Shared test fixtures, the tiers' markers (docs/testing.md), and the environment every test starts from.
+
+Markers: `pure` (set per file: logic only; such a test that starts a process or asks for a model
+file fails), `model` (set here on every test that needs the fetched real model), `multiproc`,
+`slow` and `gpu` (set on the tests; `gpu` ones are skipped without CUDA).
+"""
 from __future__ import annotations
+
+import multiprocessing.process
+import subprocess
 
 import pytest
 import torch
@@ -15,13 +23,32 @@ def pytest_addoption(parser):
                           "partition for the in-process comparisons (docs/testing.md)")
 
 
+# fixtures that fetch or start the real model (the `model` tier)
+MODEL_FIXTURES = frozenset({"smollm2_dir", "smollm2_gguf", "smol"})
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
     skip = pytest.mark.skip(reason="needs a CUDA device (gpu marker)")
     for item in items:
-        if "gpu" in item.keywords:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
+        if "pure" in item.keywords and "model" in item.keywords:
+            raise pytest.UsageError(f"{item.nodeid}: a pure test needs no model file")
+
+
+def _no_process(*_args, **_kwargs):
+    raise AssertionError("a pure test starts no process (docs/testing.md, tiers): mark its file otherwise")
+
+
+@pytest.fixture(autouse=True)
+def _pure_tier(request, monkeypatch):
+    """A `pure` test that starts a process fails: the fast tier stays what it says."""
+    if request.node.get_closest_marker("pure") is not None:
+        monkeypatch.setattr(subprocess.Popen, "__init__", _no_process)
+        monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _no_process)
+    yield
 
 
 @pytest.fixture(autouse=True)

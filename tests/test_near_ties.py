@@ -6,6 +6,8 @@ import torch
 
 from near_ties import assert_greedy_agrees, first_difference
 
+pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
+
 
 def test_first_difference_sees_tokens_and_lengths():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None

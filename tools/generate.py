@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("request")
     add_request_arguments(g)
     add_json_argument(g, "per prompt: text, token ids, model, head and stats (one line each)")
-    g.add_argument("--quiet", action="store_true", help="do not stream text")
+    g.add_argument("--quiet", action="store_true", help="do not stream text, nor the summary line on stderr")
     s = p.add_argument_group("sampling", "each default: the model's generation_config.json read as HF does (no "
                              "do_sample: greedy; unset filters: top-k 50, top-p 1), else greedy")
     s.add_argument("--temperature", type=float, default=None, help="0 = greedy; > 0 samples")
@@ -90,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
                 print(detok.flush(), flush=True)
             elif not args.quiet:
                 print(res.tokens, flush=True)
+            if not args.quiet:  # what the run did, beside the text
+                print(f"spd: {res.summary(ecfg.mode)}", file=sys.stderr, flush=True)
             if args.json == "-":
                 print(json.dumps(result_json(i, ecfg, res, tok, sampling)), flush=True)
             elif args.json:

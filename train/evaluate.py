@@ -122,46 +122,11 @@ def full_target(ecfg: RunConfig):
 
 def runtime_acceptance(driver, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int],
                        sampling: SamplingParams = SamplingParams()) -> tuple[list[int], Acceptance]:
-    """Run one request on a Driver and group its verified drafts by the fill that made them.
-
-    The last draft made for a position is the one verified (a flush re-drafts the positions
-    behind a correction), so fills are recorded by position, last one wins. Each committed
-    position after the first is verified exactly once; its verdict is read from the driver's
-    `_verify_exit` (at T>0 a rejected draft cannot be told from its correction by the tokens alone).
-    """
-    fills: dict[int, int] = {}
-    verdicts: dict[int, bool] = {}
-    previous = vars(driver).get("_verify_exit")  # an instance override (tests) stays in place
-    previous_branch = vars(driver).get("_verify_branch")
-    verify, verify_branch = driver._verify_exit, driver._verify_branch
-
-    def record(position: int, proposed: int, row: int = 0, reply: int = -1) -> tuple[bool, int]:
-        accepted, token = verify(position, proposed, row, reply)
-        verdicts[position] = accepted
-        return accepted, token
-
-    def record_branch(position: int, tokens, row: int, reply: int = -1) -> tuple[int | None, int]:
-        index, token = verify_branch(position, tokens, row, reply)
-        verdicts[position] = index is not None
-        return index, token
-
-    driver.draft_observer = lambda newest, fill, _logits: fills.__setitem__(newest + 1, fill)
-    driver._verify_exit, driver._verify_branch = record, record_branch
-    try:
-        res = driver.generate(prompt, max_new_tokens, eos_ids, sampling=sampling)
-    finally:
-        driver.draft_observer = None
-        for name, prev in (("_verify_exit", previous), ("_verify_branch", previous_branch)):
-            if prev is None:
-                delattr(driver, name)
-            else:
-                setattr(driver, name, prev)
-    acc = Acceptance(n=res.n, tokens=len(res.tokens), ticks=res.ticks, rejections=res.rejections,
+    """Run one request on a Driver: its tokens and its counters, verified drafts by the fill that
+    made them included (the tick protocol counts them as the driver runs, engine/protocol/tick.py)."""
+    res = driver.generate(prompt, max_new_tokens, eos_ids, sampling=sampling)
+    acc = Acceptance(n=res.n, tokens=len(res.tokens), **vars(res.counters()),
                      by_source={k: v[1:] for k, v in res.by_source.items() if v[1]})
-    P = len(prompt)
-    for i in range(1, len(res.tokens)):
-        acc.count(fills[P + i], verdicts[P + i])
-    assert (acc.verified, acc.accepted) == (res.verified, res.accepted), "per-fill counts disagree with the driver"
     return res.tokens, acc
 
 

@@ -23,6 +23,7 @@ import torch
 from spd_engine.engine.model.greedy import DEFAULT_PREFILL_CHUNK, greedy_generate
 from spd_engine.engine.model.model import StageModel
 from spd_engine.engine.model.pdm import PDM
+from spd_engine.engine.protocol.metrics import Counters
 from spd_engine.engine.protocol.drafting import DraftChooser
 from spd_engine.engine.protocol.suffix import CrossRequestHistory, SuffixProposal
 from spd_engine.engine.protocol.tick import Draft, TickPlan, TickState, Verdict
@@ -34,26 +35,15 @@ DraftCorrect = Callable[[int, int], bool]
 DraftPolicy = Callable[[int, int], int]
 
 
-@dataclass
-class Acceptance:
-    """One request's counters, defined as engine/protocol/metrics.py defines them, plus counts per fill."""
+@dataclass(kw_only=True)
+class Acceptance(Counters):
+    """One request's counters (engine/protocol/metrics.py), with its token count N (the first token
+    and a final EOS included) and the drafts by source."""
 
     n: int
-    tokens: int  # N, the first token and a final EOS included
-    ticks: int = 0
-    verified: int = 0
-    accepted: int = 0
-    rejections: int = 0  # rejections followed by at least one more committed token
-    verified_by_fill: dict[int, int] = field(default_factory=dict)  # fill of the verified draft -> count
-    accepted_by_fill: dict[int, int] = field(default_factory=dict)
+    tokens: int
     # draft source (engine/protocol/drafting.py) -> [verified, accepted]; empty when not recorded
     by_source: dict[str, list[int]] = field(default_factory=dict, compare=False)  # checked on its own
-
-    def count(self, fill: int, accepted: bool) -> None:
-        self.verified += 1
-        self.accepted += int(accepted)
-        self.verified_by_fill[fill] = self.verified_by_fill.get(fill, 0) + 1
-        self.accepted_by_fill[fill] = self.accepted_by_fill.get(fill, 0) + int(accepted)
 
 
 _WRONG, _RIGHT = 0, 1  # token ids of the replay: whether a token equals the reference's
@@ -70,7 +60,7 @@ def replay(N: int, n: int, correct: DraftCorrect, on_verify: Callable[[int, int,
     acc = Acceptance(n=n, tokens=N)
     if N == 1:  # the prefill token ended the request (EOS or max_new_tokens == 1): no decode tick
         return acc
-    state = TickState(n, 0, _RIGHT)  # positions are token indices: y[0] is the first token
+    state = TickState(n, 0, _RIGHT, counters=acc)  # positions are token indices: y[0] is the first token
     while state.committed < N:  # the reference stopped at N tokens (EOS or max_new_tokens)
         plan = state.plan()
         if on_plan is not None:
@@ -88,10 +78,7 @@ def replay(N: int, n: int, correct: DraftCorrect, on_verify: Callable[[int, int,
                 fill, index = (made.fill, made.pos - 1) if made is not None else (plan.fill, t)
                 on_verify(fill, index, proposed_ok)
         state.advance([Draft(plan.draft_pos, _RIGHT if ok else _WRONG)], verdict)
-    c = state.finish()
-    acc.ticks, acc.verified, acc.accepted, acc.rejections = c.ticks, c.verified, c.accepted, c.rejections
-    acc.verified_by_fill, acc.accepted_by_fill = dict(c.verified_by_fill), dict(c.accepted_by_fill)
-    return acc
+    return state.finish()  # acc, counted into by the tick protocol
 
 
 @dataclass

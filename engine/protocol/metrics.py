@@ -8,19 +8,72 @@ target passes; its ticks are its target passes and n = 1, so its EAL is that acc
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
-class GenerationResult:
-    tokens: list[int]
-    n: int
+class Counters:
+    """A request's counters, defined once: the tick protocol counts into them (engine/protocol/tick.py),
+    the driver's result and the evaluators' records are them (GenerationResult, train/fast_eval.py
+    Acceptance), and every report reads them."""
+
     ticks: int = 0
     verified: int = 0
     accepted: int = 0
     rejections: int = 0  # rejections followed by at least one more committed token
     branch_points: int = 0  # verified branch points (branch width W > 1, docs/design.md 3.11)
     branch_saves: int = 0  # of them, those whose first candidate was wrong and another right
+    # verified / accepted drafts by the fill of the tick that made them (fill == n: a full pipeline)
+    verified_by_fill: dict[int, int] = field(default_factory=dict)
+    accepted_by_fill: dict[int, int] = field(default_factory=dict)
+
+    def count(self, fill: int, accepted: bool) -> None:
+        """One verified draft, made at `fill`."""
+        self.verified += 1
+        self.accepted += int(accepted)
+        self.verified_by_fill[fill] = self.verified_by_fill.get(fill, 0) + 1
+        self.accepted_by_fill[fill] = self.accepted_by_fill.get(fill, 0) + int(accepted)
+
+    def counters(self) -> Counters:
+        """The counters alone (a copy), whatever record holds them."""
+        return Counters(**{f.name: getattr(self, f.name) for f in fields(Counters)})
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.verified if self.verified else 0.0
+
+
+@dataclass
+class StageStats:
+    """A stage's decode statistics over one request, the head of its STATS reply (float64, in this
+    order; then its resident parameter bytes and its optional trace). Decode (TOKEN) messages only:
+    prefill chunks are timed by the driver's prefill_s."""
+
+    compute_s: float = 0.0
+    messages: float = 0.0
+    wait_s: float = 0.0  # receive wait before each message
+    tp_collectives: float = 0.0  # TP rank 0: collectives, and the seconds inside them (part of the compute)
+    tp_collective_s: float = 0.0
+    send_s: float = 0.0  # the frame downstream and the reply to the driver, after the compute
+    verify_s: float = 0.0  # a verifying last stage's head and argmax (part of the compute)
+
+    def values(self) -> list[float]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+    @classmethod
+    def from_reply(cls, vals: list[float]) -> dict:
+        """A STATS payload -> the dict the reports read: the fields, param_bytes and trace."""
+        k = len(fields(cls))
+        return {**asdict(cls(*vals[:k])), "param_bytes": int(vals[k]),
+                "trace": [tuple(vals[i:i + 3]) for i in range(k + 1, len(vals), 3)]}
+
+
+@dataclass(kw_only=True)
+class GenerationResult(Counters):
+    """One generated request: its tokens, counters, timings and per-tick breakdown."""
+
+    tokens: list[int]
+    n: int
     target_passes: int = 0  # decode forwards of the whole target (the eagle baseline's rounds)
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -37,10 +90,6 @@ class GenerationResult:
         return max(0, len(self.tokens) - 1)
 
     @property
-    def alpha(self) -> float:
-        return self.accepted / self.verified if self.verified else 0.0
-
-    @property
     def eal(self) -> float:
         return self.n * self.decode_tokens / self.ticks if self.ticks else 0.0
 
@@ -52,6 +101,15 @@ class GenerationResult:
     @property
     def decode_tok_s(self) -> float:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def summary(self, mode: str) -> str:
+        """One line of what the run did: tokens, ticks, alpha and EAL (SPD / eagle), decode speed."""
+        parts = [f"{len(self.tokens)} tokens", f"{self.ticks} ticks at n={self.n}" if mode == "spd" else mode]
+        if mode == "spd":
+            parts.append(f"alpha {self.alpha:.2f}, EAL {self.eal:.2f}")
+        elif mode == "eagle":
+            parts.append(f"alpha {self.alpha:.2f}, {self.acceptance_length:.2f} tokens per target pass")
+        return (", ".join(parts) + f"; {self.decode_tok_s:.1f} tok/s decode, prefill {self.prefill_s:.2f} s")
 
     def breakdown_ms_per_tick(self) -> dict[str, float]:
         """Per-tick means in milliseconds: the tick, the driver's parts (they add up to the tick:

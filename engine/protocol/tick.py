@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import NamedTuple
+
+from spd_engine.engine.protocol.metrics import Counters
 
 
 class Entry(NamedTuple):
@@ -99,26 +100,6 @@ class TickPlan(NamedTuple):
         return None if self.exit is None else self.exit.pos + 1
 
 
-@dataclass
-class Counts:
-    """A request's counters as docs/design.md 3.8 defines them, plus verifications by fill."""
-
-    ticks: int = 0
-    verified: int = 0
-    accepted: int = 0
-    rejections: int = 0  # rejections followed by at least one more committed token
-    branch_points: int = 0  # verified branch points (W > 1)
-    branch_saves: int = 0  # verified branch points whose first candidate was wrong and another right
-    verified_by_fill: dict[int, int] = field(default_factory=dict)
-    accepted_by_fill: dict[int, int] = field(default_factory=dict)
-
-    def count(self, fill: int, accepted: bool) -> None:
-        self.verified += 1
-        self.accepted += int(accepted)
-        self.verified_by_fill[fill] = self.verified_by_fill.get(fill, 0) + 1
-        self.accepted_by_fill[fill] = self.accepted_by_fill.get(fill, 0) + int(accepted)
-
-
 class TickState:
     """One request's decode loop on `n` stages, from the first generated token at position P.
 
@@ -127,7 +108,7 @@ class TickState:
     """
 
     def __init__(self, n: int, first_pos: int, first_token: int, anchor_stages: Iterable[int] = (),
-                 epoch: int = 0) -> None:
+                 epoch: int = 0, counters: Counters | None = None) -> None:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         self.n = n
@@ -142,7 +123,7 @@ class TickState:
         self.committed = 1  # tokens committed, the first (prefill) token included
         self.branch: int | None = None  # the unresolved branch point in flight
         self.width = 1  # its chains
-        self.counts = Counts()
+        self.counts = counters if counters is not None else Counters()  # counted into, not copied
         self._plan: TickPlan | None = None
 
     def plan(self) -> TickPlan:
@@ -234,7 +215,7 @@ class TickState:
             draft = draft._replace(token=draft.chains[k], chains=(), row=0, branch=q, survivor=k)
         return committed, draft
 
-    def finish(self) -> Counts:
+    def finish(self) -> Counters:
         """The request's counters; a correction that ended the run costs no refill."""
         assert self._plan is None
         return self.counts

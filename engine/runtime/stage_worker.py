@@ -21,6 +21,7 @@ from spd_engine.engine.protocol.anchors import AnchorPlan
 from spd_engine.engine.model.graphs import StageStep, VerifyStep
 from spd_engine.engine.model.kv_cache import chain_mask, chain_slot0
 from spd_engine.engine.protocol.messages import CONFIG_LEN, Header, Kind, WireFormat, parse_sampling_payload
+from spd_engine.engine.protocol.metrics import StageStats
 from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs
 from spd_engine.engine.model.model import StageModel
 from spd_engine.engine.runtime.run_config import RankOptions, StepMode
@@ -102,10 +103,7 @@ class StageWorker:
         self.param_bytes = float(resident_bytes(model))  # this rank's (a TP rank: its shard)
         self.sampling = SamplingParams()  # used only by a head stage (pp / ar baselines, an SPD last stage that verifies)
         self.cfg_in = torch.empty(CONFIG_LEN, dtype=torch.int64)
-        # decode (TOKEN) messages only: compute seconds, count, receive-wait seconds, TP collectives
-        # and the seconds inside them (part of the compute; host floats: no per-tick tensors);
-        # prefill chunks are timed by the driver's prefill_s
-        self.stats = _fresh_stats()
+        self.stats = StageStats()  # this request's decode statistics (host floats: no per-tick tensors)
         self.group = getattr(model, "group", None)  # a TP rank's stage group (engine/comm/tp_group.py)
         self.handled = 0  # messages handled this request (the tick named in receive errors)
         self.trace: list[float] | None = [] if opts.trace else None  # (recv start, compute start, compute end)*
@@ -147,10 +145,10 @@ class StageWorker:
             self.t.send(self.next, hdr)
         if hdr.kind == Kind.END:
             if self.tp_rank == 0:
-                payload = torch.tensor([*self.stats, self.param_bytes, *(self.trace or [])], dtype=torch.float64)
+                payload = torch.tensor([*self.stats.values(), self.param_bytes, *(self.trace or [])], dtype=torch.float64)
                 self.t.send(self.driver, Header(Kind.STATS, length=payload.numel()), [payload])
             self.t.flush()
-            self.stats = _fresh_stats()
+            self.stats = StageStats()
             self.handled = 0
             if self.trace is not None:
                 self.trace.clear()
@@ -215,7 +213,7 @@ class StageWorker:
             if hdr.kind == Kind.TOKEN and not chains and self.sampling.greedy:
                 tv = time.perf_counter()
                 token = self._verify_token(out, pos)
-                self.stats[6] += time.perf_counter() - tv
+                self.stats.verify_s += time.perf_counter() - tv
         elif self.model.has_head:  # the pp/ar head stage: its logits and token are part of its compute
             if greedy_dev is not None and self.sampling.greedy:
                 token = int(greedy_dev)  # host sync: the id goes in the header; the step ran the head
@@ -226,12 +224,12 @@ class StageWorker:
         t2 = time.perf_counter()
         self.handled += 1
         if hdr.kind == Kind.TOKEN:
-            self.stats[0] += t2 - t1
-            self.stats[1] += 1
-            self.stats[2] += t1 - t0
+            self.stats.compute_s += t2 - t1
+            self.stats.messages += 1
+            self.stats.wait_s += t1 - t0
             if self.group is not None:
-                self.stats[3] += self.group.calls - calls0
-                self.stats[4] += self.group.collective_s - coll0
+                self.stats.tp_collectives += self.group.calls - calls0
+                self.stats.tp_collective_s += self.group.collective_s - coll0
         if self.trace is not None and hdr.kind == Kind.TOKEN:
             self.trace += [t0, t1, t2]
         via_report = self.reports and not (local and self.local_reports is not None)
@@ -243,7 +241,7 @@ class StageWorker:
         elif via_report:
             self._report(hdr.with_reply(token) if self.model.has_head else hdr, row, caps)
         if hdr.kind == Kind.TOKEN:
-            self.stats[5] += time.perf_counter() - t2
+            self.stats.send_s += time.perf_counter() - t2
 
     def _rows_out(self, out: torch.Tensor, caps: dict[int, torch.Tensor], T: int, report: bool,
                   written: bool) -> torch.Tensor:
@@ -298,22 +296,10 @@ class StageWorker:
         return sample(probs, keyed_generator(self.sampling.seed, pos, "target"))
 
 
-def _fresh_stats() -> list[float]:
-    """A request's decode statistics before its first message: compute s, messages, receive-wait s,
-    TP collectives, seconds inside them, send s (the frame downstream and the reply to the driver,
-    after the compute), verify s (a verifying last stage's head and argmax, inside the compute)
-    (the STATS payload's head, in that order)."""
-    return [0.0, 0, 0.0, 0, 0.0, 0.0, 0.0]
-
-
 def receive_stats(t: Transport, rank: int, timeout: float) -> dict:
     """A stage's STATS reply: per-request decode compute/wait/send seconds, decode message count, TP
     collectives and their seconds (inside the compute), verify seconds (inside the compute), the
     resident parameter bytes, all of the reporting rank (TP rank 0 of the stage), optional trace."""
     hdr = t.recv_header(rank, timeout)
     assert hdr.kind == Kind.STATS, hdr
-    vals = t.recv_into(rank, torch.empty(hdr.length, dtype=torch.float64), timeout).tolist()
-    trace = [tuple(vals[i:i + 3]) for i in range(8, len(vals), 3)]
-    return {"compute_s": vals[0], "messages": vals[1], "wait_s": vals[2], "tp_collectives": vals[3],
-            "tp_collective_s": vals[4], "send_s": vals[5], "verify_s": vals[6], "param_bytes": int(vals[7]),
-            "trace": trace}
+    return StageStats.from_reply(t.recv_into(rank, torch.empty(hdr.length, dtype=torch.float64), timeout).tolist())

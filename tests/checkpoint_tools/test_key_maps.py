@@ -12,6 +12,8 @@ from spd_engine.engine.model.kv_cache import KVCache
 from spd_engine.engine.model.model import MLP, SelfAttention, causal_mask, rope_tables
 from ckpt_helpers import ARCHS, tiny_state
 
+pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
+
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_hf_mcore_round_trip_is_bit_identical(arch):

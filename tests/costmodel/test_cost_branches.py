@@ -8,6 +8,8 @@ import pytest
 from spd_engine.costmodel.cost_branches import branch_rows, parse_width_cost, read_branch_report
 from spd_engine.costmodel.cost_inputs import REFERENCE_PROFILES, LinkModel, Profile
 
+pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
+
 REPORT = {"n": 4, "groups": {"overall": {"suffix>=2": {"eal": 2.0}, "pdm": {"eal": 1.4}}},
           "branches": {"overall": {"W=2 refill suffix>=2": {"eal": 2.2, "tokens_per_step": 1.3},
                                    "W=2 refill pdm": {"eal": 1.5, "tokens_per_step": 1.45},

@@ -10,6 +10,8 @@ from spd_engine.costmodel.cost_alternatives import ar_token_ms
 from spd_engine.costmodel.cost_eagle import EagleInputs, eagle_inputs_from_eval, eagle_row, tokens_per_round
 from spd_engine.costmodel.cost_inputs import REFERENCE_PROFILES, Profile
 
+pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
+
 PROFILE = Profile.from_dict({"num_layers": 4, "layer_ms": 1.0, "pdm_ms": 0.5, "verify_ms": 0.2, "hidden_size": 64})
 
 

@@ -11,6 +11,8 @@ from spd_engine.costmodel.cost_model_spd import SpdCase, eal_for_request, predic
 from spd_engine.costmodel.cost_partitions import balanced_partition
 from spd_engine.engine.protocol.schedule import decode_ticks, expected_eal
 
+pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
+
 
 def sep_case(**kw) -> SpdCase:
     """A separate-driver case that verifies on the driver (--verify-at driver), unless kw says otherwise."""

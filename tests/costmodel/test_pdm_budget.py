@@ -6,6 +6,8 @@ import pytest
 from spd_engine.costmodel.cost_inputs import Profile
 from spd_engine.tools.experiments.pdm_budget import budget, main
 
+pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
+
 HAND = {"name": "hand", "num_layers": 8, "layer_ms": 0.1, "pdm_ms": 0.5, "verify_ms": 0.05, "hidden_size": 64,
         "driver_fixed_ms": 0.02}
 

@@ -9,6 +9,8 @@ import pytest
 from spd_engine.engine.protocol.anchors import AnchorPlan, default_anchors, prune_anchors
 from spd_engine.engine.protocol.topology import default_stage_layers, stage_bounds
 
+pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
+
 
 def brute_type(plan: AnchorPlan, depth: int) -> int:
     """A(d) by definition: the largest a with b_a <= B_d."""

@@ -44,19 +44,19 @@ def truth_row(pos: int, width: int) -> int:
 def forced_candidates(driver, ref: list[int], P: int, width: int, V: int) -> None:
     """Replace each branch point's candidates: distinct wrong tokens, with the target's token at
     truth_row(pos), none when that is W (the branch point is rejected)."""
-    original = driver._candidates
+    original = driver.branches.candidates
 
-    def candidates(h_last, plan):
-        out = original(h_last, plan)
+    def candidates(req, h_last, plan):
+        out = original(req, h_last, plan)
         pos = out[0].pos
         t = ref[pos - P] if pos - P < len(ref) else 0
         tokens = [(t + 1 + r) % V for r in range(width)]
         if truth_row(pos, width) < width:
             tokens[truth_row(pos, width)] = t
-        driver.req.source_of[pos] = ["pdm"] * width
+        req.drafts.keep_candidates(pos, ["pdm"] * width, None)
         return [Draft(pos, tok) for tok in tokens]
 
-    driver._candidates = candidates
+    driver.branches.candidates = candidates
 
 
 def protocol_ticks(n: int, N: int, P: int, ref: list[int], width: int, when: str, V: int) -> tuple[int, int]:
@@ -125,7 +125,7 @@ def test_forced_candidates_are_lossless_and_save_ticks(n, colocate, split, width
             if agrees(ecfg, p, res.tokens, ref):
                 assert (res.ticks, res.branch_saves) == protocol_ticks(n, NEW, len(p), ref, width, when, V)
             points, saves = points + res.branch_points, saves + res.branch_saves
-            del ex.driver._candidates
+            del ex.driver.branches.candidates
     assert 0 < saves < points  # saved and unsaved branch points both occur
 
 
@@ -156,7 +156,7 @@ def test_static_steps_with_branches_are_lossless(n, one_thread):
             res = ex.generate(p, NEW, (), draft_policy=Policy(ref, len(p), V, wrong=WRONG))
             if agrees(ecfg, p, res.tokens, ref):
                 assert res.branch_saves > 0
-            del ex.driver._candidates
+            del ex.driver.branches.candidates
 
 
 def test_sampling_with_branches_is_fixed_by_the_seed(one_thread):
@@ -191,7 +191,7 @@ def test_forced_candidates_on_tensor_parallel_stages(n, width, one_thread):
             if k is None:  # the TP oracle's tokens (its sums are the shards'): the tick protocol's counts
                 assert (res.ticks, res.branch_saves) == protocol_ticks(n, NEW, len(p), ref, width, "always", V)
             saves += res.branch_saves
-            del ex.driver._candidates
+            del ex.driver.branches.candidates
     assert saves > 0
 
 
@@ -214,21 +214,21 @@ def test_one_pdm_pass_over_the_chains_equals_one_pass_per_chain(one_thread):
     checked = []
     with ReferenceExecutor(ecfg) as ex:
         d = ex.driver
-        batched = d._chain_pass
+        batched = d.branches.chain_pass
 
         def compare(plan):
-            types = d._row_types[(int(plan.rows[0].pending), plan.fill)]
+            types = d.buf.types_of(plan)
             want = []
             for c in range(plan.width):
-                flat = [d._slot(r.pos) + (c * d.num_slots if r.pos >= plan.branch else 0) for r in plan.rows]
-                rows = d.pdm.rows_from_ring(d.rings.view(-1, *d.rings.shape[2:]), torch.tensor(flat), types)
+                flat = [d.buf.slot(r.pos) + (c * d.buf.num_slots if r.pos >= plan.branch else 0) for r in plan.rows]
+                rows = d.pdm.rows_from_ring(d.buf.rings.view(-1, *d.buf.rings.shape[2:]), torch.tensor(flat), types)
                 want.append(d.pdm.forward_rows(rows[None], d.pdm_cache, plan.pdm_pos)[0, -1])
             got = batched(plan)
             torch.testing.assert_close(got, torch.stack(want), atol=1e-5, rtol=1e-4)
             checked.append(len(plan.rows))
             return got
 
-        d._chain_pass = compare
+        d.branches.chain_pass = compare
         res = ex.generate(prompt, NEW)
     agrees(ecfg, prompt, res.tokens, reference(ecfg, prompt, NEW))
     assert len(checked) > 5 and len(set(checked)) > 1  # several passes, several staircase lengths

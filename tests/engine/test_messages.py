@@ -8,6 +8,8 @@ import torch
 from spd_engine.engine.protocol.messages import (CONFIG_LEN, HEADER_FIELDS, HEADER_LEN, Header, Kind, WireFormat,
                                         parse_sampling_payload, sampling_payload)
 
+pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
+
 
 def test_header_round_trip_keeps_large_integers_exact():
     h = Header(Kind.TOKEN, position=(1 << 40) + 3, epoch=12345, token=151935, length=7, reply=(1 << 33) + 1)

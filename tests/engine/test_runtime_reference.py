@@ -257,7 +257,7 @@ def test_colocated_decode_tokens_reach_stage0_without_a_loopback_message(one_thr
     ecfg, prompts, refs = setup("llama", 3, True)
     with ReferenceExecutor(ecfg) as ex:
         driver = ex.driver
-        assert driver.direct_stage0
+        assert driver.stage0.direct
         self_kinds = []
         send = driver.t.send
 
@@ -302,13 +302,13 @@ def test_colocated_anchor0_is_the_drivers_embedding_of_the_entering_token(step_m
     _, prompts, refs = setup("llama", 2, True)
     with ReferenceExecutor(ecfg) as ex:
         driver = ex.driver
-        assert driver.anchor0_from_stage0 == (step_mode == "eager")
+        assert driver.stage0.anchor0_from_stage0 == (step_mode == "eager")
         seen = []
         entry_send = driver._send_entry
 
         def spy(entry):
             entry_send(entry)
-            seen.append((entry.token, driver.ring[driver._slot(entry.pos), 0].clone()))
+            seen.append((entry.token, driver.buf.ring[driver.buf.slot(entry.pos), 0].clone()))
 
         driver._send_entry = spy
         res = ex.generate(prompts[1], 10, ())

@@ -130,14 +130,14 @@ class ContextSpy:
 
     def __init__(self, driver, prompt_len: int) -> None:
         self.P, self.tokens = prompt_len, {}
-        send = driver._send_stage0
+        send = driver.stage0.send
 
         def spy(hdr, payloads=(), **kw):
             if hdr.kind == Kind.TOKEN:
                 self.tokens[hdr.position] = hdr.token
             return send(hdr, payloads, **kw)
 
-        driver._send_stage0 = spy
+        driver.stage0.send = spy
 
     def before(self, pos: int) -> tuple[int, ...]:
         """The generated tokens in front of position `pos`."""
@@ -182,33 +182,47 @@ class DraftPolicy:
 # ---- broken verifiers ----
 
 def accept_always(driver) -> None:
-    driver._verify = lambda logits, pos, proposed: (True, proposed)
+    driver.verifier.verify = lambda pos, proposed, q, sp, row=0, reply=-1: (True, proposed)
+
+
+def _after_draft(driver, change: Callable) -> None:
+    """Run `change(record before, record after, chain)` on the draft record of every draft."""
+    draft = driver.drafter.draft
+
+    def broken(req, h_last, plan, draft_id=None, chain=0):
+        before = req.drafts.at.get(plan.draft_pos)
+        before = None if before is None else (list(before.sources), list(before.qs))
+        token = draft(req, h_last, plan, draft_id, chain)
+        change(before, req.drafts.at[plan.draft_pos], chain)
+        return token
+
+    driver.drafter.draft = broken
 
 
 def stale_q(driver) -> None:
-    driver._record_q = lambda pos, q: driver.req.q_store.setdefault(pos, q)
+    """A re-draft after a flush verified against the q of the position's first draft."""
+    def keep_first(before, rec, chain):
+        if before is not None and chain < len(before[1]) and before[1][chain] is not None:
+            rec.qs[chain] = before[1][chain]
+
+    _after_draft(driver, keep_first)
 
 
 def suffix_as_uniform(driver) -> None:
     """A multi-source bug: a suffix draft verified as if drawn from the uniform distribution
     instead of its point mass."""
-    record = driver._record_q
+    def uniform_q(_before, rec, chain):
+        if rec.sources[chain] == SUFFIX and rec.qs[chain] is not None:
+            rec.qs[chain] = torch.full_like(rec.qs[chain], 1.0 / rec.qs[chain].numel())
 
-    def broken(pos, q):
-        if driver.req.source_of.get(pos) == SUFFIX:
-            q = torch.full_like(q, 1.0 / q.numel())
-        record(pos, q)
-
-    driver._record_q = broken
+    _after_draft(driver, uniform_q)
 
 
 def forget_residual(driver) -> None:
     """A multi-draft bug: each candidate of a branch point is tested against p itself instead of
     the residual the candidates before it left (and the last residual is p's)."""
-    def broken(pos, tokens, row, reply):
-        sp = driver.req.sampling
-        p = target_probs(driver.head.logits(driver.exit_buf[row]), sp)
-        cands = driver.req.cands.pop(pos)
+    def broken(pos, tokens, cands, sp, row, reply=-1):
+        p = target_probs(driver.head.logits(driver.buf.exit_buf[row]), sp)
         accept = keyed_generator(sp.seed, pos, "accept")
         for i, c in enumerate(cands):
             q = c.q_of(p)
@@ -216,7 +230,7 @@ def forget_residual(driver) -> None:
                 return i, c.token
         return None, sample(p, keyed_generator(sp.seed, pos, "residual"))
 
-    driver._verify_branch = broken
+    driver.verifier.verify_branch = broken
 
 
 BROKEN: dict[str, Callable] = {"accept-always": accept_always, "stale-q": stale_q, "suffix-uniform": suffix_as_uniform,

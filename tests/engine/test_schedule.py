@@ -8,6 +8,8 @@ import pytest
 from spd_engine.engine.protocol.schedule import (CORRECTION, DRAFT, FIRST, STALE, Token, decode_ticks, eal, expected_eal,
                              format_schedule, pooled_eal, simulate)
 
+pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
+
 
 def tok(code: str | None) -> Token | None:
     """'x0' first token, 'd3' draft, "d'4" draft after one flush, "c'3" correction (it opens

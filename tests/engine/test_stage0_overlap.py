@@ -37,7 +37,7 @@ def test_overlapped_stage0_is_the_inline_driver(arch, n, one_thread):
         want = runs(ex, inline, prompts, wrong)
         sampled = [ex.generate(p, NEW, (), sampling=SamplingParams(1.0, seed=5)).tokens for p in prompts]
     with ReferenceExecutor(overlap) as ex:
-        assert ex.driver.stage0_runner is not None
+        assert ex.driver.stage0.runner is not None
         assert runs(ex, overlap, prompts, wrong) == want
         assert [ex.generate(p, NEW, (), sampling=SamplingParams(1.0, seed=5)).tokens for p in prompts] == sampled
 

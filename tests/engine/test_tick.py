@@ -9,6 +9,8 @@ import pytest
 from spd_engine.engine.protocol.schedule import decode_ticks
 from spd_engine.engine.protocol.tick import Draft, Entry, TickState, Verdict
 
+pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
+
 
 def run(n: int, verdicts: list[bool], anchor_stages=()) -> tuple[TickState, list]:
     """Play until every verdict is used; tokens are positions * 10 (+1 for a correction)."""

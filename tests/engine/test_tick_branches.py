@@ -11,6 +11,8 @@ import pytest
 from spd_engine.engine.protocol.branching import BranchPolicy
 from spd_engine.engine.protocol.tick import Draft, TickState, Verdict
 
+pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
+
 
 def truth(pos: int) -> int:
     return 10 * pos

@@ -5,6 +5,8 @@ import pytest
 
 from spd_engine.engine.protocol.topology import Topology, default_stage_layers, parse_stage_layers, stage_bounds
 
+pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
+
 
 @pytest.mark.parametrize("layers,n,want", [(30, 4, [8, 8, 7, 7]), (6, 3, [2, 2, 2]), (7, 3, [3, 2, 2]),
                                            (5, 1, [5]), (4, 4, [1, 1, 1, 1]), (36, 8, [5, 5, 5, 5, 4, 4, 4, 4])])

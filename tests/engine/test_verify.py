@@ -12,6 +12,8 @@ from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator,
 from spd_engine.engine.protocol.verify import verify_greedy, verify_sampled
 from stats import TEST_LEVEL, chi_square_pvalue, tv_distance
 
+pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
+
 # token 3 has q = 0 (reachable only through the residual), token 8 has p = 0 (never accepted)
 P = torch.tensor([0.30, 0.20, 0.15, 0.12, 0.10, 0.07, 0.04, 0.02, 0.00])
 Q = torch.tensor([0.10, 0.25, 0.15, 0.00, 0.20, 0.05, 0.10, 0.05, 0.10])

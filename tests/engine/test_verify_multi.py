@@ -14,6 +14,8 @@ from spd_engine.engine.protocol.verify import verify_sampled
 from spd_engine.engine.protocol.verify_multi import (Candidate, committed_distribution, verify_candidates,
                                             verify_candidates_greedy)
 
+pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
+
 V = 5
 
 

@@ -13,6 +13,8 @@ from spd_engine.engine.runtime.run_config import RunConfig
 from spd_engine.tools import cli
 from spd_engine.tools.cli import SUBCOMMANDS, main
 
+pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
+
 
 def parsers() -> dict[str, argparse.ArgumentParser]:
     """Every subcommand's parser (convert's actions included), built as cli.main builds them."""

@@ -13,6 +13,8 @@ from spd_engine.engine.protocol.suffix import SuffixSettings
 from spd_engine.train.branch_replay import replay_branches
 from spd_engine.train.fast_eval import DraftTable, replay_table
 
+pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
+
 
 def random_table(n: int, N: int, vocab: int, seed: int) -> tuple[DraftTable, list[int]]:
     """A draft table whose top-4 are random distinct ids (the reference among them or not)."""

@@ -9,6 +9,8 @@ import pytest
 
 from spd_engine.train.decontaminate import NGRAM, Decontaminator, eval_texts, window_hashes
 
+pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
+
 
 class WordEncoder:
     """A fake tokenizer: one id per distinct whitespace-separated word."""

@@ -81,11 +81,11 @@ def record(dataset: str, acc: Acceptance, lossless=None) -> ev.PromptRecord:
 
 
 def test_summary_pools_over_prompts_and_splits_by_fill():
-    a = Acceptance(4, tokens=11, ticks=16, verified=10, accepted=8, rejections=1,
+    a = Acceptance(n=4, tokens=11, ticks=16, verified=10, accepted=8, rejections=1,
                    verified_by_fill={1: 2, 2: 1, 3: 1, 4: 6}, accepted_by_fill={1: 1, 2: 1, 3: 1, 4: 5})
-    b = Acceptance(4, tokens=3, ticks=5, verified=2, accepted=1, rejections=0,
+    b = Acceptance(n=4, tokens=3, ticks=5, verified=2, accepted=1, rejections=0,
                    verified_by_fill={1: 1, 2: 1}, accepted_by_fill={1: 1, 2: 0})
-    c = Acceptance(4, tokens=1)  # ended with the prefill token: no ticks, nothing verified
+    c = Acceptance(n=4, tokens=1)  # ended with the prefill token: no ticks, nothing verified
     s = ev.summarize([record("x", a), record("x", b), record("y", c, False)], 4)
     assert (s.prompts, s.tokens, s.ticks, s.verified, s.accepted, s.failures) == (3, 15, 21, 12, 9, 1)
     assert s.eal == pytest.approx(4 * (10 + 2 + 0) / 21)  # pooled, not a mean of per-prompt EALs
@@ -98,7 +98,7 @@ def test_summary_pools_over_prompts_and_splits_by_fill():
 
 
 def test_table_has_a_row_per_dataset_and_overall():
-    a = Acceptance(2, tokens=3, ticks=3, verified=2, accepted=1, verified_by_fill={1: 1, 2: 1},
+    a = Acceptance(n=2, tokens=3, ticks=3, verified=2, accepted=1, verified_by_fill={1: 1, 2: 1},
                    accepted_by_fill={1: 0, 2: 1})
     rep = ev.EvalReport(n=2, records=[record("gsm8k", a), record("mt_bench", a)])
     rep.records[0].loops, rep.records[1].loops = False, True  # only the first output does not loop

@@ -51,7 +51,7 @@ def test_replay_never_asks_past_the_last_token_or_behind_a_wrong_draft():
     asked = []
     replay(7, 3, lambda f, t: asked.append((f, t)) or t % 2 == 0)
     assert asked and max(t for _, t in asked) <= 7 - 2
-    assert replay(1, 4, lambda f, t: pytest.fail("asked with nothing to decode")) == Acceptance(4, 1)
+    assert replay(1, 4, lambda f, t: pytest.fail("asked with nothing to decode")) == Acceptance(n=4, tokens=1)
 
 
 def schedule_table(n: int, verdicts: list[bool]) -> tuple[dict[tuple[int, int], bool], dict[int, list[int]], int]:
@@ -137,9 +137,11 @@ def runtime_counts(driver, prompt, max_new, eos, policy=None):
         res = driver.generate(prompt, max_new, eos, draft_policy=record)
     finally:
         driver.draft_observer = None
-    acc = Acceptance(res.n, len(res.tokens), res.ticks, rejections=res.rejections)
+    acc = Acceptance(n=res.n, tokens=len(res.tokens), ticks=res.ticks, rejections=res.rejections)
     for i in range(1, len(res.tokens)):
         acc.count(fills[P + i], sent[P + i] == res.tokens[i])
+    # the driver's own counts by fill (the tick protocol's) agree with these, recounted from outside
+    assert (res.verified_by_fill, res.accepted_by_fill) == (acc.verified_by_fill, acc.accepted_by_fill)
     return res, acc, drafts
 
 
@@ -148,7 +150,7 @@ def compare(driver, target, pdm, prompt, max_new, chunk, tally: Counter, eos=(),
     the drafts compared bit for bit and the near ties among them."""
     res, want, drafts = runtime_counts(driver, prompt, max_new, eos, policy)
     assert (want.verified, want.accepted) == (res.verified, res.accepted)
-    fast = fast_generate(target, pdm, prompt, max_new, eos, chunk=chunk, draft_policy=policy, chooser=driver.chooser)
+    fast = fast_generate(target, pdm, prompt, max_new, eos, chunk=chunk, draft_policy=policy, chooser=driver.drafter.chooser)
     assert fast.tokens == res.tokens
     assert fast.acceptance == want
     for f, t in fast.consulted:  # every draft whose correctness decided something, bit for bit

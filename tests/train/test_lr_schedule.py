@@ -12,6 +12,8 @@ from spd_engine.train.distill import Trainer
 from spd_engine.train.lr_schedule import decay_start, draw_fill, schedule_lr
 from test_distill import params, stream, target, tcfg
 
+pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
+
 
 def test_wsd_is_flat_then_decays_to_a_tenth():
     lrs = [schedule_lr(s, 1.0, 100, 10, "wsd", 0.2) for s in range(100)]

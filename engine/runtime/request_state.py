@@ -1,0 +1,72 @@
+"""One request's driver-side state, all of it in one object: its result and counters, limits and
+sampling, the tick protocol's state, its epoch, its drafts' records, its suffix index and its
+timers. The driver holds the live request's; nothing of a request is kept on the driver itself.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from spd_engine.engine.protocol.metrics import GenerationResult
+from spd_engine.engine.protocol.sampling import SamplingParams
+from spd_engine.engine.protocol.suffix import SuffixIndex
+from spd_engine.engine.protocol.tick import TickState
+from spd_engine.engine.runtime.draft_records import DraftRecords
+
+# (position, PDM draft) -> token to send. Lets benchmarks and tests steer acceptance
+# (synthetic alpha, forced rejections) without touching the verification path. At T > 0 the
+# policy maps (position, PDM draft distribution q [V]) -> the distribution to sample from.
+DraftPolicy = Callable[[int, object], object]
+# Called with every committed token; returning False ends the request after that token (the
+# pipeline is drained as at any end, so the next request is unaffected): cancellation, stop
+# strings, deadlines.
+OnToken = Callable[[int], "bool | None"]
+# the parts of a tick the driver times: send (posting to stage 0), stage0 (a co-located stage 0),
+# wait (receiving what the plan needs), pdm (rows + PDM step + draft), verify
+TIMERS = ("send", "stage0", "wait", "pdm", "verify")
+
+
+class RequestState:
+    def __init__(self, n: int, max_new: int, eos: frozenset[int], sampling: SamplingParams, epoch: int,
+                 policy: DraftPolicy | None = None, on_token: OnToken | None = None,
+                 suffix: SuffixIndex | None = None,
+                 trace: list[tuple[int, str, float, float]] | None = None) -> None:
+        self.res = GenerationResult(tokens=[], n=n)
+        self.n, self.max_new, self.eos, self.sampling = n, max_new, eos, sampling
+        self.policy, self.on_token = policy, on_token
+        self.epoch = epoch  # the epoch its messages carry (bumped by every flush)
+        self.tick = 0
+        self.state: TickState | None = None  # the tick protocol's state, from the first token on
+        self.drafts = DraftRecords()
+        self.suffix = suffix  # prompt + committed tokens, when suffix drafts are on
+        self.timers = dict.fromkeys(TIMERS, 0.0)  # seconds per part of the tick
+        self.trace = trace  # (tick, what, t0, t1), when tracing
+
+    def start_decode(self, first_pos: int, first_token: int, anchor_stages: list[int]) -> TickState:
+        """The tick protocol from the first generated token on, counting into the result."""
+        self.timers = dict.fromkeys(TIMERS, 0.0)  # the per-tick breakdown is the decode's
+        self.state = TickState(self.n, first_pos, first_token, anchor_stages, epoch=self.epoch, counters=self.res)
+        return self.state
+
+    def commit(self, token: int) -> bool:
+        """Commit a token; False when the request ends here (EOS, max tokens, or on_token said stop)."""
+        self.res.tokens.append(token)
+        if self.suffix is not None:
+            self.suffix.extend((token,))
+        go_on = self.on_token(token) if self.on_token is not None else None
+        return token not in self.eos and len(self.res.tokens) < self.max_new and go_on is not False
+
+    def account(self, what: str, t0: float) -> None:
+        """The time since t0 to one of the tick's parts."""
+        t1 = time.perf_counter()
+        self.timers[what] += t1 - t0
+        if self.trace is not None:
+            self.trace.append((self.tick, what, t0, t1))
+
+    def count_drafted(self, source: str) -> None:
+        self.res.by_source.setdefault(source, [0, 0, 0])[0] += 1
+
+    def count_verified(self, source: str, accepted: bool) -> None:
+        cell = self.res.by_source.setdefault(source, [0, 0, 0])
+        cell[1] += 1
+        cell[2] += int(accepted)

@@ -1,0 +1,68 @@
+"""The driver's verification (docs/design.md 3.6): the token leaving the last stage verifies the draft
+behind it. T = 0: the target's argmax, from the last stage's reply when it verified, from a static
+head step in the graph step modes, else from the head here; T > 0: speculative sampling against
+the exact q the draft was drawn from (engine/protocol/verify.py), and for a branch point's
+candidates recursive rejection sampling (engine/protocol/verify_multi.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from spd_engine.engine.model.graphs import VerifyStep
+from spd_engine.engine.model.model import StageModel
+from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs
+from spd_engine.engine.protocol.verify import verify_sampled
+from spd_engine.engine.protocol.verify_multi import Candidate, verify_candidates, verify_candidates_greedy
+
+
+class Verifier:
+    def __init__(self, head: StageModel, exit_buf: torch.Tensor, verify_step: VerifyStep | None) -> None:
+        self.head, self.exit_buf, self.verify_step = head, exit_buf, verify_step  # exit_buf [rows, H]
+
+    def sample_target(self, logits: torch.Tensor, pos: int, sp: SamplingParams) -> int:
+        """A plain draw from the target distribution p for the token at `pos` (the first token)."""
+        if sp.greedy:
+            return int(logits.argmax())  # host sync: the id is needed to continue
+        return sample(target_probs(logits, sp), keyed_generator(sp.seed, pos, "target"))
+
+    def target_argmax(self, row: int, reply: int, sp: SamplingParams) -> int | None:
+        """T=0: the argmax of the target's logits from exit_buf[row] when it is known without the
+        logits: computed by the last stage (`reply` >= 0), or in the graph step modes by the final
+        norm + head + argmax as one static step."""
+        if reply >= 0:
+            assert sp.greedy, "the last stage verifies at T=0 only"
+            return reply
+        if self.verify_step is not None and sp.greedy:
+            return int(self.verify_step.run(self.exit_buf[row]))  # host sync: verification decides control flow
+        return None
+
+    def verify(self, pos: int, proposed: int, q: torch.Tensor | None, sp: SamplingParams, row: int = 0,
+               reply: int = -1) -> tuple[bool, int]:
+        """(accepted, committed token) for the draft `proposed` at `pos` (q [V]: what it was drawn
+        from, T > 0), on the exit hidden state in exit_buf[row]; `reply`: the last stage's argmax or -1."""
+        target = self.target_argmax(row, reply, sp)
+        if target is not None:
+            return target == proposed, target
+        logits = self.head.logits(self.exit_buf[row])  # [V]
+        if sp.greedy:
+            target = int(logits.argmax())  # host sync: verification decides control flow
+            return target == proposed, target
+        assert q is not None, f"position {pos}: no q recorded for its draft"
+        return verify_sampled(target_probs(logits, sp), q, proposed, keyed_generator(sp.seed, pos, "accept"),
+                              keyed_generator(sp.seed, pos, "residual"))
+
+    def verify_branch(self, pos: int, tokens: Sequence[int], cands: list[Candidate] | None, sp: SamplingParams,
+                      row: int, reply: int = -1) -> tuple[int | None, int]:
+        """(index of the surviving candidate or None, committed token) for a branch point at `pos`:
+        the argmax's candidate at T=0, recursive rejection sampling over `cands` at T>0."""
+        target = self.target_argmax(row, reply, sp)
+        if target is not None:
+            return verify_candidates_greedy(target, tokens)
+        logits = self.head.logits(self.exit_buf[row])  # [V]
+        if sp.greedy:
+            return verify_candidates_greedy(int(logits.argmax()), tokens)  # host sync: control flow
+        assert cands is not None and [c.token for c in cands] == list(tokens), (cands, tokens)
+        return verify_candidates(target_probs(logits, sp), cands, keyed_generator(sp.seed, pos, "accept"),
+                                 keyed_generator(sp.seed, pos, "residual"))
