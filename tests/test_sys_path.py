@@ -33,7 +33,7 @@ def test_the_kernels_folder_refuses_to_stand_in_for_the_pypi_package(tmp_path):
 
 
 def test_no_command_the_project_runs_or_documents_puts_the_root_on_sys_path():
-    files = [p for p in _source_files() if p.suffix in (".py", ".md", ".cfg", ".toml", "") and p.name != "test_packaging.py"
+    files = [p for p in _source_files() if p.suffix in (".py", ".md", ".cfg", ".toml", "") and p.name != "test_sys_path.py"
              and p.parts[0] not in ("heads",)]
     assert any(p.name == "Makefile" for p in files) and any(p.suffix == ".md" for p in files)
     bad = [f"{p}:{i}: {line.strip()}" for p in files for i, line in enumerate((ROOT / p).read_text(errors="replace")
