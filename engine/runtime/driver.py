@@ -33,6 +33,7 @@ from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.protocol.tick import Draft, Entry, TickPlan, Verdict
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.branch_chains import BranchChains
+from spd_engine.engine.runtime.draft_records import DraftRecord
 from spd_engine.engine.runtime.drafter import DraftObserver, Drafter
 from spd_engine.engine.runtime.driver_buffers import DriverBuffers
 from spd_engine.engine.runtime.request_state import DraftPolicy, OnToken, RequestState
@@ -216,9 +217,11 @@ class Driver:
         if ex is None:  # filling: no token leaves the pipeline this tick
             return drafts, None
         exit_hdr = exit_hdr or self._recv(last, Kind.TOKEN, ex.pos, ex.row)
+        rec = self.req.drafts.take(plan.verify_pos)  # bookkeeping, outside the verification's timer
         tv = time.perf_counter()
-        verdict = self._verify(plan, drafts, exit_hdr.reply if self.wire.verify_on_last else -1)
+        verdict = self._verify(plan, drafts, rec, exit_hdr.reply if self.wire.verify_on_last else -1)
         self.req.account("verify", tv)
+        self.req.count_verified(rec.sources[verdict.chain], verdict.accepted)
         return drafts, verdict
 
     def _drafts(self, plan: TickPlan) -> list[Draft]:
@@ -230,15 +233,15 @@ class Driver:
             return self.branches.candidates(self.req, h_last, plan)
         return [Draft(plan.draft_pos, self.drafter.draft(self.req, h_last, plan, draft_id))]
 
-    def _verify(self, plan: TickPlan, drafts: list[Draft], reply: int) -> Verdict:
-        """The verdict on the draft behind the exiting token (`reply`: the last stage's argmax, or -1)."""
+    def _verify(self, plan: TickPlan, drafts: list[Draft], rec: DraftRecord, reply: int) -> Verdict:
+        """The verdict on the draft behind the exiting token, `rec` its record (`reply`: the last
+        stage's argmax, or -1)."""
         req, pos, row = self.req, plan.verify_pos, plan.exit.row
         if plan.proposed is not None:
             at_branch = plan.proposed.pos == plan.branch
             tokens = plan.proposed.chains if at_branch else (plan.proposed.token,)
         else:  # n = 1: this tick's own draft (or candidates) is verified now
             tokens = tuple(d.token for d in drafts)
-        rec = req.drafts.take(pos)
         if len(tokens) == 1:
             assert rec.width == 1, f"position {pos}: a chain's draft verified before its branch point resolved"
             accepted, target = self.verifier.verify(pos, tokens[0], rec.qs[0], req.sampling, row, reply)
@@ -246,7 +249,6 @@ class Driver:
         else:
             index, target = self.verifier.verify_branch(pos, tokens, rec.cands, req.sampling, row, reply)
             accepted, chain = index is not None, index or 0
-        req.count_verified(rec.sources[chain], accepted)
         return Verdict(accepted, target, chain)
 
     def _finish_request(self) -> list[dict[str, float]]:

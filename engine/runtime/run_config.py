@@ -33,7 +33,7 @@ TRANSPORTS = ("auto", "gloo", "shm")
 # cores, a tick then costs more than that buys (docs/benchmarks.md), and the H200 profiles
 # predict a few percent at best: W = 2 stays opt-in until a GPU run measures it.
 DEFAULT_BRANCHES = 1
-EAGLE_K = 2  # draft chain length of --mode eagle: the shipped head accepts nothing past step 2 (README, docs/eval.md)
+EAGLE_K = 2  # draft chain length of --mode eagle: the shipped head accepts nothing past step 2 (docs/heads.md, docs/eval.md)
 
 
 class StepMode(str, enum.Enum):
