@@ -18,6 +18,8 @@ from spd_engine.costmodel.cost_model import Links, plan, recommendation
 from spd_engine.costmodel.cost_model_spd import VERIFY_AT, predict_replay, verifies_on_last
 from spd_engine.bench.stats import format_table
 
+DEFAULT_WIDTH_COST = "2:1.0,4:1.0,8:1.0"  # an assumption, labelled wherever it is used
+
 if TYPE_CHECKING:  # the runtime's config imports torch; the plan itself does not need it
     from spd_engine.engine.runtime.run_config import RunConfig
 
@@ -52,9 +54,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     br.add_argument("--branches-json", help="spd draft-policies --branches --json report: EAL and stage tokens "
                                             "per step for each W, at its n")
     br.add_argument("--branch-policy", default="refill suffix>=2", help="branch rule and chooser of the report rows")
-    br.add_argument("--width-cost", default="2:1.0,4:1.0",
-                    help="W:RATIO, a W-token stage step's time over a one-token step's (default ASSUMED 1.0: "
-                         "memory-bound GPU decode; spd measure stage-width-time measures it)")
+    br.add_argument("--width-cost", default=DEFAULT_WIDTH_COST,
+                    help="W:RATIO, a W-token stage step's time over a one-token step's, for branch chains and "
+                         "--batch rows (default ASSUMED 1.0: memory-bound GPU decode; spd measure stage-width-time "
+                         "measures it)")
+    bt = p.add_argument_group("several requests in the pipeline (PREDICTED from the tick protocol's replay and a "
+                              "B-row step cost, docs/design.md 3.12)")
+    bt.add_argument("--batch", help="request counts B, e.g. 1,2,4,8: throughput over all requests and per-request "
+                                    "TPOT at each n of --n, a B-row stage step priced with --width-cost")
+    bt.add_argument("--batch-requests", type=int, default=32,
+                    help="requests the replay plays at every B (the same ones, seeded with --seed)")
+    bt.add_argument("--batch-tokens", type=int, default=128, help="tokens of each replayed request")
     p.add_argument("--verify-at", choices=VERIFY_AT, default="auto",
                    help="where SPD verifies at T=0, as the runtime's --verify-at: on the last stage (its compute "
                         "holds the head), on the driver, or auto (last co-located, driver with a separate driver); "
@@ -384,9 +394,42 @@ def _branches(args: argparse.Namespace, profile: Profile, links: Links) -> dict:
         out["rows"]["coloc" if colocate else "sep"] = rows
         print(f"\nbranch width at n={n}, {'co-located' if colocate else 'separate'} driver, {args.branch_policy} "
               f"(PREDICTED: EAL and tokens per step from the offline replay {args.branches_json}; W-token step "
-              f"cost {args.width_cost}{' ASSUMED' if args.width_cost == '2:1.0,4:1.0' else ''}):")
+              f"cost {args.width_cost}{' ASSUMED' if args.width_cost == DEFAULT_WIDTH_COST else ''}):")
         print(format_table(rows, [("W", "W", ""), ("eal", "EAL", ".3f"), ("tokens_per_step", "tok/step", ".2f"),
                                   ("tick_ms", "tick ms", ".3f"), ("tok_s", "tok/s", ".1f"), ("x_w1", "x W=1", ".3f")]))
+    out["notes"] = notes
+    return out
+
+
+def _batch(args: argparse.Namespace, profile: Profile, links: Links, alpha: AlphaCurve) -> dict:
+    """Predicted rows for each B of --batch at each n (costmodel/cost_batch.py), printed."""
+    from spd_engine.costmodel.cost_batch import batch_rows, parse_batches, replay_batch
+    from spd_engine.costmodel.cost_branches import parse_width_cost
+
+    batches, cost, notes = parse_batches(args.batch), parse_width_cost(args.width_cost), []
+    assumed = " ASSUMED" if args.width_cost == DEFAULT_WIDTH_COST else ""
+    out = {"batches": batches, "width_cost": cost, "rows": [], "predicted": True}
+    for n in _ns(args.n):
+        if n > profile.num_layers:
+            continue
+        a = alpha(n, notes)
+        replays = {b: replay_batch(n, b, a, args.batch_requests, args.batch_tokens, args.seed)
+                   for b in batches}  # the same for both layouts
+        for colocate in (False, True):
+            rows = batch_rows(profile, links.of_devices, n, a, batches, colocate, cost, notes,
+                              verifies_on_last(args.verify_at, colocate), replays)
+            out["rows"] += rows
+            print(f"\nseveral requests at n={n}, {'co-located' if colocate else 'separate'} driver (PREDICTED: the "
+                  f"tick protocol's replay at alpha {a:g}, the same {args.batch_requests} requests of "
+                  f"{args.batch_tokens} tokens at every B, even split; B-row step cost {args.width_cost}{assumed}):")
+            print(format_table(rows, [
+                ("B", "B", ""), ("rows_per_step", "rows/step", ".2f"), ("utilization", "stage util", ".3f"),
+                ("tick_ms", "tick ms", ".3f"), ("tok_s", "tok/s (all)", ".1f"), ("tok_s_x", f"x B={batches[0]}", ".2f"),
+                ("tpot_ms", "TPOT ms", ".3f"), ("tpot_x", f"x B={batches[0]}", ".2f")]))
+    if notes:
+        print("notes:")
+        for line in notes:
+            print(f"  - {line}")
     out["notes"] = notes
     return out
 
@@ -402,6 +445,9 @@ def run(args: argparse.Namespace) -> int:
 
         refuse_ignored(args, ["verify_at"], "by --validate (its tick replays verify on the driver) or --revalidate "
                                             "(it prices its saved runs as they verified)")
+    if (args.validate or args.validate_runtime or args.revalidate) and args.batch:
+        raise ValueError("--batch prices a plan; --validate, --validate-runtime and --revalidate run one request "
+                         "at a time")
     if args.validate_runtime and args.net_busy_mb:
         raise ValueError("--net-busy-mb prices a plan; --validate-runtime measures its hops between idle ranks")
     if args.revalidate:
@@ -418,7 +464,8 @@ def run(args: argparse.Namespace) -> int:
         profile = Profile.from_dict({**REFERENCE_PROFILES[args.reference], "name": args.reference})
     eagle = _eagle(args)
     links = _links(args)
-    result = plan(profile, links, _alpha(args), _ns(args.n), args.sim_tokens, args.seed, args.verify_at)
+    alpha = _alpha(args)
+    result = plan(profile, links, alpha, _ns(args.n), args.sim_tokens, args.seed, args.verify_at)
     result["recommendation"] = recommendation(result)
     print_plan(result, args.details)
     if eagle is not None:
@@ -428,6 +475,8 @@ def run(args: argparse.Namespace) -> int:
         print_eagle(result["eagle"])
     if args.branches_json:
         result["branches"] = _branches(args, profile, links)
+    if args.batch:
+        result["batch"] = _batch(args, profile, links, alpha)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
