@@ -120,7 +120,8 @@ def table(rows: list[dict]) -> tuple[list[dict], list[tuple[str, str, str]]]:
     names = {r["name"] for r in rows}
     columns = list(COLUMNS)
     at = columns.index(("x_pp", "x pp", "")) + 1
-    columns[at:at] = [(f"x_{key}", f"x {base}", "") for base, key in BASELINES if base.startswith("hf") and base in names]
+    columns[at:at] = [(f"x_{key}", f"x {base}", "") for base, key in BASELINES
+                      if base.startswith("hf") and base in names]
     if any(r.get("note") for r in rows):
         columns.append(("note", "note", ""))
     return shown, columns
