@@ -24,6 +24,7 @@ import numpy as np
 
 from spd_engine.bench.hf_peer import HFPeer
 from spd_engine.bench.profiling import residual_per_tick_ms
+from spd_engine.bench.speedups import add_speedups
 from spd_engine.engine.runtime.run_config import RunConfig
 from spd_engine.engine.runtime.launch import launch
 from spd_engine.engine.protocol.metrics import GenerationResult
@@ -105,6 +106,8 @@ def summarize(runs: list[list[GenerationResult]], n: int) -> dict:
         "alpha": sum(r.accepted for r in first) / verified if verified else None,
         "eal": n * sum(r.decode_tokens for r in first) / max(1, sum(r.ticks for r in first)),
     }
+    # every repeat's rate, in run order: ratios to another row pair repeat i with its repeat i (bench/speedups.py)
+    out["decode_tok_s_per_repeat"] = [p["decode_tok_s"] for p in per_repeat]
     for key in ("decode_tok_s", "prefill_s", "tick_ms"):
         vals = [p[key] for p in per_repeat]
         out[key] = statistics.median(vals)
@@ -172,7 +175,8 @@ def run_case(case: BenchCase, prompts: Sequence[list[int]], max_new: int, eos: S
 
 def bench(cases: list[BenchCase], prompts: Sequence[list[int]], max_new: int, eos: Sequence[int], repeats: int,
           synthetic_alpha: float | None = None, seed: int = 0, progress: Progress = lambda m: None) -> dict:
-    """Run every case (the first must be `ar`); speedups are against ar and pp of this run.
+    """Run every case (the first must be `ar`); speedups are against ar, pp, hf and hf-lookup of this
+    run, each with its spread over repeats and a noisy mark (bench/speedups.py).
     `eos` empty: every request runs to max_new tokens (--ignore-eos)."""
     assert cases and cases[0].ecfg.mode == "ar", "the ar baseline runs first: it is the reference"
     rows, traces, request_traces, mismatches, peer_mismatches = [], {}, {}, [], []
@@ -194,10 +198,7 @@ def bench(cases: list[BenchCase], prompts: Sequence[list[int]], max_new: int, eo
         if trace is not None:
             traces[case.name] = trace[0]  # one request: the timeline plot
             request_traces[case.name] = trace  # every request of the last repeat: profiles
-    base = {r["mode"]: r["decode_tok_s"] for r in rows if r["mode"] in ("ar", "pp")}
-    for r in rows:
-        r["speedup_vs_ar"] = r["decode_tok_s"] / base["ar"] if base.get("ar") else None
-        r["speedup_vs_pp"] = r["decode_tok_s"] / base["pp"] if base.get("pp") else None
+    add_speedups(rows)
     return {"rows": rows, "mismatches": mismatches, "peer_mismatches": peer_mismatches, "traces": traces,
             "request_traces": request_traces, "synthetic_alpha": synthetic_alpha, "ignore_eos": not eos,
             "prompts": len(prompts), "max_new_tokens": max_new, "repeats": repeats}

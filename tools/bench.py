@@ -1,5 +1,6 @@
 """`spd bench`: ar, pp, spd (separate driver and co-located) and the serial eagle baseline in one run, same prompts and
-machine; decode tok/s medians over repeats, speedups against both baselines, TTFT / TPOT /
+machine; decode tok/s medians over repeats, speedups against both baselines (and the hf rows) with
+their spread over repeats and a noisy mark, the eagle head's training budget beside its row, TTFT / TPOT /
 inter-token latency percentiles, per-tick breakdown, JSON, a PNG timeline of a few spd ticks
 and the spd tick timeline as a Chrome trace (Perfetto). `hf` and `hf-lookup` add transformers'
 own greedy generate, plain and with prompt-lookup decoding, on the same prompts and threads. `--ignore-eos` runs every request to
@@ -14,19 +15,22 @@ import sys
 
 from spd_engine.bench.hf_peer import DEFAULT_LOOKUP_TOKENS, HFPeer
 from spd_engine.bench.speed import BenchCase, bench
+from spd_engine.bench.speedups import BASELINES, head_budget_note, noisy_lines, ratio_cell
 from spd_engine.bench.stats import format_table
-from spd_engine.tools.common import add_engine_arguments, add_json_argument, engine_config, hf_model_dir, \
-    load_prompts, refuse_ignored, write_json
+from spd_engine.tools.common import REPO_HEADS, add_engine_arguments, add_json_argument, engine_config, \
+    hf_model_dir, load_prompts, refuse_ignored, write_json
 
 CONFIGS = ("ar", "pp", "spd", "spd-w1", "spd-colocate", "spd-colocate-vd", "spd-overlap", "eagle", "hf", "hf-lookup", "tp", "spd-tp")
 
 COLUMNS = [("name", "config", ""), ("world_size", "ranks", ""), ("decode_tok_s", "tok/s", ".2f"),
            ("decode_tok_s_min", "min", ".2f"), ("decode_tok_s_max", "max", ".2f"),
-           ("speedup_vs_ar", "x ar", ".2f"), ("speedup_vs_pp", "x pp", ".2f"), ("tick_ms", "ms/tick", ".2f"),
+           ("x_ar", "x ar", ""), ("x_pp", "x pp", ""), ("tick_ms", "ms/tick", ".2f"),
            ("prefill_s", "prefill s", ".2f"), ("tokens", "tokens", ""), ("ticks", "ticks", ""),
            ("alpha", "alpha", ".3f"), ("eal", "EAL", ".2f"), ("acceptance_length", "acc len", ".2f"),
            ("equal_prompts", "= ar", ""),
            ("lossless", "lossless", "")]
+RATIO_LEGEND = ("x <row>: median over repeats of this row's tok/s over that row's in the same repeat, (min-max) of "
+                "those ratios; noisy: a single repeat, or a spread (max - min) wider than the gain |x - 1|")
 LATENCY_COLUMNS = [("name", "config", "")] + [
     (f"{m}_p{q}_ms", f"{label} p{q}", ".2f") for m, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"))
     for q in (50, 90, 99)]
@@ -109,6 +113,39 @@ def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
     return out
 
 
+def table(rows: list[dict]) -> tuple[list[dict], list[tuple[str, str, str]]]:
+    """The main table's rows and columns: every ratio as one cell with its spread and noisy mark
+    (bench/speedups.py), columns against hf rows when the run has them, a note column when a row has a note."""
+    shown = [{**r, **{f"x_{key}": ratio_cell(r, key) for _, key in BASELINES}} for r in rows]
+    names = {r["name"] for r in rows}
+    columns = list(COLUMNS)
+    at = columns.index(("x_pp", "x pp", "")) + 1
+    columns[at:at] = [(f"x_{key}", f"x {base}", "") for base, key in BASELINES
+                      if base.startswith("hf") and base in names]
+    if any(r.get("note") for r in rows):
+        columns.append(("note", "note", ""))
+    return shown, columns
+
+
+def eagle_budget(rows: list[dict], ecfg, model: str) -> str | None:
+    """Put on the eagle row how its head was trained against the PDM heads it is read beside (this
+    run's and the model's shipped ones, bench/speedups.py); the full sentence for under the table."""
+    row = next((r for r in rows if r["name"] == "eagle"), None)
+    if row is None:
+        return None
+    shipped = [] if set("/:\\") & set(model) else sorted(REPO_HEADS.glob(f"{model}-n*"))  # built-in names only
+    pdm_heads = {f"{d.name} PDM head": str(d) for d in shipped if (d / "pdm.json").is_file()}
+    if ecfg.pdm != "random" and any(r["mode"] == "spd" for r in rows) and ecfg.pdm not in pdm_heads.values():
+        pdm_heads[f"this run's PDM head {ecfg.pdm}"] = ecfg.pdm
+    budget = head_budget_note(ecfg.eagle_head, pdm_heads)
+    row["head_budget"], row["note"] = budget, budget["note"]
+    if budget["under_trained"] and budget["head_training_source"] is not None:
+        return (f"eagle: its head is under-trained, {budget['head_training_tokens'] / 1e6:.2f} M training tokens "
+                f"({budget['head_training_source']}) against {budget['reference_tokens'] / 1e6:.2f} M for the "
+                f"{budget['reference']}: its row is not a like-for-like baseline of the method")
+    return f"eagle: {budget['note']}"
+
+
 def write_profile(report: dict, ecfg, path: str) -> None:
     """The run's spd-profile/1 (bench/profiling.py), with the host's cores and load recorded."""
     import os
@@ -140,14 +177,19 @@ def run(args: argparse.Namespace) -> int:
     report = bench(cases(args, ecfg), prompts, args.max_new_tokens, eos, args.repeats, args.synthetic_alpha,
                    args.seed, progress)
     report["model"], report["head"] = ecfg.model, ecfg.pdm
+    eagle_line = None
     if "eagle" in config_names(args):
         report["eagle_head"], report["eagle_k"] = ecfg.eagle_head, ecfg.eagle_k
+        if args.synthetic_alpha is None:  # synthetic drafts replace the head's: its training does not show
+            eagle_line = eagle_budget(report["rows"], ecfg, args.model)
     label = f" (SYNTHETIC acceptance alpha={args.synthetic_alpha})" if args.synthetic_alpha is not None else ""
     out = sys.stderr if args.json == "-" else sys.stdout  # stdout carries only the JSON then
     print(f"model {ecfg.model}, head {ecfg.pdm}, n={ecfg.topology.n}, {len(prompts)} prompts x "
           f"{args.max_new_tokens} tokens{' (EOS ignored)' if args.ignore_eos else ''}, {args.repeats} repeats{label}",
           file=out)
-    print(format_table(report["rows"], COLUMNS), file=out)
+    print(format_table(*table(report["rows"])), file=out)
+    for line in [RATIO_LEGEND, *noisy_lines(report["rows"])] + ([eagle_line] if eagle_line else []):
+        print(line, file=out)
     print("latency (ms; TTFT per request, TPOT per request, ITL per token gap; numpy percentiles):", file=out)
     print(format_table(report["rows"], LATENCY_COLUMNS), file=out)
     spd = next((r for r in report["rows"] if r["name"] == "spd"), None)

@@ -78,7 +78,7 @@ def test_bench_ignore_eos_latency_columns_and_chrome_trace(tmp_path, eos_first_m
 
 
 @pytest.mark.multiproc
-def test_bench_hf_rows_beside_the_engine(tmp_path, eos_first_model, monkeypatch):
+def test_bench_hf_rows_beside_the_engine(tmp_path, eos_first_model, monkeypatch, capsys):
     """transformers' generate, plain and with prompt lookup, in the same run: every logit of this model
     is 0, so greedy decoding repeats id 0 and a lookup round commits several tokens per target pass."""
     monkeypatch.setenv("SPD_CACHE", str(tmp_path / "cache"))
@@ -87,6 +87,15 @@ def test_bench_hf_rows_beside_the_engine(tmp_path, eos_first_model, monkeypatch)
                  "--ignore-eos", "--max-new-tokens", "24", "--repeats", "1", "--configs", "ar,hf,hf-lookup", "--lookup-tokens", "4",
                  "--json", str(out)]) == 0
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    # every row against each hf row too; from one repeat every ratio but a row's own is noisy
+    lookup_vs_hf = rows["hf-lookup"]["decode_tok_s_per_repeat"][0] / rows["hf"]["decode_tok_s_per_repeat"][0]
+    assert rows["hf-lookup"]["speedup_vs_hf"] == pytest.approx(lookup_vs_hf)
+    assert rows["ar"]["speedup_vs_hf_lookup_noisy"]
+    assert rows["ar"]["speedup_vs_hf_lookup_noisy_reason"] == "a single repeat"
+    assert not rows["hf"]["speedup_vs_hf_noisy"] and rows["hf"]["speedup_vs_hf"] == 1.0
+    printed = capsys.readouterr().out
+    assert "x hf-lookup" in printed and "every ratio rests on a single repeat" in printed
+    assert f"{rows['hf']['speedup_vs_ar']:.2f} noisy" in printed
     assert set(rows) == {"ar", "hf", "hf-lookup"}
     for r in rows.values():
         assert r["tokens"] == 24 and r["equal_prompts"] == 1 and r["lossless"] and r["decode_tok_s"] > 0
@@ -169,4 +178,16 @@ def test_bench_reports_the_colocated_residual_per_tick(tmp_path, capsys):
     assert row["residual_ticks"] == row["ticks"] - 1
     assert 0 < row["residual_ms"] < b["tick_ms"] - b["stage0_compute_ms"]
     assert 0 < row["residual_tick_p50_ms"] <= row["residual_tick_p90_ms"]
-    assert "spd-colocate residual" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "spd-colocate residual" in printed
+    # the ratio to ar is taken per repeat (repeat i over ar's repeat i), its median and range reported
+    ar = next(r for r in json.loads(out.read_text())["rows"] if r["name"] == "ar")
+    per = [a / b for a, b in zip(row["decode_tok_s_per_repeat"], ar["decode_tok_s_per_repeat"])]
+    assert len(per) == 2 and row["speedup_vs_ar_per_repeat"] == pytest.approx(per)
+    assert (row["speedup_vs_ar_min"], row["speedup_vs_ar_max"]) == pytest.approx((min(per), max(per)))
+    assert row["speedup_vs_ar"] == pytest.approx(sum(per) / 2)
+    wide = max(per) - min(per) > abs(row["speedup_vs_ar"] - 1)
+    assert row["speedup_vs_ar_noisy"] == wide and (row["speedup_vs_ar_noisy_reason"] is not None) == wide
+    cell = f"{row['speedup_vs_ar']:.2f} ({min(per):.2f}-{max(per):.2f})" + (" noisy" if wide else "")
+    assert cell in printed and "x <row>: median over repeats" in printed
+    assert ("noisy: spd-colocate x ar: spread" in printed) == wide

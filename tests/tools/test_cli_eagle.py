@@ -51,3 +51,17 @@ def test_bench_eagle_row(tmp_path, capsys):
     assert eagle["acceptance_length"] == pytest.approx(15 / eagle["ticks"]) and eagle["acceptance_length"] > 1.5
     assert rows["spd"]["eal"] is not None and rows["ar"].get("acceptance_length") is None
     assert report["eagle_k"] == 2 and report["eagle_head"] == "random"
+    assert "note" not in eagle  # synthetic drafts: the head's training does not show in the row
+
+
+def test_bench_eagle_row_notes_its_head(tmp_path, capsys):
+    """The eagle row says how its head was trained, next to the row (here: not at all)."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", *TINY, "--stages", "2", "--prompt", "x", "--max-new-tokens", "6", "--repeats", "1",
+                 "--configs", "ar,eagle", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["eagle"]["head_budget"]["under_trained"] and rows["eagle"]["note"] == "untrained (random) head"
+    assert "note" not in rows["ar"]
+    eagle_line = next(line for line in printed.splitlines() if line.lstrip().startswith("eagle "))
+    assert eagle_line.rstrip().endswith("untrained (random) head")  # in the table, on the row itself
