@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_INDEX_URL ?=
 TORCH_PIP_ARGS := $(if $(strip $(TORCH_INDEX_URL)),--index-url $(strip $(TORCH_INDEX_URL)))
 
-.PHONY: install demo test test-fast test-slow clean
+.PHONY: install demo test test-fast test-slow clean gpu-check gpu-check-dry
 
 install: $(STAMP)
 
@@ -39,6 +39,21 @@ test-fast: install
 
 test-slow: install
 	$(BIN)/pytest -q -m slow
+
+# The GPU check (docs/gpu-check.md): on the GPU host's own python and torch, nothing installed and
+# no network. setup.cfg maps the repository root to the package spd_engine; a link of that name in
+# OUT/.pkg, run from there, makes it importable without the root itself on sys.path (whose
+# folders would shadow PyPI modules of the same names). Exit 2 without CUDA.
+OUT ?= runs/gpu-check
+GPU_PY ?= $(if $(wildcard $(BIN)/python),$(abspath $(BIN)/python),python3)
+GPU_CHECK = mkdir -p "$(abspath $(OUT))/.pkg" && ln -sfn "$(CURDIR)" "$(abspath $(OUT))/.pkg/spd_engine" && \
+	cd "$(abspath $(OUT))/.pkg" && $(GPU_PY) -m spd_engine.tools.cli gpu-check --out "$(abspath $(OUT))"
+
+gpu-check:
+	$(GPU_CHECK)
+
+gpu-check-dry:
+	$(GPU_CHECK) --dry
 
 clean:
 	rm -rf $(VENV) build *.egg-info

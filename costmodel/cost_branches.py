@@ -2,7 +2,7 @@
 offline replay's figures (`spd draft-policies --branches --json`: EAL and stage tokens per step
 for each W; the runtime's counts, the replay being exact) into tokens/s on a profile and links.
 PREDICTED: a W-token stage step is priced with a given cost ratio to a one-token step
-(`tools/experiments/stage_width_time.py` measures it; on a GPU profile without that measurement it is an
+(`bench/stage_width_time.py` measures it; on a GPU profile without that measurement it is an
 assumption, labelled).
 
 Per W, with `f = (tokens per step - 1) / (W - 1)` the share of stage steps that carry W tokens:

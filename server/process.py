@@ -15,27 +15,9 @@ import threading
 import time
 from pathlib import Path
 
+from spd_engine.engine.runtime.launch import spd_command
+
 READY = re.compile(r"spd serve: ready on (http://[\d.]+:\d+)")
-# `spd` run by this interpreter without the current directory on sys.path: `python -m` would put
-# it first, and from the repository root its folders would shadow installed packages (`kernels`).
-SPD = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
-       "from spd_engine.tools.cli import main; sys.exit(main())")
-
-
-def spd_command() -> list[str]:
-    """argv prefix that runs the `spd` command line with this interpreter, from any directory."""
-    return [sys.executable, "-c", SPD]
-
-
-def spd_script() -> str:
-    """The installed `spd` console script beside this interpreter, for launchers that take a script
-    (torchrun): run as a script, its own folder heads sys.path, not the working directory."""
-    script = Path(sys.executable).with_name("spd")
-    if not script.is_file():
-        raise FileNotFoundError(f"no `spd` script beside {sys.executable}: install the package (make install)")
-    return str(script)
-
-
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes of a process group."""
     pids = []

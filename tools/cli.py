@@ -29,6 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("spd_engine.tools.serve", "OpenAI-compatible HTTP server on the SPD runtime (streaming, metrics)"),
     "measure": ("spd_engine.tools.measure", "one-off measurements (spd measure --help lists them)"),
     "profile": ("spd_engine.tools.profile", "per-stage / PDM / verify / AR step times of model shapes (GPU device check)"),
+    "gpu-check": ("spd_engine.tools.gpu_check", "check every GPU path on one CUDA device in one run (--dry: on the CPU)"),
 }
 
 

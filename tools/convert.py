@@ -5,7 +5,7 @@
   spd convert export-megatron SRC OUT [--release-layout]        (SRC: engine or HF directory)
   spd convert import-megatron MEGATRON_DIR OUT [--stages/--stage-layers/--tp] [--dtype D] [--hf-config DIR]
   spd convert verify A B [--atol X] [--min-agreement F] [--prompts N] [--length T]
-  spd convert head SRC OUT --dtype int8|float16|bfloat16|float32     (a PDM head's weights, engine/model/pdm_quant.py)
+  spd convert head SRC OUT --dtype int4|int8|float16|bfloat16|float32 [--zlib]   (a head's weights, engine/model/pdm_quant.py)
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ def _dtype_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _head_dtype(text: str) -> str:
-    """int8, or a float dtype under any of its spellings (tools/common.py dtype_name)."""
-    return "int8" if text == "int8" else dtype_name(text)
+    """int4, int8, or a float dtype under any of its spellings (tools/common.py dtype_name)."""
+    return text if text in ("int4", "int8") else dtype_name(text)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,8 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-config", default=None, help="HF directory describing a Megatron checkpoint's model")
     p = action("head", "a PDM head directory -> the same head with its weights stored as --dtype")
     p.add_argument("src"), p.add_argument("dst")
-    p.add_argument("--dtype", required=True, type=_head_dtype, metavar="{int8,float16,bfloat16,float32}",
-                   help="int8: per-row int8 matrices with fp16 scales, dequantized when loaded (aliases fp32, bf16, fp16)")
+    p.add_argument("--dtype", required=True, type=_head_dtype, metavar="{int4,int8,float16,bfloat16,float32}",
+                   help="int8: per-row int8 matrices with fp16 scales; int4: groups of 32 weights with one fp16 scale "
+                        "(engine/model/head_int4.py); both dequantized when loaded (aliases fp32, bf16, fp16)")
+    p.add_argument("--zlib", action="store_true",
+                   help="store the weights file zlib-compressed (the same bytes, smaller; engine/model/head_zlib.py)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
 
         from spd_engine.engine.model.pdm_quant import convert_head
 
-        print(f"wrote {convert_head(args.src, args.dst, getattr(torch, args.dtype))}")
+        dtype = "int4" if args.dtype == "int4" else getattr(torch, args.dtype)
+        print(f"wrote {convert_head(args.src, args.dst, dtype, compress=args.zlib)}")
         return 0
     dtype = parse_dtype(args.dtype) if getattr(args, "dtype", None) else None
     if args.action == "hf2mcore":

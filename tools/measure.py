@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import importlib
 
-# name -> (module under spd_engine.tools.experiments, one-line help)
+# name -> (module: under spd_engine.tools.experiments, or a dotted path for the measurement
+# harnesses that other code uses too, one-line help)
 EXPERIMENTS: dict[str, tuple[str, str]] = {
     "pdm-budget": ("pdm_budget", "how many PDM layers K hide behind a stage, on a compute profile"),
     "pdm-vocab-time": ("pdm_vocab_time", "the PDM's step time against the draft vocabulary's size"),
-    "stage-width-time": ("stage_width_time", "the cost of a W-row stage step against one row"),
+    "stage-width-time": ("spd_engine.bench.stage_width_time", "the cost of a W-row stage step against one row"),
     "suffix-time": ("suffix_time", "the suffix index's time per tick on cached references"),
-    "sync-time": ("sync_time", "the cost of one host sync on a device"),
+    "sync-time": ("spd_engine.bench.sync_time", "the cost of one host sync on a device"),
     "tp-agreement": ("tp_agreement", "greedy tokens of a TP split against the unsharded model"),
     "tp-crossing": ("tp_crossing", "peer sends against a broadcast when states cross a TP stage boundary"),
     "train-step-time": ("train_step_time", "a PDM training step's time by PDM layers and fill"),
@@ -34,5 +35,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    module = importlib.import_module(f"spd_engine.tools.experiments.{EXPERIMENTS[args.name][0]}")
+    name = EXPERIMENTS[args.name][0]
+    module = importlib.import_module(name if "." in name else f"spd_engine.tools.experiments.{name}")
     return int(module.main(args.rest) or 0)

@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
                    f"CUDA graphs: skipped ({'disabled' if not s.graphs else 'not on ' + s.device}); eager times only")
     log(f"# spd profile on {dev_name}, {s.dtype}, context {s.context}, {s.iters} iters, n = {list(s.ns)}, "
         f"PDM K={s.pdm_layers}, random weights\n# {graphs_note}")
-    from spd_engine.tools.experiments.sync_time import host_sync_ms
+    from spd_engine.bench.sync_time import host_sync_ms
 
     sync_ms = host_sync_ms(torch.device(s.device))
     log(f"# one host sync (one-element read after a tiny kernel): {1e3 * sync_ms:.1f} us")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from spd_engine.engine.model.model_config import ModelConfig
@@ -70,12 +70,17 @@ def check_fingerprint(fingerprint: str, target: ModelConfig, fmt: HeadFormat) ->
 
 
 def read_head_state(path: str | Path, fmt: HeadFormat, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], Path]:
-    """The stored tensors as `dtype` (int8 rows dequantized), and the file they came from."""
+    """The stored tensors as `dtype` (int8 rows dequantized), and the file they came from (the
+    weights file, or its zlib form: engine/model/head_zlib.py)."""
+    from spd_engine.engine.model.head_zlib import compressed_path, load_weights, weights_exist
+
     wpath = fmt.weights_path(path)
-    if not wpath.is_file():
+    if not weights_exist(wpath):
         raise ValueError(f"{fmt.name} weights missing: {wpath}")
+    if not wpath.is_file():
+        wpath = compressed_path(wpath)
     try:
-        state = dequantize_state(load_file(str(wpath)), dtype)
+        state = dequantize_state(load_weights(fmt.weights_path(path)), dtype)
     except (SafetensorError, OSError) as err:
         raise ValueError(f"corrupt {fmt.name} weights {wpath}: {err}") from None
     return state, wpath

@@ -34,12 +34,20 @@ def quantize_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def dequantize_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The inverse: int8 rows times their scales; a state without int8 tensors passes unchanged."""
+    """The inverse: int8 rows times their scales, int4 groups times theirs (engine/model/head_int4.py);
+    a state without quantized tensors passes unchanged."""
+    from spd_engine.engine.model.head_int4 import Q4_SCALE_SUFFIX, dequantize_int4
+
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
-        if name.endswith(SCALE_SUFFIX):
+        if name.endswith(SCALE_SUFFIX) or name.endswith(Q4_SCALE_SUFFIX):
             continue
-        if t.dtype == torch.int8:
+        if t.dtype == torch.uint8:  # int4 codes in pairs (engine/model/head_int4.py)
+            scale = state.get(name + Q4_SCALE_SUFFIX)
+            if scale is None:
+                raise ValueError(f"int4 PDM tensor {name} lacks its group scales {name + Q4_SCALE_SUFFIX}")
+            out[name] = dequantize_int4(t, scale, dtype)
+        elif t.dtype == torch.int8:
             scale = state.get(name + SCALE_SUFFIX)
             if scale is None or scale.shape != (t.shape[0],):
                 raise ValueError(f"int8 PDM tensor {name} lacks its per-row scales {name + SCALE_SUFFIX}")
@@ -49,29 +57,43 @@ def dequantize_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict
     return out
 
 
-def convert_head(src: Path, dst: Path, dtype: torch.dtype) -> Path:
-    """Re-store a head directory's weights as `dtype` (torch.int8: int8 rows + scales): a PDM head
+def convert_head(src: Path, dst: Path, dtype: torch.dtype | str, compress: bool = False) -> Path:
+    """Re-store a head directory's weights as `dtype` (torch.int8: int8 rows + scales; "int4": int4
+    groups + scales, engine/model/head_int4.py): a PDM head
     (pdm.json + pdm.safetensors) or an eagle head (eagle.json + eagle.safetensors); the config and
-    the other files (train_history.json, ...) are copied unchanged."""
+    the other files (train_history.json, ...) are copied unchanged. `compress`: the weights file
+    as its zlib form (engine/model/head_zlib.py: the same bytes, smaller); either form is read."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
+
+    from spd_engine.engine.model.head_zlib import ZLIB_SUFFIX, compress_weights, load_weights, weights_exist
 
     src, dst = Path(src), Path(dst)
-    kind = next((k for k in ("pdm", "eagle") if (src / f"{k}.json").is_file() and (src / f"{k}.safetensors").is_file()),
-                None)
+    kind = next((k for k in ("pdm", "eagle") if (src / f"{k}.json").is_file() and
+                 weights_exist(src / f"{k}.safetensors")), None)
     if kind is None:
         raise ValueError(f"no PDM or eagle head at {src} (pdm.json + pdm.safetensors, or eagle.json + eagle.safetensors)")
     wpath = src / f"{kind}.safetensors"
     if dst.resolve() == src.resolve():
         raise ValueError("convert a head into another directory")
     try:
-        state = dequantize_state(load_file(str(wpath)), torch.float32)
+        state = dequantize_state(load_weights(wpath), torch.float32)
     except (SafetensorError, OSError) as err:
         raise ValueError(f"corrupt PDM weights {wpath}: {err}") from None
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
-        if f.is_file() and f.name != wpath.name:
+        if f.is_file() and f.name not in (wpath.name, wpath.name + ZLIB_SUFFIX):
             shutil.copyfile(f, dst / f.name)
-    out = quantize_state(state) if dtype == torch.int8 else {k: v.to(dtype).contiguous() for k, v in state.items()}
+    if dtype == "int4":
+        from spd_engine.engine.model.head_int4 import quantize_state_int4
+        out = quantize_state_int4(state, MIN_NUMEL)
+    elif dtype == torch.int8:
+        out = quantize_state(state)
+    elif isinstance(dtype, torch.dtype):
+        out = {k: v.to(dtype).contiguous() for k, v in state.items()}
+    else:
+        raise ValueError(f"unknown head dtype {dtype!r}: int4, int8 or a float dtype")
     save_file(out, str(dst / wpath.name))
+    if compress:
+        compress_weights(dst / wpath.name)
     return dst

@@ -17,6 +17,7 @@ import signal
 import sys
 import traceback
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed
@@ -140,3 +141,23 @@ def _drive(ecfg: RunConfig, transport: Transport, group: TPGroup, ranks: LocalRa
             ranks.join(ecfg.timeout_s if ok else 5.0)
     if ok and ranks is not None and ranks.failed():
         raise RunFailed(ranks.failure_report())
+
+
+# `spd` run by this interpreter without the current directory on sys.path: `python -m` would put
+# it first, and from the repository root its folders would shadow installed packages (`kernels`).
+SPD = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
+       "from spd_engine.tools.cli import main; sys.exit(main())")
+
+
+def spd_command() -> list[str]:
+    """argv prefix that runs the `spd` command line with this interpreter, from any directory."""
+    return [sys.executable, "-c", SPD]
+
+
+def spd_script() -> str:
+    """The installed `spd` console script beside this interpreter, for launchers that take a script
+    (torchrun): run as a script, its own folder heads sys.path, not the working directory."""
+    script = Path(sys.executable).with_name("spd")
+    if not script.is_file():
+        raise FileNotFoundError(f"no `spd` script beside {sys.executable}: install the package (make install)")
+    return str(script)

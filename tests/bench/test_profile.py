@@ -160,7 +160,7 @@ def test_host_syncs_are_charged_per_frame_header():
 
 
 def test_host_sync_is_measured():
-    from spd_engine.tools.experiments.sync_time import host_sync_ms, main
+    from spd_engine.bench.sync_time import host_sync_ms, main
 
     assert 0 < host_sync_ms(torch.device("cpu"), iters=20, warmup=2) < 50
     assert main(["--device", "cpu"]) == 0

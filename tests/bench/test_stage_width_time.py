@@ -1,4 +1,4 @@
-"""The tree-step shape of branch width W (tools/experiments/stage_width_time.py): W sibling tokens at one position,
+"""The tree-step shape of branch width W (bench/stage_width_time.py): W sibling tokens at one position,
 each seeing the shared prefix and itself, give each token's own single-token step."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from spd_engine.tools.experiments.stage_width_time import main, time_widths, tree_mask
+from spd_engine.bench.stage_width_time import main, time_widths, tree_mask
 from spd_engine.engine.model.model import StageModel, init_random_
 from spd_engine.engine.model.model_config import tiny_config
 

@@ -19,7 +19,7 @@ from spd_engine.engine.runtime.reference import ReferenceExecutor
 from spd_engine.engine.runtime.stage_worker import StageWorker
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.comm.transport import TransportError
-from spd_engine.server.process import spd_command
+from spd_engine.engine.runtime.launch import spd_command
 from helpers import random_prompts, reference, run_ranks, tiny_engine_config
 
 REPO = Path(__file__).resolve().parents[2]

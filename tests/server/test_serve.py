@@ -18,7 +18,8 @@ import httpx
 import openai
 import pytest
 
-from spd_engine.server.process import ServerProcess, group_members, spd_command
+from spd_engine.engine.runtime.launch import spd_command
+from spd_engine.server.process import ServerProcess, group_members
 from spd_engine.engine.runtime.launch import FAULT_ENV
 from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
 from spd_engine.engine.protocol.topology import Topology

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from spd_engine.engine.model.pdm import load_pdm, read_pdm_config
-from spd_engine.server.process import spd_script
+from spd_engine.engine.runtime.launch import spd_script
 from helpers import full_model, tiny_engine_config
 from test_corpus import build
 from spd_engine.train.corpus import Corpus
