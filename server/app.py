@@ -7,11 +7,16 @@ stream then sends one server-sent event per text piece and ends with `data: [DON
 request waits, the client going away cancels it (removed from the queue, or ended by the engine
 at its next token); during a stream Starlette notices the disconnect and cancels the generator,
 whose `finally` does the same. Every wait is bounded by the request's deadline.
+
+Before any of that, serve_http checks the API key and the body's size (413 before parsing), and
+prompts are tokenized by serve_tokenize's worker process, never on the event loop. Every answer
+carries the request's X-Request-Id; every request ends with one log line (serve_logging); an
+error nobody foresaw is still a 500 in OpenAI's shape, counted and logged on one line.
 """
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
 import time
 
 from fastapi import FastAPI, Request
@@ -19,10 +24,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from spd_engine.server.engine_loop import EngineLoop, Job
+from spd_engine.server.http_guards import DEFAULT_MAX_REQUEST_BYTES, check_api_key, parse_json, read_body, request_id
+from spd_engine.server.request_log import request_line
 from spd_engine.server.exporter import CONTENT_TYPE, ServeMetrics
 from spd_engine.server.openai_api import ApiError, parse_request
-from spd_engine.server.request import ModelInfo, prepare
-from spd_engine.server.responses import DONE, ReplyBuilder, sse
+from spd_engine.server.request import ModelInfo, check_model, prepare
+from spd_engine.server.responses import DONE, ReplyBuilder, Summary, sse
+from spd_engine.server.tokenizing import PromptEncoder
+
+LOG = logging.getLogger("spd.serve")
 
 
 class ClientGone(Exception):
@@ -68,13 +78,35 @@ class Waiter:
                        code="deadline_exceeded")
 
 
-def build_app(engine: EngineLoop, info: ModelInfo, metrics: ServeMetrics, request_timeout_s: float) -> FastAPI:
+class RequestLog:
+    """What the log line of one request says; written once, when the request is over."""
+
+    def __init__(self, rid: str, path: str) -> None:
+        self.rid, self.path, self.t0 = rid, path, time.monotonic()
+        self.job: Job | None = None
+        self.written = False
+
+    def write(self, status: int, summary: Summary | None = None, finish: str | None = None) -> None:
+        if self.written:
+            return
+        self.written = True
+        job = self.job
+        times = job.token_times if job is not None else []
+        prompt = len(job.req.prompt_ids) if job is not None else None
+        request_line(self.rid, self.path, status, prompt, len(times) if job is not None else None,
+                     times[0] - job.arrival if times else None, time.monotonic() - self.t0,
+                     finish or (summary.finish_reason if summary is not None else None))
+
+
+def build_app(engine: EngineLoop, info: ModelInfo, metrics: ServeMetrics, request_timeout_s: float,
+              encoder: PromptEncoder | None = None, api_key: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     app = FastAPI(title="spd serve", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException) -> JSONResponse:
@@ -91,7 +123,8 @@ def build_app(engine: EngineLoop, info: ModelInfo, metrics: ServeMetrics, reques
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models(request: Request) -> dict:
+        check_api_key(request, api_key)
         return {"object": "list", "data": [{"id": info.name, "object": "model", "created": created,
                                             "owned_by": "spd-engine", "max_model_len": info.capacity}]}
 
@@ -104,21 +137,38 @@ def build_app(engine: EngineLoop, info: ModelInfo, metrics: ServeMetrics, reques
         return await _serve(request, chat=True)
 
     async def _serve(request: Request, chat: bool) -> Response:
+        log = RequestLog(request_id(request), request.url.path)
+        headers = {"X-Request-Id": log.rid}
         try:
-            try:
-                body = json.loads(await request.body())
-            except ValueError as err:  # not JSON, or not UTF-8
-                raise ApiError(400, f"the request body is not valid JSON: {err}") from None
-            req = prepare(parse_request(body, chat), info)
+            return await _handle(request, chat, log, headers)
+        except ApiError as err:
+            log.write(err.status, finish=err.code or err.type)
+            return JSONResponse(err.body(), status_code=err.status, headers={**err.headers, **headers})
+        except Exception as err:  # noqa: BLE001 - a bug must still answer in OpenAI's shape, counted and logged
+            LOG.error("request %s: unexpected error", log.rid, exc_info=err)
+            metrics.outcome("error")
+            log.write(500, finish="error")
+            body = ApiError(500, f"internal error ({type(err).__name__})", type="server_error").body()
+            return JSONResponse(body, status_code=500, headers=headers)
+
+    async def _handle(request: Request, chat: bool, log: RequestLog, headers: dict) -> Response:
+        try:
+            check_api_key(request, api_key)
+            parsed = parse_request(parse_json(await read_body(request, max_request_bytes)), chat)
+            check_model(parsed, info)
+            ids = await encoder.ids(parsed) if encoder is not None else None  # off the event loop
+            req = prepare(parsed, info, ids)
         except ApiError:
             metrics.outcome("bad_request")
             raise
         job = Job(req, info.tok, asyncio.get_running_loop())
+        job.request_id = log.rid
         try:
             engine.submit(job)
         except ApiError as err:
             metrics.outcome("queue_full" if err.status == 429 else "unavailable")
             raise
+        log.job = job
         waiter = Waiter(engine, job, request, request_timeout_s)
         streaming = False
         try:
@@ -127,21 +177,25 @@ def build_app(engine: EngineLoop, info: ModelInfo, metrics: ServeMetrics, reques
             if req.parsed.stream:
                 waiter.stop_watching()
                 streaming = True
-                return StreamingResponse(_events(waiter, reply, first, req.parsed.include_usage),
-                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                return StreamingResponse(_events(waiter, reply, first, req.parsed.include_usage, log),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", **headers})
             pieces, event = [], first
             while event[0] == "piece":
                 pieces.append(event[1])
                 event = await waiter.next()
-            return JSONResponse(reply.full("".join(pieces), event[1]))
+            log.write(200, event[1])
+            return JSONResponse(reply.full("".join(pieces), event[1]), headers=headers)
         except ClientGone:
+            log.write(499, finish="cancelled")
             return Response(status_code=499)  # nobody reads it
         finally:
             if not streaming:
                 waiter.stop_watching()
                 engine.cancel(job)  # no-op for a finished job
 
-    async def _events(waiter: Waiter, reply: ReplyBuilder, first: tuple, include_usage: bool):
+    async def _events(waiter: Waiter, reply: ReplyBuilder, first: tuple, include_usage: bool, log: RequestLog):
+        status, summary, finish = 200, None, "cancelled"  # unless it ends otherwise: the client went away
         try:
             if reply.chat:
                 yield reply.chunk(None, first=True)
@@ -154,9 +208,11 @@ def build_app(engine: EngineLoop, info: ModelInfo, metrics: ServeMetrics, reques
             if include_usage:
                 yield reply.usage_chunk(summary)
         except ApiError as err:  # the pipeline failed or the deadline passed mid-stream
+            status, finish = err.status, err.code or err.type
             yield sse(err.body())
         finally:
             engine.cancel(waiter.job)  # the client went away (Starlette cancels us), or a no-op
+            log.write(status, summary, None if summary is not None else finish)
         yield DONE
 
     return app

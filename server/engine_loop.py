@@ -7,7 +7,14 @@ pieces to the job's asyncio queue; it returns False to end the request after tha
 string, a client that went away, a deadline), and the driver then drains the pipeline so the next
 request starts clean. A stage failure (the driver raises, naming the rank) fails the request in
 flight with a 500, fails every queued one with a 503 and marks the engine failed; so does a rank
-process that dies while the server is idle (spawned ranks are watched).
+process that dies while the server is idle (spawned ranks are watched), and a request that commits
+no token for the stall deadline (serve_stall: the rank that went silent is named). A failed engine
+kills its spawned ranks, so a stopped or hung rank cannot hold the server (or outlive it).
+
+Admission counts what the server holds, not the queue's length: at most `max_queue + 1` unfinished
+requests (the one in the pipeline plus `max_queue` waiting). A request counts from its admission
+until its last event is handed to the event loop, so a client that has its `[DONE]` has freed its
+place even if the engine has not taken the next job yet, and `--max-queue 0` serves one at a time.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ from spd_engine.engine.comm.transport import TransportError
 from spd_engine.server.openai_api import ApiError
 from spd_engine.server.request import ServeRequest
 from spd_engine.server.responses import Summary
+from spd_engine.server.stall import StallWatch
 from spd_engine.server.text import TextStream
 
 SPD_FIELDS = ("ticks", "verified", "accepted", "rejections", "alpha", "eal", "prefill_s", "decode_s", "decode_tok_s")
@@ -48,8 +56,25 @@ class Job:
         self.cancel_reason: str | None = None  # "cancelled" (client gone) or "timeout"; set by the event loop
         self.finish_reason: str | None = None  # stop / length / cancelled / timeout / error
         self.result: GenerationResult | None = None
+        self.request_id: str = ""  # the HTTP side's id (X-Request-Id), for the log
+        self.on_close: Callable[[], None] | None = None  # frees the job's place in the server (EngineLoop)
         self._lock = threading.Lock()
         self._closed = False
+
+    def close(self) -> bool:
+        """Mark the job ended (once) and free its place; False if it had ended already."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+        if self.on_close is not None:
+            self.on_close()
+        return True
+
+    @property
+    def last_progress(self) -> float:
+        """When the job last moved: its last token, else its entry into the pipeline."""
+        return self.token_times[-1] if self.token_times else (self.started or self.arrival)
 
     def _emit(self, event: tuple) -> None:
         try:
@@ -72,10 +97,8 @@ class Job:
         return self.finish_reason is None
 
     def finish(self, res: GenerationResult, eos: set[int]) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        if not self.close():
+            return
         self.result = res
         if self.finish_reason is None:
             tail = self.text.finish()
@@ -92,10 +115,8 @@ class Job:
 
     def fail(self, err: ApiError) -> bool:
         """Fail the request (once); False if it had ended already."""
-        with self._lock:
-            if self._closed:
-                return False
-            self._closed = True
+        if not self.close():
+            return False
         self.finish_reason = "error"
         self._emit(("error", err))
         return True
@@ -176,11 +197,16 @@ class EngineLoop:
 
     def __init__(self, open_runtime: Callable[[], AbstractContextManager], queue_limit: int, eos_ids,
                  metrics=None, rank_processes: Callable[[], list] | None = None, rank_grace_s: float = 5.0,
-                 on_fatal: Callable[[str], None] | None = None) -> None:
+                 on_fatal: Callable[[str], None] | None = None, stall_s: float | None = None) -> None:
         self.open_runtime, self.metrics, self.eos = open_runtime, metrics, set(eos_ids)
-        self.queue = JobQueue(queue_limit)
+        self.max_queue = queue_limit
+        # the queue may briefly hold max_queue + 1 jobs: admission (submit) is the limit, see above
+        self.queue = JobQueue(queue_limit + 1)
         self.rank_processes, self.rank_grace_s = rank_processes, rank_grace_s
         self.on_fatal = on_fatal
+        self.stall_s = stall_s
+        self.ranks: dict[int, Any] = {}  # {rank: multiprocessing.Process} of spawned ranks (set_ranks)
+        self._open = 0  # admitted jobs not yet ended (the one in the pipeline included)
         self.state = "starting"
         self.failure: str | None = None
         self.current: Job | DirectCall | None = None
@@ -199,16 +225,39 @@ class EngineLoop:
         if self.state != "ready":
             raise self._start_error
 
+    def set_ranks(self, procs: dict[int, Any]) -> None:
+        """The spawned stage ranks {rank: multiprocessing.Process} (engine/launch.launch's on_ranks)."""
+        self.ranks = dict(procs)
+
+    def open_jobs(self) -> int:
+        """Admitted requests not yet ended (waiting or in the pipeline)."""
+        return self._open
+
+    def _release(self) -> None:
+        with self._lock:
+            self._open -= 1
+
     def submit(self, job: Job) -> None:
-        """Queue a job: ApiError 503 when not accepting, 429 when the queue is full."""
+        """Queue a job: ApiError 503 when not accepting, 429 when max_queue requests wait behind the
+        one in the pipeline (Retry-After on both)."""
         if self.state != "ready":
             reason = self.failure if self.state == "failed" else f"the server is {self.state}"
-            raise ApiError(503, f"not accepting requests: {reason}", type="server_error", code="unavailable")
+            code = "draining" if self.state == "draining" else "unavailable"
+            raise ApiError(503, f"not accepting requests: {reason}", type="server_error", code=code,
+                           headers={"Retry-After": "1"})
+        with self._lock:
+            if self._open >= self.max_queue + 1:
+                raise ApiError(429, f"the request queue is full: {self._open - 1} requests waiting (limit "
+                                    f"{self.max_queue})", type="rate_limit_error", code="queue_full",
+                               headers={"Retry-After": "1"})
+            self._open += 1
+            job.on_close = self._release
         try:
             self.queue.put(job)
-        except QueueFull as err:
-            raise ApiError(429, f"the request queue is full: {err}", type="rate_limit_error",
-                           code="queue_full") from None
+        except QueueFull:  # closed meanwhile (a failure or the end of a drain)
+            job.close()
+            raise ApiError(503, "not accepting requests: the server is stopping", type="server_error",
+                           code="unavailable", headers={"Retry-After": "1"}) from None
 
     def cancel(self, job: Job, reason: str = "cancelled") -> None:
         """Client gone or deadline passed: drop it from the queue, or end it at its next token."""
@@ -216,6 +265,7 @@ class EngineLoop:
             job.cancel_reason = reason
         if self.queue.remove(job):
             job.finish_reason = reason
+            job.close()
             self._count(reason)
 
     def call(self, fn: Callable[[Any], Any], timeout: float | None = None):
@@ -232,6 +282,25 @@ class EngineLoop:
         """Refuse new requests; queued and running ones go on."""
         if self.state == "ready":
             self.state = "draining"
+
+    def abort(self, reason: str) -> int:
+        """End every held request now (a drain past its deadline): each gets a 503 (a stream: an error
+        event and [DONE]); the one in the pipeline stops at its next token. The number ended."""
+        self.drain()
+        err = lambda: ApiError(503, reason, type="server_error", code="unavailable")  # noqa: E731
+        ended = 0
+        for item in self.queue.close(discard=True):
+            if isinstance(item, Job) and item.fail(err()):
+                ended += 1
+                self._count("unavailable")
+            elif isinstance(item, DirectCall):
+                item.error = EngineFailure(reason)
+                item.done.set()
+        current = self.current
+        if isinstance(current, Job) and current.fail(err()):
+            ended += 1
+            self._count("unavailable")
+        return ended
 
     def stop(self, timeout: float | None = None) -> bool:
         """After the queued requests: leave the runtime (ranks shut down). True if the thread ended."""
@@ -277,13 +346,15 @@ class EngineLoop:
             return
         job = item
         if job.cancel_reason is not None:  # gone before its turn
-            job.finish_reason = job.cancel_reason
-            self._count(job.cancel_reason)
+            if job.close():
+                job.finish_reason = job.cancel_reason
+                self._count(job.cancel_reason)
             return
         job.started = time.monotonic()
         req = job.req
+        eos = set() if req.parsed.ignore_eos else self.eos
         try:
-            res = runtime.generate(req.prompt_ids, req.max_tokens, tuple(self.eos), on_token=job.on_token,
+            res = runtime.generate(req.prompt_ids, req.max_tokens, tuple(eos), on_token=job.on_token,
                                    sampling=req.sampling)
         except ValueError as err:  # refused before any work: the pipeline is untouched
             job.fail(ApiError(400, str(err)))
@@ -292,7 +363,7 @@ class EngineLoop:
         except (TransportError, RuntimeError, AssertionError) as err:
             self._fail(describe_failure(err))
             raise
-        job.finish(res, self.eos)
+        job.finish(res, eos)
         if self.metrics is not None:
             self.metrics.request_done(job, res)
 
@@ -300,14 +371,15 @@ class EngineLoop:
         if self.metrics is not None:
             self.metrics.outcome(outcome)
 
-    def _fail(self, reason: str) -> None:
-        """Mark the engine failed (once): the request in flight gets a 500, queued ones a 503."""
+    def _fail(self, reason: str, code: str = "rank_failed") -> None:
+        """Mark the engine failed (once): the request in flight gets a 500, queued ones a 503, and the
+        spawned ranks are killed (a stopped or hung one would otherwise hold the driver and outlive us)."""
         with self._lock:
             if self.state == "failed":
                 return
             self.failure, self.state = reason, "failed"
         current = self.current
-        if isinstance(current, Job) and current.fail(ApiError(500, reason, type="server_error", code="rank_failed")):
+        if isinstance(current, Job) and current.fail(ApiError(500, reason, type="server_error", code=code)):
             self._count("error")
         for item in self.queue.close(discard=True):
             if isinstance(item, Job) and item.fail(ApiError(503, f"not served: {reason}", type="server_error",
@@ -318,18 +390,46 @@ class EngineLoop:
                 item.done.set()
         if self.on_fatal is not None:
             self.on_fatal(reason)
+        self.kill_ranks()
+
+    def kill_ranks(self) -> None:
+        """SIGKILL the spawned stage ranks still running (after a failure: nothing of them is needed)."""
+        if self.ranks:
+            from spd_engine.engine.runtime.launch import kill_ranks
+
+            kill_ranks(list(self.ranks.values()))
 
     def _watch_ranks(self) -> None:
-        """Watch spawned rank processes: one that dies fails the engine even while no request runs."""
+        """Watch spawned rank processes (one that dies fails the engine even while no request runs)
+        and, with a stall deadline, the request in the pipeline."""
         procs = self.rank_processes() if self.rank_processes is not None else []
-        if procs:
+        if procs or self.stall_s is not None:
             threading.Thread(target=self._watch, args=(procs,), name="spd-rank-watch", daemon=True).start()
 
+    def _stalled(self, stall: StallWatch | None, running: Job | None) -> bool:
+        """Fail the engine if the job in the pipeline is stalled (True then)."""
+        if stall is None or running is None or running.started is None or running.finish_reason is not None:
+            return False
+        reason = stall.check(running.last_progress)
+        if reason is None:
+            return False
+        self._fail(f"stalled: {reason}", code="rank_stalled")
+        return True
+
     def _watch(self, procs: list) -> None:
+        stall = StallWatch(self.stall_s, {r: p.pid for r, p in self.ranks.items()}) \
+            if self.stall_s is not None else None
+        last_job = None
         while self.state in ("ready", "draining") and not self._leaving.is_set():
+            current = self.current if isinstance(self.current, Job) else None
+            if current is not last_job and stall is not None:
+                stall.reset()
+                last_job = current
+            if self._stalled(stall, current):
+                return
             dead = [p for p in procs if p.exitcode is not None]
             if not dead:
-                time.sleep(0.5)
+                time.sleep(0.25)
                 continue
             what = ", ".join(f"rank process pid {p.pid} ({describe_exit(p.exitcode)})" for p in dead)
             busy = self.current

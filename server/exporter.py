@@ -5,13 +5,19 @@ first token (from arrival, queue wait included), inter-token latency, end-to-end
 and generation tokens, and the speculative-decoding counters (`spec_decode_num_draft_tokens` =
 verified drafts, `spec_decode_num_accepted_tokens`). SPD's own: ticks, rejections, pooled EAL and
 acceptance, branch points and saves, per-stage compute and steps, driver timers and the per-tick
-driver slack.
+driver slack. Every sample carries vLLM's `model_name` label (the served model name), added at
+exposition time, so dashboards made for vLLM can select and join on it; vLLM's per-request
+families are here too: `request_success_total{finished_reason}` (stop, length, abort),
+`request_prompt_tokens`, `request_generation_tokens`, `request_inference_time_seconds`,
+`request_prefill_time_seconds` and `request_decode_time_seconds`.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.registry import Collector
 
 from spd_engine.engine.protocol.metrics import GenerationResult
 
@@ -20,17 +26,53 @@ TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 SLACK_BUCKETS = (-0.05, -0.02, -0.01, -0.005, -0.002, 0.0, 0.002, 0.005, 0.01, 0.02, 0.05)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+FINISHED = {"stop": "stop", "length": "length", "cancelled": "abort", "timeout": "abort"}  # vLLM's finished_reason
+
+
+def without_model_name(text: str) -> str:
+    """The exposition text with the model_name label taken out (`name{model_name="m"} 1` -> `name 1`):
+    what a client that serves one model matches against."""
+    return re.sub(r'model_name="(?:[^"\\]|\\.)*",?', "", text).replace(",}", "}").replace("{} ", " ")
+
+
+class ModelNameLabel(Collector):
+    """Every sample of `registry` with the label model_name=NAME added."""
+
+    def __init__(self, registry: CollectorRegistry, name: str) -> None:
+        self.registry, self.name = registry, name
+
+    def collect(self):
+        for family in self.registry.collect():
+            family.samples = [s._replace(labels={"model_name": self.name, **s.labels}) for s in family.samples]
+            yield family
 
 
 class ServeMetrics:
-    def __init__(self, n: int, waiting: Callable[[], int], running: Callable[[], int]) -> None:
+    def __init__(self, n: int, waiting: Callable[[], int], running: Callable[[], int],
+                 model_name: str | None = None) -> None:
         self.n = n
+        self.model_name = model_name
         self._totals = dict.fromkeys(("ticks", "decode", "drafts", "accepted"), 0)  # for the pooled gauges
         r = self.registry = CollectorRegistry()
         self.requests = Counter("spd:request", "Finished or refused requests by outcome", ["outcome"], registry=r)
         for o in OUTCOMES:
             self.requests.labels(outcome=o)
+        self.success = Counter("spd:request_success", "Requests that went through the pipeline, by vLLM's "
+                               "finished_reason", ["finished_reason"], registry=r)
+        for reason in ("stop", "length", "abort"):
+            self.success.labels(finished_reason=reason)
+        self.request_prompt = Histogram("spd:request_prompt_tokens", "Prompt tokens per request",
+                                        buckets=TOKEN_BUCKETS, registry=r)
+        self.request_generation = Histogram("spd:request_generation_tokens", "Generated tokens per request",
+                                            buckets=TOKEN_BUCKETS, registry=r)
+        self.inference_time = Histogram("spd:request_inference_time_seconds", "Entering the pipeline to the "
+                                        "last token", buckets=E2E_BUCKETS, registry=r)
+        self.prefill_time = Histogram("spd:request_prefill_time_seconds", "Entering the pipeline to the first "
+                                      "token", buckets=E2E_BUCKETS, registry=r)
+        self.decode_time = Histogram("spd:request_decode_time_seconds", "First to last token",
+                                     buckets=E2E_BUCKETS, registry=r)
         Gauge("spd:num_requests_waiting", "Requests in the queue", registry=r).set_function(waiting)
         Gauge("spd:num_requests_running", "Requests in the pipeline (0 or 1)", registry=r).set_function(running)
         self.ttft = Histogram("spd:time_to_first_token_seconds", "Arrival to first token", buckets=TTFT_BUCKETS,
@@ -71,12 +113,20 @@ class ServeMetrics:
     def request_done(self, job, res: GenerationResult) -> None:
         """One request that went through the pipeline (job: serve_engine.Job)."""
         self.outcome(job.finish_reason)
+        if job.finish_reason in FINISHED:
+            self.success.labels(finished_reason=FINISHED[job.finish_reason]).inc()
         times = job.token_times
+        self.request_prompt.observe(len(job.req.prompt_ids))
+        self.request_generation.observe(len(times))
         if job.started is not None:
             self.queue_time.observe(job.started - job.arrival)
         if times:
             self.ttft.observe(times[0] - job.arrival)
             self.e2e.observe(times[-1] - job.arrival)
+            self.decode_time.observe(times[-1] - times[0])
+            if job.started is not None:
+                self.prefill_time.observe(times[0] - job.started)
+                self.inference_time.observe(times[-1] - job.started)
         for a, b in zip(times, times[1:]):
             self.itl.observe(b - a)
         self.prompt_tokens.inc(len(job.req.prompt_ids))
@@ -109,4 +159,8 @@ class ServeMetrics:
             self.slack.observe(slack / 1e3)
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.model_name is None:
+            return generate_latest(self.registry)
+        labelled = CollectorRegistry()
+        labelled.register(ModelNameLabel(self.registry, self.model_name))
+        return generate_latest(labelled)

@@ -20,9 +20,15 @@ class ApiError(Exception):
     """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None) -> None:
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        # a message may quote the request (a model name), which may hold a lone surrogate: JSON
+        # bodies are UTF-8, so such a character is written as its escape instead of failing the answer
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+        param = param.encode("utf-8", "backslashreplace").decode("utf-8") if param is not None else None
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers or {}  # HTTP headers of the answer (Retry-After)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -48,6 +54,7 @@ class ParsedRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    ignore_eos: bool = False  # vLLM's extra field: generate max_tokens tokens, past EOS
 
 
 def _neutral(*values) -> Callable[[Any], bool]:
@@ -67,7 +74,7 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "reasoning_effort": _neutral(), "service_tier": _neutral(), "web_search_options": _neutral(),
 }
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-          "user"}
+          "user", "ignore_eos"}
 COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
 ROLES = ("system", "user", "assistant")
@@ -224,4 +231,5 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         top_p=_number(body, "top_p", 0.0, 1.0, lo_open=True),
         top_k=_int({"top_k": top_k}, "top_k", 0),
         seed=_int(body, "seed", 0, MAX_SEED),
-        stop=_stop(body), stream=stream, include_usage=_stream_options(body, stream))
+        stop=_stop(body), stream=stream, include_usage=_stream_options(body, stream),
+        ignore_eos=_bool(body, "ignore_eos"))

@@ -43,11 +43,12 @@ class ServeRequest:
     parsed: ParsedRequest
 
 
-def _prompt_ids(parsed: ParsedRequest, info: ModelInfo) -> list[int]:
+def _prompt_ids(parsed: ParsedRequest, info: ModelInfo, ids: list[int] | None = None) -> list[int]:
     field = "messages" if parsed.chat else "prompt"
     try:
-        ids = chat_ids(info.tok, parsed.messages) if parsed.chat else \
-            completion_ids(info.tok, parsed.prompt, info.vocab_size)
+        if ids is None:
+            ids = chat_ids(info.tok, parsed.messages) if parsed.chat else \
+                completion_ids(info.tok, parsed.prompt, info.vocab_size)
     except (ValueError, jinja2.TemplateError) as err:
         raise bad(field, str(err)) from None
     if not ids:
@@ -73,11 +74,16 @@ def _sampling(parsed: ParsedRequest, info: ModelInfo) -> SamplingParams:
     return params
 
 
-def prepare(parsed: ParsedRequest, info: ModelInfo) -> ServeRequest:
+def check_model(parsed: ParsedRequest, info: ModelInfo) -> None:
     if parsed.model != info.name:
         raise ApiError(404, f"The model `{parsed.model}` does not exist; this server serves `{info.name}`",
                        param="model", code="model_not_found")
-    ids = _prompt_ids(parsed, info)
+
+
+def prepare(parsed: ParsedRequest, info: ModelInfo, ids: list[int] | None = None) -> ServeRequest:
+    """ids: the prompt ids when already encoded (serve_tokenize's worker); checked here all the same."""
+    check_model(parsed, info)
+    ids = _prompt_ids(parsed, info, ids)
     room = info.capacity - len(ids)
     if room < 1:
         raise bad("messages" if parsed.chat else "prompt",

@@ -1,15 +1,16 @@
 """The life of a `spd serve` process: uvicorn in the main thread, the engine thread beside it.
 
-- SIGTERM / SIGINT: the engine refuses new requests (503), uvicorn stops listening and waits up
-  to the drain timeout for the requests it holds (queued ones included) to finish, cancels what
-  is left (each ends at its next token), then the ranks shut down: exit 0.
-- The engine fails (a stage rank died): the request in flight got its 500 and queued ones a 503;
-  /health answers 503 for `unhealthy_grace_s`, then the server stops: exit 1. Should anything
-  still block, the process exits 1 at `exit_deadline_s` after the failure regardless, so a
-  supervisor sees it go and restarts it.
+- SIGTERM / SIGINT: a drain (serve_signals): new requests get 503 while the held ones finish,
+  then the ranks shut down: exit 0; past the drain timeout the held requests are ended in
+  OpenAI's shape: exit 1.
+- The engine fails (a stage rank died or stalled): the request in flight got its 500 and queued
+  ones a 503, the spawned ranks are killed; /health answers 503 for `unhealthy_grace_s`, then the
+  server stops: exit 1. Should anything still block, the process kills its ranks and exits 1 at
+  `exit_deadline_s` after the failure regardless, so a supervisor sees it go and restarts it.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -19,18 +20,22 @@ import threading
 import uvicorn
 
 from spd_engine.server.engine_loop import EngineLoop
+from spd_engine.server.signals import Drain
+
+LOG = logging.getLogger("spd.serve")
+CLOSE_S = 5.0  # after the drain: time for the last responses to be written before uvicorn cancels them
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server; the exit signal first stops the engine taking requests."""
+    """uvicorn's server; SIGTERM and SIGINT start a drain (serve_signals.Drain) instead of stopping at once."""
 
-    def __init__(self, config: uvicorn.Config, engine: EngineLoop) -> None:
+    def __init__(self, config: uvicorn.Config, engine: EngineLoop, drain_timeout_s: float) -> None:
         super().__init__(config)
         self.engine = engine
+        self.drain = Drain(self, engine, drain_timeout_s)
 
     def handle_exit(self, sig, frame) -> None:
-        self.engine.drain()
-        super().handle_exit(sig, frame)
+        self.drain.on_signal(sig)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -47,22 +52,23 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _hard_exit(reason: str) -> None:
+def _hard_exit(engine: EngineLoop, reason: str) -> None:
     print(f"spd serve: still running after the failure ({reason}); exiting", file=sys.stderr, flush=True)
+    engine.kill_ranks()
     os._exit(1)
 
 
 def run_server(engine: EngineLoop, app, sock: socket.socket, drain_timeout_s: float, unhealthy_grace_s: float,
                exit_deadline_s: float, log_level: str = "warning") -> int:
     """Serve until a signal or an engine failure; the exit code (0 drained, 1 failed)."""
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_timeout_s, lifespan="off",
-                            access_log=False)
-    server = DrainingServer(config, engine)
+    config = uvicorn.Config(app, log_config=None, log_level=log_level, timeout_graceful_shutdown=CLOSE_S,
+                            lifespan="off", access_log=False)
+    server = DrainingServer(config, engine, drain_timeout_s)
 
     def on_fatal(reason: str) -> None:
         print(f"spd serve: unhealthy: {reason}", file=sys.stderr, flush=True)
         timers = (threading.Timer(unhealthy_grace_s, lambda: setattr(server, "should_exit", True)),
-                  threading.Timer(exit_deadline_s, _hard_exit, args=(reason,)))
+                  threading.Timer(exit_deadline_s, _hard_exit, args=(engine, reason)))
         for timer in timers:
             timer.daemon = True
             timer.start()
@@ -77,10 +83,13 @@ def run_server(engine: EngineLoop, app, sock: socket.socket, drain_timeout_s: fl
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, server.handle_exit)
     server.run(sockets=[sock])
-    if not engine.stop(timeout=drain_timeout_s):
-        print("spd serve: the engine did not stop in time", file=sys.stderr, flush=True)
+    # a drained engine ends at once; an aborted request stops at its next token (or its rank is hung)
+    if not engine.stop(timeout=CLOSE_S if engine.state == "failed" or server.drain.expired else drain_timeout_s):
+        print("spd serve: the engine did not stop in time; killing the ranks", file=sys.stderr, flush=True)
+        engine.kill_ranks()
         return 1
-    if engine.state == "failed":
+    if engine.state == "failed" or server.drain.expired:
+        engine.kill_ranks()
         return 1
     print("spd serve: drained, ranks shut down", file=sys.stderr, flush=True)
     return 0

@@ -33,6 +33,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# optional dependency (top-level module) -> the extra that installs it (setup.cfg)
+EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "httpx": "serve",
+          "matplotlib": "plot", "reasoning_gym": "data", "megatron": "megatron"}
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" to every option whose help does not already say its default.
 
@@ -106,6 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as err:
         print(f"spd {name}: error: {err}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as err:  # an optional dependency: name the extra that installs it
+        top = (err.name or "").split(".")[0]
+        if top not in EXTRAS:
+            raise
+        print(f"spd {name}: error: {top} is not installed; pip install 'spd-engine[{EXTRAS[top]}]'", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C: the ranks are gone already (engine/runtime/launch.py); one line, the shell's code
+        print(f"spd {name}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 from spd_engine.engine.protocol.branching import WHEN
@@ -52,6 +53,18 @@ def dtype_name(text: str) -> str:
     return name
 
 
+def engine_dtype_name(text: str) -> str:
+    """argparse type of the engine's --dtype: `auto` (resolved by the device in engine_config) or a dtype."""
+    return "auto" if text == "auto" else dtype_name(text)
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """`auto`: bfloat16 on CUDA (the GPUs' native half type), float32 on CPU (bf16 matmuls are slow there)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if str(device).startswith("cuda") else "float32"
+
+
 def add_dtype_argument(p, default: str | None, help_text: str, flag: str = "--dtype") -> None:
     p.add_argument(flag, type=dtype_name, default=default, metavar="{float32,bfloat16,float16}",
                    help=f"{help_text} (aliases fp32, bf16, fp16)")
@@ -61,6 +74,20 @@ def add_json_argument(p, what: str) -> None:
     """`--json` prints JSON to stdout; `--json FILE` writes it to FILE."""
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help=f"{what} as JSON: to stdout, or to FILE when given")
+
+
+def check_output_path(target: str | None, flag: str) -> None:
+    """ValueError, before any work, when `target` (a file to write; None or '-' = stdout) cannot be written."""
+    if target in (None, "-"):
+        return
+    path = Path(target).expanduser()
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ValueError(f"{flag} {target}: is a directory; give a file name")
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {target}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag} {target}: not writable")
 
 
 def write_json(target: str, doc, indent: int | None = 1) -> None:
@@ -106,7 +133,26 @@ def resolve_model(spec: str) -> tuple[str, Path | None]:
     if (path / "index.json").is_file():
         return str(path), path if (path / "tokenizer.json").is_file() else None
     hf_dir, name, tok_dir = _hf_source(spec)
+    check_hf_config(hf_dir)  # a broken config.json is refused before a conversion starts
     return str(convert_cache.engine_checkpoint(hf_dir, name, _cache())), tok_dir
+
+
+def check_hf_config(hf_dir: Path) -> None:
+    """ValueError naming the problem when an HF directory's config.json is not JSON or holds a
+    field the engine cannot run (engine/model/hf_config.py, the converter's own reader)."""
+    from spd_engine.engine.model.hf_config import read_hf_fields
+
+    path = Path(hf_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); is the download complete?") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    try:
+        read_hf_fields(cfg)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
 
 
 def hf_model_dir(spec: str) -> Path:
@@ -184,9 +230,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
     g.add_argument("--spec", default=None,
                    help="PDM head directory, or 'random' (default: the shipped head for the model and n, "
                         "else an untrained one)")
-    g.add_argument("--stages", type=int, default=4, help="pipeline stages n")
+    g.add_argument("--stages", "--pipeline-parallel-size", "-pp", dest="stages", type=int, default=4,
+                   help="pipeline stages n (vLLM's spellings accepted)")
     g.add_argument("--stage-layers", default=None, help="explicit split, e.g. 8,8,7,7 (default: even split)")
-    g.add_argument("--tp", type=int, default=1,
+    g.add_argument("--tp", "--tensor-parallel-size", "-tp", dest="tp", type=int, default=1,
                    help="tensor-parallel ranks per stage T (must divide the heads and KV heads; world n*T (+1))")
     if mode_flags:
         g.add_argument("--mode", choices=MODES, default=default_mode,
@@ -195,14 +242,16 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
                             "EAGLE-3-style head, one rank)")
         g.add_argument("--colocate", action="store_true", help="driver on the same rank as stage 0 (world size n)")
     g.add_argument("--pdm-layers", type=int, default=run_default("pdm_layers"), help="K of an untrained head")
-    g.add_argument("--capacity", type=int, default=None,
-                   help=f"KV cache positions per request (default min({run_default('capacity')}, "
-                        f"the model's max positions))")
+    g.add_argument("--capacity", "--max-model-len", dest="capacity", type=int, default=None,
+                   help=f"KV cache positions per request: prompt + generated tokens (default "
+                        f"min({run_default('capacity')}, the model's max positions))")
     g.add_argument("--prefill-chunk", type=int, default=run_default("prefill_chunk"), help="prompt tokens per prefill message")
     g.add_argument("--timeout", type=float, default=run_default("timeout_s"), help="receive timeout inside a request (s)")
     g.add_argument("--threads", type=int, default=run_default("threads"),
                    help="torch threads per rank (default cores // ranks)")
-    add_dtype_argument(g, run_default("dtype"), "weights and activations")
+    g.add_argument("--dtype", type=engine_dtype_name, default="auto", metavar="{auto,float32,bfloat16,float16}",
+                   help="weights and activations: auto = bfloat16 on cuda, float32 elsewhere (aliases fp32, "
+                        "bf16, fp16)")
     g.add_argument("--device", default=run_default("device"), help="cpu, cuda or cuda:N")
     g.add_argument("--backend", default=None, choices=["gloo", "nccl"],
                    help=f"default: nccl on cuda, else {run_default('backend')}")
@@ -284,7 +333,8 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used:
     backend = args.backend or ("nccl" if str(args.device).startswith("cuda") else run_default("backend"))
     ecfg = RunConfig(model=engine_spec, cfg=cfg, topology=topo, mode=mode, pdm=spec, eagle_head=eagle_head,
                      eagle_k=args.eagle_k,
-                     pdm_layers=args.pdm_layers, backend=backend, device=args.device, dtype=args.dtype,
+                     pdm_layers=args.pdm_layers, backend=backend, device=args.device,
+                     dtype=resolve_dtype(args.dtype, args.device),
                      capacity=args.capacity or min(run_default("capacity"), cfg.max_position),
                      prefill_chunk=args.prefill_chunk, timeout_s=args.timeout, threads=args.threads,
                      seed=args.seed, step_mode=args.step_mode, suffix_drafts=args.suffix_drafts == "on",
@@ -362,4 +412,7 @@ def load_prompts(args: argparse.Namespace) -> list:
         prompts += load_messages_file(args.messages_file)
     if not prompts:
         raise ValueError("no prompt given: use --prompt TEXT, --prompts-file FILE or --messages-file FILE")
+    empty = [i + 1 for i, p in enumerate(prompts) if isinstance(p, str) and not p]
+    if empty:
+        raise ValueError(f"prompt {empty[0]} is empty (give it some text)")
     return prompts

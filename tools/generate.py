@@ -24,8 +24,8 @@ from pathlib import Path
 
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.runtime.request_inputs import encode_prompts, sampling_params
-from spd_engine.tools.common import (add_engine_arguments, add_json_argument, add_request_arguments, engine_config,
-                                     load_prompts)
+from spd_engine.tools.common import (add_engine_arguments, add_json_argument, add_request_arguments, check_output_path,
+                                     engine_config, load_prompts)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_request_arguments(g)
     add_json_argument(g, "per prompt: text, token ids, model, head and stats (one line each)")
     g.add_argument("--quiet", action="store_true", help="do not stream text, nor the summary line on stderr")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="generate --max-new-tokens tokens, past EOS (as vLLM's ignore_eos: benchmarks)")
     s = p.add_argument_group("sampling", "each default: the model's generation_config.json read as HF does (no "
                              "do_sample: greedy; unset filters: top-k 50, top-p 1), else greedy")
     s.add_argument("--temperature", type=float, default=None, help="0 = greedy; > 0 samples")
@@ -64,13 +66,20 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling_params(sampling_overrides(args), None)  # bad flags fail before any model is loaded
     texts = load_prompts(args)
+    check_output_path(args.json, "--json")  # before the model is converted or a rank starts
     ecfg, tok_dir = engine_config(args)
     sampling = sampling_params(sampling_overrides(args), tok_dir)
     if ecfg.mode != "spd" and sampling.seed >= 1 << 63:
         raise ValueError(f"--sampling-seed must be below 2**63 with --mode {ecfg.mode}, got {sampling.seed}")
     tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
+    if args.chat and tok is None:
+        raise ValueError(f"--chat needs a model with a tokenizer and a chat template; {args.model} has no tokenizer")
     prompts = encode_prompts(texts, tok, args.chat, ecfg.cfg.vocab_size)
+    if any(not ids for ids in prompts):
+        raise ValueError(f"prompt {next(i for i, ids in enumerate(prompts) if not ids) + 1} encodes to no tokens")
     eos = tok.eos_ids if tok is not None else ecfg.cfg.eos_token_ids
+    if args.ignore_eos:
+        eos = ()
     for ids in prompts:
         if len(ids) + args.max_new_tokens > ecfg.capacity:
             raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds "

@@ -187,6 +187,15 @@ def _ns(text: str) -> list[int]:
     return ns
 
 
+def _winner(r: dict) -> str:
+    """A configuration in the summary's last column: pp, tp, spd LAYOUT, or tpT x spdN LAYOUT."""
+    if r["method"] in ("pp", "tp"):
+        return r["method"]
+    if r["method"] == "spd":
+        return f"spd {r['layout']}"
+    return f"tp{r['tp']} x spd{r['spd_stages']} {r['layout']}"
+
+
 def _summary_rows(result: dict) -> list[dict]:
     rows = []
     for n in sorted({r["n"] for r in result["rows"]}):
@@ -197,12 +206,14 @@ def _summary_rows(result: dict) -> list[dict]:
         hyb = best(lambda r: r["method"].endswith("xspd") and r["layout"] == "coloc")
         pp = best(lambda r: r["method"] == "pp")
         tp = best(lambda r: r["method"] == "tp")
-        same = max((r for r in at if r["devices"] == n), key=lambda r: r["tok_s"])
+        # resource-matched, as the recommendation: every configuration on exactly n devices, whatever
+        # its stage count (TP2 x SPD6 sep uses 13), not only those of this row's n
+        same = max((r for r in result["rows"] if r["devices"] == n), key=lambda r: r["tok_s"])
         rows.append({"n": n, "ar": result["ar_tok_s"], "pp": pp["tok_s"], "tp": tp["tok_s"],
                      "coloc": col["tok_s"], "coloc_tick": col["tick_ms"], "coloc_crit": col["critical"].split(" (")[0],
                      "eal": col["eal"], "sep": sep["tok_s"],
                      "hyb": f"{hyb['tok_s']:.1f} (tp{hyb['tp']})" if hyb else "-",
-                     "winner": same["method"] + ("" if same["method"] in ("pp", "tp") else f" {same['layout']}")})
+                     "winner": _winner(same)})
     return rows
 
 

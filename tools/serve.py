@@ -3,15 +3,20 @@
 Starts the ranks once (spawned, or under `torchrun`, where rank 0 serves and the other ranks run
 their stages) and keeps them, KV caches and CUDA graphs included, for the life of the server.
 One request at a time goes through the pipeline; others wait in a bounded FIFO queue.
+Its optional dependencies (the `serve` extra) are checked before anything starts.
 """
 from __future__ import annotations
 
 import argparse
-import multiprocessing
+import importlib.util
 import os
 import sys
 
 from spd_engine.tools.common import add_engine_arguments, engine_config
+from spd_engine.server.http_guards import DEFAULT_MAX_REQUEST_BYTES
+from spd_engine.server.request_log import DEFAULT_LEVEL, LEVELS
+
+SERVE_MODULES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus_client"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,17 +26,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="port (0: any free port; the chosen one is printed)")
     g.add_argument("--served-model-name", default=None, help="model id of the API (default: --model)")
     g.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the one in the pipeline; "
-                                                             "one more is answered 429")
+                                                             "one more is answered 429 (0: one request at a time)")
     g.add_argument("--request-timeout", type=float, default=600.0,
                    help="deadline of a request from its arrival, queue wait included (s)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM: how long held requests may run before they are cancelled (s)")
+    g.add_argument("--stall-timeout", type=float, default=10.0,
+                   help="a request in the pipeline that commits no token for this long while no rank computes "
+                        "(or a rank is stopped or gone) fails naming the rank, and the server exits 1 (s)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="every request generates its max_tokens, past EOS (benchmarks; per request: the "
+                        "ignore_eos field)")
+    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="larger request bodies are answered 413 before they are read or parsed")
+    g.add_argument("--api-key", default=os.environ.get("SPD_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 endpoints (default: $SPD_API_KEY, else none)")
     g.add_argument("--unhealthy-grace", type=float, default=2.0,
                    help="after a rank failure: how long /health answers 503 before the server exits (s)")
     g.add_argument("--exit-deadline", type=float, default=20.0,
                    help="after a rank failure: exit 1 by this time whatever still blocks (s)")
     g.add_argument("--startup-timeout", type=float, default=600.0, help="time for the ranks to come up (s)")
-    g.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--log-level", default=DEFAULT_LEVEL, choices=LEVELS,
+                   help="info: one line per request; warning: drains, failures and errors only")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -39,23 +55,38 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in [0, 65536), got {args.port}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
-    for name in ("request_timeout", "drain_timeout", "exit_deadline", "startup_timeout"):
+    if args.max_request_bytes < 1024:
+        raise ValueError(f"--max-request-bytes must be >= 1024, got {args.max_request_bytes}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key must not be empty")
+    for name in ("request_timeout", "drain_timeout", "exit_deadline", "startup_timeout", "stall_timeout"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if not 0 <= args.unhealthy_grace < args.exit_deadline:
         raise ValueError("--unhealthy-grace must be >= 0 and below --exit-deadline")
 
 
+def check_dependencies() -> None:
+    """The `serve` extra, before any model is resolved or rank started."""
+    missing = [pkg for pkg, module in SERVE_MODULES.items() if importlib.util.find_spec(module) is None]
+    if missing:
+        raise ValueError(f"spd serve needs {', '.join(missing)}: pip install 'spd-engine[serve]'")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_arguments(args)
+    check_dependencies()
     from spd_engine.engine.runtime.launch import launch, under_torchrun
     from spd_engine.engine.model.tokenizer import Tokenizer
     from spd_engine.server.app import build_app
     from spd_engine.server.engine_loop import EngineLoop
     from spd_engine.server.exporter import ServeMetrics
     from spd_engine.server.request import ModelInfo
+    from spd_engine.server.request_log import configure
     from spd_engine.server.runner import bind, run_server
+    from spd_engine.server.tokenizing import PromptEncoder
 
-    check_arguments(args)
+    configure(args.log_level)
     ecfg, tok_dir = engine_config(args)
     if under_torchrun() and int(os.environ["RANK"]) != 0:
         with launch(ecfg):  # a stage rank: serves its stage, exits when the driver shuts down
@@ -69,11 +100,18 @@ def run(args: argparse.Namespace) -> int:
     if ecfg.pdm == "random" and ecfg.mode == "spd":
         print("spd: no trained head for this model and n; using an untrained one (lossless, but slow)",
               file=sys.stderr)
-    engine = EngineLoop(lambda: launch(ecfg), args.max_queue, info.eos_ids,
-                        rank_processes=multiprocessing.active_children)
-    metrics = ServeMetrics(ecfg.topology.n, engine.waiting, lambda: int(engine.current is not None))
+    encoder = PromptEncoder(tok, tok_dir, ecfg.capacity)
+    engine = EngineLoop(lambda: launch(ecfg, on_ranks=engine.set_ranks), args.max_queue,
+                        () if args.ignore_eos else info.eos_ids,
+                        rank_processes=lambda: list(engine.ranks.values()), stall_s=args.stall_timeout)
+    metrics = ServeMetrics(ecfg.topology.n, engine.waiting, lambda: int(engine.current is not None), info.name)
     engine.metrics = metrics
-    engine.start(timeout=args.startup_timeout)
-    app = build_app(engine, info, metrics, args.request_timeout)
-    return run_server(engine, app, sock, args.drain_timeout, args.unhealthy_grace, args.exit_deadline,
-                      args.log_level)
+    try:
+        encoder.start()
+        engine.start(timeout=args.startup_timeout)
+        app = build_app(engine, info, metrics, args.request_timeout, encoder, args.api_key, args.max_request_bytes)
+        return run_server(engine, app, sock, args.drain_timeout, args.unhealthy_grace, args.exit_deadline,
+                          args.log_level)
+    finally:
+        encoder.close()
+        engine.kill_ranks()  # a no-op after a clean shutdown (the ranks have exited)

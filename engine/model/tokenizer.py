@@ -23,6 +23,16 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def check_text(text: str, what: str = "text") -> None:
+    """ValueError for text that is not valid Unicode (a lone surrogate such as "\\ud800", which JSON
+    allows): the tokenizer cannot take it, and it is the input's fault, not the server's."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{what} is not valid Unicode: a lone surrogate U+{ord(text[err.start]):04X} at "
+                         f"character {err.start}") from None
+
+
 def _token_text(value) -> str | None:
     """A special-token entry of tokenizer_config.json: a string or an AddedToken dict."""
     return value.get("content") if isinstance(value, dict) else value
@@ -78,6 +88,7 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (special-token text such as <|im_start|> becomes its id); BOS only if configured."""
+        check_text(text)
         ids = self.backend.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
 
@@ -93,6 +104,9 @@ class Tokenizer:
         if self.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template (neither chat_template.jinja nor "
                              "tokenizer_config.json has one); use a plain prompt")
+        for i, m in enumerate(messages):
+            if isinstance(m.get("content"), str):
+                check_text(m["content"], f"message {i}'s content")
         return render(self.chat_template, messages, add_generation_prompt, self.special_tokens)
 
     def chat_ids_messages(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:

@@ -11,12 +11,17 @@ NCCL on GPU), on the process-group layer of engine/comm/dist.py.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
+import functools
+import multiprocessing
 import os
 import signal
 import sys
+import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -34,6 +39,22 @@ from spd_engine.engine.comm.transport import DistTransport, Transport
 # Test hook: "RANK:MESSAGES" makes that rank SIGKILL itself after handling MESSAGES messages,
 # the same as `kill -9` from outside, to check that no surviving rank hangs.
 FAULT_ENV = "SPD_FAULT_KILL_RANK"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _bind_to_parent() -> None:
+    """A spawned rank's signals: SIGINT and SIGTERM are ignored (Ctrl-C and a process-group SIGTERM
+    reach every process of the group; the driver alone decides how the run ends and closes the
+    ranks), and the kernel SIGKILLs this rank when the thread that spawned it ends, so no rank
+    outlives its launcher however that ends (SIGKILL, os._exit, a crash)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher ended before the death signal was armed
+            os._exit(1)
 
 
 def _transport(ecfg: RunConfig, rank: int, world: int, one_host: bool) -> Transport:
@@ -75,6 +96,7 @@ def _serve(ecfg: RunConfig, rank: int, transport: Transport, group: TPGroup) -> 
 
 def _stage_rank(rank: int, world: int, ecfg: RunConfig, init_method: str) -> None:
     """A spawned rank's life (engine/comm/dist.py run_rank reports its error and exits)."""
+    _bind_to_parent()
     ecfg, transport, group = _join(ecfg, rank, world, init_method)
     _serve(ecfg, rank, transport, group)
     leave_group()
@@ -93,8 +115,34 @@ def check_head(ecfg: RunConfig) -> None:
         check_eagle_matches(read_eagle_config(ecfg.eagle_head)[0], ecfg.cfg)
 
 
+def kill_ranks(procs: list) -> None:
+    """SIGKILL rank processes (multiprocessing.Process) and reap them: they ignore SIGTERM, and a
+    stopped (SIGSTOP) or hung one would never act on it anyway."""
+    for p in procs:
+        if p.pid is not None and p.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+    for p in procs:
+        if p.pid is not None:
+            p.join(5.0)
+
+
+def _join_ranks(ranks: LocalRanks, timeout_s: float) -> None:
+    """LocalRanks.join with SIGKILL for the ranks still running at the end (they ignore SIGTERM)."""
+    end = time.monotonic() + timeout_s
+    for p in ranks.procs.values():
+        if p.pid is not None:
+            p.join(max(0.0, end - time.monotonic()))
+    hung = [r for r, p in ranks.procs.items() if p.is_alive()]
+    ranks.hung.extend(hung)
+    kill_ranks([ranks.procs[r] for r in hung])
+
+
 @contextlib.contextmanager
-def launch(ecfg: RunConfig) -> Iterator[object]:
+def launch(ecfg: RunConfig, on_ranks: Callable[[dict[int, multiprocessing.Process]], None] | None = None
+           ) -> Iterator[object]:
+    """on_ranks: called with {rank: process} once spawned ranks have started (not under torchrun),
+    so a server can watch and, when it fails, kill them."""
     world = ecfg.world_size
     if under_torchrun():
         me = torchrun_rank()
@@ -115,8 +163,20 @@ def launch(ecfg: RunConfig) -> Iterator[object]:
     check_gpus(ecfg.device, world)  # enough GPUs for every rank
     init_method = local_init_method()
     with LocalRanks(_stage_rank, range(1, world), (world, ecfg, init_method)) as ranks:
-        ecfg, transport, group = _join(ecfg, 0, world, init_method)
-        yield from _drive(ecfg, transport, group, ranks)
+        if on_ranks is not None:
+            on_ranks(dict(ranks.procs))
+        # an interpreter exit with the ranks up (Ctrl-C during start-up): multiprocessing's own exit
+        # handler would SIGTERM them, which they ignore, and wait for them forever
+        at_exit = functools.partial(kill_ranks, list(ranks.procs.values()))
+        atexit.register(at_exit)
+        try:
+            ecfg, transport, group = _join(ecfg, 0, world, init_method)
+            yield from _drive(ecfg, transport, group, ranks)
+        finally:
+            # ranks still up here (rank 0 failed to join, so _drive never ran) ignore the SIGTERM
+            # LocalRanks' exit would send them
+            kill_ranks([p for p in ranks.procs.values() if p.is_alive()])
+            atexit.unregister(at_exit)
 
 
 def _drive(ecfg: RunConfig, transport: Transport, group: TPGroup, ranks: LocalRanks | None
@@ -128,6 +188,10 @@ def _drive(ecfg: RunConfig, transport: Transport, group: TPGroup, ranks: LocalRa
         driver.shutdown()
         ok = True
     except BaseException as err:
+        if ranks is not None and not isinstance(err, Exception):
+            # Ctrl-C or an exit: the ranks have nothing to finish and must not report the driver's
+            # departure as their own failure
+            kill_ranks(list(ranks.procs.values()))
         # Work objects (queued sends, the failed receive held by this traceback) keep the
         # process group's connections open; drop them so the teardown below really closes them.
         transport.abandon()
@@ -138,7 +202,7 @@ def _drive(ecfg: RunConfig, transport: Transport, group: TPGroup, ranks: LocalRa
         # at once with an error naming us, instead of waiting for its timeout.
         leave_group()
         if ranks is not None:
-            ranks.join(ecfg.timeout_s if ok else 5.0)
+            _join_ranks(ranks, ecfg.timeout_s if ok else 5.0)
     if ok and ranks is not None and ranks.failed():
         raise RunFailed(ranks.failure_report())
 

@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from spd_engine.engine.runtime.launch import spd_command
+from spd_engine.server.exporter import without_model_name
 from spd_engine.server.process import ServerProcess, group_members
 from spd_engine.engine.runtime.launch import FAULT_ENV
 from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
@@ -37,7 +38,7 @@ def client(server: ServerProcess, timeout: float = 120.0) -> openai.OpenAI:
 
 
 def metric(server: ServerProcess, name: str) -> float:
-    text = httpx.get(f"{server.url}/metrics").text
+    text = without_model_name(httpx.get(f"{server.url}/metrics").text)
     m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     assert m, f"{name} not in /metrics"
     return float(m.group(1))
@@ -88,7 +89,7 @@ def test_models_health_and_metrics(tiny):
     assert [m.id for m in c.models.list().data] == [TINY]
     assert httpx.get(f"{tiny.url}/health").json() == {"status": "ok"}
     c.completions.create(model=TINY, prompt=[5, 6, 7], max_tokens=4)
-    text = httpx.get(f"{tiny.url}/metrics").text
+    text = without_model_name(httpx.get(f"{tiny.url}/metrics").text)
     for name in ("spd:request_total{outcome=\"length\"}", "spd:num_requests_waiting", "spd:num_requests_running",
                  "spd:time_to_first_token_seconds_bucket", "spd:inter_token_latency_seconds_bucket",
                  "spd:e2e_request_latency_seconds_bucket", "spd:prompt_tokens_total", "spd:generation_tokens_total",
@@ -321,6 +322,66 @@ def test_multi_turn_chat_and_eos_finish(smol):
         {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Say yes."}])
     assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens < 200
     assert "<|im_end|>" not in out.choices[0].message.content  # special tokens are not text
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_field(smol):
+    """Valid JSON, invalid Unicode: before, the tokenizer's TypeError was a plain-text 500."""
+    for path, body, field in (("chat/completions", b'{"model": "smollm2-135m", "messages": [{"role": "user", '
+                                                   b'"content": "a\\ud800b"}]}', "messages"),
+                              ("completions", b'{"model": "smollm2-135m", "prompt": "\\ud800"}', "prompt")):
+        r = httpx.post(f"{smol.base_url}/{path}", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field and "lone surrogate U+D800" in r.json()["error"]["message"]
+    r = httpx.post(f"{smol.base_url}/completions", content=b'{"model": "\\ud800", "prompt": "x"}',
+                   headers={"content-type": "application/json"})  # quoted back in the 404's message
+    assert r.status_code == 404 and "\\ud800" in r.json()["error"]["message"]
+
+
+def _stream_gaps(server: ServerProcess, during=None) -> list[float]:
+    """Gaps between the lines of a 60-token stream; `during()` runs once the first token is in."""
+    gaps: list[float] = []
+    first = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{server.base_url}/completions", timeout=120, json={
+                "model": "smollm2-135m", "prompt": "Count from one to fifty:", "max_tokens": 60, "stream": True}) as r:
+            last = None
+            for line in r.iter_lines():
+                if line:
+                    now = time.monotonic()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+                    first.set()
+
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    assert first.wait(60)
+    if during is not None:
+        during()
+    t.join(120)
+    assert len(gaps) > 10, gaps
+    return gaps
+
+
+def test_huge_prompts_are_refused_without_freezing_a_stream(smol):
+    """A 10 MB body is refused (413) before it is read into the parser, a prompt that cannot fit is
+    refused before it is tokenized, and tokenization runs in a worker process: an unrelated stream's
+    largest gap between tokens stays within 0.5 s of its largest gap alone (this shared host's
+    own jitter reaches about 1 s). Before: the 10 MB prompt was tokenized on the event loop for
+    several seconds while every stream stalled."""
+    def huge_requests() -> None:
+        r = httpx.post(f"{smol.base_url}/completions", timeout=120,
+                       json={"model": "smollm2-135m", "prompt": "word " * 2_000_000})  # 10 MB
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        for size in (1_500_000, 60_000):  # over the bound (no tokenization); under it (tokenized, then too long)
+            r = httpx.post(f"{smol.base_url}/completions", timeout=120,
+                           json={"model": "smollm2-135m", "prompt": "word " * (size // 5)})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+    alone = max(_stream_gaps(smol))
+    contended = max(_stream_gaps(smol, huge_requests))
+    assert contended < alone + 0.5, (alone, contended)
 
 
 # ---- deadline, drain, faults: servers of their own ----

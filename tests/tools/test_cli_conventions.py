@@ -12,6 +12,7 @@ import pytest
 from spd_engine.engine.runtime.run_config import RunConfig
 from spd_engine.tools import cli
 from spd_engine.tools.cli import SUBCOMMANDS, main
+from spd_engine.tools.common import resolve_dtype
 
 pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
 
@@ -59,11 +60,13 @@ def test_run_defaults_come_from_run_config():
     p = PARSERS["generate"]
     defaults = {f.name: f.default for f in dataclasses.fields(RunConfig) if f.default is not dataclasses.MISSING}
     flag_of = {"timeout_s": "timeout"}
-    for field in ("pdm_layers", "prefill_chunk", "timeout_s", "threads", "dtype", "device", "seed", "step_mode",
-                  "mode"):
+    for field in ("pdm_layers", "prefill_chunk", "timeout_s", "threads", "device", "seed", "step_mode", "mode"):
         want = defaults[field]
         want = getattr(want, "value", want)
         assert p.get_default(flag_of.get(field, field)) == want, field
+    # --dtype auto picks by device; on RunConfig's default device it is RunConfig's default dtype
+    assert p.get_default("dtype") == "auto"
+    assert resolve_dtype("auto", defaults["device"]) == defaults["dtype"]
     common = (cli.__file__.rsplit("/", 1)[0]) + "/common.py"
     source = open(common).read()
     assert "default=60.0" not in source and "default=128" not in source  # no second copy of a RunConfig default

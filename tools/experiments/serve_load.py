@@ -197,7 +197,9 @@ def summary(outcomes: list[Outcome]) -> dict:
 
 
 def metric(url: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(f"{url}/metrics").text, re.M)
+    from spd_engine.server.exporter import without_model_name
+
+    m = re.search(rf"^{re.escape(name)} (\S+)$", without_model_name(httpx.get(f"{url}/metrics").text), re.M)
     return float(m.group(1)) if m else float("nan")
 
 

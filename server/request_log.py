@@ -1,0 +1,59 @@
+"""The log of `spd serve`: Python `logging` to stderr, one line per record.
+
+One INFO line per request (its id, endpoint, status, tokens, time to first token, total time and
+how it ended); warnings and errors are single lines too (an exception becomes `Type: message` on
+the line; its traceback only at DEBUG). uvicorn's own loggers go through the same handler.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+LEVELS = ("critical", "error", "warning", "info", "debug")
+DEFAULT_LEVEL = "info"
+LOG = logging.getLogger("spd.serve")
+
+
+class OneLineFormatter(logging.Formatter):
+    """`time LEVEL logger: message`, with any exception on the same line (traceback at DEBUG only)."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        exc, record.exc_info, text = record.exc_info, None, None
+        try:
+            text = super().format(record).replace("\n", " | ")
+        finally:
+            record.exc_info = exc
+        if exc and exc[1] is not None:
+            text += f" ({type(exc[1]).__name__}: {exc[1]})"
+            if LOG.isEnabledFor(logging.DEBUG):
+                text += "\n" + self.formatException(exc)
+        return text
+
+
+def configure(level: str) -> None:
+    """Send spd.serve and uvicorn records at `level` and above to stderr, one line each."""
+    if level not in LEVELS:
+        raise ValueError(f"--log-level must be one of {', '.join(LEVELS)}, got {level!r}")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(OneLineFormatter())
+    for name in ("spd", "uvicorn", "uvicorn.error"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler] if name != "uvicorn.error" else []
+        logger.setLevel(level.upper())
+        logger.propagate = name == "uvicorn.error"  # into "uvicorn"
+    logging.getLogger("uvicorn.access").disabled = True  # the request line below says more
+
+
+def request_line(request_id: str, path: str, status: int, prompt_tokens: int | None, completion_tokens: int | None,
+                 ttft_s: float | None, total_s: float, finish: str | None) -> None:
+    """The one log line of a finished (or refused) request."""
+    def opt(v, fmt="{}"):
+        return "-" if v is None else fmt.format(v)
+
+    level = logging.ERROR if status >= 500 else logging.INFO
+    LOG.log(level, "request %s %s %d prompt_tokens=%s completion_tokens=%s ttft=%s total=%.3fs finish=%s",
+            request_id, path, status, opt(prompt_tokens), opt(completion_tokens), opt(ttft_s, "{:.3f}s"), total_s,
+            opt(finish))

@@ -1,0 +1,109 @@
+"""Prompt tokenization for `spd serve`, off the event loop and bounded before it starts.
+
+The `tokenizers` library holds the GIL while it encodes (about 1 s per MB here), so a thread would
+not free the event loop: one large prompt would freeze every stream. Prompts are encoded (chat
+template included) in one worker process instead, which loads the tokenizer once. Before that, a
+prompt that cannot fit in the KV capacity is refused without being encoded: a token never covers
+more than `max_token_bytes` bytes of text (the longest token of the vocabulary), so text longer
+than capacity x that (x 2, for normalizers that drop characters) needs more tokens than fit.
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import multiprocessing
+import signal
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+
+from spd_engine.engine.model.tokenizer import Tokenizer
+from spd_engine.server.openai_api import ApiError, ParsedRequest, bad
+
+SAFETY = 2  # text bytes per (longest token x capacity) refused outright
+_TOK: Tokenizer | None = None  # the worker process's tokenizer
+
+
+def max_token_bytes(tok: Tokenizer) -> int:
+    """An upper bound on the UTF-8 bytes of text one token covers (decoding a byte-level piece
+    alone yields U+FFFD, 3 bytes: an over-estimate, which keeps the bound safe)."""
+    backend = tok.backend
+    longest = max((len(backend.decode([i], skip_special_tokens=False).encode("utf-8", "replace"))
+                   for i in range(backend.get_vocab_size(with_added_tokens=True))), default=1)
+    return max(1, longest)
+
+
+def _init_worker(tok_dir: str) -> None:
+    """The worker ignores Ctrl-C and SIGTERM (the server drains; it then shuts the pool down) and dies
+    with the server (Linux: the parent's death kills it)."""
+    global _TOK
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    _TOK = Tokenizer.from_dir(tok_dir)
+
+
+def _encode(chat: bool, payload) -> tuple[bool, list[int] | str]:
+    """(True, ids) or (False, the error's message): exceptions of the template engine stay here."""
+    from spd_engine.server.text import chat_ids, completion_ids
+
+    try:
+        ids = chat_ids(_TOK, payload) if chat else completion_ids(_TOK, payload, _TOK.vocab_size)
+    except Exception as err:  # noqa: BLE001 - any refusal of the template or the tokenizer is the request's
+        return False, str(err) or type(err).__name__
+    return True, ids
+
+
+class PromptEncoder:
+    """Prompt ids of a request: refused early when they cannot fit; text encoded in a worker process."""
+
+    def __init__(self, tok: Tokenizer | None, tok_dir: Path | None, capacity: int) -> None:
+        self.tok, self.tok_dir, self.capacity = tok, tok_dir, capacity
+        self.byte_limit = SAFETY * capacity * max_token_bytes(tok) if tok is not None else capacity
+        self._pool: ProcessPoolExecutor | None = None
+
+    def start(self, wait: bool = True) -> None:
+        """Start the worker (waiting for it before the server listens, so the first request does not)."""
+        if self.tok is not None and self._pool is None:
+            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_init_worker, initargs=(str(self.tok_dir),))
+            warm = self._pool.submit(_encode, False, "warm")
+            if wait:
+                warm.result(timeout=120)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def check_size(self, parsed: ParsedRequest) -> None:
+        """A prompt whose text alone needs more tokens than the KV capacity: a 400 before any encoding."""
+        field = "messages" if parsed.chat else "prompt"
+        if isinstance(parsed.prompt, list):
+            size, unit = len(parsed.prompt), "token ids"
+        else:
+            texts = [text for _, text in parsed.messages] if parsed.chat else [parsed.prompt]
+            size, unit = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts), "bytes of text"
+        limit = self.capacity if unit == "token ids" else self.byte_limit
+        if size > limit:
+            raise bad(field, f"the prompt has {size} {unit}, more than can fit in the KV capacity of "
+                             f"{self.capacity} positions")
+
+    async def ids(self, parsed: ParsedRequest) -> list[int] | None:
+        """The prompt ids, or None when the caller encodes inline (no tokenizer, or token ids given)."""
+        self.check_size(parsed)
+        if self._pool is None or (not parsed.chat and isinstance(parsed.prompt, list)):
+            return None
+        payload = parsed.messages if parsed.chat else parsed.prompt
+        try:
+            ok, out = await asyncio.wrap_future(self._pool.submit(_encode, parsed.chat, payload))
+        except BrokenProcessPool:  # the worker died (out of memory?): a fresh one for the next request
+            self._pool = None
+            self.start(wait=False)
+            raise ApiError(500, "the tokenizer process failed on this request", type="server_error",
+                           code="tokenizer_failed") from None
+        if not ok:
+            raise bad("messages" if parsed.chat else "prompt", out)
+        return out
