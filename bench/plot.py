@@ -116,3 +116,122 @@ def write_outputs(report: dict, json_path: str | None, csv_path: str | None) -> 
             for kind in ("p2p", "allreduce", "fanin"):
                 for row in report.get(kind) or []:
                     writer.writerow({"kind": kind, **row})
+
+
+def _pyplot():
+    """pyplot on the Agg backend (files only, no display); ModuleNotFoundError without matplotlib,
+    which the CLI turns into the extra to install."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    """Trailing mean over `window` points: one step's loss is noisy, the trend is what a reader wants."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def plot_training(history: list[dict], path: str, title: str = "spd train") -> None:
+    """Loss and, where the run records it, acceptance (top-1 agreement of the draft with the target)
+    against training tokens, from a run's history.json (one record per step)."""
+    if not history:
+        raise ValueError("the run's history is empty: no step to plot")
+    plt = _pyplot()
+    tokens = [r["tokens"] / 1e6 for r in history]
+    window = max(1, len(history) // 50)
+    has_agree = any("agree" in r for r in history)
+    fig, axes = plt.subplots(1, 2 if has_agree else 1, figsize=(12 if has_agree else 6.5, 4.5), squeeze=False)
+    ax = axes[0][0]
+    loss = [r["loss"] for r in history]
+    ax.plot(tokens, loss, color="tab:blue", alpha=0.25, lw=0.8, label="per step")
+    ax.plot(tokens, _smooth(loss, window), color="tab:blue", lw=1.8, label=f"mean of {window} steps")
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel("loss")
+    ax.set_title("loss")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    if has_agree:
+        ax = axes[0][1]
+        fills = sorted({r["fill"] for r in history if "fill" in r})
+        depth = max((len(r["agree"]) for r in history if isinstance(r.get("agree"), list)), default=0)
+        if depth:  # the eagle trainer records one agreement per unrolled draft step
+            for i in range(depth):
+                rows = [r for r in history if isinstance(r.get("agree"), list) and len(r["agree"]) > i]
+                ax.plot([r["tokens"] / 1e6 for r in rows], _smooth([r["agree"][i] for r in rows], window),
+                        lw=1.4, label=f"draft step {i}")
+        elif len(fills) > 1:  # the PDM trainer draws a fill per step: one curve per fill
+            for f in fills:
+                rows = [r for r in history if r.get("fill") == f and "agree" in r]
+                w = max(1, len(rows) // 30)
+                ax.plot([r["tokens"] / 1e6 for r in rows], _smooth([r["agree"] for r in rows], w),
+                        lw=1.4, label=f"fill {f}")
+        else:
+            rows = [r for r in history if "agree" in r]
+            ax.plot([r["tokens"] / 1e6 for r in rows], _smooth([r["agree"] for r in rows], window),
+                    lw=1.6, color="tab:green", label=f"mean of {window} steps")
+        ax.set_xlabel("training tokens (millions)")
+        ax.set_ylabel("top-1 agreement with the target")
+        ax.set_ylim(0, 1)
+        ax.set_title("acceptance (training-time agreement)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{title}: {len(history)} steps, {history[-1]['tokens'] / 1e6:.3f}M tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_eval(report: dict, path: str) -> None:
+    """alpha by fill (overall and per dataset), alpha by dataset, and drafts by source (how many were
+    verified, and their alpha), from `spd eval`'s report (EvalReport.to_json)."""
+    plt = _pyplot()
+    overall = report["overall"]
+    datasets = report.get("datasets") or {}
+    fig, (ax_fill, ax_ds, ax_src) = plt.subplots(1, 3, figsize=(16, 4.5))
+    series = [("overall", overall, dict(color="black", lw=2.2))] + [(d, s, dict(lw=1.2)) for d, s in datasets.items()]
+    for name, s, style in series:
+        by_fill = {int(f): a for f, a in (s.get("alpha_by_fill") or {}).items()}
+        if by_fill:
+            fills = sorted(by_fill)
+            ax_fill.plot(fills, [by_fill[f] for f in fills], marker="o", label=name, **style)
+    n = report.get("n")
+    if isinstance(n, int):  # fills are whole numbers 1..n
+        ax_fill.set_xticks(range(1, n + 1))
+    ax_fill.set_xlabel("pipeline fill when the draft was made (n = full)")
+    ax_fill.set_ylabel("alpha")
+    ax_fill.set_ylim(0, 1.05)
+    ax_fill.set_title("alpha by fill")
+    names = [*datasets, "overall"]
+    alphas = [(datasets[d] if d in datasets else overall).get("alpha") or 0.0 for d in names]
+    bars = ax_ds.bar(names, alphas, color=["tab:blue"] * len(datasets) + ["black"])
+    ax_ds.bar_label(bars, labels=[f"{a:.3f}" for a in alphas], fontsize=8)
+    ax_ds.set_ylim(0, 1.08)  # room for the labels of bars near 1
+    ax_ds.set_ylabel("alpha")
+    ax_ds.set_title("alpha by dataset")
+    sources = sorted((overall.get("by_source") or {}).items())
+    if sources:
+        bars = ax_src.bar([k for k, _ in sources], [v for _, (v, _acc) in sources], color="tab:orange")
+        ax_src.bar_label(bars, labels=[f"alpha {acc / v:.3f}" if v else "-" for _, (v, acc) in sources], fontsize=8)
+    else:
+        ax_src.text(0.5, 0.5, "no draft sources recorded", ha="center", va="center", transform=ax_src.transAxes)
+    ax_src.set_ylabel("verified drafts")
+    ax_src.set_title("drafts by source")
+    for ax in (ax_fill, ax_ds, ax_src):
+        ax.grid(True, axis="y", alpha=0.3)
+    if ax_fill.get_legend_handles_labels()[0]:
+        ax_fill.legend(fontsize=8)
+    spec = report.get("spec") or ""
+    fig.suptitle(f"spd eval: n={report.get('n', '?')}, {overall.get('prompts', 0)} prompts"
+                 + (f", {spec}" if spec else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

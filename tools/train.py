@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-tokens", type=int, default=192, help="max answer length for --self-distill")
     p.add_argument("--gen-batch", type=int, default=32, help="prompts per batched greedy decode")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="after training, draw loss and acceptance against training tokens from the run's "
+                        "history.json to this PNG (matplotlib; a finished run only draws)")
 
 
 def batches(corpus, seq_len: int, batch: int, seed: int) -> Iterator[torch.Tensor]:
@@ -91,6 +94,11 @@ def run(args: argparse.Namespace) -> int:
     from spd_engine.train.self_distill import self_distill
 
     _check_method_flags(args)
+    if args.plot:  # a missing matplotlib or an unwritable path is refused before training, not after it
+        from spd_engine.tools.common import check_output_path
+
+        check_output_path(args.plot, "--plot")
+        import matplotlib  # noqa: F401
     if args.target_dtype not in ("bfloat16", "float32"):
         raise ValueError(f"--target-dtype must be bfloat16 or float32, got {args.target_dtype}")
     if args.threads:
@@ -135,8 +143,24 @@ def _run_trainer(trainer_cls, target, tcfg, corpus, dv, dp, log, args: argparse.
     trainer_cls(target, tcfg, stream, dv, log=log, dp=dp).run()
     dp.close()
     if dp.is_main:
+        if args.plot:
+            plot_run(args.out, args.plot, f"spd train --method {args.method}")
+            print(f"spd train: plot written to {args.plot}", file=sys.stderr)
         print(f"{args.out}/{head}")
     return 0
+
+
+def plot_run(out: str, png: str, title: str) -> None:
+    """Draw a run directory's history.json (one record per step) to `png`."""
+    import json
+    from pathlib import Path
+
+    from spd_engine.bench.plot import plot_training
+
+    path = Path(out) / "history.json"
+    if not path.is_file():
+        raise ValueError(f"{path}: no history to plot (the run saved no step)")
+    plot_training(json.loads(path.read_text()), png, title)
 
 
 def _check_method_flags(args: argparse.Namespace) -> None:

@@ -181,6 +181,14 @@ class Trainer(HeadTrainer):
         window: dict[int, list[float]] = {}
         t0 = time.time()
         tokens_seen = self.tokens_seen()
+        self._progress()
+        try:
+            self._steps(n, window, t0, tokens_seen)
+        finally:
+            self._end_progress()
+        return self.pdm.eval()
+
+    def _steps(self, n: int, window: dict[int, list[float]], t0: float, tokens_seen: int) -> None:
         while self.step < self.cfg.steps:
             tokens = next(self.batches).to(self.cfg.device)
             f = draw_fill(n, self.cfg.full_fill_frac, self.rng, self.cfg.fill_weights)
@@ -191,10 +199,10 @@ class Trainer(HeadTrainer):
             loss_v, agree_v = self.dp.mean(float(loss.detach())), self.dp.mean(float(agree))
             window.setdefault(f, []).append(agree_v)
             self.history.append({"step": self.step, "fill": f, "loss": loss_v, "agree": agree_v, "tokens": tokens_seen})
+            self._advance(loss_v, tokens_seen)
             if self._log_due():
                 per_fill = " ".join(f"f{k}={sum(v) / len(v):.3f}" for k, v in sorted(window.items()))
                 self._log_step(loss_v, per_fill, tokens_seen, t0)
                 window.clear()
             if self._save_due():
                 self.save()
-        return self.pdm.eval()

@@ -144,6 +144,15 @@ class EagleTrainer(HeadTrainer):
 
     def run(self) -> EagleHead:
         cfg, t0, tokens_seen = self.cfg, time.time(), self.tokens_seen()
+        self._progress()
+        try:
+            self._steps(t0, tokens_seen)
+        finally:
+            self._end_progress()
+        return self.head.eval()
+
+    def _steps(self, t0: float, tokens_seen: int) -> None:
+        cfg = self.cfg
         while self.step < cfg.steps:
             tokens = next(self.batches).to(cfg.device)
             self._set_lr()
@@ -153,9 +162,9 @@ class EagleTrainer(HeadTrainer):
             agree = [self.dp.mean(a) for a in agree]
             self.history.append({"step": self.step, "loss": self.dp.mean(float(loss.detach())), "agree": agree,
                                  "tokens": tokens_seen})
+            self._advance(self.history[-1]["loss"], tokens_seen)
             if self._log_due():
                 steps = " ".join(f"s{i}={a:.3f}" for i, a in enumerate(agree))
                 self._log_step(self.history[-1]["loss"], steps, tokens_seen, t0)
             if self._save_due():
                 self.save()
-        return self.head.eval()

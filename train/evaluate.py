@@ -26,6 +26,7 @@ import torch
 
 from spd_engine.engine.runtime.build import build_driver_head, build_pdm, build_stage_model, build_tp_stage_model
 from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.runtime.progress import Progress
 from spd_engine.engine.model.greedy import greedy_generate
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.model.tp_model import SerialTP
@@ -219,9 +220,12 @@ def open_runner(ecfg: RunConfig, settings: EvalSettings, reference_cache: str | 
 # ---- the run ----
 
 def evaluate(runner, prompts: Sequence[tuple[Prompt, list[int]]], n: int, settings: EvalSettings,
-             eos_ids: Sequence[int], progress: Callable[[str], None] = lambda _: None) -> EvalReport:
-    """Run every (prompt, ids) through `runner`; progress gets one line per prompt."""
+             eos_ids: Sequence[int], progress: Callable[[str], None] = lambda _: None,
+             bar: Progress | None = None) -> EvalReport:
+    """Run every (prompt, ids) through `runner`; progress gets one line per prompt, or, with `bar`,
+    the bar advances one prompt per prompt showing the running alpha (its plain mode prints the lines)."""
     report = EvalReport(n=n)
+    verified = accepted = 0
     for k, (p, ids) in enumerate(prompts):
         t0 = time.perf_counter()
         out = runner.run(ids, settings.max_new_tokens, eos_ids, request=k)
@@ -231,8 +235,17 @@ def evaluate(runner, prompts: Sequence[tuple[Prompt, list[int]]], n: int, settin
         report.records.append(rec)
         a = out.acceptance
         flag = "" if out.lossless is not False else "  OUTPUT DIFFERS FROM GREEDY"
-        progress(f"[{k + 1}/{len(prompts)}] {p.dataset}#{p.index}: {a.tokens} tokens, {a.ticks} ticks, "
-                 f"alpha {fmt(ratio(a.accepted, a.verified))}, {rec.seconds:.1f}s{flag}")
+        line = (f"[{k + 1}/{len(prompts)}] {p.dataset}#{p.index}: {a.tokens} tokens, {a.ticks} ticks, "
+                f"alpha {fmt(ratio(a.accepted, a.verified))}, {rec.seconds:.1f}s{flag}")
+        if bar is None:
+            progress(line)
+            continue
+        verified, accepted = verified + a.verified, accepted + a.accepted
+        if flag:  # a failure stays visible above the bar
+            bar.write(line)
+        else:
+            bar.line(line)
+        bar.update(1, f"alpha {fmt(ratio(accepted, verified))} {p.dataset}")
     return report
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from spd_engine.engine.model.model import StageModel
+from spd_engine.engine.runtime.progress import Progress
 from spd_engine.train.data_parallel import DataParallel
 from spd_engine.train.lr_schedule import schedule_lr
 
@@ -74,6 +75,8 @@ class HeadTrainer:
         torch.manual_seed(cfg.seed)  # before the head is built: its initialisation draws from it
         self.step = 0
         self.history: list[dict] = []
+        self._bar: Progress | None = None  # set while run() steps
+        self._bar_start = (0.0, 0)
 
     def _optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """AdamW over the trainable parameters (the frozen final norm is left out)."""
@@ -101,8 +104,32 @@ class HeadTrainer:
         return self.step % LOG_EVERY == 0 or self.step == self.cfg.steps
 
     def _log_step(self, loss: float, top1: str, tokens_seen: int, t0: float) -> None:
-        self.log(f"step {self.step}/{self.cfg.steps} loss {loss:.3f} top1 {top1} "
-                 f"tokens {tokens_seen / 1e6:.3f}M {time.time() - t0:.0f}s")
+        msg = (f"step {self.step}/{self.cfg.steps} loss {loss:.3f} top1 {top1} "
+               f"tokens {tokens_seen / 1e6:.3f}M {time.time() - t0:.0f}s")
+        if self._bar is not None:
+            self._bar.line(msg)  # plain mode prints it; a terminal's bar shows the same figures
+        else:
+            self.log(msg)
+
+    def _progress(self) -> Progress:
+        """The run's bar over its steps, from the step it resumes at (plain step lines off a terminal)."""
+        self._bar = Progress(self.cfg.steps, "spd train", self.log, unit="step", initial=self.step,
+                             enabled=self.dp.is_main)
+        self._bar_start = (time.time(), self.tokens_seen())
+        return self._bar
+
+    def _advance(self, loss: float, tokens_seen: int) -> None:
+        """One step on the bar: the step's loss and the tokens per second since the run (re)started."""
+        if self._bar is None or not self._bar.is_bar:
+            return
+        t_start, tokens_start = self._bar_start
+        rate = (tokens_seen - tokens_start) / max(time.time() - t_start, 1e-9)
+        self._bar.update(1, f"loss {loss:.3f}, {rate:,.0f} tok/s, {tokens_seen / 1e6:.3f}M tokens")
+
+    def _end_progress(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        self._bar = None
 
     def _save_due(self) -> bool:
         cfg = self.cfg
