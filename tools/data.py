@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     opts = BuildOptions(seed=args.seed, holdout_fraction=args.holdout, limit_tokens=args.limit_tokens,
                         build_command=build_command(args))
     manifest = build_corpus(args.out, source_streams(names, args), tok, decon, opts,
-                            progress=lambda msg: print(f"  {msg}", flush=True))
+                            progress=lambda msg: print(f"  {msg}", flush=True), bar=True)
     print(f"corpus written to {args.out} in {time.perf_counter() - start:.1f} s "
           f"({decon.num_ngrams} eval {decon.n}-grams)")
     print(f"{'source':<15}{'licence':<12}{'samples':>9}{'tokens':>12}{'dropped':>9}")

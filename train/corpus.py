@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 
+from spd_engine.engine.runtime.progress import Progress
 from spd_engine.train.decontaminate import Decontaminator
 
 FORMAT = 1
@@ -88,13 +89,17 @@ class BuildOptions:
 
 def build_corpus(out_dir: Path, streams: Sequence[Iterable[dict]], tok: CorpusTokenizer,
                  decon: Decontaminator, opts: BuildOptions,
-                 progress: Callable[[str], None] | None = None) -> dict:
-    """Tokenise, decontaminate, shuffle, split and write the corpus; returns the manifest."""
+                 progress: Callable[[str], None] | None = None, bar: bool = False) -> dict:
+    """Tokenise, decontaminate, shuffle, split and write the corpus; returns the manifest. `bar`: a bar
+    over the tokens collected (its ETA against `limit_tokens`) when stderr is a terminal, instead of
+    the `progress` line every 10000 documents."""
     start = time.perf_counter()
     out = Path(out_dir)
     check_out_dir(out)  # fail before the long part, replace the old corpus only after it
     dtype = token_dtype(tok.vocab_size)
-    docs, meta, sources = collect(streams, tok, decon, opts, dtype, progress)
+    with Progress(opts.limit_tokens, "spd data", progress or (lambda _: None), unit="tok", unit_scale=True,
+                  enabled=bar) as shown:
+        docs, meta, sources = collect(streams, tok, decon, opts, dtype, progress, shown)
     perm = np.random.default_rng(opts.seed).permutation(len(docs))
     n_holdout = int(round(len(docs) * opts.holdout_fraction))
     splits = {"holdout": perm[:n_holdout], "train": perm[n_holdout:]}
@@ -121,8 +126,8 @@ def build_corpus(out_dir: Path, streams: Sequence[Iterable[dict]], tok: CorpusTo
 
 
 def collect(streams: Sequence[Iterable[dict]], tok: CorpusTokenizer, decon: Decontaminator,
-            opts: BuildOptions, dtype: np.dtype, progress: Callable[[str], None] | None
-            ) -> tuple[list[np.ndarray], list[tuple[int, int, int]], dict[str, dict]]:
+            opts: BuildOptions, dtype: np.dtype, progress: Callable[[str], None] | None,
+            shown: Progress | None = None) -> tuple[list[np.ndarray], list[tuple[int, int, int]], dict[str, dict]]:
     """Documents ([T] ids each), their (source index, kind code, prompt length), per-source stats."""
     docs: list[np.ndarray] = []
     meta: list[tuple[int, int, int]] = []
@@ -145,8 +150,13 @@ def collect(streams: Sequence[Iterable[dict]], tok: CorpusTokenizer, decon: Deco
         meta.append((list(sources).index(record["source"]), KIND_CODE[record["kind"]],
                      len(ids) if record["kind"] == "prompt" else 0))
         total += len(ids)
+        if shown is not None:
+            shown.update(len(ids), f"{len(docs)} documents")
         if progress and len(docs) % 10000 == 0:
-            progress(f"{len(docs)} documents, {total} tokens")
+            if shown is not None:
+                shown.line(f"{len(docs)} documents, {total} tokens")  # plain mode only: the bar counts them
+            else:
+                progress(f"{len(docs)} documents, {total} tokens")
         if opts.limit_tokens is not None and total >= opts.limit_tokens:
             break
     if not docs:

@@ -68,6 +68,9 @@ class Progress:
 
     def close(self) -> None:
         if self.bar is not None:
+            if self.bar.total is not None and self.bar.n > self.bar.total:  # a limit overshot by its last item
+                self.bar.total = self.bar.n
+                self.bar.refresh()
             self.bar.close()
             self.bar = None
 

@@ -134,3 +134,10 @@ def test_cli_plot_without_matplotlib_names_the_extra(tmp_path: Path, monkeypatch
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "pip install 'spd-engine[plot]'" in err[0]
     assert not (tmp_path / "run").exists()  # refused before any work
+
+
+def test_progress_bar_ends_full_when_a_limit_is_overshot() -> None:
+    stream = io.StringIO()
+    with Progress(10, "spd data", lambda _: None, unit="tok", tty=True, stream=stream) as bar:
+        bar.update(12)  # the last document crosses --limit-tokens
+    assert "100%" in stream.getvalue().split("\r")[-1] and "12/12" in stream.getvalue()
