@@ -577,25 +577,13 @@ def colocated_tick(shape: str, n: int, plan: CheckPlan, raw: dict) -> dict:
 KERNEL_SHAPES = {"smollm2-135m": (576, 30), "qwen3-4b": (2560, 36), "llama-3.1-8b": (4096, 32)}  # hidden, layers
 
 
-def _events_ms(fn: Callable[[], object], iters: int) -> float:
-    """Mean ms per call by CUDA events around `iters` calls after one warm-up call."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def anchor_gather(plan: CheckPlan) -> dict:
     """The Triton anchor-gather kernel (kernels/anchor_gather.py) against its torch reference on the
     rows of one steady-state tick at n = 8 (the pending full-depth row and lags 0..n-1, as
     `spd bench-kernel`, which also streams the weights from HBM; here they may sit in L2): the
     answer (relative error) and eager / graphed times. On the CPU, or without triton, only the
     torch reference runs and the kernel is reported as not run."""
+    from spd_engine.bench.profiling import events_ms
     from spd_engine.engine.protocol.anchors import AnchorPlan
     from spd_engine.engine.protocol.topology import default_stage_layers, stage_bounds
     from spd_engine.kernels.anchor_gather import anchor_rows, pack_projection_weights
@@ -636,7 +624,7 @@ def anchor_gather(plan: CheckPlan) -> dict:
             for impl in ("triton", "torch"):
                 call = lambda impl=impl: anchor_rows(ring, slots, types, packed, out=out, impl=impl,  # noqa: E731
                                                      check_indices=False)
-                r[f"{'kernel' if impl == 'triton' else 'torch'}_eager_us"] = 1e3 * _events_ms(call, iters)
+                r[f"{'kernel' if impl == 'triton' else 'torch'}_eager_us"] = 1e3 * events_ms(call, iters)
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
@@ -645,7 +633,7 @@ def anchor_gather(plan: CheckPlan) -> dict:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     call()
-                r[f"{'kernel' if impl == 'triton' else 'torch'}_graph_us"] = 1e3 * _events_ms(graph.replay, iters)
+                r[f"{'kernel' if impl == 'triton' else 'torch'}_graph_us"] = 1e3 * events_ms(graph.replay, iters)
         else:
             from spd_engine.bench.profiling import time_ms
 

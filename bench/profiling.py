@@ -211,6 +211,20 @@ def time_ms(fn: Callable[[], object], device: torch.device, iters: int, warmup: 
     return statistics.median(samples)
 
 
+def events_ms(fn: Callable[[], object], iters: int) -> float:
+    """Mean ms per call by CUDA events around `iters` back-to-back calls after one warm-up call
+    (kernel timings: no host sync between the calls)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 @torch.no_grad()
 def randomize_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     """Random weights drawn on the module's device (fast for 8B shapes): norms near 1, else std 0.02."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spd_engine.bench.profiling import events_ms
 from spd_engine.engine.protocol.anchors import AnchorPlan
 from spd_engine.engine.protocol.topology import default_stage_layers, stage_bounds
 
@@ -66,19 +67,6 @@ def bytes_moved(hidden: int, types: list[int], elem: int) -> int:
     return (weights + ring_reads + len(types) * hidden) * elem + 2 * len(types) * 4
 
 
-def _time_ms(fn, iters: int) -> float:
-    """Mean milliseconds per fn() call, by CUDA events around `iters` calls after a warm-up."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def _graphed(calls) -> torch.cuda.CUDAGraph:
     """Capture all `calls` (one per rotated weight copy) into one CUDA graph."""
     stream = torch.cuda.Stream()
@@ -98,7 +86,7 @@ def copy_bandwidth() -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write) over a 1 GiB buffer."""
     src = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
     dst = torch.empty_like(src)
-    ms = _time_ms(lambda: dst.copy_(src), 20)
+    ms = events_ms(lambda: dst.copy_(src), 20)
     return 2 * src.numel() * 4 / (ms * 1e-3)
 
 
@@ -129,11 +117,11 @@ def bench_shape(shape: Shape, dtype: torch.dtype, iters: int, sweep: bool, copy_
 
     def eager_ms(impl: str) -> float:
         cs = calls(impl)
-        return _time_ms(lambda: [c() for c in cs], max(1, iters // len(cs))) / len(cs)
+        return events_ms(lambda: [c() for c in cs], max(1, iters // len(cs))) / len(cs)
 
     def graph_ms(impl: str, config: dict | None = None) -> float:
         graph = _graphed(calls(impl, config))
-        return _time_ms(graph.replay, max(1, iters // len(copies))) / len(copies)
+        return events_ms(graph.replay, max(1, iters // len(copies))) / len(copies)
 
     nbytes = bytes_moved(hidden, row_types, packed.element_size())
     result = {"shape": shape.name, "hidden": hidden, "n": shape.n, "types": num_types, "row_types": row_types,
