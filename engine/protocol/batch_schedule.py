@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from spd_engine.engine.protocol.batch_policy import (BATCH, LATENCY_CLASSES, BatchLimits, RequestView, RowPlan,
                                                      plan_rows)
-from spd_engine.engine.protocol.schedule import CORRECTION, DRAFT, FIRST, STALE, Token, Verification
+from spd_engine.engine.protocol.schedule import (CORRECTION, DRAFT, FIRST, STALE, Token, Verification, position_label,
+                                                token_label)
 from spd_engine.engine.protocol.tick import Draft, Entry, TickState, Verdict
 
 PROMPT = "prompt"  # a Token kind here: a prompt chunk (position: its first offset, always < 0)
@@ -263,10 +264,6 @@ def utilization(run: BatchRun, first: int = 1, last: int | None = None) -> Utili
 
 # ---- the table of docs/design.md 3.12 ----
 
-def _pos(position: int) -> str:
-    return "P" if position == 0 else f"P{position:+d}"
-
-
 def label(row: StageRow | None) -> str:
     """A stage row as the tables of docs/design.md write it (3.3's labels; '-' no row)."""
     if row is None:
@@ -275,12 +272,8 @@ def label(row: StageRow | None) -> str:
     if t.kind == STALE:
         return "(stale)"
     if t.kind == PROMPT:
-        return f"prompt {_pos(t.position)}..{_pos(t.position + row.rows - 1)}"
-    if t.kind == FIRST:
-        return f"x_{_pos(t.position)}"
-    if t.kind == CORRECTION:
-        return f"c_{{{_pos(t.position)}}}"
-    return f"d{chr(39) * t.epoch}_{{{_pos(t.position)}}}"
+        return f"prompt {position_label(t.position)}..{position_label(t.position + row.rows - 1)}"
+    return token_label(t)
 
 
 def _outcome_cell(o: Outcome | None) -> str:
@@ -289,7 +282,7 @@ def _outcome_cell(o: Outcome | None) -> str:
     if o.verify is None:
         return f"{label(StageRow(o.request, o.committed))} from the prefill"
     if o.verify.accepted:
-        return f"accept: emit {_pos(o.verify.draft.position)}"
+        return f"accept: emit {position_label(o.verify.draft.position)}"
     return f"reject: emit {label(StageRow(o.request, o.committed))}, flush"
 
 

@@ -133,29 +133,29 @@ def simulate(n: int, verdicts: Iterable[bool], max_tokens: int | None = None) ->
     return records
 
 
-def _pos(position: int) -> str:
+def position_label(position: int) -> str:
     return "P" if position == 0 else f"P{position:+d}"
 
 
-def _label(token: Token) -> str:
+def token_label(token: Token) -> str:
     if token.kind == FIRST:
-        return f"x_{_pos(token.position)}"
+        return f"x_{position_label(token.position)}"
     if token.kind == CORRECTION:
-        return f"c_{{{_pos(token.position)}}}"
-    return f"d{chr(39) * token.epoch}_{{{_pos(token.position)}}}"
+        return f"c_{{{position_label(token.position)}}}"
+    return f"d{chr(39) * token.epoch}_{{{position_label(token.position)}}}"
 
 
 def _stage_cell(token: Token | None) -> str:
     if token is None:
         return ""
-    return "(stale)" if token.kind == STALE else _label(token)
+    return "(stale)" if token.kind == STALE else token_label(token)
 
 
 def _rows_cell(record: TickRecord, previous: TickRecord | None) -> str:
-    rows = ", ".join(f"{_pos(r.pos)}@{r.depth}{'*' if r.pending else ''}" for r in record.rows)
-    cell = f"[{rows}] -> {_label(record.draft)}"
+    rows = ", ".join(f"{position_label(r.pos)}@{r.depth}{'*' if r.pending else ''}" for r in record.rows)
+    cell = f"[{rows}] -> {token_label(record.draft)}"
     if previous is None or previous.cache_end != record.cache_end:
-        cell += f"; cache 0..{_pos(record.cache_end - 1)}"
+        cell += f"; cache 0..{position_label(record.cache_end - 1)}"
     return cell
 
 
@@ -164,12 +164,12 @@ def _verify_cells(record: TickRecord) -> tuple[str, str]:
     if v is None:
         return "", ""
     verdict = "accept" if v.accepted else "reject"
-    verify = f"logits({_label(v.exiting)}) vs {_label(v.draft)}: {verdict}"
+    verify = f"logits({token_label(v.exiting)}) vs {token_label(v.draft)}: {verdict}"
     if v.accepted:
-        return verify, f"emit {_pos(v.draft.position)}"
-    result = f"emit {_label(record.committed)}, flush"
+        return verify, f"emit {position_label(v.draft.position)}"
+    result = f"emit {token_label(record.committed)}, flush"
     if record.draft != v.draft:  # with n = 1 the tick's own draft is the one just rejected
-        result += f"; {_label(record.draft)} dropped"
+        result += f"; {token_label(record.draft)} dropped"
     return verify, result
 
 
