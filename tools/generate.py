@@ -22,6 +22,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from spd_engine.engine.protocol.batch_schedule import format_utilization
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.runtime.request_inputs import encode_prompts, sampling_params
 from spd_engine.tools.common import (add_engine_arguments, add_json_argument, add_request_arguments, check_output_path,
@@ -34,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_request_arguments(g)
     add_json_argument(g, "per prompt: text, token ids, model, head and stats (one line each)")
     g.add_argument("--quiet", action="store_true", help="do not stream text, nor the summary line on stderr")
+    g.add_argument("--max-batch", type=int, default=1, metavar="B",
+                   help="SPD: up to B prompts in the pipeline at once (docs/design.md 3.12); each answer "
+                        "prints when all are done, then one summary line of the run")
     g.add_argument("--ignore-eos", action="store_true",
                    help="generate --max-new-tokens tokens, past EOS (as vLLM's ignore_eos: benchmarks)")
     s = p.add_argument_group("sampling", "each default: the model's generation_config.json read as HF does (no "
@@ -64,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     sampling_params(sampling_overrides(args), None)  # bad flags fail before any model is loaded
     texts = load_prompts(args)
     check_output_path(args.json, "--json")  # before the model is converted or a rank starts
@@ -87,8 +93,13 @@ def run(args: argparse.Namespace) -> int:
     if (ecfg.pdm if ecfg.mode == "spd" else ecfg.eagle_head if ecfg.mode == "eagle" else "") == "random":
         print(f"spd: no trained {ecfg.mode} head for this model and n; using an untrained one (lossless, but slow)",
               file=sys.stderr)
+    if args.max_batch > 1 and ecfg.mode != "spd":
+        raise ValueError(f"--max-batch > 1 needs --mode spd, got --mode {ecfg.mode}")
     records = []
     with launch(ecfg) as runtime:
+        if args.max_batch > 1:
+            records = _generate_batch(args, runtime, ecfg, tok, prompts, eos, sampling)
+            prompts = []
         for i, ids in enumerate(prompts):
             if len(prompts) > 1:
                 print(f"[{i + 1}/{len(prompts)}]", file=sys.stderr, flush=True)
@@ -108,3 +119,27 @@ def run(args: argparse.Namespace) -> int:
     if records:
         Path(args.json).write_text("".join(json.dumps(r) + "\n" for r in records))
     return 0
+
+
+def _generate_batch(args: argparse.Namespace, runtime, ecfg, tok, prompts: list[list[int]], eos,
+                    sampling: SamplingParams) -> list[dict]:
+    """Every prompt through the pipeline, up to --max-batch at once; answers print in order."""
+    from spd_engine.engine.runtime.batch_driver import BatchRequest
+
+    out = runtime.generate_batch([BatchRequest(ids, args.max_new_tokens, eos, sampling) for ids in prompts],
+                                 args.max_batch)
+    records = []
+    for i, res in enumerate(out.results):
+        if not args.quiet:
+            print(f"[{i + 1}/{len(prompts)}]", file=sys.stderr, flush=True)
+            print(tok.text(res.tokens) if tok is not None else res.tokens, flush=True)
+            print(f"spd: {res.summary(ecfg.mode)}", file=sys.stderr, flush=True)
+        if args.json == "-":
+            print(json.dumps(result_json(i, ecfg, res, tok, sampling)), flush=True)
+        elif args.json:
+            records.append(result_json(i, ecfg, res, tok, sampling))
+    if not args.quiet:
+        print(f"spd: {len(prompts)} requests at B={args.max_batch}: {out.tokens} tokens in {out.wall_s:.2f} s, "
+              f"{out.tokens_per_s:.1f} tok/s; {out.ticks} ticks, "
+              f"stage utilization {format_utilization(out.utilization)}", file=sys.stderr, flush=True)
+    return records

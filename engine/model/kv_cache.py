@@ -9,10 +9,16 @@ entries for position `p >= q` at slots `q + (p - q) W + c` (chain c), so a chain
 contiguous slots and sees the shared prefix below `q` (a tree mask selects its own chain above
 it). `keep_chain` moves the survivor's entries down to slots `q, q + 1, ...`, after which the
 cache is what a single chain would have written.
+
+Several requests (docs/design.md 3.12): a stage keeps one cache per request slot, and a stage
+step over the rows of several requests attends each row to its own request's cache through
+`RowCaches`, while the step's matmuls run over all rows at once.
 """
 from __future__ import annotations
 
 import torch
+
+import torch.nn.functional as F
 
 from spd_engine.engine.model.model_config import ModelConfig
 
@@ -62,3 +68,24 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+
+
+class RowCaches:
+    """The caches of a stage step whose rows are one token each of several requests: row r is
+    the token at position `positions[r]` of the request whose cache is `caches[r]`."""
+
+    def __init__(self, caches: list[KVCache], positions: list[int]) -> None:
+        assert len(caches) == len(positions) and caches, (len(caches), len(positions))
+        for cache, pos in zip(caches, positions):
+            if not 0 <= pos < cache.capacity:
+                raise ValueError(f"KV cache holds {cache.capacity} positions; writing at {pos}")
+        self.caches, self.positions = caches, positions
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
+        """q [1, nh, R, hd], k/v [1, nkv, R, hd] -> [1, nh, R, hd]: row r's K/V written at its
+        position in its own cache, its query attending to that cache's slots up to it."""
+        out = torch.empty_like(q)
+        for r, (cache, pos) in enumerate(zip(self.caches, self.positions)):
+            keys, values = cache.write(layer, pos, k[:, :, r:r + 1], v[:, :, r:r + 1])  # [1, nkv, pos + 1, hd]
+            out[:, :, r:r + 1] = F.scaled_dot_product_attention(q[:, :, r:r + 1], keys, values, enable_gqa=gqa)
+        return out

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spd_engine.engine.model.model_config import ModelConfig
-from spd_engine.engine.model.kv_cache import KVCache
+from spd_engine.engine.model.kv_cache import KVCache, RowCaches
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -98,6 +98,9 @@ class SelfAttention(nn.Module):
         if cfg.qk_norm:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if isinstance(cache, RowCaches):  # one token of each of several requests (kv_cache.py)
+            out = cache.attend(layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cfg.q_per_group > 1)
+            return self.linear_proj(out.transpose(1, 2).reshape(B, T, cfg.num_heads * hd))
         keys, values = cache.write(layer, slot0, k.transpose(1, 2), v.transpose(1, 2))  # [B, nkv, S, hd]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                              enable_gqa=cfg.q_per_group > 1)  # [B, nh, T, hd]
@@ -202,11 +205,13 @@ class StageModel(nn.Module):
         Returns the output and the raw outputs of the layers in `capture` (anchor states).
         """
         B, T, _ = h.shape
-        if slot0 + T > cache.capacity:
+        if isinstance(cache, RowCaches):  # h [1, R, H]: one token of each of R requests, positions [1, R]
+            assert B == 1 and positions is not None and mask is None, (h.shape, mask)
+        elif slot0 + T > cache.capacity:
             raise ValueError(f"KV cache holds {cache.capacity} positions; writing up to {slot0 + T}")
         if positions is None:
             positions = torch.arange(slot0, slot0 + T, device=h.device).expand(B, T)
-        if mask is None:
+        if mask is None and not isinstance(cache, RowCaches):
             mask = causal_mask(slot0, T, h.device)
         cos_t, sin_t = self.rope(h.device)
         cos, sin = cos_t[positions], sin_t[positions]  # [B, T, hd]

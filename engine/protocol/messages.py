@@ -23,6 +23,13 @@ are not exact there). Fields:
   (-1: none)
 - survivor: on the first message after a branch point resolved: the row whose chain survived;
   each stage keeps that chain's KV entries and drops the others' (-1: none)
+- slot: with several requests in the pipeline (docs/design.md 3.12), a PREFILL chunk's request
+  slot, whose KV cache it fills (its `epoch` is then the request's serial); 0 otherwise
+
+A BATCH message carries one token of each of `rows` requests; its first payload is an int64
+[rows, META_LEN] table, one row per token (META_FIELDS): the request slot whose KV cache the
+token uses, the request's serial (which request holds that slot), its epoch in that request, its
+position, its id (stage 0 embeds it) and the last stage's T=0 argmax behind it (-1: not computed).
 """
 from __future__ import annotations
 
@@ -34,8 +41,10 @@ from typing import NamedTuple
 
 import torch
 
-HEADER_FIELDS = ("kind", "position", "epoch", "token", "length", "reply", "rows", "branch", "survivor")
+HEADER_FIELDS = ("kind", "position", "epoch", "token", "length", "reply", "rows", "branch", "survivor", "slot")
 HEADER_LEN = len(HEADER_FIELDS)
+META_FIELDS = ("slot", "serial", "epoch", "position", "token", "reply")
+META_LEN = len(META_FIELDS)
 CONFIG_LEN = 4  # int64 values of a CONFIG payload (sampling_payload)
 
 
@@ -46,6 +55,7 @@ class Kind(IntEnum):
     SHUTDOWN = 4  # stop the worker loop
     STATS = 5  # a stage's per-request timing: `length` float64 values follow
     CONFIG = 6  # per-request sampling parameters for a head stage: int64 [CONFIG_LEN] follows
+    BATCH = 7  # one token of each of `rows` requests: int64 [rows, META_LEN] follows, then as TOKEN
 
 
 class Header(NamedTuple):
@@ -62,11 +72,12 @@ class Header(NamedTuple):
     rows: int = 1
     branch: int = -1
     survivor: int = -1
+    slot: int = 0
 
     @property
     def num_tokens(self) -> int:
         """Tokens whose hidden states the message carries (0 for control messages)."""
-        if self.kind == Kind.TOKEN:
+        if self.kind == Kind.TOKEN or self.kind == Kind.BATCH:
             return self.rows
         return self.length if self.kind == Kind.PREFILL else 0
 
@@ -150,12 +161,16 @@ class WireFormat:
             return (Payload("sampling", (CONFIG_LEN,), "int64"),)
         if hdr.kind == Kind.TOKEN and hdr.rows > 1:
             return (Payload("ids", (hdr.rows,), "int64"),)  # the chains' tokens, row order
+        if hdr.kind == Kind.BATCH:
+            return (_meta(hdr),)  # the ids are in the table
         return ()  # TOKEN: the id is in the header
 
     def downstream(self, hdr: Header) -> tuple[Payload, ...]:
         """What follows a header stage s sends to stage s + 1."""
         if hdr.kind in (Kind.TOKEN, Kind.PREFILL):
             return (Payload("hidden", (hdr.num_tokens, self.hidden)),)
+        if hdr.kind == Kind.BATCH:
+            return (_meta(hdr), Payload("hidden", (hdr.rows, self.hidden)))
         if hdr.kind == Kind.CONFIG:
             return (Payload("sampling", (CONFIG_LEN,), "int64"),)
         return ()
@@ -164,8 +179,15 @@ class WireFormat:
         """What follows a header stage `stage` sends to the driver."""
         if hdr.kind == Kind.STATS:
             return (Payload("stats", (hdr.length,), "float64"),)
+        if hdr.kind == Kind.BATCH:
+            return (_meta(hdr), *_token_report(self, stage, hdr.rows))
         assert hdr.kind in (Kind.TOKEN, Kind.PREFILL), hdr
         return _token_report(self, stage, hdr.num_tokens)
+
+
+def _meta(hdr: Header) -> Payload:
+    """A BATCH message's table: one int64 row of META_FIELDS per token."""
+    return Payload("meta", (hdr.rows, META_LEN), "int64")
 
 
 @functools.lru_cache(maxsize=4096)

@@ -56,6 +56,7 @@ class StageStats:
     tp_collective_s: float = 0.0
     send_s: float = 0.0  # the frame downstream and the reply to the driver, after the compute
     verify_s: float = 0.0  # a verifying last stage's head and argmax (part of the compute)
+    rows: float = 0.0  # token rows over the decode messages (several requests: docs/design.md 3.12)
 
     def values(self) -> list[float]:
         return [getattr(self, f.name) for f in fields(self)]

@@ -11,7 +11,7 @@ engine/protocol/messages.py's WireFormat.
 The parts, each an object of its own: the buffers the stages' payloads land in
 (driver_buffers.py), the links that read them (stage_links.py), stage 0 in its layouts
 (stage0_port.py), drafting (drafter.py), branch chains (branch_chains.py, docs/design.md 3.11),
-verification (verifier.py). Everything of one request lives in its RequestState
+verification (verifier.py), both per request in a lane (lane.py). Everything of one request lives in its RequestState
 (request_state.py).
 """
 from __future__ import annotations
@@ -32,10 +32,11 @@ from spd_engine.engine.protocol.metrics import GenerationResult
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.protocol.tick import Draft, Entry, TickPlan, Verdict
 from spd_engine.engine.protocol.topology import Topology
+from spd_engine.engine.runtime.batch_driver import BatchDriver, BatchRequest, BatchResult
 from spd_engine.engine.runtime.branch_chains import BranchChains
-from spd_engine.engine.runtime.draft_records import DraftRecord
 from spd_engine.engine.runtime.drafter import DraftObserver, Drafter
 from spd_engine.engine.runtime.driver_buffers import DriverBuffers
+from spd_engine.engine.runtime.lane import Lane
 from spd_engine.engine.runtime.request_state import DraftPolicy, OnToken, RequestState
 from spd_engine.engine.runtime.run_config import RankOptions, StepMode
 from spd_engine.engine.runtime.stage0_port import Stage0Port
@@ -79,6 +80,7 @@ class Driver:
                                self.pdm_steps)
         self.branches = BranchChains(opts.branches, self.drafter)
         self.verifier = Verifier(head, self.buf.exit_buf, verify_step)
+        self.lane = Lane(self.drafter, self.branches, self.verifier)
         self.epoch = 0  # grows over requests: nothing of an earlier request can match a later one
         self.req: RequestState | None = None  # the live request
         self.trace: list[tuple[int, str, float, float]] | None = [] if opts.trace else None  # (tick, what, t0, t1)
@@ -165,6 +167,10 @@ class Driver:
             res.trace = {"driver": list(self.trace), "stages": [st.pop("trace") for st in res.stages]}
         return res
 
+    def generate_batch(self, requests: Sequence[BatchRequest], max_batch: int) -> BatchResult:
+        """Several requests through the pipeline, up to `max_batch` at once (docs/design.md 3.12)."""
+        return BatchDriver(self, max_batch).run(requests)
+
     def _decode(self, req: RequestState) -> None:
         state = req.state
         while True:
@@ -212,44 +218,18 @@ class Driver:
         last, ex = self.n - 1, plan.exit
         exit_hdr = ex is not None and self._recv(last, Kind.TOKEN, ex.pos, ex.row, arrived_only=True)
         tp = time.perf_counter()
-        drafts = self._drafts(plan)
+        drafts = self.lane.drafts(self.req, plan)
         self.req.account("pdm", tp)
         if ex is None:  # filling: no token leaves the pipeline this tick
             return drafts, None
         exit_hdr = exit_hdr or self._recv(last, Kind.TOKEN, ex.pos, ex.row)
         rec = self.req.drafts.take(plan.verify_pos)  # bookkeeping, outside the verification's timer
         tv = time.perf_counter()
-        verdict = self._verify(plan, drafts, rec, exit_hdr.reply if self.wire.verify_on_last else -1)
+        verdict = self.lane.verify(self.req, plan, drafts, rec, plan.exit.row,
+                                   exit_hdr.reply if self.wire.verify_on_last else -1)
         self.req.account("verify", tv)
         self.req.count_verified(rec.sources[verdict.chain], verdict.accepted)
         return drafts, verdict
-
-    def _drafts(self, plan: TickPlan) -> list[Draft]:
-        """This tick's drafts for plan.draft_pos: one; a branch point's candidates; or one per chain."""
-        if plan.branch is not None:
-            return self.branches.chain_drafts(self.req, plan)
-        h_last, draft_id = self.drafter.step(self.drafter.tick_rows(plan), plan.pdm_pos)
-        if self.branches.policy.branches(plan.fill, False):
-            return self.branches.candidates(self.req, h_last, plan)
-        return [Draft(plan.draft_pos, self.drafter.draft(self.req, h_last, plan, draft_id))]
-
-    def _verify(self, plan: TickPlan, drafts: list[Draft], rec: DraftRecord, reply: int) -> Verdict:
-        """The verdict on the draft behind the exiting token, `rec` its record (`reply`: the last
-        stage's argmax, or -1)."""
-        req, pos, row = self.req, plan.verify_pos, plan.exit.row
-        if plan.proposed is not None:
-            at_branch = plan.proposed.pos == plan.branch
-            tokens = plan.proposed.chains if at_branch else (plan.proposed.token,)
-        else:  # n = 1: this tick's own draft (or candidates) is verified now
-            tokens = tuple(d.token for d in drafts)
-        if len(tokens) == 1:
-            assert rec.width == 1, f"position {pos}: a chain's draft verified before its branch point resolved"
-            accepted, target = self.verifier.verify(pos, tokens[0], rec.qs[0], req.sampling, row, reply)
-            chain = 0
-        else:
-            index, target = self.verifier.verify_branch(pos, tokens, rec.cands, req.sampling, row, reply)
-            accepted, chain = index is not None, index or 0
-        return Verdict(accepted, target, chain)
 
     def _finish_request(self) -> list[dict[str, float]]:
         """END down the pipe, drain what the stages still send, collect their stats."""

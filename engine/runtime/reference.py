@@ -56,6 +56,9 @@ class ReferenceExecutor:
     def generate(self, *args, **kwargs):
         return self.driver.generate(*args, **kwargs)
 
+    def generate_batch(self, *args, **kwargs):
+        return self.driver.generate_batch(*args, **kwargs)
+
     def close(self) -> None:
         if not self.errors:
             self.driver.shutdown()

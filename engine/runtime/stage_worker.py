@@ -9,6 +9,10 @@ moves that chain's entries down before it is computed.
 What each message carries is engine/protocol/messages.py's WireFormat: every token or prefill message a
 reporting stage computes produces exactly one message to the driver, which the driver counts
 on to drain its links at the end of a request.
+Several requests in the pipeline (docs/design.md 3.12): each request slot has its own KV cache;
+a BATCH message carries one token of each of several requests, computed as one step whose
+matmuls run over all its rows while each row attends to its own request's cache
+(engine/model/kv_cache.py RowCaches).
 """
 from __future__ import annotations
 
@@ -19,8 +23,9 @@ import torch
 
 from spd_engine.engine.protocol.anchors import AnchorPlan
 from spd_engine.engine.model.graphs import StageStep, VerifyStep
-from spd_engine.engine.model.kv_cache import chain_mask, chain_slot0
-from spd_engine.engine.protocol.messages import CONFIG_LEN, Header, Kind, WireFormat, parse_sampling_payload
+from spd_engine.engine.model.kv_cache import KVCache, RowCaches, chain_mask, chain_slot0
+from spd_engine.engine.protocol.messages import (CONFIG_LEN, META_FIELDS, META_LEN, Header, Kind, WireFormat,
+                                                 parse_sampling_payload)
 from spd_engine.engine.protocol.metrics import StageStats
 from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs
 from spd_engine.engine.model.model import StageModel
@@ -28,6 +33,10 @@ from spd_engine.engine.runtime.run_config import RankOptions, StepMode
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.model.tp_model import resident_bytes
 from spd_engine.engine.comm.transport import Transport
+
+
+MAX_SLOTS = 64  # request slots a stage accepts (one KV cache each, made on first use)
+_SLOT, _POSITION, _TOKEN, _REPLY = (META_FIELDS.index(f) for f in ("slot", "position", "token", "reply"))
 
 
 def wire_format(topo: Topology, plan: AnchorPlan | None, hidden: int, verify_on_last: bool = False) -> WireFormat:
@@ -72,6 +81,7 @@ class StageWorker:
         # chain slots of a branch point reach (n - 1) W past its position (engine/model/kv_cache.py)
         self.cache = model.new_cache(1, opts.capacity + ((topo.n - 1) * width if width > 1 else 0))
         self.chain_width = 1  # rows of the last chain message: the width of the branch point in flight
+        self.slot_caches: dict[int, KVCache] = {0: self.cache}  # several requests: one cache per request slot
         rows = max(chunk, width)
         self.h_in = torch.empty(rows, H, device=p.device, dtype=p.dtype)  # [chunk, H] received hidden
         # a decode message's buffers, pinned with the transport: the hidden state in, the output row
@@ -133,6 +143,10 @@ class StageWorker:
         if hdr.kind in (Kind.TOKEN, Kind.PREFILL):
             self.in_request = True
             self._compute(hdr, t0)
+            return True
+        if hdr.kind == Kind.BATCH:
+            self.in_request = True
+            self._compute_batch(hdr, t0)
             return True
         if hdr.kind == Kind.CONFIG:
             self.t.recv_into(self.prev, self.cfg_in, self.timeout)
@@ -206,8 +220,9 @@ class StageWorker:
         else:
             h = emb = self.model.embed(ids) if self.stage == 0 else h  # [1, T, H]
             into = self._into1 if T == 1 and self.pinned and hdr.kind == Kind.TOKEN else None
+            cache = self.cache if hdr.slot == 0 else self._cache_of(hdr.slot)
             out, caps = self._forward(h, hdr) if chains else \
-                self.model.forward_layers(h, self.cache, pos, capture=self.capture, into=into)
+                self.model.forward_layers(h, cache, pos, capture=self.capture, into=into)
         if self.verifies:  # the target's argmax behind a one-row decode exit at T=0, else -1
             token = -1
             if hdr.kind == Kind.TOKEN and not chains and self.sampling.greedy:
@@ -242,6 +257,53 @@ class StageWorker:
             self._report(hdr.with_reply(token) if self.model.has_head else hdr, row, caps)
         if hdr.kind == Kind.TOKEN:
             self.stats.send_s += time.perf_counter() - t2
+
+    def _cache_of(self, slot: int) -> KVCache:
+        """Request slot `slot`'s KV cache, made on its first use."""
+        cache = self.slot_caches.get(slot)
+        if cache is None:
+            if not 0 <= slot < MAX_SLOTS:
+                raise RuntimeError(f"stage {self.stage}: request slot {slot} is outside 0..{MAX_SLOTS - 1}")
+            cache = self.slot_caches[slot] = self.model.new_cache(1, self.capacity)
+        return cache
+
+    def _compute_batch(self, hdr: Header, t0: float) -> None:
+        """One token of each of hdr.rows requests as one step (eager): the table, then the rows."""
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._compute_batch(hdr, t0)
+        R, H = hdr.rows, self.model.cfg.hidden_size
+        p = next(self.model.parameters())
+        meta = self.t.recv_into(self.prev, torch.empty(R, META_LEN, dtype=torch.int64), self.timeout, self.handled)
+        if self.stage == 0:
+            h = self.model.embed(meta[None, :, _TOKEN].to(p.device))  # [1, R, H]
+        else:
+            h = self.t.recv_into(self.prev, torch.empty(R, H, device=p.device, dtype=p.dtype), self.timeout,
+                                 self.handled)[None]  # [1, R, H]
+        t1 = time.perf_counter()
+        positions = meta[:, _POSITION].tolist()
+        caches = RowCaches([self._cache_of(int(s)) for s in meta[:, _SLOT].tolist()], positions)
+        out, caps = self.model.forward_layers(h, caches, 0, positions=meta[None, :, _POSITION].to(p.device),
+                                              capture=self.capture)  # [1, R, H]
+        if self.verifies:  # every row's T=0 argmax; the driver uses those of its greedy requests
+            tv = time.perf_counter()
+            meta[:, _REPLY] = self.model.logits(out[0]).argmax(-1).cpu()  # host sync: the ids go in the table
+            self.stats.verify_s += time.perf_counter() - tv
+        t2 = time.perf_counter()
+        self.handled += 1
+        self.stats.compute_s += t2 - t1
+        self.stats.messages += 1
+        self.stats.rows += R
+        self.stats.wait_s += t1 - t0
+        if self.trace is not None:
+            self.trace += [t0, t1, t2]
+        if self.next is not None:
+            self.t.send(self.next, hdr, [meta, out[0]])
+        if self.reports:
+            tensors = {"meta": lambda: meta, "exit": lambda: out[0],
+                       "anchors": lambda: torch.stack([caps[layer][0] for layer in self.anchor_layers], dim=1)}
+            self.t.send(self.driver, hdr, [tensors[q.name]() for q in self.wire.to_driver(self.stage, hdr)])
+        self.stats.send_s += time.perf_counter() - t2
 
     def _rows_out(self, out: torch.Tensor, caps: dict[int, torch.Tensor], T: int, report: bool,
                   written: bool) -> torch.Tensor:

@@ -1,0 +1,367 @@
+"""Several requests in the pipeline at once (docs/design.md 3.12): the driver's tick loop over up to
+B live requests, each in a request slot with its own tick protocol, drafts, PDM cache, anchor
+ring, verification and counters, sharing the stages.
+
+Every tick, each decoding request's entering token travels in one BATCH message (one row each:
+engine/protocol/messages.py), so every stage step carries one row of every request that has a
+token there, stale rows of flushed requests included; a rejection flushes only its own request
+(its epoch), and the other requests' rows keep the stages busy. A request joins when a slot is
+free and its arrival tick has come: its prompt goes through the same stages in PREFILL chunks,
+one chunk per tick, between the BATCH messages, so a newcomer's prefill never stalls the others
+for more than a chunk; it decodes from the tick after its first token is known, and leaves at its
+end, freeing the slot. The stages report in the order the driver sent; reports are read in that
+order and each row lands in its request's ring (stale rows are dropped by (serial, epoch)).
+
+The PDM and the verification run per request, over each request's own rows (the PDM pass over
+every request's rows at once is not built yet).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from spd_engine.engine.model.greedy import check_request, prefill_chunks
+from spd_engine.engine.protocol.batch_schedule import Utilization
+from spd_engine.engine.protocol.messages import META_FIELDS, Header, Kind
+from spd_engine.engine.protocol.metrics import GenerationResult
+from spd_engine.engine.protocol.sampling import SamplingParams
+from spd_engine.engine.protocol.tick import Entry, TickPlan
+from spd_engine.engine.runtime.branch_chains import BranchChains
+from spd_engine.engine.runtime.drafter import Drafter
+from spd_engine.engine.runtime.driver_buffers import DriverBuffers
+from spd_engine.engine.runtime.lane import Lane
+from spd_engine.engine.runtime.request_state import DraftPolicy, OnToken, RequestState
+from spd_engine.engine.runtime.stage_worker import receive_stats
+from spd_engine.engine.runtime.verifier import Verifier
+
+_SLOT, _SERIAL, _EPOCH, _POS, _TOKEN, _REPLY = (META_FIELDS.index(f) for f in
+                                                ("slot", "serial", "epoch", "position", "token", "reply"))
+
+
+@dataclass
+class BatchRequest:
+    """One request of a run of several: what `Driver.generate` takes, and the tick from which it may join."""
+
+    prompt: Sequence[int]
+    max_new_tokens: int
+    eos_ids: Sequence[int] = ()
+    sampling: SamplingParams = SamplingParams()
+    arrival_tick: int = 1
+    draft_policy: DraftPolicy | None = None
+    on_token: OnToken | None = None
+
+
+@dataclass
+class BatchResult:
+    """A run of several requests: each request's result (in the order given), and the run's."""
+
+    results: list[GenerationResult]
+    ticks: int
+    wall_s: float
+    rows: list[int]  # decode rows of each tick's BATCH message (0: none sent)
+    utilization: Utilization
+    stages: list[dict] = field(default_factory=list)  # each stage's statistics over the run
+    ttft_s: list[float] = field(default_factory=list)  # per request: arrival (its tick, queue included) to first token
+    latency_s: list[float] = field(default_factory=list)  # per request: arrival to its last token
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.results)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def tpot_s(self) -> list[float]:
+        """Per request: seconds per output token after the first."""
+        return [(lat - ttft) / r.decode_tokens if r.decode_tokens else 0.0
+                for r, ttft, lat in zip(self.results, self.ttft_s, self.latency_s)]
+
+
+class _Live:
+    """One request in its slot: its state, its lane over its own buffers, what arrived for it."""
+
+    def __init__(self, run: "BatchDriver", index: int, slot: int, serial: int, request: BatchRequest) -> None:
+        d = run.driver
+        self.index, self.slot, self.serial, self.request = index, slot, serial, request
+        self.req = RequestState(d.n, request.max_new_tokens, frozenset(request.eos_ids), request.sampling, 0,
+                                request.draft_policy, request.on_token,
+                                d.drafter.chooser.new_index(request.prompt))
+        self.buf = DriverBuffers(d.n, d.plan, d.wire, d.head.cfg.hidden_size, 1, 1, d.t, d.device, d.dtype)
+        self.pdm_cache = d.pdm.new_cache(d.capacity)
+        self.exits = torch.empty(self.buf.num_slots, d.head.cfg.hidden_size, device=d.device, dtype=d.dtype)
+        self.replies = [-1] * self.buf.num_slots  # the last stage's argmax behind each exit, by ring slot
+        drafter = Drafter(d.pdm, self.pdm_cache, self.buf, d.drafter.chooser, d.drafter.cross, {})
+        self.lane = Lane(drafter, BranchChains(d.branches.policy, drafter), Verifier(d.head, self.exits, None))
+        self.got = [(-1, -1)] * d.n  # per stage: (epoch, position) of its newest report for this request
+        self.ids = torch.tensor(list(request.prompt), dtype=torch.long, device=d.device)
+        self.chunks = prefill_chunks(len(request.prompt), d.chunk)
+        self.sent_chunks = 0
+        self.done_chunks = 0  # chunks whose rows are in the PDM cache
+        self.chunk_anchors: dict[int, torch.Tensor] = {}  # chunk start -> [count, m, H]
+        self.chunk_reports: dict[int, set[int]] = {}  # chunk start -> stages whose report arrived
+        self.prefill_exit: torch.Tensor | None = None  # [H] the last chunk's last exit state
+        self.decoding = False
+        self.finished = False
+        self.epoch_end: dict[int, int] = {}  # epoch -> the tick after which its rows are stale
+        self.t_arrival = self.t_slot = self.t_first = self.t_last = 0.0  # arrived, took its slot, first, last token
+
+    def arrived(self, s: int, pos: int) -> bool:
+        epoch, got = self.got[s]
+        return epoch == self.req.epoch and got >= pos
+
+
+class BatchDriver:
+    """Runs requests through a Driver's pipeline, up to `max_batch` at once."""
+
+    def __init__(self, driver, max_batch: int) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if driver.branches.width > 1:
+            raise ValueError("several requests in the pipeline run with branch width 1 only (--branches 1)")
+        if driver.topo.tp > 1:
+            raise ValueError("several requests in the pipeline run without tensor parallelism only (--tp 1)")
+        self.driver, self.max_batch = driver, max_batch
+        self.n, self.t, self.timeout = driver.n, driver.t, driver.timeout
+        self.reporting = [s for s in range(self.n) if driver.wire.reports_to_driver(s)]
+        self.serial = 0
+
+    # ---- receiving: every reporting stage's messages, in the order they were sent ----
+    def _pump(self, s: int) -> None:
+        """Read stage s's next report and put each of its rows where it belongs."""
+        d = self.driver
+        rank = d.stage_rank[s]
+        hdr = self.t.recv_header(rank, self.timeout, self.tick)
+        self.consumed[s] += 1
+        payloads = {p.name: self.t.recv_into(rank, self._buffer(p), self.timeout, self.tick)
+                    for p in d.wire.to_driver(s, hdr)}
+        if hdr.kind == Kind.PREFILL:
+            self._prefill_report(s, hdr, payloads)
+            return
+        assert hdr.kind == Kind.BATCH, f"stage {s} sent {hdr} in a run of several requests"
+        a = d.buf.stage_anchors[s]
+        for r, (slot, serial, epoch, pos, _, reply) in enumerate(payloads["meta"].tolist()):
+            live = self.slots[slot]
+            if live is None or live.serial != serial or live.req.epoch != epoch:
+                continue  # stale: flushed, or its request has finished
+            ring = live.buf.slot(pos)
+            if a:
+                live.buf.ring[ring, a[0]:a[-1] + 1] = payloads["anchors"][r]
+            if "exit" in payloads:
+                live.exits[ring] = payloads["exit"][r]
+                live.replies[ring] = reply
+            live.got[s] = (epoch, pos)
+
+    def _buffer(self, p) -> torch.Tensor:
+        d = self.driver
+        if p.kind == "act":
+            return torch.empty(p.shape, device=d.device, dtype=d.dtype)
+        return torch.empty(p.shape, dtype=torch.int64 if p.kind == "int64" else torch.float64)
+
+    def _need(self, s: int, live: _Live, pos: int) -> None:
+        """Read stage s's reports until the one carrying `live`'s token at `pos` has arrived."""
+        t0 = time.perf_counter()
+        while not live.arrived(s, pos):
+            self._pump(s)
+        live.req.account("wait", t0)
+
+    # ---- prefill: one chunk per tick, between the BATCH messages ----
+    def _send_chunk(self, live: _Live) -> None:
+        d = self.driver
+        start, count = live.chunks[live.sent_chunks]
+        live.sent_chunks += 1
+        live.chunk_anchors[start] = torch.empty(count, d.plan.num_types, d.head.cfg.hidden_size, device=d.device,
+                                                dtype=d.dtype)  # [count, m, H]
+        live.chunk_anchors[start][:, 0] = d.head.embed(live.ids[None, start:start + count])[0]
+        live.chunk_reports[start] = set()
+        self._send(Header(Kind.PREFILL, start, live.serial, length=count, slot=live.slot),
+                   [live.ids[start:start + count]])
+
+    def _prefill_report(self, s: int, hdr: Header, payloads: dict) -> None:
+        live = self.slots[hdr.slot]
+        if live is None or live.serial != hdr.epoch:
+            return
+        a = self.driver.buf.stage_anchors[s]
+        if a:
+            live.chunk_anchors[hdr.position][:, a[0]:a[-1] + 1] = payloads["anchors"]
+        if "exit" in payloads:
+            live.prefill_exit = payloads["exit"][-1].clone()
+        live.chunk_reports[hdr.position].add(s)
+
+    def _advance_prefill(self, live: _Live, block: bool) -> None:
+        """Put the chunks whose reports have all arrived into the PDM cache, in order; after the
+        last, the request's first token. block: wait for the reports of the chunks sent."""
+        d = self.driver
+        while live.done_chunks < live.sent_chunks:
+            start, count = live.chunks[live.done_chunks]
+            while len(live.chunk_reports[start]) < len(self.reporting):
+                missing = [s for s in self.reporting if s not in live.chunk_reports[start]]
+                ready = [s for s in missing if self.t.ready(d.stage_rank[s])]
+                if not ready and not block:
+                    return
+                self._pump(ready[0] if ready else missing[0])
+            rows = d.pdm.rows_of_type(live.chunk_anchors.pop(start), d.buf.full_type)  # [count, H]
+            d.pdm.forward_rows(rows[None], live.pdm_cache, start)
+            live.done_chunks += 1
+        if live.done_chunks == len(live.chunks):
+            self._first_token(live)
+
+    def _first_token(self, live: _Live) -> None:
+        d, req = self.driver, live.req
+        P = len(live.request.prompt)
+        first = live.lane.verifier.sample_target(d.head.logits(live.prefill_exit), P, req.sampling)
+        live.t_first = time.perf_counter()
+        req.res.prefill_s = live.t_first - live.t_slot  # from taking its slot: the queue's wait is not prefill
+        req.start_decode(P, first, d.anchor_stages)
+        if req.commit(first):
+            live.decoding = True
+        else:
+            self._finish(live)
+
+    # ---- the tick ----
+    def _send(self, hdr: Header, payloads: list[torch.Tensor]) -> None:
+        self.driver.stage0.send(hdr, payloads, overlap=hdr.kind == Kind.BATCH)
+        self.sent += 1
+
+    def _admit(self) -> None:
+        now = time.perf_counter()
+        for index, request in self.queue:  # arrived: from this tick on it waits for a slot
+            if request.arrival_tick <= self.tick:
+                self.t_ready.setdefault(index, now)
+        while self.queue and self.queue[0][1].arrival_tick <= self.tick and None in self.slots:
+            index, request = self.queue.pop(0)
+            slot = self.slots.index(None)
+            self.serial += 1
+            live = self.slots[slot] = _Live(self, index, slot, self.serial, request)
+            live.t_arrival, live.t_slot = self.t_ready[index], time.perf_counter()
+
+    def _tick(self) -> None:
+        self.tick += 1
+        self._admit()
+        lives = [x for x in self.slots if x is not None]
+        decoding = [x for x in lives if x.decoding]
+        plans = [x.req.state.plan() for x in decoding]
+        for live, plan in zip(decoding, plans):
+            live.req.tick = plan.tick
+        if decoding:
+            self._send_batch(decoding, plans)
+        self.rows.append(len(decoding))
+        drafts = []
+        for live, plan in zip(decoding, plans):
+            for s, e in plan.anchor_reads:  # the token at lag j finished stage j-1 last tick
+                self._need(s, live, e.pos)
+            tp = time.perf_counter()
+            drafts.append(live.lane.drafts(live.req, plan))
+            live.req.account("pdm", tp)
+        for live, plan, ds in zip(decoding, plans, drafts):
+            self._verify_and_advance(live, plan, ds)
+        if self.driver.stage0.runner is not None:  # a co-located stage 0's step of this tick's rows
+            self.driver.stage0.runner.join()
+        newcomer = next((x for x in lives if x.sent_chunks < len(x.chunks)), None)
+        if newcomer is not None:  # after the join: a co-located stage 0 steps on the chunk inline
+            self._send_chunk(newcomer)
+        for live in lives:
+            if not live.decoding and not live.finished:
+                self._advance_prefill(live, block=not decoding)
+
+    def _send_batch(self, decoding: list[_Live], plans: list[TickPlan]) -> None:
+        """The entering tokens, one row each, to stage 0; their anchor 0 (the embedding) to their rings."""
+        d = self.driver
+        entries: list[Entry] = [plan.enter[0] for plan in plans]
+        meta = torch.tensor([[x.slot, x.serial, e.epoch, e.pos, e.token, -1] for x, e in zip(decoding, entries)],
+                            dtype=torch.int64)  # [R, META_LEN]
+        self._send(Header(Kind.BATCH, rows=len(entries)), [meta])
+        emb = d.head.embed(meta[None, :, _TOKEN].to(d.device))[0]  # [R, H]
+        for r, (live, e) in enumerate(zip(decoding, entries)):
+            live.buf.ring[live.buf.slot(e.pos), 0] = emb[r]
+        self.sent_rows.append([(x, e.epoch) for x, e in zip(decoding, entries)])
+
+    def _verify_and_advance(self, live: _Live, plan: TickPlan, drafts: list) -> None:
+        req, state = live.req, live.req.state
+        verdict = None
+        if plan.exit is not None:
+            self._need(self.n - 1, live, plan.exit.pos)
+            rec = req.drafts.take(plan.verify_pos)
+            row = live.buf.slot(plan.exit.pos)
+            tv = time.perf_counter()
+            # the last stage's argmax is every row's; a sampled request verifies against its q here
+            reply = live.replies[row] if self.driver.wire.verify_on_last and req.sampling.greedy else -1
+            verdict = live.lane.verify(req, plan, drafts, rec, row, reply)
+            req.account("verify", tv)
+            req.count_verified(rec.sources[verdict.chain], verdict.accepted)
+        epoch = state.epoch
+        committed = state.advance(drafts, verdict)
+        if state.epoch != epoch:
+            live.epoch_end[epoch] = self.tick
+        req.epoch = state.epoch
+        if committed is not None and not req.commit(committed.token):
+            state.finish()
+            self._finish(live)
+
+    def _finish(self, live: _Live) -> None:
+        live.finished, live.decoding = True, False
+        live.t_last = time.perf_counter()
+        live.epoch_end[live.req.epoch] = self.tick
+        res = live.req.res
+        res.decode_s = live.t_last - live.t_first
+        res.driver = dict(live.req.timers)
+        self.done[live.index] = live
+        self.slots[live.slot] = None
+
+    # ---- a run ----
+    @torch.no_grad()
+    def run(self, requests: Sequence[BatchRequest]) -> BatchResult:
+        d = self.driver
+        for r in requests:
+            check_request(r.prompt, r.max_new_tokens, d.capacity, d.head.cfg.vocab_size)
+            if r.arrival_tick < 1:
+                raise ValueError(f"arrival_tick must be >= 1, got {r.arrival_tick}")
+        self.queue = sorted(enumerate(requests), key=lambda ir: (ir[1].arrival_tick, ir[0]))
+        self.slots: list[_Live | None] = [None] * self.max_batch
+        self.done: dict[int, _Live] = {}
+        self.t_ready: dict[int, float] = {}  # request index -> when its arrival tick came
+        self.tick, self.sent, self.consumed = 0, 0, [0] * self.n
+        self.rows: list[int] = []
+        self.sent_rows: list[list[tuple[_Live, int]]] = []
+        t0 = time.perf_counter()
+        while self.queue or any(x is not None for x in self.slots):
+            self._tick()
+        wall = time.perf_counter() - t0
+        stages = self._finish_run()
+        lives = [self.done[i] for i in range(len(requests))]
+        for live in lives:
+            live.req.res.stages = stages
+        return BatchResult([x.req.res for x in lives], self.tick, wall, self.rows, self._utilization(), stages,
+                           [x.t_first - x.t_arrival for x in lives], [x.t_last - x.t_arrival for x in lives])
+
+    def _finish_run(self) -> list[dict]:
+        """END down the pipe, the reports still on their way, every stage's statistics."""
+        d = self.driver
+        d.stage0.send(Header(Kind.END, 0, 0))
+        for s in self.reporting:
+            while self.consumed[s] < self.sent:
+                self._pump(s)
+        return [receive_stats(self.t, d.topo.stage_rank(s), self.timeout) for s in range(self.n)]
+
+    def _utilization(self) -> Utilization:
+        """The runtime's stage utilization, as engine/protocol/batch_schedule.py counts it: the BATCH
+        message sent at tick t is at stage p at tick t + p; a row there is live unless its request
+        flushed that epoch (or finished) before that tick."""
+        n, T = self.n, self.tick
+        useful, rows, live_rows, steps = [0] * n, [0] * n, [0] * n, [0] * n
+        batches = [b for b, r in zip(self.sent_rows, self.rows) if r]
+        sent_ticks = [t for t, r in enumerate(self.rows, start=1) if r]
+        for tick, batch in zip(sent_ticks, batches):
+            for p in range(n):
+                if tick + p > T:
+                    break
+                live = sum(1 for x, epoch in batch if tick + p <= x.epoch_end.get(epoch, T))
+                steps[p] += 1
+                rows[p] += len(batch)
+                live_rows[p] += live
+                useful[p] += int(live > 0)
+        return Utilization(T, tuple(useful), tuple(rows), tuple(live_rows), tuple(steps))
