@@ -89,6 +89,8 @@ SUFFIX_TOPK = Setup("suffix-topk2", 2, SamplingParams(temperature=1.0, top_k=2),
 # suffix draft or the PDM's best other token), the second a chain's own draft. Top-k 3: with top-k
 # 2 the second candidate never commits here (27 cells with mass instead of 8: less power)
 BRANCH_TOPK = Setup("branch-w2-topk3", 3, SamplingParams(temperature=1.0, top_k=3), "pdm", suffix=True, branches=2)
+# two requests live in one pipeline (docs/design.md 3.12), the untrained PDM's own q
+BATCH_TOPK = Setup("batch-2-topk2", 2, SamplingParams(temperature=1.0, top_k=2), "pdm")
 
 
 # ---- the exact distribution ----
@@ -412,6 +414,68 @@ def test_branch_candidates_sample_the_target_distribution_small(one_thread):
     verdict = judge(bad, joint)
     report(f"{BRANCH_TOPK.name} forget-residual", bad, verdict)
     assert bad.outputs != good.outputs[:STALE_PREFIX]
+    assert verdict.pvalue < TEST_LEVEL and not verdict.passes
+
+
+def other_exit(live_cls) -> Callable:
+    """A several-requests bug: the second request's verifier reads the first request's exit rows,
+    so its drafts are judged against the other request's p."""
+    init = live_cls.__init__
+
+    def broken(self, run, index, slot, serial, request):
+        init(self, run, index, slot, serial, request)
+        if slot == 1 and run.slots[0] is not None:
+            self.lane.verifier.exit_buf = run.slots[0].exits
+
+    return broken
+
+
+def draw_batch(setup: Setup, seeds: Sequence[int], broken: bool = False) -> tuple[Draws, Draws]:
+    """Two requests per run (seeds in pairs), both live from tick 1 at B = 2: (every request's
+    counts, the second requests' counts)."""
+    from spd_engine.engine.runtime import batch_driver
+
+    torch.set_num_threads(1)
+    counts = [np.zeros(CELLS, dtype=np.int64), np.zeros(CELLS, dtype=np.int64)]
+    outputs: list[list[tuple[int, ...]]] = [[], []]
+    verified, accepted = [0, 0], [0, 0]
+    t0 = time.perf_counter()
+    init = batch_driver._Live.__init__
+    if broken:
+        batch_driver._Live.__init__ = other_exit(batch_driver._Live)
+    try:
+        with ReferenceExecutor(setup.engine_config()) as ex:
+            for a, b in zip(seeds[0::2], seeds[1::2]):
+                reqs = [batch_driver.BatchRequest(list(PROMPT), NEW, sampling=dataclasses.replace(setup.params, seed=s))
+                        for s in (a, b)]
+                for k, res in enumerate(ex.generate_batch(reqs, 2).results):
+                    counts[k][np.ravel_multi_index(res.tokens, (V,) * NEW)] += 1
+                    outputs[k].append(tuple(res.tokens))
+                    verified[k] += res.verified
+                    accepted[k] += res.accepted
+    finally:
+        batch_driver._Live.__init__ = init
+    dt = time.perf_counter() - t0
+    both = Draws(counts[0] + counts[1], outputs[0] + outputs[1], sum(verified), sum(accepted), 0, 0, dt)
+    return both, Draws(counts[1], outputs[1], verified[1], accepted[1], 0, 0, dt)
+
+
+def test_two_live_requests_sample_the_target_distribution_small(one_thread):
+    """Two requests share every stage step (B = 2): 3,000 requests (1,500 runs) pass, and each
+    request's output is its own solo seeded output; a driver whose second request verifies against
+    the first request's exit rows fails on the second requests of 500 runs."""
+    joint = exact_joint(conditionals(BATCH_TOPK))
+    good, _ = draw_batch(BATCH_TOPK, range(SMALL))
+    verdict = judge(good, joint)
+    report(f"{BATCH_TOPK.name} correct", good, verdict)
+    assert verdict.passes, verdict
+    assert good.accepted < 0.8 * good.verified  # rejections, so residual draws happen
+    solo = draw(BATCH_TOPK, range(0, 200))
+    assert good.outputs[:100] == solo.outputs[0::2][:100] and good.outputs[SMALL // 2:][:100] == solo.outputs[1::2][:100]
+    _, bad = draw_batch(BATCH_TOPK, range(2 * STALE_PREFIX), broken=True)
+    verdict = judge(bad, joint)
+    report(f"{BATCH_TOPK.name} other-exit (second requests)", bad, verdict)
+    assert bad.outputs != good.outputs[SMALL // 2:][:STALE_PREFIX]
     assert verdict.pvalue < TEST_LEVEL and not verdict.passes
 
 
