@@ -71,21 +71,40 @@ class KVCache:
 
 
 class RowCaches:
-    """The caches of a stage step whose rows are one token each of several requests: row r is
-    the token at position `positions[r]` of the request whose cache is `caches[r]`."""
+    """The caches of a step whose rows belong to several requests: request i's `counts[i]` rows
+    (consecutive positions from `starts[i]`, causal among themselves) use its cache `caches[i]`.
+    One row each: a stage step over several requests' tokens; several: the PDM's pass over every
+    request's rows (docs/design.md 3.12)."""
 
-    def __init__(self, caches: list[KVCache], positions: list[int]) -> None:
-        assert len(caches) == len(positions) and caches, (len(caches), len(positions))
-        for cache, pos in zip(caches, positions):
-            if not 0 <= pos < cache.capacity:
-                raise ValueError(f"KV cache holds {cache.capacity} positions; writing at {pos}")
-        self.caches, self.positions = caches, positions
+    def __init__(self, caches: list[KVCache], starts: list[int], counts: list[int] | None = None) -> None:
+        counts = [1] * len(caches) if counts is None else counts
+        assert len(caches) == len(starts) == len(counts) and caches, (len(caches), len(starts), len(counts))
+        for cache, start, count in zip(caches, starts, counts):
+            if start < 0 or count < 1 or start + count > cache.capacity:
+                raise ValueError(f"KV cache holds {cache.capacity} positions; writing at {start}..{start + count - 1}")
+        self.caches, self.starts, self.counts = caches, starts, counts
+
+    @property
+    def rows(self) -> int:
+        return sum(self.counts)
+
+    def positions(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """[1, rows] every row's position (its RoPE position)."""
+        return torch.cat([torch.arange(s, s + c) for s, c in zip(self.starts, self.counts)])[None].to(device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
-        """q [1, nh, R, hd], k/v [1, nkv, R, hd] -> [1, nh, R, hd]: row r's K/V written at its
-        position in its own cache, its query attending to that cache's slots up to it."""
+        """q [1, nh, R, hd], k/v [1, nkv, R, hd] -> [1, nh, R, hd]: each request's rows' K/V written
+        at their positions in its own cache, its queries attending causally to that cache."""
         out = torch.empty_like(q)
-        for r, (cache, pos) in enumerate(zip(self.caches, self.positions)):
-            keys, values = cache.write(layer, pos, k[:, :, r:r + 1], v[:, :, r:r + 1])  # [1, nkv, pos + 1, hd]
-            out[:, :, r:r + 1] = F.scaled_dot_product_attention(q[:, :, r:r + 1], keys, values, enable_gqa=gqa)
+        r = 0
+        for cache, start, count in zip(self.caches, self.starts, self.counts):
+            rows = slice(r, r + count)
+            keys, values = cache.write(layer, start, k[:, :, rows], v[:, :, rows])  # [1, nkv, start + count, hd]
+            mask = None
+            if count > 1:  # row i sees slots <= start + i
+                mask = torch.arange(start + count, device=q.device)[None] <= \
+                    torch.arange(start, start + count, device=q.device)[:, None]
+            out[:, :, rows] = F.scaled_dot_product_attention(q[:, :, rows], keys, values, attn_mask=mask,
+                                                             enable_gqa=gqa)
+            r += count
         return out

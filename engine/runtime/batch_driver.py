@@ -12,8 +12,8 @@ for more than a chunk; it decodes from the tick after its first token is known, 
 end, freeing the slot. The stages report in the order the driver sent; reports are read in that
 order and each row lands in its request's ring (stale rows are dropped by (serial, epoch)).
 
-The PDM and the verification run per request, over each request's own rows (the PDM pass over
-every request's rows at once is not built yet).
+The PDM runs once per tick over every decoding request's rows, each request's rows on its own PDM
+cache (engine/model/kv_cache.py RowCaches); the drafts and verifications are per request.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spd_engine.engine.model.greedy import check_request, prefill_chunks
+from spd_engine.engine.model.kv_cache import RowCaches
 from spd_engine.engine.protocol.batch_schedule import Utilization
 from spd_engine.engine.protocol.messages import META_FIELDS, Header, Kind
 from spd_engine.engine.protocol.metrics import GenerationResult
@@ -250,13 +251,10 @@ class BatchDriver:
         if decoding:
             self._send_batch(decoding, plans)
         self.rows.append(len(decoding))
-        drafts = []
         for live, plan in zip(decoding, plans):
             for s, e in plan.anchor_reads:  # the token at lag j finished stage j-1 last tick
                 self._need(s, live, e.pos)
-            tp = time.perf_counter()
-            drafts.append(live.lane.drafts(live.req, plan))
-            live.req.account("pdm", tp)
+        drafts = self._draft(decoding, plans) if decoding else []
         for live, plan, ds in zip(decoding, plans, drafts):
             self._verify_and_advance(live, plan, ds)
         if self.driver.stage0.runner is not None:  # a co-located stage 0's step of this tick's rows
@@ -267,6 +265,21 @@ class BatchDriver:
         for live in lives:
             if not live.decoding and not live.finished:
                 self._advance_prefill(live, block=not decoding)
+
+    def _draft(self, decoding: list[_Live], plans: list[TickPlan]) -> list[list]:
+        """One PDM pass over every decoding request's rows (each on its own PDM cache), then each
+        request's draft from its last row."""
+        d, t0 = self.driver, time.perf_counter()
+        rows = torch.cat([x.lane.drafter.tick_rows(plan) for x, plan in zip(decoding, plans)])  # [N, H]
+        spans = RowCaches([x.pdm_cache for x in decoding], [plan.pdm_pos for plan in plans],
+                          [len(plan.rows) for plan in plans])
+        h = d.pdm.forward_rows(rows[None], spans, 0, positions=spans.positions(rows.device))[0]  # [N, H]
+        ends = torch.tensor(spans.counts).cumsum(0) - 1
+        out = [x.lane.drafts_from(x.req, plan, h[int(e)]) for x, plan, e in zip(decoding, plans, ends)]
+        share = (time.perf_counter() - t0) / len(decoding)  # the pass is shared: each request its share
+        for x in decoding:
+            x.req.timers["pdm"] += share
+        return out
 
     def _send_batch(self, decoding: list[_Live], plans: list[TickPlan]) -> None:
         """The entering tokens, one row each, to stage 0; their anchor 0 (the embedding) to their rings."""

@@ -5,6 +5,8 @@ request has its own (engine/runtime/batch_driver.py), over its own buffers and P
 """
 from __future__ import annotations
 
+import torch
+
 from spd_engine.engine.protocol.tick import Draft, TickPlan, Verdict
 from spd_engine.engine.runtime.branch_chains import BranchChains
 from spd_engine.engine.runtime.draft_records import DraftRecord
@@ -22,6 +24,12 @@ class Lane:
         if plan.branch is not None:
             return self.branches.chain_drafts(req, plan)
         h_last, draft_id = self.drafter.step(self.drafter.tick_rows(plan), plan.pdm_pos)
+        return self.drafts_from(req, plan, h_last, draft_id)
+
+    def drafts_from(self, req: RequestState, plan: TickPlan, h_last: torch.Tensor,
+                    draft_id: torch.Tensor | None = None) -> list[Draft]:
+        """The drafts from the PDM's last hidden state h_last [H] of this tick's pass (draft_id: the
+        static step's greedy draft [1]); a pass over several requests' rows gives each its own."""
         if self.branches.policy.branches(plan.fill, False):
             return self.branches.candidates(req, h_last, plan)
         return [Draft(plan.draft_pos, self.drafter.draft(req, h_last, plan, draft_id))]

@@ -287,7 +287,7 @@ class StageWorker:
                                               capture=self.capture)  # [1, R, H]
         if self.verifies:  # every row's T=0 argmax; the driver uses those of its greedy requests
             tv = time.perf_counter()
-            meta[:, _REPLY] = self.model.logits(out[0]).argmax(-1).cpu()  # host sync: the ids go in the table
+            meta[:, _REPLY] = self.model.logits_rows(out[0]).argmax(-1).cpu()  # host sync: the ids go in the table
             self.stats.verify_s += time.perf_counter() - tv
         t2 = time.perf_counter()
         self.handled += 1

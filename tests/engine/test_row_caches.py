@@ -49,3 +49,33 @@ def test_a_position_past_a_cache_is_refused():
     model = StageModel(cfg, range(cfg.num_layers))
     with pytest.raises(ValueError, match="holds 8 positions; writing at 8"):
         RowCaches([model.new_cache(1, 8)], [8])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_logits_of_several_rows_equal_each_row_alone(rows):
+    cfg = tiny_cfg("qwen2")
+    model = init_random_(StageModel(cfg, range(cfg.num_layers), head=True), seed=2)
+    h = torch.randn(rows, cfg.hidden_size)
+    got = model.logits_rows(h)
+    assert got.shape == (rows, cfg.vocab_size)
+    torch.testing.assert_close(got, torch.stack([model.logits(row) for row in h]), rtol=1e-5, atol=1e-5)
+
+
+def test_spans_of_several_rows_equal_each_request_alone():
+    """The PDM's pass over every request's rows: request i's rows are consecutive positions, causal
+    among themselves, on its own cache."""
+    torch.manual_seed(1)
+    cfg = tiny_cfg("qwen3")
+    model = init_random_(StageModel(cfg, range(cfg.num_layers)), seed=3)
+    lengths, counts = [4, 9, 1], [2, 1, 3]
+    alone_caches = [model.new_cache(1, 32) for _ in lengths]
+    span_caches = [model.new_cache(1, 32) for _ in lengths]
+    for a, b, L in zip(alone_caches, span_caches, lengths):
+        h0 = torch.randn(1, L, cfg.hidden_size)
+        model.forward_layers(h0, a, 0)
+        model.forward_layers(h0, b, 0)
+    rows = [torch.randn(1, c, cfg.hidden_size) for c in counts]
+    want = [model.forward_layers(r, cache, L)[0][0] for r, cache, L in zip(rows, alone_caches, lengths)]
+    spans = RowCaches(span_caches, lengths, counts)
+    got, _ = model.forward_layers(torch.cat(rows, dim=1), spans, 0, positions=spans.positions())
+    torch.testing.assert_close(got[0], torch.cat(want), rtol=1e-5, atol=1e-5)
