@@ -1,4 +1,6 @@
-"""The engine side of `spd serve`: one thread owns the runtime and runs one request at a time.
+"""The engine side of `spd serve`: one thread owns the runtime and runs one request at a time, or
+with `--max-batch B` up to B at once in the pipeline (docs/design.md 3.12): a queued request joins
+as soon as a slot is free, and leaves at its end.
 
 The engine thread enters the runtime (engine/launch.launch: ranks, KV caches and CUDA graphs stay
 up for the life of the server), then takes jobs from a bounded FIFO queue. A job's `on_token`
@@ -11,8 +13,8 @@ process that dies while the server is idle (spawned ranks are watched), and a re
 no token for the stall deadline (serve_stall: the rank that went silent is named). A failed engine
 kills its spawned ranks, so a stopped or hung rank cannot hold the server (or outlive it).
 
-Admission counts what the server holds, not the queue's length: at most `max_queue + 1` unfinished
-requests (the one in the pipeline plus `max_queue` waiting). A request counts from its admission
+Admission counts what the server holds, not the queue's length: at most `max_queue + B` unfinished
+requests (the B in the pipeline plus `max_queue` waiting). A request counts from its admission
 until its last event is handed to the event loop, so a client that has its `[DONE]` has freed its
 place even if the engine has not taken the next job yet, and `--max-queue 0` serves one at a time.
 """
@@ -27,6 +29,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from spd_engine.engine.protocol.metrics import GenerationResult
+from spd_engine.engine.runtime.batch_driver import BatchRequest
 from spd_engine.engine.model.tokenizer import Tokenizer
 from spd_engine.engine.comm.transport import TransportError
 from spd_engine.server.openai_api import ApiError
@@ -56,6 +59,7 @@ class Job:
         self.cancel_reason: str | None = None  # "cancelled" (client gone) or "timeout"; set by the event loop
         self.finish_reason: str | None = None  # stop / length / cancelled / timeout / error
         self.result: GenerationResult | None = None
+        self.eos: set[int] = set()  # the ids that end it (set when it enters the pipeline)
         self.request_id: str = ""  # the HTTP side's id (X-Request-Id), for the log
         self.on_close: Callable[[], None] | None = None  # frees the job's place in the server (EngineLoop)
         self._lock = threading.Lock()
@@ -152,6 +156,11 @@ class JobQueue:
             self._items.append(item)
             self._cv.notify()
 
+    def get_nowait(self, kind: type):
+        """The next item if there is one and it is a `kind`, else None (never blocks)."""
+        with self._cv:
+            return self._items.popleft() if self._items and isinstance(self._items[0], kind) else None
+
     def get(self):
         """The next item, or None once closed and empty (blocks until one of the two)."""
         with self._cv:
@@ -178,6 +187,20 @@ class JobQueue:
             return left
 
 
+class BatchInFlight:
+    """The jobs in the pipeline together (--max-batch > 1): what the stall watch and a failure see."""
+
+    def __init__(self) -> None:
+        self.jobs: set[Job] = set()
+        self.started = time.monotonic()
+        self.finish_reason: str | None = None
+
+    @property
+    def last_progress(self) -> float:
+        """When one of them last moved."""
+        return max((j.last_progress for j in self.jobs), default=self.started)
+
+
 class EngineFailure(RuntimeError):
     pass
 
@@ -197,11 +220,14 @@ class EngineLoop:
 
     def __init__(self, open_runtime: Callable[[], AbstractContextManager], queue_limit: int, eos_ids,
                  metrics=None, rank_processes: Callable[[], list] | None = None, rank_grace_s: float = 5.0,
-                 on_fatal: Callable[[str], None] | None = None, stall_s: float | None = None) -> None:
+                 on_fatal: Callable[[str], None] | None = None, stall_s: float | None = None,
+                 max_batch: int = 1) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.open_runtime, self.metrics, self.eos = open_runtime, metrics, set(eos_ids)
-        self.max_queue = queue_limit
-        # the queue may briefly hold max_queue + 1 jobs: admission (submit) is the limit, see above
-        self.queue = JobQueue(queue_limit + 1)
+        self.max_queue, self.max_batch = queue_limit, max_batch
+        # the queue may briefly hold max_queue + B jobs: admission (submit) is the limit, see above
+        self.queue = JobQueue(queue_limit + max_batch)
         self.rank_processes, self.rank_grace_s = rank_processes, rank_grace_s
         self.on_fatal = on_fatal
         self.stall_s = stall_s
@@ -209,7 +235,7 @@ class EngineLoop:
         self._open = 0  # admitted jobs not yet ended (the one in the pipeline included)
         self.state = "starting"
         self.failure: str | None = None
-        self.current: Job | DirectCall | None = None
+        self.current: Job | BatchInFlight | DirectCall | None = None
         self._start_error: BaseException | None = None
         self._ready = threading.Event()
         self._leaving = threading.Event()  # set once the loop is done and the runtime shuts its ranks down
@@ -246,8 +272,8 @@ class EngineLoop:
             raise ApiError(503, f"not accepting requests: {reason}", type="server_error", code=code,
                            headers={"Retry-After": "1"})
         with self._lock:
-            if self._open >= self.max_queue + 1:
-                raise ApiError(429, f"the request queue is full: {self._open - 1} requests waiting (limit "
+            if self._open >= self.max_queue + self.max_batch:
+                raise ApiError(429, f"the request queue is full: {self._open - self.max_batch} requests waiting (limit "
                                     f"{self.max_queue})", type="rate_limit_error", code="queue_full",
                                headers={"Retry-After": "1"})
             self._open += 1
@@ -296,11 +322,21 @@ class EngineLoop:
             elif isinstance(item, DirectCall):
                 item.error = EngineFailure(reason)
                 item.done.set()
-        current = self.current
-        if isinstance(current, Job) and current.fail(err()):
-            ended += 1
-            self._count("unavailable")
+        for job in self.in_flight():
+            if job.fail(err()):
+                ended += 1
+                self._count("unavailable")
         return ended
+
+    def in_flight(self) -> list[Job]:
+        """The jobs in the pipeline now."""
+        current = self.current
+        if isinstance(current, BatchInFlight):
+            return list(current.jobs)
+        return [current] if isinstance(current, Job) else []
+
+    def running(self) -> int:
+        return len(self.in_flight())
 
     def stop(self, timeout: float | None = None) -> bool:
         """After the queued requests: leave the runtime (ranks shut down). True if the thread ended."""
@@ -320,6 +356,9 @@ class EngineLoop:
                 self._ready.set()
                 self._watch_ranks()
                 while (item := self.queue.get()) is not None:
+                    if self.max_batch > 1 and isinstance(item, Job):
+                        self._run_batch(runtime, item)
+                        continue
                     self.current = item
                     self._run(runtime, item)
                     self.current = None
@@ -367,6 +406,61 @@ class EngineLoop:
         if self.metrics is not None:
             self.metrics.request_done(job, res)
 
+    def _start(self, job: Job) -> BatchRequest | None:
+        """A job about to enter the pipeline as a BatchRequest; None when it ended first (cancelled
+        while queued, or refused: a 400)."""
+        if job.cancel_reason is not None:  # gone before its turn
+            if job.close():
+                job.finish_reason = job.cancel_reason
+                self._count(job.cancel_reason)
+            return None
+        req = job.req
+        eos = set() if req.parsed.ignore_eos else self.eos
+        job.eos = eos
+        return BatchRequest(req.prompt_ids, req.max_tokens, tuple(eos), req.sampling, on_token=job.on_token)
+
+    def _run_batch(self, runtime, first: Job) -> None:
+        """Jobs in the pipeline B at a time, from `first` on, while the queue has jobs (a DirectCall
+        waits for the pipeline to empty): each joins when a slot is free."""
+        batch = BatchInFlight()
+        jobs: list[Job] = []
+        pending = [first]
+
+        def intake() -> BatchRequest | None:
+            while pending or (nxt := self.queue.get_nowait(Job)) is not None:
+                job = pending.pop() if pending else nxt
+                request = self._start(job)
+                if request is None:
+                    continue
+                batch.jobs.add(job)  # from here on a failure of the engine fails it too
+                try:
+                    runtime.check_request(request.prompt, request.max_new_tokens)
+                except ValueError as err:  # refused before any work
+                    batch.jobs.discard(job)
+                    job.fail(ApiError(400, str(err)))
+                    self._count("bad_request")
+                    continue
+                job.started = time.monotonic()
+                jobs.append(job)
+                return request
+            return None
+
+        def on_done(index: int, res: GenerationResult) -> None:
+            job = jobs[index]
+            batch.jobs.discard(job)
+            job.finish(res, job.eos)
+            if self.metrics is not None:
+                self.metrics.request_done(job, res)
+
+        self.current = batch
+        try:
+            runtime.generate_batch([], self.max_batch, intake=intake, on_done=on_done)
+        except (TransportError, RuntimeError, AssertionError) as err:
+            self._fail(describe_failure(err))
+            raise
+        finally:
+            self.current = None
+
     def _count(self, outcome: str) -> None:
         if self.metrics is not None:
             self.metrics.outcome(outcome)
@@ -378,9 +472,9 @@ class EngineLoop:
             if self.state == "failed":
                 return
             self.failure, self.state = reason, "failed"
-        current = self.current
-        if isinstance(current, Job) and current.fail(ApiError(500, reason, type="server_error", code=code)):
-            self._count("error")
+        for job in self.in_flight():
+            if job.fail(ApiError(500, reason, type="server_error", code=code)):
+                self._count("error")
         for item in self.queue.close(discard=True):
             if isinstance(item, Job) and item.fail(ApiError(503, f"not served: {reason}", type="server_error",
                                                             code="unavailable")):
@@ -406,7 +500,7 @@ class EngineLoop:
         if procs or self.stall_s is not None:
             threading.Thread(target=self._watch, args=(procs,), name="spd-rank-watch", daemon=True).start()
 
-    def _stalled(self, stall: StallWatch | None, running: Job | None) -> bool:
+    def _stalled(self, stall: StallWatch | None, running: Job | BatchInFlight | None) -> bool:
         """Fail the engine if the job in the pipeline is stalled (True then)."""
         if stall is None or running is None or running.started is None or running.finish_reason is not None:
             return False
@@ -421,7 +515,7 @@ class EngineLoop:
             if self.stall_s is not None else None
         last_job = None
         while self.state in ("ready", "draining") and not self._leaving.is_set():
-            current = self.current if isinstance(self.current, Job) else None
+            current = self.current if isinstance(self.current, (Job, BatchInFlight)) else None
             if current is not last_job and stall is not None:
                 stall.reset()
                 last_job = current

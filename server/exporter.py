@@ -74,7 +74,7 @@ class ServeMetrics:
         self.decode_time = Histogram("spd:request_decode_time_seconds", "First to last token",
                                      buckets=E2E_BUCKETS, registry=r)
         Gauge("spd:num_requests_waiting", "Requests in the queue", registry=r).set_function(waiting)
-        Gauge("spd:num_requests_running", "Requests in the pipeline (0 or 1)", registry=r).set_function(running)
+        Gauge("spd:num_requests_running", "Requests in the pipeline (up to --max-batch)", registry=r).set_function(running)
         self.ttft = Histogram("spd:time_to_first_token_seconds", "Arrival to first token", buckets=TTFT_BUCKETS,
                               registry=r)
         self.itl = Histogram("spd:inter_token_latency_seconds", "Between consecutive tokens of a reply",

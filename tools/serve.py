@@ -27,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None, help="model id of the API (default: --model)")
     g.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the one in the pipeline; "
                                                              "one more is answered 429 (0: one request at a time)")
+    g.add_argument("--max-batch", type=int, default=1, metavar="B",
+                   help="SPD: up to B requests in the pipeline at once; a queued one joins when a slot is free "
+                        "(docs/design.md 3.12)")
     g.add_argument("--request-timeout", type=float, default=600.0,
                    help="deadline of a request from its arrival, queue wait included (s)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
@@ -55,6 +58,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in [0, 65536), got {args.port}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_request_bytes < 1024:
         raise ValueError(f"--max-request-bytes must be >= 1024, got {args.max_request_bytes}")
     if args.api_key is not None and not args.api_key.strip():
@@ -88,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
 
     configure(args.log_level)
     ecfg, tok_dir = engine_config(args)
+    if args.max_batch > 1 and ecfg.mode != "spd":
+        raise ValueError(f"--max-batch > 1 needs --mode spd, got --mode {ecfg.mode}")
     if under_torchrun() and int(os.environ["RANK"]) != 0:
         with launch(ecfg):  # a stage rank: serves its stage, exits when the driver shuts down
             raise AssertionError("only rank 0 enters the runtime")
@@ -103,8 +110,9 @@ def run(args: argparse.Namespace) -> int:
     encoder = PromptEncoder(tok, tok_dir, ecfg.capacity)
     engine = EngineLoop(lambda: launch(ecfg, on_ranks=engine.set_ranks), args.max_queue,
                         () if args.ignore_eos else info.eos_ids,
-                        rank_processes=lambda: list(engine.ranks.values()), stall_s=args.stall_timeout)
-    metrics = ServeMetrics(ecfg.topology.n, engine.waiting, lambda: int(engine.current is not None), info.name)
+                        rank_processes=lambda: list(engine.ranks.values()), stall_s=args.stall_timeout,
+                        max_batch=args.max_batch)
+    metrics = ServeMetrics(ecfg.topology.n, engine.waiting, engine.running, info.name)
     engine.metrics = metrics
     try:
         encoder.start()

@@ -18,12 +18,12 @@ cache (engine/model/kv_cache.py RowCaches); the drafts and verifications are per
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from spd_engine.engine.model.greedy import check_request, prefill_chunks
+from spd_engine.engine.model.greedy import prefill_chunks
 from spd_engine.engine.model.kv_cache import RowCaches
 from spd_engine.engine.protocol.batch_schedule import Utilization
 from spd_engine.engine.protocol.messages import META_FIELDS, Header, Kind
@@ -81,6 +81,10 @@ class BatchResult:
         """Per request: seconds per output token after the first."""
         return [(lat - ttft) / r.decode_tokens if r.decode_tokens else 0.0
                 for r, ttft, lat in zip(self.results, self.ttft_s, self.latency_s)]
+
+
+# hands over the next request when a slot is free (a server's queue), None when it has none now
+Intake = Callable[[], "BatchRequest | None"]
 
 
 class _Live:
@@ -233,12 +237,29 @@ class BatchDriver:
         for index, request in self.queue:  # arrived: from this tick on it waits for a slot
             if request.arrival_tick <= self.tick:
                 self.t_ready.setdefault(index, now)
-        while self.queue and self.queue[0][1].arrival_tick <= self.tick and None in self.slots:
+        while None in self.slots:
+            if not (self.queue and self.queue[0][1].arrival_tick <= self.tick) and not self._take():
+                return
             index, request = self.queue.pop(0)
             slot = self.slots.index(None)
             self.serial += 1
             live = self.slots[slot] = _Live(self, index, slot, self.serial, request)
             live.t_arrival, live.t_slot = self.t_ready[index], time.perf_counter()
+
+    def _take(self) -> bool:
+        """A request from the intake into the queue, arriving now; False if it has none."""
+        if self.intake is None:
+            return False
+        request = self.intake()
+        if request is None:
+            return False
+        self.driver.check_request(request.prompt, request.max_new_tokens)  # the intake hands over checked ones
+        index = self.count
+        self.count += 1
+        request.arrival_tick = self.tick
+        self.t_ready[index] = time.perf_counter()
+        self.queue.insert(0, (index, request))
+        return True
 
     def _tick(self) -> None:
         self.tick += 1
@@ -324,13 +345,20 @@ class BatchDriver:
         res.driver = dict(live.req.timers)
         self.done[live.index] = live
         self.slots[live.slot] = None
+        if self.on_done is not None:
+            self.on_done(live.index, res)
 
     # ---- a run ----
     @torch.no_grad()
-    def run(self, requests: Sequence[BatchRequest]) -> BatchResult:
+    def run(self, requests: Sequence[BatchRequest], intake: Intake | None = None,
+            on_done: Callable[[int, GenerationResult], None] | None = None) -> BatchResult:
+        """Run `requests`, then whatever `intake` hands over while a slot is free, until neither has
+        any left and nothing is live. on_done(index, result) at each request's end (index: its
+        place in `requests`, then the intake's in the order taken)."""
         d = self.driver
+        self.intake, self.on_done, self.count = intake, on_done, len(requests)
         for r in requests:
-            check_request(r.prompt, r.max_new_tokens, d.capacity, d.head.cfg.vocab_size)
+            d.check_request(r.prompt, r.max_new_tokens)
             if r.arrival_tick < 1:
                 raise ValueError(f"arrival_tick must be >= 1, got {r.arrival_tick}")
         self.queue = sorted(enumerate(requests), key=lambda ir: (ir[1].arrival_tick, ir[0]))
@@ -341,11 +369,11 @@ class BatchDriver:
         self.rows: list[int] = []
         self.sent_rows: list[list[tuple[_Live, int]]] = []
         t0 = time.perf_counter()
-        while self.queue or any(x is not None for x in self.slots):
+        while self.queue or any(x is not None for x in self.slots) or self._take():
             self._tick()
         wall = time.perf_counter() - t0
         stages = self._finish_run()
-        lives = [self.done[i] for i in range(len(requests))]
+        lives = [self.done[i] for i in range(self.count)]
         for live in lives:
             live.req.res.stages = stages
         return BatchResult([x.req.res for x in lives], self.tick, wall, self.rows, self._utilization(), stages,

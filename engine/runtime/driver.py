@@ -17,7 +17,7 @@ verification (verifier.py), both per request in a lane (lane.py). Everything of 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -32,7 +32,7 @@ from spd_engine.engine.protocol.metrics import GenerationResult
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.protocol.tick import Draft, Entry, TickPlan, Verdict
 from spd_engine.engine.protocol.topology import Topology
-from spd_engine.engine.runtime.batch_driver import BatchDriver, BatchRequest, BatchResult
+from spd_engine.engine.runtime.batch_driver import BatchDriver, BatchRequest, BatchResult, Intake
 from spd_engine.engine.runtime.branch_chains import BranchChains
 from spd_engine.engine.runtime.drafter import DraftObserver, Drafter
 from spd_engine.engine.runtime.driver_buffers import DriverBuffers
@@ -167,9 +167,15 @@ class Driver:
             res.trace = {"driver": list(self.trace), "stages": [st.pop("trace") for st in res.stages]}
         return res
 
-    def generate_batch(self, requests: Sequence[BatchRequest], max_batch: int) -> BatchResult:
-        """Several requests through the pipeline, up to `max_batch` at once (docs/design.md 3.12)."""
-        return BatchDriver(self, max_batch).run(requests)
+    def check_request(self, prompt: Sequence[int], max_new_tokens: int) -> None:
+        """ValueError naming the problem if this pipeline cannot serve the request."""
+        check_request(prompt, max_new_tokens, self.capacity, self.head.cfg.vocab_size)
+
+    def generate_batch(self, requests: Sequence[BatchRequest], max_batch: int, intake: Intake | None = None,
+                       on_done: Callable[[int, GenerationResult], None] | None = None) -> BatchResult:
+        """Several requests through the pipeline, up to `max_batch` at once (docs/design.md 3.12);
+        `intake` hands over more while a slot is free (a server), on_done reports each end."""
+        return BatchDriver(self, max_batch).run(requests, intake, on_done)
 
     def _decode(self, req: RequestState) -> None:
         state = req.state

@@ -56,6 +56,9 @@ class ReferenceExecutor:
     def generate(self, *args, **kwargs):
         return self.driver.generate(*args, **kwargs)
 
+    def check_request(self, *args, **kwargs) -> None:
+        self.driver.check_request(*args, **kwargs)
+
     def generate_batch(self, *args, **kwargs):
         return self.driver.generate_batch(*args, **kwargs)
 

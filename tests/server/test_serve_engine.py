@@ -116,3 +116,35 @@ def test_a_queued_request_cancelled_before_its_turn_never_runs(setup):
     (text, _), second = asyncio.run(main())
     assert ids(text) == refs[2]
     assert second.started is None and second.result is None and second.finish_reason == "cancelled"
+
+
+def test_max_batch_runs_requests_together_and_each_stays_lossless(setup):
+    """--max-batch 2: a queued request joins when a slot is free, so requests overlap in the
+    pipeline; each reply is its solo greedy one; a cancelled one ends at its next token while the
+    others run on, a request the engine refuses gets its 400, and a call still waits its turn."""
+    _, prompts, refs = setup
+    ecfg = tiny_engine_config("llama", 3)
+    engine = EngineLoop(lambda: ReferenceExecutor(ecfg), queue_limit=4, eos_ids=(), max_batch=2)
+    engine.start(timeout=60)
+    try:
+        async def main():
+            loop = asyncio.get_running_loop()
+            jobs = [Job(request(p), None, loop) for p in prompts + prompts[:1]]
+            too_long = Job(ServeRequest(list(prompts[0]), ecfg.capacity, SamplingParams(), (),
+                                        ParsedRequest(chat=False, model="m", prompt=prompts[0])), None, loop)
+            for job in jobs[:2] + [too_long] + jobs[2:]:
+                engine.submit(job)
+            cancelled = asyncio.ensure_future(collect(jobs[3], cancel_after=3, engine=engine))
+            outs = [await collect(job) for job in jobs[:3]]
+            return outs, await cancelled, jobs, await collect(too_long), engine.call(lambda rt: "called")
+
+        outs, (_, done), jobs, (_, refused), called = asyncio.run(main())
+        for (text, _), job, ref in zip(outs, jobs, refs):
+            assert ids(text) == ref == job.result.tokens
+        assert jobs[1].started < jobs[0].token_times[-1]  # the second ran beside the first
+        assert done[1].finish_reason == "cancelled" and 3 <= len(jobs[3].result.tokens) < NEW
+        assert jobs[3].result.tokens == refs[0][:len(jobs[3].result.tokens)]
+        assert refused[0] == "error" and refused[1].status == 400 and "capacity" in refused[1].message
+        assert called == "called" and engine.running() == 0
+    finally:
+        assert engine.stop(timeout=30)
