@@ -394,9 +394,9 @@ class BatchDriver:
         flushed that epoch (or finished) before that tick."""
         n, T = self.n, self.tick
         useful, rows, live_rows, steps = [0] * n, [0] * n, [0] * n, [0] * n
-        batches = [b for b, r in zip(self.sent_rows, self.rows) if r]
-        sent_ticks = [t for t, r in enumerate(self.rows, start=1) if r]
-        for tick, batch in zip(sent_ticks, batches):
+        sent_ticks = [t for t, r in enumerate(self.rows, start=1) if r]  # sent_rows has one entry per BATCH sent
+        assert len(sent_ticks) == len(self.sent_rows), (len(sent_ticks), len(self.sent_rows))
+        for tick, batch in zip(sent_ticks, self.sent_rows):
             for p in range(n):
                 if tick + p > T:
                     break

@@ -117,3 +117,16 @@ def test_bad_batch_runs_are_refused_before_any_work(one_thread):
     with ReferenceExecutor(tiny_engine_config("llama", 2, False, branches=2)) as ex:
         with pytest.raises(ValueError, match="branch width 1 only"):
             ex.generate_batch([ok], 2)
+
+
+def test_utilization_counts_each_rejections_stale_rows(one_thread):
+    """At n = 2 alone, each rejection leaves one stale row at stage 1 the tick after (3.3); the run's
+    last rejection may end it before that step."""
+    ecfg = tiny_engine_config("llama", 2, False)
+    reqs = [BatchRequest(r.prompt, r.max_new_tokens) for r in requests(ecfg, policies=False)]
+    with ReferenceExecutor(ecfg) as ex:
+        for r in reqs:
+            out = ex.generate_batch([r], 1)
+            u, rejections = out.utilization, out.results[0].rejections
+            assert u.live_rows[0] == u.rows[0] == u.steps[0]  # stage 0 only ever holds live tokens
+            assert rejections - 1 <= u.rows[1] - u.live_rows[1] <= rejections and rejections > 0
