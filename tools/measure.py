@@ -14,6 +14,7 @@ import importlib
 # harnesses that other code uses too, one-line help)
 EXPERIMENTS: dict[str, tuple[str, str]] = {
     "batch-throughput": ("batch_throughput", "several requests in the pipeline: tok/s, TPOT, utilization against B"),
+    "linear-rows": ("linear_rows", "the model's linear layers on R rows against one row"),
     "pdm-budget": ("pdm_budget", "how many PDM layers K hide behind a stage, on a compute profile"),
     "pdm-vocab-time": ("pdm_vocab_time", "the PDM's step time against the draft vocabulary's size"),
     "stage-width-time": ("spd_engine.bench.stage_width_time", "the cost of a W-row stage step against one row"),

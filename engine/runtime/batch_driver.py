@@ -87,8 +87,21 @@ class BatchResult:
 Intake = Callable[[], "BatchRequest | None"]
 
 
+class _SlotParts:
+    """A request slot's driver-side buffers, made once and kept for every request that takes the
+    slot (the transport pins the rings: they must live as long as it): its anchor ring, exit rows,
+    PDM cache and the lane over them. Every entry is written before it is read, by position."""
+
+    def __init__(self, d) -> None:
+        self.buf = DriverBuffers(d.n, d.plan, d.wire, d.head.cfg.hidden_size, 1, 1, d.t, d.device, d.dtype)
+        self.pdm_cache = d.pdm.new_cache(d.capacity)
+        self.exits = torch.empty(self.buf.num_slots, d.head.cfg.hidden_size, device=d.device, dtype=d.dtype)
+        drafter = Drafter(d.pdm, self.pdm_cache, self.buf, d.drafter.chooser, d.drafter.cross, {})
+        self.lane = Lane(drafter, BranchChains(d.branches.policy, drafter), Verifier(d.head, self.exits, None))
+
+
 class _Live:
-    """One request in its slot: its state, its lane over its own buffers, what arrived for it."""
+    """One request in its slot: its state, its slot's lane and buffers, what arrived for it."""
 
     def __init__(self, run: "BatchDriver", index: int, slot: int, serial: int, request: BatchRequest) -> None:
         d = run.driver
@@ -96,12 +109,11 @@ class _Live:
         self.req = RequestState(d.n, request.max_new_tokens, frozenset(request.eos_ids), request.sampling, 0,
                                 request.draft_policy, request.on_token,
                                 d.drafter.chooser.new_index(request.prompt))
-        self.buf = DriverBuffers(d.n, d.plan, d.wire, d.head.cfg.hidden_size, 1, 1, d.t, d.device, d.dtype)
-        self.pdm_cache = d.pdm.new_cache(d.capacity)
-        self.exits = torch.empty(self.buf.num_slots, d.head.cfg.hidden_size, device=d.device, dtype=d.dtype)
+        parts = run.parts.get(slot)
+        if parts is None:
+            parts = run.parts[slot] = _SlotParts(d)
+        self.buf, self.pdm_cache, self.exits, self.lane = parts.buf, parts.pdm_cache, parts.exits, parts.lane
         self.replies = [-1] * self.buf.num_slots  # the last stage's argmax behind each exit, by ring slot
-        drafter = Drafter(d.pdm, self.pdm_cache, self.buf, d.drafter.chooser, d.drafter.cross, {})
-        self.lane = Lane(drafter, BranchChains(d.branches.policy, drafter), Verifier(d.head, self.exits, None))
         self.got = [(-1, -1)] * d.n  # per stage: (epoch, position) of its newest report for this request
         self.ids = torch.tensor(list(request.prompt), dtype=torch.long, device=d.device)
         self.chunks = prefill_chunks(len(request.prompt), d.chunk)
@@ -123,17 +135,12 @@ class _Live:
 class BatchDriver:
     """Runs requests through a Driver's pipeline, up to `max_batch` at once."""
 
-    def __init__(self, driver, max_batch: int) -> None:
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if driver.branches.width > 1:
-            raise ValueError("several requests in the pipeline run with branch width 1 only (--branches 1)")
-        if driver.topo.tp > 1:
-            raise ValueError("several requests in the pipeline run without tensor parallelism only (--tp 1)")
-        self.driver, self.max_batch = driver, max_batch
+    def __init__(self, driver) -> None:
+        self.driver = driver
         self.n, self.t, self.timeout = driver.n, driver.t, driver.timeout
         self.reporting = [s for s in range(self.n) if driver.wire.reports_to_driver(s)]
-        self.serial = 0
+        self.serial = 0  # requests taken so far, over every run
+        self.parts: dict[int, _SlotParts] = {}  # request slot -> its buffers, kept over runs
 
     # ---- receiving: every reporting stage's messages, in the order they were sent ----
     def _pump(self, s: int) -> None:
@@ -350,12 +357,19 @@ class BatchDriver:
 
     # ---- a run ----
     @torch.no_grad()
-    def run(self, requests: Sequence[BatchRequest], intake: Intake | None = None,
+    def run(self, requests: Sequence[BatchRequest], max_batch: int, intake: Intake | None = None,
             on_done: Callable[[int, GenerationResult], None] | None = None) -> BatchResult:
-        """Run `requests`, then whatever `intake` hands over while a slot is free, until neither has
-        any left and nothing is live. on_done(index, result) at each request's end (index: its
-        place in `requests`, then the intake's in the order taken)."""
+        """Run `requests`, up to `max_batch` at once, then whatever `intake` hands over while a slot is
+        free, until neither has any left and nothing is live. on_done(index, result) at each
+        request's end (index: its place in `requests`, then the intake's in the order taken)."""
         d = self.driver
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if d.branches.width > 1:
+            raise ValueError("several requests in the pipeline run with branch width 1 only (--branches 1)")
+        if d.topo.tp > 1:
+            raise ValueError("several requests in the pipeline run without tensor parallelism only (--tp 1)")
+        self.max_batch = max_batch
         self.intake, self.on_done, self.count = intake, on_done, len(requests)
         for r in requests:
             d.check_request(r.prompt, r.max_new_tokens)

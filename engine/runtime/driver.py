@@ -83,6 +83,7 @@ class Driver:
         self.lane = Lane(self.drafter, self.branches, self.verifier)
         self.epoch = 0  # grows over requests: nothing of an earlier request can match a later one
         self.req: RequestState | None = None  # the live request
+        self.batch: BatchDriver | None = None  # several requests at once (generate_batch), made on first use
         self.trace: list[tuple[int, str, float, float]] | None = [] if opts.trace else None  # (tick, what, t0, t1)
 
     @property
@@ -175,7 +176,9 @@ class Driver:
                        on_done: Callable[[int, GenerationResult], None] | None = None) -> BatchResult:
         """Several requests through the pipeline, up to `max_batch` at once (docs/design.md 3.12);
         `intake` hands over more while a slot is free (a server), on_done reports each end."""
-        return BatchDriver(self, max_batch).run(requests, intake, on_done)
+        if self.batch is None:
+            self.batch = BatchDriver(self)
+        return self.batch.run(requests, max_batch, intake, on_done)
 
     def _decode(self, req: RequestState) -> None:
         state = req.state

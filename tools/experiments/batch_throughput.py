@@ -12,7 +12,8 @@ configurations in a rotated order per repeat so drift over the run touches each 
 configuration: aggregate tokens/s (median, min-max over repeats) and its ratio to the one-at-a-time
 row, the median time per output token and time to first token over the requests, the stage
 utilization and rows per busy stage step of the last repeat, and how many requests gave the same
-tokens as the one-at-a-time run.
+tokens as the one-at-a-time run; then, per configuration, the time of a tick, each stage's compute
+per step and the driver's PDM time per tick (the one-at-a-time row: its requests' ticks).
 """
 from __future__ import annotations
 
@@ -59,9 +60,15 @@ def _one_at_a_time(runtime, reqs) -> dict:
     wall = time.perf_counter() - t0
     tokens = sum(len(r.tokens) for r in results)
     tpot = [(b - a) / r.decode_tokens for r, a, b in zip(results, ttft, lat) if r.decode_tokens]
+    n = len(results[0].stages)
+    stage_ms = [1e3 * sum(r.stages[p]["compute_s"] for r in results) /
+                max(1.0, sum(r.stages[p]["messages"] for r in results)) for p in range(n)]
+    ticks = sum(r.ticks for r in results)
     return dict(tokens_s=tokens / wall, tpot_ms=1e3 * statistics.median(tpot),
                 ttft_s=statistics.median(t - t0 for t in ttft),
-                tokens=[r.tokens for r in results], utilization=None, rows_per_step=1.0)
+                tokens=[r.tokens for r in results], utilization=None, rows_per_step=1.0,
+                tick_ms=1e3 * sum(r.decode_s for r in results) / ticks, stage_ms=stage_ms,
+                pdm_ms=1e3 * sum(r.driver["pdm"] for r in results) / ticks)
 
 
 def _batched(runtime, reqs, B: int) -> dict:
@@ -70,7 +77,9 @@ def _batched(runtime, reqs, B: int) -> dict:
     tpot = [t for t, r in zip(out.tpot_s, out.results) if r.decode_tokens]
     return dict(tokens_s=out.tokens_per_s, tpot_ms=1e3 * statistics.median(tpot), ttft_s=statistics.median(out.ttft_s),
                 tokens=[r.tokens for r in out.results], utilization=u,
-                rows_per_step=sum(u.rows) / max(1, sum(u.steps)))
+                rows_per_step=sum(u.rows) / max(1, sum(u.steps)), tick_ms=1e3 * out.wall_s / out.ticks,
+                stage_ms=[1e3 * st["compute_s"] / max(1.0, st["messages"]) for st in out.stages],
+                pdm_ms=1e3 * sum(r.driver["pdm"] for r in out.results) / out.ticks)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,4 +128,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{statistics.median(r['tpot_ms'] for r in rs):.1f} | {statistics.median(r['ttft_s'] for r in rs):.2f} | "
               f"{rs[-1]['rows_per_step']:.2f} | {format_utilization(u) if u is not None else '-'} | "
               f"{same}/{len(want)} |")
+    print("\nper tick, last repeat (a tick of the batch run carries every live request's token):")
+    print("| configuration | ms per tick | stage compute ms per step | driver PDM ms per tick |")
+    print("|---|---|---|---|")
+    for c in configs:
+        r = runs[c][-1]
+        print(f"| {c} | {r['tick_ms']:.1f} | {' / '.join(f'{x:.1f}' for x in r['stage_ms'])} | {r['pdm_ms']:.1f} |")
     return 0
