@@ -1,0 +1,33 @@
+"""`spd generate --max-batch B`: several prompts in the pipeline at once give the answers they get
+one at a time, in order, then one line for the run; bad values are refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spd_engine.tools.cli import main
+
+ARGS = ["generate", "--model", "random:tiny-llama", "--capacity", "64", "--prefill-chunk", "16", "--threads", "1",
+        "--stages", "2", "--colocate", "--prompt", "hello there", "--prompt", "a longer prompt than that one",
+        "--prompt", "x", "--max-new-tokens", "10", "--ignore-eos", "--json", "-"]
+
+
+def answers(out: str) -> list[list[int]]:
+    return [json.loads(line)["token_ids"] for line in out.splitlines() if line.startswith("{")]
+
+
+def test_max_batch_answers_equal_one_at_a_time(capsys, one_thread):
+    assert main(ARGS) == 0
+    alone = answers(capsys.readouterr().out)
+    assert main([*ARGS, "--max-batch", "2"]) == 0
+    cap = capsys.readouterr()
+    assert answers(cap.out) == alone and len(alone) == 3
+    assert "spd: 3 requests at B=2: 30 tokens in" in cap.err and "stage utilization S0" in cap.err
+
+
+def test_bad_max_batch_is_refused(capsys):
+    assert main([*ARGS, "--max-batch", "0"]) == 2
+    assert "--max-batch must be >= 1" in capsys.readouterr().err
+    assert main([a for a in ARGS if a != "--colocate"] + ["--mode", "ar", "--max-batch", "2"]) == 2
+    assert "--max-batch > 1 needs --mode spd" in capsys.readouterr().err
