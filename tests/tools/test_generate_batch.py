@@ -29,5 +29,5 @@ def test_max_batch_answers_equal_one_at_a_time(capsys, one_thread):
 def test_bad_max_batch_is_refused(capsys):
     assert main([*ARGS, "--max-batch", "0"]) == 2
     assert "--max-batch must be >= 1" in capsys.readouterr().err
-    assert main([a for a in ARGS if a != "--colocate"] + ["--mode", "ar", "--max-batch", "2"]) == 2
-    assert "--max-batch > 1 needs --mode spd" in capsys.readouterr().err
+    assert main([a for a in ARGS if a != "--colocate"] + ["--mode", "pp", "--max-batch", "2"]) == 2
+    assert "--max-batch > 1 needs --mode spd, got --mode pp" in capsys.readouterr().err
