@@ -3,14 +3,17 @@
 Writes `config.json` (through `engine.model_config.ModelConfig`, so our own config class round-trips),
 `model.safetensors` (float32, HF tensor names, dequantised with the `gguf` package),
 `tokenizer.json`, `tokenizer_config.json`, `special_tokens_map.json` and
-`generation_config.json`. Supported: Llama-architecture GGUFs with a byte-level BPE
-("gpt2") vocabulary, e.g. SmolLM2.
+`generation_config.json`. Supported: Llama- and Qwen2-architecture GGUFs with a byte-level BPE
+("gpt2") vocabulary, e.g. SmolLM2 and Qwen2.5-Coder.
 
-Two conversions are not a plain copy:
-- llama.cpp stores the rows of `attn_q` / `attn_k` permuted for its interleaved RoPE;
-  `rope_unpermute` restores HF's rotate-half row order.
+Three conversions are not a plain copy:
+- llama.cpp stores the rows of a Llama's `attn_q` / `attn_k` permuted for its interleaved RoPE;
+  `rope_unpermute` restores HF's rotate-half row order. (Its Qwen2 converter does not permute.)
 - The GGUF names its pre-tokenizer (`tokenizer.ggml.pre`) instead of storing it; SmolLM2's
-  ("smollm") splits every digit before the byte-level regex, and `tokenizer.json` must say so.
+  ("smollm") splits every digit before the byte-level regex, Qwen2's ("qwen2") is NFC then its
+  own split regex (single digits, letter runs, ...) before the byte-level step, and
+  `tokenizer.json` must say so.
+- Qwen2's Q, K and V biases (`attn_q.bias`, ...) become the projections' `bias` tensors.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, dequantize
 from safetensors.numpy import save_file
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from spd_engine.engine.model.model_config import ModelConfig
 
@@ -47,7 +50,12 @@ GLOBAL_TENSORS = {
 END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>")
 # GGUF token types (llama.cpp's llama_token_type).
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
-SUPPORTED_PRE_TOKENIZERS = ("smollm", "gpt2", "gpt-2", "default")
+SUPPORTED_PRE_TOKENIZERS = ("smollm", "qwen2", "gpt2", "gpt-2", "default")
+ARCHITECTURES = ("llama", "qwen2")
+BIASED = ("attn_q", "attn_k", "attn_v")  # Qwen2: these projections have biases
+# Qwen2's split regex, as its HF tokenizer.json states it (llama.cpp's "qwen2" pre-tokenizer)
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 # ---- RoPE row permutation (pure) ----
@@ -143,27 +151,29 @@ def f32_value(v: float) -> float:
 def model_config(g: GGUFFile) -> ModelConfig:
     """ModelConfig from GGUF metadata."""
     arch = g.require("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{g.path}: GGUF architecture {arch!r} is not supported (supported: llama)")
-    if "rope_freqs.weight" in g.tensor_names() or g.has("llama.rope.scaling.type"):
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{g.path}: GGUF architecture {arch!r} is not supported (supported: "
+                         f"{', '.join(ARCHITECTURES)})")
+    if "rope_freqs.weight" in g.tensor_names() or g.has(f"{arch}.rope.scaling.type"):
         raise ValueError(f"{g.path}: GGUF RoPE scaling is not supported by the importer")
-    hidden = int(g.require("llama.embedding_length"))
-    heads = int(g.require("llama.attention.head_count"))
+    hidden = int(g.require(f"{arch}.embedding_length"))
+    heads = int(g.require(f"{arch}.attention.head_count"))
     tokens = g.require("tokenizer.ggml.tokens")
     bos = g.get("tokenizer.ggml.bos_token_id")
     return ModelConfig(
-        arch="llama",
-        vocab_size=int(g.get("llama.vocab_size", len(tokens))),
+        arch=arch,
+        vocab_size=int(g.get(f"{arch}.vocab_size", len(tokens))),
         hidden_size=hidden,
-        intermediate_size=int(g.require("llama.feed_forward_length")),
-        num_layers=int(g.require("llama.block_count")),
+        intermediate_size=int(g.require(f"{arch}.feed_forward_length")),
+        num_layers=int(g.require(f"{arch}.block_count")),
         num_heads=heads,
-        num_kv_heads=int(g.get("llama.attention.head_count_kv", heads)),
-        head_dim=int(g.get("llama.attention.key_length", hidden // heads)),
-        rms_eps=f32_value(g.require("llama.attention.layer_norm_rms_epsilon")),
-        rope_theta=f32_value(g.get("llama.rope.freq_base", 10000.0)),
-        max_position=int(g.get("llama.context_length", 8192)),
+        num_kv_heads=int(g.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(g.get(f"{arch}.attention.key_length", hidden // heads)),
+        rms_eps=f32_value(g.require(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=f32_value(g.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_position=int(g.get(f"{arch}.context_length", 8192)),
         tie_embeddings="output.weight" not in g.tensor_names(),
+        qkv_bias=arch == "qwen2",
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_token_ids(g),
     )
@@ -171,20 +181,23 @@ def model_config(g: GGUFFile) -> ModelConfig:
 
 # ---- weights ----
 def hf_state_dict(g: GGUFFile, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """All weights, float32, HF names; attn_q / attn_k rows back in HF RoPE order."""
+    """All weights, float32, HF names; a Llama's attn_q / attn_k rows back in HF RoPE order."""
     names = g.tensor_names()
     state: dict[str, np.ndarray] = {}
     for src, dst in GLOBAL_TENSORS.items():
         if f"{src}.weight" in names:
             state[f"{dst}.weight"] = g.tensor(f"{src}.weight")
+    permuted = cfg.arch == "llama"
     for i in range(cfg.num_layers):
         for src, dst in LAYER_TENSORS.items():
             w = g.tensor(f"blk.{i}.{src}.weight")
-            if src == "attn_q":
+            if permuted and src == "attn_q":
                 w = rope_unpermute(w, cfg.num_heads)
-            elif src == "attn_k":
+            elif permuted and src == "attn_k":
                 w = rope_unpermute(w, cfg.num_kv_heads)
             state[f"model.layers.{i}.{dst}.weight"] = w
+            if cfg.qkv_bias and src in BIASED:
+                state[f"model.layers.{i}.{dst}.bias"] = g.tensor(f"blk.{i}.{src}.bias")
     check_shapes(g.path, state, cfg)
     return state
 
@@ -201,6 +214,9 @@ def check_shapes(path: Path, state: dict[str, np.ndarray], cfg: ModelConfig) -> 
                  "input_layernorm": (h,), "post_attention_layernorm": (h,)}
     for i in range(cfg.num_layers):
         want.update({f"model.layers.{i}.{k}.weight": v for k, v in per_layer.items()})
+        if cfg.qkv_bias:
+            want.update({f"model.layers.{i}.self_attn.{k}_proj.bias": (rows,) for k, rows in
+                         (("q", cfg.num_heads * d), ("k", cfg.num_kv_heads * d), ("v", cfg.num_kv_heads * d))})
     for name, shape in want.items():
         got = state[name].shape if name in state else None
         if got != shape:
@@ -214,6 +230,10 @@ def pre_tokenizer(g: GGUFFile) -> pre_tokenizers.PreTokenizer:
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     if pre == "smollm":  # llama.cpp: "\p{N}" split first, then the GPT-2 regex
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre == "qwen2":  # its own split regex, then bytes (as Qwen2's tokenizer.json)
+        split = pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False)
+        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False,
+                                                                        use_regex=False)])
     if pre in SUPPORTED_PRE_TOKENIZERS:
         return byte_level
     raise ValueError(f"{g.path}: pre-tokenizer {pre!r} is not supported (supported: {SUPPORTED_PRE_TOKENIZERS})")
@@ -235,6 +255,8 @@ def build_tokenizer(g: GGUFFile) -> Tokenizer:
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizer(g)
+    if g.get("tokenizer.ggml.pre") == "qwen2":
+        tok.normalizer = normalizers.NFC()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.decoder = decoders.ByteLevel()
     added = [AddedToken(t, special=ty == TOKEN_CONTROL, normalized=False)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 # The head of every frame on the wire: the six int64 header fields (engine/protocol/messages.py) and the
 # inline flag (engine/comm/transport.py FRAME_HEAD); a number here so the cost model needs no torch,
 # tested against the engine
-HEADER_BYTES = 80  # the frame head: 9 int64 header fields and the inline flag (engine/comm/transport.py FRAME_HEAD)
+HEADER_BYTES = 88  # the frame head: 10 int64 header fields and the inline flag (engine/comm/transport.py FRAME_HEAD)
 
 
 # Tensors per decode-tick message: the runtime's transport sends each as one frame (header and
