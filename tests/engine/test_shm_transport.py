@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from spd_engine.engine.comm.dist import LocalRanks, join_group, local_init_method
-from spd_engine.engine.protocol.messages import Header, Kind
+from spd_engine.engine.protocol.messages import HEADER_LEN, Header, Kind
 from spd_engine.engine.comm.shm_transport import RING_BYTES, ShmTransport, TransportError, _Ring
 
 pytestmark = pytest.mark.multiproc
@@ -156,7 +156,7 @@ def test_ring_fast_path_whole_messages_only_and_interleaves_with_the_general_pat
     view = memoryview(payload.numpy().view(np.uint8))
     into = torch.empty(576)
     into_view = memoryview(into.numpy().view(np.uint8))
-    msg = 72 + view.nbytes
+    msg = 8 * HEADER_LEN + view.nbytes
     sent = 0
     while sent + msg <= RING_BYTES:  # fill the ring up to its end with fast-path messages
         assert w.write_message(hdr._replace(position=sent), [view])
@@ -170,7 +170,7 @@ def test_ring_fast_path_whole_messages_only_and_interleaves_with_the_general_pat
         assert r.read_header() is not None and r.read_view(into_view)
     assert r.read_header() is None  # nothing there
     # the next message crosses the ring's end: the general path writes it, the fast reads refuse it
-    assert 72 <= RING_BYTES - sent < msg  # the header fits before the end, the payload does not
+    assert 8 * HEADER_LEN <= RING_BYTES - sent < msg  # the header fits before the end, the payload does not
     ints = np.array(hdr.to_ints(), dtype=np.int64).view(np.uint8)
     assert w.write_parts([ints, payload.numpy().view(np.uint8)]) == []
     assert Header.from_ints(r.read_header()) == hdr
