@@ -1,7 +1,9 @@
 """The external peer of `spd bench`: transformers' own `generate` on the same prompts, machine and
-thread count, plain greedy (`hf`) and with prompt-lookup decoding (`hf-lookup`,
+thread count, plain greedy (`hf`), with prompt-lookup decoding (`hf-lookup`,
 `prompt_lookup_num_tokens`: drafts copied from the prompt's n-grams, verified in one target pass),
-so a user sees our tok/s beside a library they know.
+and with assisted generation (`hf-assisted`: classic draft-model speculative decoding, a smaller
+model of the same tokenizer drafting, `--assistant MODEL`), so a user sees our tok/s beside a
+library they know.
 
 The runtime mirrors the engine's (`generate(prompt, max_new, eos, ...) -> GenerationResult`), so
 `bench/speed.py` times it the same way: token times come from a generate streamer (a lookup pass
@@ -31,8 +33,11 @@ class HFPeer:
     dtype: torch.dtype
     threads: int
     lookup_tokens: int | None = None  # None: plain greedy generate
+    assistant_dir: Path | None = None  # assisted generation with this draft model (HF directory)
 
     def __post_init__(self) -> None:
+        if self.lookup_tokens is not None and self.assistant_dir is not None:
+            raise ValueError("a transformers peer drafts by prompt lookup or by an assistant model, not both")
         if self.lookup_tokens is not None and self.lookup_tokens < 1:
             raise ValueError(f"--lookup-tokens must be >= 1, got {self.lookup_tokens}")
 
@@ -48,7 +53,9 @@ class HFPeer:
         torch.set_num_threads(self.threads)
         try:
             model = AutoModelForCausalLM.from_pretrained(self.hf_dir, dtype=self.dtype, local_files_only=True)
-            yield HFRuntime(model.eval(), self.lookup_tokens)
+            assistant = None if self.assistant_dir is None else AutoModelForCausalLM.from_pretrained(
+                self.assistant_dir, dtype=self.dtype, local_files_only=True).eval()
+            yield HFRuntime(model.eval(), self.lookup_tokens, assistant)
         finally:
             torch.set_num_threads(before)
 
@@ -74,8 +81,8 @@ class _Clock:
 
 
 class HFRuntime:
-    def __init__(self, model, lookup_tokens: int | None) -> None:
-        self.model, self.lookup_tokens, self.passes = model, lookup_tokens, 0
+    def __init__(self, model, lookup_tokens: int | None, assistant=None) -> None:
+        self.model, self.lookup_tokens, self.assistant, self.passes = model, lookup_tokens, assistant, 0
         forward = model.forward
 
         def counted(*a, **kw):
@@ -100,8 +107,9 @@ class HFRuntime:
         ids = torch.tensor([list(prompt)], dtype=torch.long)  # [1, P]
         clock, self.passes = _Clock(on_token), 0
         t0 = time.perf_counter()
+        extra = {} if self.assistant is None else {"assistant_model": self.assistant}
         out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=self._config(
-            max_new_tokens, eos_ids), streamer=clock)
+            max_new_tokens, eos_ids), streamer=clock, **extra)
         res = GenerationResult(tokens=out[0, len(prompt):].tolist(), n=1, ticks=max(0, self.passes - 1))
         assert len(clock.times) == len(res.tokens), "the streamer saw every committed token"
         if clock.times:

@@ -37,7 +37,7 @@ PERCENTILES = (50, 90, 99)
 
 @dataclass(frozen=True)
 class BenchCase:
-    name: str  # ar | pp | spd | spd-colocate | spd-overlap | eagle | hf | hf-lookup
+    name: str  # ar | pp | spd | spd-colocate | spd-overlap | eagle | hf | hf-lookup | hf-assisted
     ecfg: RunConfig  # for an external peer: the ar row's (its thread count and dtype)
     peer: HFPeer | None = None  # transformers' generate instead of the engine (bench/hf_peer.py)
 
@@ -163,7 +163,7 @@ def run_case(case: BenchCase, prompts: Sequence[list[int]], max_new: int, eos: S
     summary.update(latency_summary(clocks))
     if case.name in ("spd-colocate", "spd-colocate-vd"):
         summary.update(colocated_residual(runs, trace))
-    if case.ecfg.mode == "eagle" or (case.peer is not None and case.peer.lookup_tokens):
+    if case.ecfg.mode == "eagle" or (case.peer is not None and (case.peer.lookup_tokens or case.peer.assistant_dir)):
         summary["acceptance_length"] = summary["eal"]  # ticks are target passes and n = 1: tokens per pass
     if case.ecfg.mode != "spd":
         summary["eal"] = None  # EAL is SPD's; pp and ar commit one token per pass

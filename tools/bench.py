@@ -20,7 +20,8 @@ from spd_engine.bench.stats import format_table
 from spd_engine.tools.common import REPO_HEADS, add_engine_arguments, add_json_argument, engine_config, \
     hf_model_dir, load_prompts, refuse_ignored, write_json
 
-CONFIGS = ("ar", "pp", "spd", "spd-w1", "spd-colocate", "spd-colocate-vd", "spd-overlap", "eagle", "hf", "hf-lookup", "tp", "spd-tp")
+CONFIGS = ("ar", "pp", "spd", "spd-w1", "spd-colocate", "spd-colocate-vd", "spd-overlap", "eagle", "hf", "hf-lookup",
+           "hf-assisted", "tp", "spd-tp")
 
 COLUMNS = [("name", "config", ""), ("world_size", "ranks", ""), ("decode_tok_s", "tok/s", ".2f"),
            ("decode_tok_s_min", "min", ".2f"), ("decode_tok_s_max", "max", ".2f"),
@@ -48,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"subset of {','.join(CONFIGS)} (tp: one stage over --tp ranks; spd-tp: SPD with --tp "
                         "ranks per stage, the other rows run without TP; hf, hf-lookup: transformers' generate, "
                         "needs an HF model)")
+    g.add_argument("--assistant", metavar="MODEL", default=None,
+                   help="hf-assisted: the draft model of transformers' assisted generation (same tokenizer; "
+                        "a model spec as --model, e.g. qwen2.5-coder-0.5b beside --model qwen2.5-coder-1.5b)")
     g.add_argument("--lookup-tokens", type=int, default=DEFAULT_LOOKUP_TOKENS,
                    help="hf-lookup: prompt_lookup_num_tokens (tokens drafted per lookup)")
     g.add_argument("--synthetic-alpha", type=float, default=None,
@@ -100,10 +104,16 @@ def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
                                                          topology=dataclasses.replace(topo, colocate=True))))
     if "eagle" in names:  # the serial baseline on one rank (engine/runtime/eagle_driver.py)
         out.append(BenchCase("eagle", ecfg.replace(mode="eagle", topology=one)))
-    for name in ("hf", "hf-lookup"):
+    if args.assistant is not None and "hf-assisted" not in names:
+        raise ValueError("--assistant: not used without the hf-assisted config")
+    for name in ("hf", "hf-lookup", "hf-assisted"):
         if name in names:
             lookup = args.lookup_tokens if name == "hf-lookup" else None
-            peer = HFPeer(hf_model_dir(args.model), ecfg.torch_dtype, out[0].ecfg.threads_per_rank(), lookup)
+            if name == "hf-assisted" and args.assistant is None:
+                raise ValueError("the hf-assisted config needs --assistant MODEL (its draft model)")
+            assistant = hf_model_dir(args.assistant) if name == "hf-assisted" else None
+            peer = HFPeer(hf_model_dir(args.model), ecfg.torch_dtype, out[0].ecfg.threads_per_rank(), lookup,
+                          assistant)
             out.append(BenchCase(name, out[0].ecfg, peer))
     if {"tp", "spd-tp"} & set(names):  # tp runs first of the TP rows: it is their lossless reference
         out.append(BenchCase("tp", ecfg.replace(mode="tp", topology=dataclasses.replace(one, colocate=True, tp=T))))

@@ -106,6 +106,23 @@ def test_bench_hf_rows_beside_the_engine(tmp_path, eos_first_model, monkeypatch,
     assert lookup["itl_p50_ms"] < 0.1 * rows["hf"]["itl_p50_ms"]  # tokens of one lookup pass arrive together
 
 
+@pytest.mark.multiproc
+def test_bench_hf_assisted_row_with_a_draft_model(tmp_path, eos_first_model, monkeypatch):
+    """transformers' assisted generation with the model as its own assistant: every draft is the
+    target's token, so a target pass commits several, and the tokens equal ar's."""
+    monkeypatch.setenv("SPD_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "assisted.json"
+    argv = ["bench", "--model", str(eos_first_model), "--stages", "2", "--threads", "1", "--prompt", "hello",
+            "--ignore-eos", "--max-new-tokens", "24", "--repeats", "1", "--json", str(out)]
+    assert main([*argv, "--configs", "ar,hf-assisted", "--assistant", str(eos_first_model)]) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assisted = rows["hf-assisted"]
+    assert assisted["tokens"] == 24 and assisted["lossless"] and assisted["equal_prompts"] == 1
+    assert assisted["ticks"] < 23 / 2 and assisted["acceptance_length"] == pytest.approx(23 / assisted["ticks"])
+    assert main([*argv, "--configs", "ar,hf-assisted"]) == 2  # no draft model given
+    assert main([*argv, "--configs", "ar,hf", "--assistant", str(eos_first_model)]) == 2  # given, unused
+
+
 def test_a_peer_that_differs_is_reported_not_failed(tmp_path, monkeypatch):
     import contextlib
 
