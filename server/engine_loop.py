@@ -236,6 +236,7 @@ class EngineLoop:
         self.state = "starting"
         self.failure: str | None = None
         self.current: Job | BatchInFlight | DirectCall | None = None
+        self.runtime = None  # the engine thread's runtime, once it is up
         self._start_error: BaseException | None = None
         self._ready = threading.Event()
         self._leaving = threading.Event()  # set once the loop is done and the runtime shuts its ranks down
@@ -338,6 +339,11 @@ class EngineLoop:
     def running(self) -> int:
         return len(self.in_flight())
 
+    def stage_counts(self):
+        """The pipeline's stage counts over every run of several requests (StageCounts), or None."""
+        batch = getattr(self.runtime, "batch", None)  # pp / ar runtimes have none
+        return None if batch is None else batch.lifetime
+
     def stop(self, timeout: float | None = None) -> bool:
         """After the queued requests: leave the runtime (ranks shut down). True if the thread ended."""
         self.drain()
@@ -352,6 +358,7 @@ class EngineLoop:
     def _main(self) -> None:
         try:
             with self.open_runtime() as runtime:
+                self.runtime = runtime
                 self.state = "ready"
                 self._ready.set()
                 self._watch_ranks()

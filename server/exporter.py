@@ -5,7 +5,7 @@ first token (from arrival, queue wait included), inter-token latency, end-to-end
 and generation tokens, and the speculative-decoding counters (`spec_decode_num_draft_tokens` =
 verified drafts, `spec_decode_num_accepted_tokens`). SPD's own: ticks, rejections, pooled EAL and
 acceptance, branch points and saves, per-stage compute and steps, driver timers and the per-tick
-driver slack. Every sample carries vLLM's `model_name` label (the served model name), added at
+driver slack; with --max-batch, the stage utilization and rows per stage step. Every sample carries vLLM's `model_name` label (the served model name), added at
 exposition time, so dashboards made for vLLM can select and join on it; vLLM's per-request
 families are here too: `request_success_total{finished_reason}` (stop, length, abort),
 `request_prompt_tokens`, `request_generation_tokens`, `request_inference_time_seconds`,
@@ -49,9 +49,18 @@ class ModelNameLabel(Collector):
             yield family
 
 
+def _overall(counts) -> float:
+    """Useful stage-ticks over all stage-ticks (0 before any)."""
+    return sum(counts.useful) / (counts.n * counts.ticks) if counts is not None and counts.ticks else 0.0
+
+
+def _rows_per_step(counts) -> float:
+    return sum(counts.rows) / sum(counts.steps) if counts is not None and sum(counts.steps) else 0.0
+
+
 class ServeMetrics:
     def __init__(self, n: int, waiting: Callable[[], int], running: Callable[[], int],
-                 model_name: str | None = None) -> None:
+                 model_name: str | None = None, stage_counts: Callable[[], object] = lambda: None) -> None:
         self.n = n
         self.model_name = model_name
         self._totals = dict.fromkeys(("ticks", "decode", "drafts", "accepted"), 0)  # for the pooled gauges
@@ -100,6 +109,12 @@ class ServeMetrics:
                            registry=r)
         self.stage_compute = Counter("spd:stage_compute_seconds", "Stage compute time", ["stage"], registry=r)
         self.stage_steps = Counter("spd:stage_steps", "Messages a stage computed", ["stage"], registry=r)
+        # several requests in the pipeline (--max-batch): engine/runtime/batch_driver.py StageCounts
+        Gauge("spd:stage_utilization", "Share of stage-ticks that computed a live row, over every run of "
+              "--max-batch requests since start", registry=r).set_function(
+            lambda: _overall(stage_counts()))
+        Gauge("spd:rows_per_stage_step", "Token rows per stage step (a step carries one row per request "
+              "with a token there), since start", registry=r).set_function(lambda: _rows_per_step(stage_counts()))
         self.driver = Counter("spd:driver_seconds", "Driver time by part (pdm, verify, wait, send)", ["part"],
                               registry=r)
         self.slack = Histogram("spd:driver_slack_seconds_per_tick", "Per request: slowest stage's compute "

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
                         () if args.ignore_eos else info.eos_ids,
                         rank_processes=lambda: list(engine.ranks.values()), stall_s=args.stall_timeout,
                         max_batch=args.max_batch)
-    metrics = ServeMetrics(ecfg.topology.n, engine.waiting, engine.running, info.name)
+    metrics = ServeMetrics(ecfg.topology.n, engine.waiting, engine.running, info.name, engine.stage_counts)
     engine.metrics = metrics
     try:
         encoder.start()

@@ -18,6 +18,7 @@ cache (engine/model/kv_cache.py RowCaches); the drafts and verifications are per
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -132,6 +133,29 @@ class _Live:
         return epoch == self.req.epoch and got >= pos
 
 
+class StageCounts:
+    """Stage utilization counted as BATCH messages are sealed, as engine/protocol/batch_schedule.py
+    counts it: the message sent at tick t is at stage p at tick t + p; a row there is live unless
+    its request flushed that epoch (or finished) before that tick. A message is sealed n - 1
+    ticks after it was sent (no later flush can touch its rows), or at the end of the run."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.ticks = n, 0
+        self.useful, self.rows, self.live_rows, self.steps = [0] * n, [0] * n, [0] * n, [0] * n
+
+    def add(self, tick: int, batch: list[tuple[_Live, int]], last: int) -> None:
+        """The rows of the message sent at `tick` ((request, epoch) each), up to tick `last`."""
+        for p in range(min(self.n, last - tick + 1)):
+            live = sum(1 for x, epoch in batch if tick + p <= x.epoch_end.get(epoch, last))
+            self.steps[p] += 1
+            self.rows[p] += len(batch)
+            self.live_rows[p] += live
+            self.useful[p] += int(live > 0)
+
+    def utilization(self) -> Utilization:
+        return Utilization(self.ticks, tuple(self.useful), tuple(self.rows), tuple(self.live_rows), tuple(self.steps))
+
+
 class BatchDriver:
     """Runs requests through a Driver's pipeline, up to `max_batch` at once."""
 
@@ -141,6 +165,7 @@ class BatchDriver:
         self.reporting = [s for s in range(self.n) if driver.wire.reports_to_driver(s)]
         self.serial = 0  # requests taken so far, over every run
         self.parts: dict[int, _SlotParts] = {}  # request slot -> its buffers, kept over runs
+        self.lifetime = StageCounts(self.n)  # over every run (a server's /metrics)
 
     # ---- receiving: every reporting stage's messages, in the order they were sent ----
     def _pump(self, s: int) -> None:
@@ -293,6 +318,17 @@ class BatchDriver:
         for live in lives:
             if not live.decoding and not live.finished:
                 self._advance_prefill(live, block=not decoding)
+        self._seal(self.tick - (self.n - 1))
+        if self.tick >= self.n:  # a tick whose stage steps are all sealed (the rest: at the run's end)
+            self.lifetime.ticks += 1
+
+    def _seal(self, upto: int) -> None:
+        """Count the BATCH messages sent up to tick `upto` into the run's and the lifetime's stage
+        utilization (their rows are final), and let them go."""
+        while self.unsealed and self.unsealed[0][0] <= upto:
+            tick, batch = self.unsealed.popleft()
+            self.counts.add(tick, batch, self.tick)
+            self.lifetime.add(tick, batch, self.tick)
 
     def _draft(self, decoding: list[_Live], plans: list[TickPlan]) -> list[list]:
         """One PDM pass over every decoding request's rows (each on its own PDM cache), then each
@@ -319,7 +355,7 @@ class BatchDriver:
         emb = d.head.embed(meta[None, :, _TOKEN].to(d.device))[0]  # [R, H]
         for r, (live, e) in enumerate(zip(decoding, entries)):
             live.buf.ring[live.buf.slot(e.pos), 0] = emb[r]
-        self.sent_rows.append([(x, e.epoch) for x, e in zip(decoding, entries)])
+        self.unsealed.append((self.tick, [(x, e.epoch) for x, e in zip(decoding, entries)]))
 
     def _verify_and_advance(self, live: _Live, plan: TickPlan, drafts: list) -> None:
         req, state = live.req, live.req.state
@@ -381,16 +417,20 @@ class BatchDriver:
         self.t_ready: dict[int, float] = {}  # request index -> when its arrival tick came
         self.tick, self.sent, self.consumed = 0, 0, [0] * self.n
         self.rows: list[int] = []
-        self.sent_rows: list[list[tuple[_Live, int]]] = []
+        self.unsealed: deque[tuple[int, list[tuple[_Live, int]]]] = deque()  # (tick sent, its rows)
+        self.counts = StageCounts(self.n)
         t0 = time.perf_counter()
         while self.queue or any(x is not None for x in self.slots) or self._take():
             self._tick()
         wall = time.perf_counter() - t0
+        self._seal(self.tick)
+        self.lifetime.ticks += min(self.tick, self.n - 1)  # the last ticks, sealed only now
+        self.counts.ticks = self.tick
         stages = self._finish_run()
         lives = [self.done[i] for i in range(self.count)]
         for live in lives:
             live.req.res.stages = stages
-        return BatchResult([x.req.res for x in lives], self.tick, wall, self.rows, self._utilization(), stages,
+        return BatchResult([x.req.res for x in lives], self.tick, wall, self.rows, self.counts.utilization(), stages,
                            [x.t_first - x.t_arrival for x in lives], [x.t_last - x.t_arrival for x in lives])
 
     def _finish_run(self) -> list[dict]:
@@ -401,22 +441,3 @@ class BatchDriver:
             while self.consumed[s] < self.sent:
                 self._pump(s)
         return [receive_stats(self.t, d.topo.stage_rank(s), self.timeout) for s in range(self.n)]
-
-    def _utilization(self) -> Utilization:
-        """The runtime's stage utilization, as engine/protocol/batch_schedule.py counts it: the BATCH
-        message sent at tick t is at stage p at tick t + p; a row there is live unless its request
-        flushed that epoch (or finished) before that tick."""
-        n, T = self.n, self.tick
-        useful, rows, live_rows, steps = [0] * n, [0] * n, [0] * n, [0] * n
-        sent_ticks = [t for t, r in enumerate(self.rows, start=1) if r]  # sent_rows has one entry per BATCH sent
-        assert len(sent_ticks) == len(self.sent_rows), (len(sent_ticks), len(self.sent_rows))
-        for tick, batch in zip(sent_ticks, self.sent_rows):
-            for p in range(n):
-                if tick + p > T:
-                    break
-                live = sum(1 for x, epoch in batch if tick + p <= x.epoch_end.get(epoch, T))
-                steps[p] += 1
-                rows[p] += len(batch)
-                live_rows[p] += live
-                useful[p] += int(live > 0)
-        return Utilization(T, tuple(useful), tuple(rows), tuple(live_rows), tuple(steps))

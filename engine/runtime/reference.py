@@ -56,6 +56,11 @@ class ReferenceExecutor:
     def generate(self, *args, **kwargs):
         return self.driver.generate(*args, **kwargs)
 
+    @property
+    def batch(self):
+        """The driver's runner of several requests (None before the first generate_batch)."""
+        return self.driver.batch
+
     def check_request(self, *args, **kwargs) -> None:
         self.driver.check_request(*args, **kwargs)
 

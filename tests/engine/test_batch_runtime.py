@@ -124,9 +124,15 @@ def test_utilization_counts_each_rejections_stale_rows(one_thread):
     last rejection may end it before that step."""
     ecfg = tiny_engine_config("llama", 2, False)
     reqs = [BatchRequest(r.prompt, r.max_new_tokens) for r in requests(ecfg, policies=False)]
+    runs = []
     with ReferenceExecutor(ecfg) as ex:
         for r in reqs:
             out = ex.generate_batch([r], 1)
             u, rejections = out.utilization, out.results[0].rejections
             assert u.live_rows[0] == u.rows[0] == u.steps[0]  # stage 0 only ever holds live tokens
             assert rejections - 1 <= u.rows[1] - u.live_rows[1] <= rejections and rejections > 0
+            runs.append(u)
+        life = ex.batch.lifetime  # a server's /metrics: every run's counts, summed
+    assert life.ticks == sum(u.ticks for u in runs)
+    for field in ("useful", "rows", "live_rows", "steps"):
+        assert getattr(life, field) == [sum(getattr(u, field)[p] for u in runs) for p in range(2)], field

@@ -146,5 +146,7 @@ def test_max_batch_runs_requests_together_and_each_stays_lossless(setup):
         assert jobs[3].result.tokens == refs[0][:len(jobs[3].result.tokens)]
         assert refused[0] == "error" and refused[1].status == 400 and "capacity" in refused[1].message
         assert called == "called" and engine.running() == 0
+        counts = engine.stage_counts()  # what /metrics reports: several requests shared stage steps
+        assert counts.ticks > 0 and sum(counts.rows) > sum(counts.steps) and 0 < sum(counts.useful) <= 3 * counts.ticks
     finally:
         assert engine.stop(timeout=30)
