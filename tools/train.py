@@ -45,8 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="n comma-separated weights of the fills 1..n a batch simulates (default: half full, "
                         "the rest uniform), e.g. how often `spd eval --json` says the driver drafts at each")
     p.add_argument("--init-head", default=None, metavar="DIR",
-                   help="start from this exported PDM (fine-tune; its split, anchors, K and draft vocabulary "
-                        "must equal the run's) instead of from the target's layers")
+                   help="start from this exported PDM instead of from the target's layers (its K and draft "
+                        "vocabulary must equal the run's; a head of another stage split warm-starts this one: "
+                        "layers and head copied, projections mapped by anchor depth)")
     p.add_argument("--schedule", default="cosine", choices=("cosine", "wsd"),
                    help="learning rate after warmup: cosine over the run, or warmup-stable-decay (extendable)")
     p.add_argument("--decay-frac", type=float, default=0.2, help="wsd: the last fraction of the steps decays")

@@ -26,6 +26,7 @@ from spd_engine.train.data_parallel import DataParallel
 from spd_engine.train.head_training import HeadTrainer, check_loop_config
 from spd_engine.train.head_training import lr_at  # noqa: F401  (part of this module's API)
 from spd_engine.train.pipeline_sim import simulated_hidden, target_anchors
+from spd_engine.train.head_transplant import transplant
 from spd_engine.train.lr_schedule import SCHEDULES, check_fill_weights, decay_start, draw_fill
 
 
@@ -83,15 +84,19 @@ def new_pdm(target: StageModel, cfg: TrainConfig, draft_vocab: tuple[int, ...] |
 
 def _init_head(target: StageModel, path: str, pcfg: PDMConfig) -> PDM:
     """The exported head at `path` as fp32 trainable weights (int8 heads dequantized), checked to
-    have the run's stage split, anchors, K and draft vocabulary."""
+    have the run's K and draft vocabulary; a head of another stage split (or anchors) warm-starts
+    this one (train/head_transplant.py)."""
     head_cfg, _ = read_pdm_config(path)
-    for field in ("stage_layers", "anchors", "num_layers", "draft_vocab"):
+    for field in ("num_layers", "draft_vocab"):
         mine, theirs = getattr(pcfg, field), getattr(head_cfg, field)
         if mine != theirs:
             shown = (lambda v: f"{len(v)} ids" if v is not None else "the full vocabulary") if field == "draft_vocab" \
                 else (lambda v: v)
             raise ValueError(f"--init-head {path} has {field} {shown(theirs)}, this run has {shown(mine)}")
-    return load_pdm(path, target.cfg, pcfg.stage_layers)  # trainable as built (the final norm stays frozen)
+    src = load_pdm(path, target.cfg, head_cfg.stage_layers)  # trainable as built (the final norm stays frozen)
+    if (head_cfg.stage_layers, head_cfg.anchors) == (pcfg.stage_layers, pcfg.anchors):
+        return src
+    return transplant(src, PDM(target.cfg, pcfg))
 
 
 def distill_loss(pdm: PDM, target: StageModel, tokens: torch.Tensor, f: int,

@@ -19,6 +19,8 @@ from test_corpus import build
 from spd_engine.train.corpus import Corpus
 from spd_engine.train.data_parallel import DataParallel
 from spd_engine.train.distill import TrainConfig, Trainer, distill_loss
+from spd_engine.train.head_transplant import anchor_map
+from spd_engine.engine.protocol.topology import Topology
 from spd_engine.train.self_distill import pick_prompts
 
 ECFG = tiny_engine_config("llama", n=2)
@@ -125,6 +127,39 @@ def test_init_head_starts_from_its_weights_and_checks_config(tmp_path: Path) -> 
     with pytest.raises(ValueError, match="num_layers 1, this run has 2"):
         Trainer(target(), tcfg(tmp_path / "d", pdm_layers=2, init_head=str(tmp_path / "a" / "pdm")), stream(),
                 log=lambda m: None)
+
+
+def test_init_head_of_another_split_warm_starts(tmp_path: Path) -> None:
+    """A head trained for n=2 starts an n=4 head (layers and head copied, projections mapped by
+    anchor depth): its step-0 loss is well below a fresh head's; another K is still refused."""
+    first = Trainer(target(), tcfg(tmp_path / "a", steps=30, save_every=30, full_fill_frac=1.0, export_dtype="float32"),
+                    stream(distinct=2), log=lambda m: None)
+    first.run()
+    n4 = tuple(Topology.build(ECFG.cfg.num_layers, 4).stage_layers)
+    moved = Trainer(target(), tcfg(tmp_path / "b", stage_layers=n4, steps=1, full_fill_frac=1.0,
+                                   init_head=str(tmp_path / "a" / "pdm")), stream(distinct=2), log=lambda m: None)
+    assert moved.pdm.pcfg.stage_layers == n4
+    src = first.pdm.state_dict()
+    assert all(torch.equal(src[k], v) for k, v in moved.pdm.state_dict().items() if not k.startswith("proj."))
+    fresh = Trainer(target(), tcfg(tmp_path / "c", stage_layers=n4, steps=1, full_fill_frac=1.0), stream(distinct=2),
+                    log=lambda m: None)
+    moved.run(), fresh.run()
+    assert moved.history[0]["loss"] < 0.8 * fresh.history[0]["loss"]
+    with pytest.raises(ValueError, match="num_layers 1, this run has 2"):
+        Trainer(target(), tcfg(tmp_path / "d", stage_layers=n4, pdm_layers=2, init_head=str(tmp_path / "a" / "pdm")),
+                stream(), log=lambda m: None)
+
+
+def test_anchor_map_pairs_nearest_depths() -> None:
+    """SmolLM2's n=4 anchors (0, 8, 23, 29) into n=2's (0, 15, 29): each new anchor reads the
+    nearest source block, deepest first, from the source type of the nearest deepest anchor."""
+    src, dst = (0, 8, 23, 29), (0, 15, 29)
+    assert anchor_map(src, dst, 0) == (0, {0: 0})
+    assert anchor_map(src, dst, 1) == (1, {1: 1, 0: 0})  # 15 is nearer 8 than 23
+    assert anchor_map(src, dst, 2) == (3, {2: 3, 1: 1, 0: 0})
+    assert anchor_map(dst, src, 1) == (1, {1: 1, 0: 0})  # 8 is nearer 15 than 0
+    assert anchor_map(dst, src, 2) == (2, {2: 2, 1: 1, 0: 0})  # 23 is nearer 29 than 15
+    assert anchor_map((0, 29), src, 2) == (1, {2: 1, 1: 0})  # two source blocks: anchor 0 gets none
 
 
 def test_bf16_autocast_tracks_fp32() -> None:
