@@ -5,7 +5,7 @@ first token (from arrival, queue wait included), inter-token latency, end-to-end
 and generation tokens, and the speculative-decoding counters (`spec_decode_num_draft_tokens` =
 verified drafts, `spec_decode_num_accepted_tokens`). SPD's own: ticks, rejections, pooled EAL and
 acceptance, branch points and saves, per-stage compute and steps, driver timers and the per-tick
-driver slack; with --max-batch, the stage utilization and rows per stage step. Every sample carries vLLM's `model_name` label (the served model name), added at
+driver slack; with --max-batch, the stage utilization (overall and per stage) and rows per stage step. Every sample carries vLLM's `model_name` label (the served model name), added at
 exposition time, so dashboards made for vLLM can select and join on it; vLLM's per-request
 families are here too: `request_success_total{finished_reason}` (stop, length, abort),
 `request_prompt_tokens`, `request_generation_tokens`, `request_inference_time_seconds`,
@@ -17,6 +17,7 @@ import re
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from spd_engine.engine.protocol.metrics import GenerationResult
@@ -56,6 +57,22 @@ def _overall(counts) -> float:
 
 def _rows_per_step(counts) -> float:
     return sum(counts.rows) / sum(counts.steps) if counts is not None and sum(counts.steps) else 0.0
+
+
+class StageUtilization(Collector):
+    """`spd:stage_utilization_by_stage{stage}`: each stage's share of ticks that computed a live row."""
+
+    def __init__(self, n: int, stage_counts: Callable[[], object]) -> None:
+        self.n, self.stage_counts = n, stage_counts
+
+    def collect(self):
+        counts = self.stage_counts()
+        family = GaugeMetricFamily("spd:stage_utilization_by_stage", "Per stage: share of ticks that computed "
+                                   "a live row, over every run of --max-batch requests since start", labels=["stage"])
+        for s in range(self.n):
+            ticks = counts.ticks if counts is not None else 0
+            family.add_metric([str(s)], counts.useful[s] / ticks if ticks else 0.0)
+        yield family
 
 
 class ServeMetrics:
@@ -115,6 +132,7 @@ class ServeMetrics:
             lambda: _overall(stage_counts()))
         Gauge("spd:rows_per_stage_step", "Token rows per stage step (a step carries one row per request "
               "with a token there), since start", registry=r).set_function(lambda: _rows_per_step(stage_counts()))
+        r.register(StageUtilization(n, stage_counts))
         self.driver = Counter("spd:driver_seconds", "Driver time by part (pdm, verify, wait, send)", ["part"],
                               registry=r)
         self.slack = Histogram("spd:driver_slack_seconds_per_tick", "Per request: slowest stage's compute "

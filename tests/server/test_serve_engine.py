@@ -4,12 +4,14 @@ a stop string or a cancel ends the request at that token, and the next request i
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
 from spd_engine.engine.runtime.reference import ReferenceExecutor
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.server.engine_loop import EngineLoop, Job
+from spd_engine.server.exporter import ServeMetrics
 from spd_engine.server.openai_api import ParsedRequest
 from spd_engine.server.request import ServeRequest
 from helpers import random_prompts, reference, tiny_engine_config
@@ -148,5 +150,11 @@ def test_max_batch_runs_requests_together_and_each_stays_lossless(setup):
         assert called == "called" and engine.running() == 0
         counts = engine.stage_counts()  # what /metrics reports: several requests shared stage steps
         assert counts.ticks > 0 and sum(counts.rows) > sum(counts.steps) and 0 < sum(counts.useful) <= 3 * counts.ticks
+        text = ServeMetrics(3, lambda: 0, lambda: 0, stage_counts=engine.stage_counts).exposition().decode()
+        per_stage = [float(re.search(rf'spd:stage_utilization_by_stage{{stage="{s}"}} (\S+)', text)[1]) for s in range(3)]
+        assert per_stage == [u / counts.ticks for u in counts.useful] and all(0 < u <= 1 for u in per_stage)
+        overall = float(re.search(r"^spd:stage_utilization (\S+)", text, re.M)[1])
+        assert overall == pytest.approx(sum(per_stage) / 3)
+        assert float(re.search(r"^spd:rows_per_stage_step (\S+)", text, re.M)[1]) > 1  # requests shared steps
     finally:
         assert engine.stop(timeout=30)
