@@ -4,7 +4,8 @@ their spread over repeats and a noisy mark, the eagle head's training budget bes
 inter-token latency percentiles, per-tick breakdown, JSON, a PNG timeline of a few spd ticks
 and the spd tick timeline as a Chrome trace (Perfetto). `hf` and `hf-lookup` add transformers'
 own greedy generate, plain and with prompt-lookup decoding, on the same prompts and threads. `--ignore-eos` runs every request to
---max-new-tokens, as vLLM's latency benchmark does.
+--max-new-tokens, as vLLM's latency benchmark does. `--max-batch B,...` adds several requests in the
+pipeline at once against one at a time (bench/batch_speed.py).
 """
 from __future__ import annotations
 
@@ -56,6 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hf-lookup: prompt_lookup_num_tokens (tokens drafted per lookup)")
     g.add_argument("--synthetic-alpha", type=float, default=None,
                    help="replace drafts: reference token with this probability (labelled synthetic)")
+    g.add_argument("--max-batch", metavar="B[,B...]", default=None,
+                   help="also run every prompt as one request, all submitted together, up to B at once in the "
+                        "spd-colocate (else spd) pipeline, against the same requests one at a time: tok/s, TPOT, "
+                        "TTFT, stage utilization per B (bench/batch_speed.py)")
     add_json_argument(g, "the full report")
     g.add_argument("--timeline", metavar="PNG", help="PNG timeline of a few spd ticks")
     g.add_argument("--chrome-trace", metavar="JSON", help="the first spd request's tick timeline as a Chrome "
@@ -169,6 +174,39 @@ def write_profile(report: dict, ecfg, path: str) -> None:
     print(f"profile ({prof['source']['spd_row']} run): {path}")
 
 
+def max_batches(args: argparse.Namespace) -> list[int]:
+    """--max-batch as B values, checked before any work."""
+    if args.max_batch is None:
+        return []
+    try:
+        batches = [int(b) for b in args.max_batch.split(",") if b.strip()]
+    except ValueError:
+        raise ValueError(f"--max-batch takes comma-separated integers, got {args.max_batch!r}") from None
+    if not batches or min(batches) < 1:
+        raise ValueError(f"--max-batch values must be >= 1, got {args.max_batch!r}")
+    if not {"spd", "spd-colocate"} & set(config_names(args)):
+        raise ValueError("--max-batch needs spd or spd-colocate in --configs (the pipeline it fills)")
+    if args.synthetic_alpha is not None:
+        raise ValueError("--max-batch runs the head's own drafts: not with --synthetic-alpha")
+    return batches
+
+
+def batch_rows(args: argparse.Namespace, bench_cases: list[BenchCase], prompts, eos, batches: list[int],
+               progress) -> list[dict]:
+    """The several-requests table's rows, on the spd-colocate case's config (else spd's)."""
+    from spd_engine.bench.batch_speed import measure_batches, summary
+    from spd_engine.engine.runtime.batch_driver import BatchRequest
+    from spd_engine.engine.runtime.launch import launch
+
+    case = next(c for name in ("spd-colocate", "spd") for c in bench_cases if c.name == name)
+    reqs = [BatchRequest(list(ids), args.max_new_tokens, eos) for ids in prompts]
+    with launch(case.ecfg.replace(trace=False)) as runtime:
+        rows = summary(measure_batches(runtime, reqs, batches, args.repeats, progress))
+    for r in rows:
+        r["pipeline"] = case.name
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     from spd_engine.engine.model.tokenizer import Tokenizer
     from spd_engine.engine.runtime.request_inputs import encode_prompts
@@ -184,8 +222,12 @@ def run(args: argparse.Namespace) -> int:
     prompts = encode_prompts(load_prompts(args), tok, args.chat, ecfg.cfg.vocab_size)
     eos = () if args.ignore_eos else tok.eos_ids if tok is not None else ecfg.cfg.eos_token_ids
     progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    report = bench(cases(args, ecfg), prompts, args.max_new_tokens, eos, args.repeats, args.synthetic_alpha,
+    batches = max_batches(args)
+    bench_cases = cases(args, ecfg)
+    report = bench(bench_cases, prompts, args.max_new_tokens, eos, args.repeats, args.synthetic_alpha,
                    args.seed, progress)
+    if batches:
+        report["batches"] = batch_rows(args, bench_cases, prompts, eos, batches, progress)
     report["model"], report["head"] = ecfg.model, ecfg.pdm
     eagle_line = None
     if "eagle" in config_names(args):
@@ -222,6 +264,13 @@ def run(args: argparse.Namespace) -> int:
 
         write_chrome_trace(report["traces"]["spd"], args.chrome_trace, f"spd n={ecfg.topology.n}{label}")
         print(f"chrome trace: {args.chrome_trace}", file=out)
+    if batches:
+        from spd_engine.bench.batch_speed import format_summary
+
+        print(f"several requests in the {report['batches'][0]['pipeline']} pipeline: the {len(prompts)} prompts "
+              f"submitted together, up to B at once, against one at a time (medians over {args.repeats} repeats):",
+              file=out)
+        print("\n".join(format_summary(report["batches"])), file=out)
     if args.json:
         write_json(args.json, report)
     if args.profile_out:
@@ -229,7 +278,12 @@ def run(args: argparse.Namespace) -> int:
     if report["peer_mismatches"]:
         print(f"note: transformers' tokens differ from the engine's greedy tokens for {report['peer_mismatches']} "
               f"(other kernels, other rounding: see equal_prompts)", file=out)
+    unequal = [r["config"] for r in report.get("batches", []) if r["equal"] != r["requests"]]
+    if unequal:
+        print(f"LOSSLESS CHECK FAILED: several requests at once gave other tokens than one at a time at {unequal}",
+              file=sys.stderr)
     if report["mismatches"]:
         print(f"LOSSLESS CHECK FAILED for {report['mismatches']}", file=sys.stderr)
+    if unequal or report["mismatches"]:
         return 1
     return 0

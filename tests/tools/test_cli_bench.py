@@ -208,3 +208,24 @@ def test_bench_reports_the_colocated_residual_per_tick(tmp_path, capsys):
     cell = f"{row['speedup_vs_ar']:.2f} ({min(per):.2f}-{max(per):.2f})" + (" noisy" if wide else "")
     assert cell in printed and "x <row>: median over repeats" in printed
     assert ("noisy: spd-colocate x ar: spread" in printed) == wide
+
+
+def test_bench_max_batch_table_beside_the_rows(tmp_path, capsys):
+    """--max-batch: the prompts run together up to B at once in the co-located pipeline; every
+    request's tokens equal its own run one at a time, B=2 fills stage steps with more than one row,
+    and the table prints per B; bad values are refused before any work."""
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", "random:tiny-llama", "--stages", "2", "--threads", "1", "--max-new-tokens", "10",
+            "--repeats", "1", "--configs", "ar,spd-colocate", "--ignore-eos"]
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello there\nthe cat sat on\na b c d e f\n")
+    assert main([*argv, "--prompts-file", str(prompts), "--max-batch", "1,2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["batches"]
+    assert [r["config"] for r in rows] == ["one at a time", "B=1", "B=2"]
+    assert all(r["equal"] == r["requests"] == 3 and r["pipeline"] == "spd-colocate" for r in rows)
+    assert rows[2]["rows_per_step"] > 1 >= rows[1]["rows_per_step"]
+    assert 0 < rows[2]["utilization"]["overall"] <= 1 and len(rows[2]["utilization"]["per_stage"]) == 2
+    printed = capsys.readouterr().out
+    assert "several requests in the spd-colocate pipeline" in printed and "| B=2 |" in printed
+    for bad in (["--max-batch", "0"], ["--max-batch", "x"], ["--max-batch", "2", "--configs", "ar,pp"]):
+        assert main([*argv, "--prompt", "hi", *bad]) == 2
