@@ -354,8 +354,23 @@ def add_request_arguments(g) -> None:
     g.add_argument("--prompts-file", help="one prompt per line, or jsonl ('prompt', 'messages' or EAGLE 'turns')")
     g.add_argument("--messages-file", help="JSON: one chat [{\"role\": ..., \"content\": ...}, ...], a list of "
                                            "chats, or jsonl of {\"messages\": [...]}; always through the chat template")
+    g.add_argument("--eval-prompts", type=int, default=None, metavar="K",
+                   help="also the first K prompts of each shipped evaluation set (MT-Bench, HumanEval, GSM8K "
+                        "first turns; the dev prompts with K=2)")
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt at most")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template to text prompts")
+
+
+def eval_prompts(k: int) -> list[str]:
+    """The first k prompts of each shipped evaluation set, set by set (train/evalsets)."""
+    from spd_engine.train.evaluate import DATASETS, default_data_dir, load_dataset
+
+    if k < 1:
+        raise ValueError(f"--eval-prompts must be >= 1, got {k}")
+    data_dir = default_data_dir()
+    if data_dir is None:
+        raise ValueError("--eval-prompts: this installation lacks the evaluation sets (train/evalsets)")
+    return [p.text for name in DATASETS for p in load_dataset(data_dir, name, k)]
 
 
 def _jsonl_prompt(rec, where: str):
@@ -410,8 +425,11 @@ def load_prompts(args: argparse.Namespace) -> list:
                 prompts.append(line)
     if getattr(args, "messages_file", None):
         prompts += load_messages_file(args.messages_file)
+    if getattr(args, "eval_prompts", None) is not None:
+        prompts += eval_prompts(args.eval_prompts)
     if not prompts:
-        raise ValueError("no prompt given: use --prompt TEXT, --prompts-file FILE or --messages-file FILE")
+        raise ValueError("no prompt given: use --prompt TEXT, --prompts-file FILE, --messages-file FILE or "
+                         "--eval-prompts K")
     empty = [i + 1 for i, p in enumerate(prompts) if isinstance(p, str) and not p]
     if empty:
         raise ValueError(f"prompt {empty[0]} is empty (give it some text)")
