@@ -186,12 +186,12 @@ def test_bench_profile_out_needs_an_spd_run():
     from spd_engine.tools.bench import cases
 
     ecfg = _ecfg()
-    args = argparse.Namespace(configs="ar,pp", timeline=None, chrome_trace=None, profile_out="x.json")
+    args = argparse.Namespace(configs="ar,pp", timeline=None, chrome_trace=None, profile_out="x.json", assistant=None)
     with pytest.raises(ValueError, match="--profile-out needs an spd"):
         cases(args, ecfg)
-    traced = cases(argparse.Namespace(configs="ar,pp,spd,spd-colocate", timeline=None, chrome_trace=None, profile_out="x.json"), ecfg)
+    traced = cases(argparse.Namespace(configs="ar,pp,spd,spd-colocate", timeline=None, chrome_trace=None, profile_out="x.json", assistant=None), ecfg)
     assert [c.ecfg.trace for c in traced] == [False, True, True, True]  # pp too: its stage times
-    plain = cases(argparse.Namespace(configs="ar,pp,spd,spd-colocate", timeline=None, chrome_trace=None, profile_out=None), ecfg)
+    plain = cases(argparse.Namespace(configs="ar,pp,spd,spd-colocate", timeline=None, chrome_trace=None, profile_out=None, assistant=None), ecfg)
     assert [c.ecfg.trace for c in plain] == [False, False, False, True]  # spd-colocate: its residual per tick
 
 
