@@ -50,13 +50,10 @@ class ModelNameLabel(Collector):
             yield family
 
 
-def _overall(counts) -> float:
-    """Useful stage-ticks over all stage-ticks (0 before any)."""
-    return sum(counts.useful) / (counts.n * counts.ticks) if counts is not None and counts.ticks else 0.0
-
-
-def _rows_per_step(counts) -> float:
-    return sum(counts.rows) / sum(counts.steps) if counts is not None and sum(counts.steps) else 0.0
+def _utilization(stage_counts: Callable[[], object]):
+    """The pipeline's Utilization since start (engine/protocol/batch_schedule.py), None before any tick."""
+    counts = stage_counts()
+    return counts.utilization() if counts is not None and counts.ticks else None
 
 
 class StageUtilization(Collector):
@@ -66,12 +63,11 @@ class StageUtilization(Collector):
         self.n, self.stage_counts = n, stage_counts
 
     def collect(self):
-        counts = self.stage_counts()
+        u = _utilization(self.stage_counts)
         family = GaugeMetricFamily("spd:stage_utilization_by_stage", "Per stage: share of ticks that computed "
                                    "a live row, over every run of --max-batch requests since start", labels=["stage"])
         for s in range(self.n):
-            ticks = counts.ticks if counts is not None else 0
-            family.add_metric([str(s)], counts.useful[s] / ticks if ticks else 0.0)
+            family.add_metric([str(s)], u.per_stage[s] if u is not None else 0.0)
         yield family
 
 
@@ -129,9 +125,10 @@ class ServeMetrics:
         # several requests in the pipeline (--max-batch): engine/runtime/batch_driver.py StageCounts
         Gauge("spd:stage_utilization", "Share of stage-ticks that computed a live row, over every run of "
               "--max-batch requests since start", registry=r).set_function(
-            lambda: _overall(stage_counts()))
+            lambda: u.overall if (u := _utilization(stage_counts)) is not None else 0.0)
         Gauge("spd:rows_per_stage_step", "Token rows per stage step (a step carries one row per request "
-              "with a token there), since start", registry=r).set_function(lambda: _rows_per_step(stage_counts()))
+              "with a token there), since start", registry=r).set_function(
+            lambda: u.rows_per_step if (u := _utilization(stage_counts)) is not None else 0.0)
         r.register(StageUtilization(n, stage_counts))
         self.driver = Counter("spd:driver_seconds", "Driver time by part (pdm, verify, wait, send)", ["part"],
                               registry=r)
