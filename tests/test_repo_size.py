@@ -29,14 +29,20 @@ def test_tracked_files_fit_the_budget() -> None:
 
 
 def test_every_shipped_head_loads_from_its_compact_form() -> None:
-    """Each head directory holds exactly one weights file, int4 groups or zlib-compressed int8."""
+    """Each head directory holds exactly one weights file, int4 groups or zlib-compressed int8, or
+    is a carried-over head's manifest (no weights: built from its source head, train/carried_head.py)."""
     import torch
 
     from spd_engine.engine.model.head_zlib import load_weights
+    from spd_engine.train.carried_head import is_carried, read_manifest
 
     heads = sorted(p for p in (ROOT / "heads").iterdir() if p.is_dir())
     assert heads
     for head in heads:
+        if is_carried(head):
+            assert not list(head.glob("pdm.safetensors*")), head.name
+            assert not is_carried(read_manifest(head)[0]), head.name  # its source ships weights
+            continue
         stem = "eagle" if (head / "eagle.json").is_file() else "pdm"
         files = sorted(head.glob(f"{stem}.safetensors*"))
         assert len(files) == 1, (head.name, files)

@@ -210,13 +210,19 @@ def model_config(engine_spec: str):
 
 
 def default_head(model: str, n: int, mode: str = "spd") -> str:
-    """The shipped trained head for a built-in model at this n (--mode eagle: its EAGLE head), else
-    an untrained one."""
+    """The shipped trained head for a built-in model at this n (--mode eagle: its EAGLE head; a head
+    shipped as carried over from another split: built into the cache), else an untrained one."""
     if mode == "eagle":
         candidate = REPO_HEADS / f"{model}-eagle"
         return str(candidate) if (candidate / "eagle.json").is_file() else "random"
     candidate = REPO_HEADS / f"{model}-n{n}"
-    return str(candidate) if (candidate / "pdm.json").is_file() else "random"
+    if (candidate / "pdm.json").is_file():
+        return str(candidate)
+    from spd_engine.train.carried_head import is_carried, materialize
+
+    if is_carried(candidate):  # shipped as a manifest: built from its source head on first use
+        return str(materialize(candidate, model_config(resolve_model(model)[0])))
+    return "random"
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", mode_flags: bool = True,
@@ -266,6 +272,12 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
                    help="SPD at T=0: the target's argmax of the token leaving the pipeline is computed by the last "
                         "stage, which then holds the head too (last), or by the driver (driver); auto: last when "
                         "co-located (the driver's rank also runs stage 0), else driver")
+    g.add_argument("--head-screen", choices=("on", "off"), default="on" if run_default("head_screen") else "off",
+                   help="T=0 tokens of the head stage from an int8 screen of the LM head, the few candidate rows "
+                        "recomputed in fp32 (same tokens; used where supported: a CPU, fp32 weights)")
+    g.add_argument("--pdm-dtype", default=run_default("pdm_dtype"), choices=("auto", "float32", "bfloat16", "float16"),
+                   help="the PDM's dtype: auto = bfloat16 for an fp32 run on a CPU with bf16 matmul instructions, "
+                        "else the run's (drafting only: the output does not change)")
     g.add_argument("--overlap-stage0", choices=("on", "off"), default="on" if run_default("overlap_stage0") else "off",
                    help="co-located (n >= 2): stage 0 steps on its own thread while the driver drafts and verifies")
     e = p.add_argument_group("eagle baseline (serial draft-then-verify on one rank)")
@@ -341,6 +353,8 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used:
                      suffix_min_match=args.suffix_min_match, suffix_pdm_margin=args.suffix_pdm_margin,
                      suffix_cross_request=args.suffix_cross_request == "on",
                      overlap_stage0=args.overlap_stage0 == "on", transport=args.transport, verify_at=args.verify_at,
+                     head_screen=getattr(args, "head_screen", "on") == "on",
+                     pdm_dtype=getattr(args, "pdm_dtype", run_default("pdm_dtype")),
                      branches=getattr(args, "branches", None),
                      branch_when=getattr(args, "branch_when", run_default("branch_when")))
     return ecfg, tok_dir

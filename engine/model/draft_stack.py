@@ -59,13 +59,24 @@ class DraftStack(nn.Module):
 
     def forward_rows(self, rows: torch.Tensor, cache: KVCache, slot0: int, positions: torch.Tensor | None = None,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
-        """rows [B, T, H] at cache slots [slot0, slot0+T) -> hidden [B, T, H]."""
-        h, _ = self.stack.forward_layers(rows, cache, slot0, positions=positions, mask=mask)
+        """rows [B, T, H] at cache slots [slot0, slot0+T) -> hidden [B, T, H] (the stack's dtype)."""
+        h, _ = self.stack.forward_layers(rows.to(self.compute_dtype), cache, slot0, positions=positions, mask=mask)
         return h
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the decoder layers and draft head (their KV cache's and hidden states' too)."""
+        return self.head.weight.dtype
+
+    def set_compute_dtype(self, dtype: torch.dtype) -> None:
+        """Run the decoder layers, final norm and draft head in `dtype` (inference: bfloat16 on a CPU
+        with bf16 matmuls); the input rows are cast to it, the logits stay fp32."""
+        for part in (self.stack, self.final_norm, self.head):
+            part.to(dtype)
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits over the draft vocabulary [..., Vd] (fp32)."""
-        return self.head(self.final_norm(h)).float()
+        return self.head(self.final_norm(h.to(self.compute_dtype))).float()
 
     @torch.no_grad()
     def copy_target_head(self, final_norm: torch.Tensor, output_weight: torch.Tensor) -> None:

@@ -226,7 +226,8 @@ class PDMStep(_Bucketed):
         p = next(pdm.parameters())
         super().__init__(p.device, cache.capacity, rows, graphs, buckets)
         self.pdm, self.cache = pdm, cache
-        self.rows_in = torch.zeros(1, rows, pdm.target_cfg.hidden_size, device=p.device, dtype=p.dtype)  # [1, R, H]
+        self.rows_in = torch.zeros(1, rows, pdm.target_cfg.hidden_size, device=p.device,
+                                   dtype=pdm.compute_dtype)  # [1, R, H]
 
     def _step_fn(self, length: int):
         def step():

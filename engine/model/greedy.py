@@ -63,7 +63,7 @@ def greedy_generate(model: StageModel, prompt: Sequence[int], max_new_tokens: in
     eos = set(eos_ids)
     token = torch.empty(1, 1, dtype=torch.long, device=device)
     for pos in range(len(prompt), len(prompt) + max_new_tokens):
-        next_id = int(model.logits(h).argmax())  # host sync: the decode loop needs the id
+        next_id = model.greedy_token(h)  # host sync: the decode loop needs the id
         out.append(next_id)
         if next_id in eos or len(out) == max_new_tokens:
             break

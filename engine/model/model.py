@@ -29,6 +29,7 @@ from torch import nn
 
 from spd_engine.engine.model.model_config import ModelConfig
 from spd_engine.engine.model.kv_cache import KVCache, RowCaches
+from spd_engine.kernels.screened_argmax import ScreenedHead
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -179,6 +180,7 @@ class StageModel(nn.Module):
         if head and not (cfg.tie_embeddings and embedding):
             self.output_layer = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=dtype)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.screen: ScreenedHead | None = None  # the T=0 argmax from an int8 screen of the head
 
     @classmethod
     def full(cls, cfg: ModelConfig, **kw) -> "StageModel":
@@ -233,6 +235,19 @@ class StageModel(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: h [..., H] -> logits [..., V] (fp32)."""
         return F.linear(self.final_norm(h), self.output_weight()).float()
+
+    def use_head_screen(self) -> bool:
+        """Take T=0 argmaxes from an int8 screen of the head (kernels/screened_argmax.py) where it is
+        supported; call once the weights are in place. Returns whether the screen is on."""
+        assert self.has_head, "only a stage with the head computes greedy tokens"
+        self.screen = ScreenedHead.build(self.output_weight().detach())
+        return self.screen is not None
+
+    def greedy_token(self, h: torch.Tensor) -> int:
+        """The target's greedy token for one hidden state h [H]: argmax of `logits(h)`."""
+        if self.screen is not None:
+            return self.screen.argmax(self.final_norm(h))
+        return int(self.logits(h).argmax())  # host sync: the caller needs the id
 
     def logits_rows(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head of several rows h [R, H] -> logits [R, V] (fp32). On a CPU, 2 or 3

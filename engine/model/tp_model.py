@@ -65,6 +65,13 @@ class TPStageModel(StageModel):
         """This rank's vocabulary shard of the logits: h [..., H] -> [..., V/T] (fp32)."""
         return super().logits(h)
 
+    def use_head_screen(self) -> bool:
+        raise ValueError("the int8 head screen needs the whole head on one rank; a TP stage picks its token "
+                         "across ranks (choose_token)")
+
+    def greedy_token(self, h: torch.Tensor) -> int:
+        raise AssertionError("a TP stage's logits are a vocabulary shard: use choose_token")
+
     def choose_token(self, local_logits: torch.Tensor, sampling: SamplingParams, pos: int) -> int:
         """The token for position `pos` from local logits [V/T]: argmax or a keyed draw, across ranks."""
         return tp_sample(self.group, local_logits, self.vocab.start, self.cfg.vocab_size, sampling, pos)
@@ -130,3 +137,6 @@ class SerialTP:
         if self.head is not None:
             return self.head.logits(h)
         return torch.cat([s.logits(h) for s in self.shards], dim=-1)
+
+    def greedy_token(self, h: torch.Tensor) -> int:
+        return int(self.logits(h).argmax())  # host sync: the caller needs the id

@@ -17,6 +17,13 @@ from spd_engine.engine.model.pdm import PDM, load_pdm, random_pdm
 
 
 def build_stage_model(ecfg: RunConfig, layers: range, embedding: bool, head: bool) -> StageModel:
+    model = _load_stage_model(ecfg, layers, embedding, head)
+    if head and ecfg.head_screen:
+        model.use_head_screen()  # stays off where unsupported (kernels/screened_argmax.py)
+    return model
+
+
+def _load_stage_model(ecfg: RunConfig, layers: range, embedding: bool, head: bool) -> StageModel:
     if random_preset(ecfg.model) is not None:
         model = StageModel(ecfg.cfg, layers, embedding=embedding, head=head, dtype=torch.float32)
         init_random_(model, seed=ecfg.seed)
@@ -57,4 +64,7 @@ def build_pdm(ecfg: RunConfig) -> PDM:
         pdm = random_pdm(ecfg.cfg, stage_layers, ecfg.pdm_layers, seed=ecfg.seed + 1, anchors=ecfg.anchors)
     else:
         pdm = load_pdm(ecfg.pdm, ecfg.cfg, stage_layers)
-    return pdm.to(device=ecfg.device, dtype=ecfg.torch_dtype).eval()
+    pdm = pdm.to(device=ecfg.device, dtype=ecfg.torch_dtype)
+    if ecfg.pdm_torch_dtype != ecfg.torch_dtype:
+        pdm.set_compute_dtype(ecfg.pdm_torch_dtype)
+    return pdm.eval()

@@ -233,7 +233,7 @@ class StageWorker:
             if greedy_dev is not None and self.sampling.greedy:
                 token = int(greedy_dev)  # host sync: the id goes in the header; the step ran the head
             else:  # eager steps, prefill, and sampling (which needs the logits, not the argmax)
-                token = self._next_token(self.model.logits(out[0, -1]), pos + T)
+                token = self._next_token(out[0, -1], pos + T)
         if self.min_step_s > 0 and hdr.kind == Kind.TOKEN:
             time.sleep(max(0.0, self.min_step_s - (time.perf_counter() - t1)))
         t2 = time.perf_counter()
@@ -337,7 +337,7 @@ class StageWorker:
         vocab-parallel head picks the token with a collective."""
         if self.verify_step is not None:
             return int(self.verify_step.run(out[0, -1]))  # host sync: the id goes in the header
-        return self._next_token(self.model.logits(out[0, -1]), pos + 1)
+        return self._next_token(out[0, -1], pos + 1)
 
     def _forward(self, h: torch.Tensor, hdr: Header) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The chains of a branch point: h [1, W, H], every row at `position`, each seeing the
@@ -348,13 +348,13 @@ class StageWorker:
         mask = chain_mask(q, pos, W, h.device)  # [1, 1, W, slot0 + W]
         return self.model.forward_layers(h, self.cache, chain_slot0(q, pos, W), positions, mask, self.capture)
 
-    def _next_token(self, logits: torch.Tensor, pos: int) -> int:
-        """The head stage's token for position `pos` (argmax, or a keyed draw from p)."""
+    def _next_token(self, h: torch.Tensor, pos: int) -> int:
+        """The head stage's token for position `pos` from the hidden state h [H] (argmax, or a keyed draw from p)."""
         if self.choose is not None:  # logits: this TP rank's vocabulary shard
-            return self.choose(logits, self.sampling, pos)
+            return self.choose(self.model.logits(h), self.sampling, pos)
         if self.sampling.greedy:
-            return int(logits.argmax())  # host sync: the id goes in the header
-        probs = target_probs(logits, self.sampling)
+            return self.model.greedy_token(h)  # host sync inside: the id goes in the header
+        probs = target_probs(self.model.logits(h), self.sampling)
         return sample(probs, keyed_generator(self.sampling.seed, pos, "target"))
 
 

@@ -45,10 +45,10 @@ class Verifier:
         target = self.target_argmax(row, reply, sp)
         if target is not None:
             return target == proposed, target
-        logits = self.head.logits(self.exit_buf[row])  # [V]
         if sp.greedy:
-            target = int(logits.argmax())  # host sync: verification decides control flow
+            target = self.head.greedy_token(self.exit_buf[row])  # host sync: verification decides control flow
             return target == proposed, target
+        logits = self.head.logits(self.exit_buf[row])  # [V]
         assert q is not None, f"position {pos}: no q recorded for its draft"
         return verify_sampled(target_probs(logits, sp), q, proposed, keyed_generator(sp.seed, pos, "accept"),
                               keyed_generator(sp.seed, pos, "residual"))
@@ -60,9 +60,9 @@ class Verifier:
         target = self.target_argmax(row, reply, sp)
         if target is not None:
             return verify_candidates_greedy(target, tokens)
+        if sp.greedy:  # host sync: control flow
+            return verify_candidates_greedy(self.head.greedy_token(self.exit_buf[row]), tokens)
         logits = self.head.logits(self.exit_buf[row])  # [V]
-        if sp.greedy:
-            return verify_candidates_greedy(int(logits.argmax()), tokens)  # host sync: control flow
         assert cands is not None and [c.token for c in cands] == list(tokens), (cands, tokens)
         return verify_candidates(target_probs(logits, sp), cands, keyed_generator(sp.seed, pos, "accept"),
                                  keyed_generator(sp.seed, pos, "residual"))

@@ -53,7 +53,9 @@ def tiny_engine_config(arch: str = "llama", n: int = 2, colocate: bool = False, 
     cfg = cfg or tiny_cfg(arch)
     topo = Topology.build(cfg.num_layers, n, colocate=colocate)
     # W = 1 unless a test asks: the tick formulas and forced-rejection counts are W = 1's
-    base = dict(capacity=CAPACITY, prefill_chunk=CHUNK, timeout_s=20.0, branches=1)
+    # the PDM in fp32 on every host (auto picks bf16 on CPUs with bf16 matmuls): drafts, and so the
+    # tick counts tests assert, stay the same on any x86-64 CPU
+    base = dict(capacity=CAPACITY, prefill_chunk=CHUNK, timeout_s=20.0, branches=1, pdm_dtype="float32")
     base.update(kw)
     return RunConfig(model=f"random:tiny-{arch}", cfg=cfg, topology=topo, mode=mode, **base)
 

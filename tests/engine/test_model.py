@@ -165,6 +165,9 @@ class Chained:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.stages[-1].logits(h)
 
+    def greedy_token(self, h: torch.Tensor) -> int:
+        return self.stages[-1].greedy_token(h)
+
 
 def split_models(cfg: ModelConfig, stage_layers: list[int], seed: int = 0) -> list[StageModel]:
     topo = Topology.build(cfg.num_layers, stage_layers=stage_layers)

@@ -16,15 +16,18 @@ WRONG = frozenset({1, 9, 10, NEW - 1})  # forced rejections: the first draft, tw
 
 
 def head_calls(driver) -> list[int]:
-    """Counts the driver's own head passes (final norm + LM head) from now on."""
+    """Counts the driver's own head passes (final norm + LM head: its logits or its greedy token,
+    which may use the head's int8 screen) from now on; a greedy token without the screen counts twice."""
     calls = [0]
-    logits = driver.head.logits
 
-    def counted(h):
-        calls[0] += 1
-        return logits(h)
+    def counting(fn):
+        def counted(h):
+            calls[0] += 1
+            return fn(h)
+        return counted
 
-    driver.head.logits = counted
+    driver.head.logits = counting(driver.head.logits)
+    driver.head.greedy_token = counting(driver.head.greedy_token)
     return calls
 
 

@@ -21,7 +21,8 @@ TOL = 1e-5  # fp32: different shapes and reduction orders, measured max |diff| ~
 def _setup(rejections: bool):
     cfg = PRESETS["tiny-llama"]
     ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, stage_layers="2,2,1,1"),
-                        capacity=128, timeout_s=10, prefill_chunk=8, pdm_layers=2)
+                        capacity=128, timeout_s=10, prefill_chunk=8, pdm_layers=2,
+                        pdm_dtype="float32")  # exact comparisons: the PDM in fp32 on every CPU
     plan = ecfg.plan()
     assert plan.depth_types == (0, 1, 1, 2, 2)  # two pairs of depths share a type
     full = build_stage_model(ecfg, range(cfg.num_layers), True, True)
@@ -92,7 +93,8 @@ def test_per_type_layout_is_not_exact_for_k2():
     drafts while the per-depth block layout matches them: the construction is what makes it exact."""
     cfg = PRESETS["tiny-llama"]
     ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, stage_layers="2,2,1,1"),
-                        capacity=128, timeout_s=10, prefill_chunk=8, pdm_layers=2)
+                        capacity=128, timeout_s=10, prefill_chunk=8, pdm_layers=2,
+                        pdm_dtype="float32")  # exact comparisons: the PDM in fp32 on every CPU
     seen, sim, seq, _, _ = _setup(False)
     pdm = build_pdm(ecfg)
     full = build_stage_model(ecfg, range(cfg.num_layers), True, True)

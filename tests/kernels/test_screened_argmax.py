@@ -1,0 +1,84 @@
+"""The int8-screened greedy token (kernels/screened_argmax.py) against the plain fp32 argmax."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spd_engine.kernels.screened_argmax import ScreenedHead, quantize_rows, reference_argmax, supported
+
+pytestmark = pytest.mark.skipif(not hasattr(torch, "_weight_int8pack_mm"), reason="torch lacks its int8 kernel")
+
+
+def _head(V: int = 4096, H: int = 128, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return 0.05 * torch.randn(V, H, generator=gen)  # [V, H]
+
+
+def test_quantized_rows_stay_within_half_a_step():
+    w = _head()
+    q, s = quantize_rows(w)
+    assert q.dtype == torch.int8 and s.dtype == torch.bfloat16
+    assert int(q.abs().max()) <= 127
+    err = (w - q.float() * s.float()[:, None]).abs()  # [V, H]
+    assert bool((err <= s.float()[:, None] / 2 * (1 + 1e-6)).all())
+
+
+def test_bounds_hold_and_the_token_is_the_fp32_argmax():
+    w = _head()
+    screen = ScreenedHead.build(w)
+    assert screen is not None
+    gen = torch.Generator().manual_seed(1)
+    sizes = []
+    for i in range(200):
+        h = torch.randn(w.shape[1], generator=gen) * (0.5 + i % 7)  # [H], several scales
+        a, e = screen.bounds(h)
+        assert bool(((a - F.linear(h, w)).abs() <= e).all())
+        assert screen.argmax(h) == reference_argmax(h, w)
+        sizes.append(screen.last_candidates)
+    assert screen.fallbacks < 10  # random heads have close logits; real ones almost never fall back
+    assert sorted(sizes)[len(sizes) // 2] < w.shape[0] // 4  # it screens: most rows are never recomputed
+
+
+def test_near_ties_and_exact_ties_go_where_the_fp32_argmax_goes():
+    w = _head(V=512, H=64)
+    h = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    best = reference_argmax(h, w)
+    for other in [i for i in (0, 7, 511) if i != best]:
+        w2 = w.clone()
+        w2[other] = w[best]  # an exact tie: the lower id wins, as torch.argmax
+        screen = ScreenedHead.build(w2)
+        assert screen.argmax(h) == reference_argmax(h, w2) == min(other, best)
+        w3 = w.clone()
+        w3[other] = w[best] * (1 + 1e-6)  # a near-tie far below the int8 screen's resolution
+        screen = ScreenedHead.build(w3)
+        assert screen.argmax(h) == reference_argmax(h, w3)
+        assert screen.fallbacks == 1  # settled by the full product, as the reference settles it
+
+
+def test_refused_where_unsupported():
+    assert not supported(torch.zeros(64, 10))  # H not a multiple of the kernel's 16
+    assert not supported(torch.zeros(64, 64, dtype=torch.bfloat16))
+    assert ScreenedHead.build(torch.zeros(64, 10)) is None
+
+
+def test_a_broken_kernel_is_caught_by_the_probe(monkeypatch):
+    """If the int8 kernel returned wrong logits, the probe refuses the screen."""
+    real = torch._weight_int8pack_mm
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda x, q, s: real(x, q, s) * 1.1)
+    assert ScreenedHead.build(_head()) is None
+
+
+def test_a_stage_with_the_head_takes_its_greedy_token_from_the_screen():
+    from spd_engine.engine.model.model import StageModel, init_random_
+    from spd_engine.engine.model.model_config import tiny_config
+
+    cfg = tiny_config()
+    model = init_random_(StageModel(cfg, range(0, 0), embedding=True, head=True)).eval()
+    if not supported(model.output_weight()):
+        pytest.skip(f"tiny config hidden size {cfg.hidden_size} is not a multiple of 16")
+    assert model.use_head_screen()
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(50):
+        h = torch.randn(cfg.hidden_size, generator=gen)
+        assert model.greedy_token(h) == int(model.logits(h).argmax())
