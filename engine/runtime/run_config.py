@@ -79,7 +79,7 @@ PRESETS: dict[str, ModelConfig] = {
 @functools.cache
 def cpu_has_bf16_matmul() -> bool:
     """Whether this host's CPU has bf16 matrix instructions (Linux: AVX512-BF16 or AMX-BF16 in
-    /proc/cpuinfo), where torch's bf16 matmuls beat fp32 ones (a PDM step: 8.0 -> 4.6 ms on an EPYC core)."""
+    /proc/cpuinfo), where torch's bf16 matmuls beat fp32 ones (docs/design.md 3.5)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
