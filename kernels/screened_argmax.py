@@ -8,7 +8,7 @@ multiplies h in bf16 by it with torch's `_weight_int8pack_mm` (fp32 accumulation
 28 MB read; the screened pass took 4.7 ms in the same command's breakdown (another run). Each
 approximate logit a_v is within
 
-    e_v = 1.05 s_v ||h||_1 + |a_v| / 128 + 1e-5
+    e_v = c_H s_v ||h||_1 + |a_v| / 128 + 1e-5    (c_H = 1.05 up to H of about 2900)
 
 of the fp32 logit: s_v ||h||_1 / 2 from the int8 rounding of W, 2^-8 * 127 s_v ||h||_1 from the
 bf16 rounding of h, the fp32 accumulation over H terms (below the 5% slack up to H of about 2900;
