@@ -101,6 +101,19 @@ class ScreenedHead:
         and where two of them are too close for summation order to settle, the full product."""
         assert h.dim() == 1, f"one hidden state [H] at a time, got {tuple(h.shape)}"
         a, e = self.bounds(h)
+        return self._settle(h, a, e)
+
+    @torch.no_grad()
+    def argmax_rows(self, h: torch.Tensor) -> list[int]:
+        """`argmax` of every row of h [R, H] fp32, the screen's int8 product run once for all rows
+        (a suffix run's exit rows): each row's bound is the one-row bound, whatever the kernel's order."""
+        assert h.dim() == 2, f"rows [R, H], got {tuple(h.shape)}"
+        a = torch._weight_int8pack_mm(h.to(torch.bfloat16), self.q, self.scales).float()  # [R, V]
+        e = self.slack * h.abs().sum(-1, keepdim=True) + a.abs() * RESULT_REL + ABS_FLOOR  # [R, V]
+        return [self._settle(h[r], a[r], e[r]) for r in range(h.shape[0])]
+
+    def _settle(self, h: torch.Tensor, a: torch.Tensor, e: torch.Tensor) -> int:
+        """The argmax for h [H] from its approximate logits a [V] and their bounds e [V]."""
         floor = (a - e).max()
         cand = torch.nonzero(a + e >= floor).flatten()  # [C] ascending ids; the argmax is among them
         self.last_candidates = cand.numel()

@@ -21,7 +21,8 @@ from spd_engine.bench.stats import format_table
 from spd_engine.tools.common import REPO_HEADS, add_engine_arguments, add_json_argument, engine_config, \
     hf_model_dir, load_prompts, refuse_ignored, write_json
 
-CONFIGS = ("ar", "pp", "spd", "spd-w1", "spd-colocate", "spd-colocate-vd", "spd-overlap", "eagle", "hf", "hf-lookup",
+CONFIGS = ("ar", "pp", "spd", "spd-w1", "spd-colocate", "spd-colocate-vd", "spd-colocate-1", "spd-overlap", "eagle", "hf",
+           "hf-lookup",
            "hf-assisted", "tp", "spd-tp")
 
 COLUMNS = [("name", "config", ""), ("world_size", "ranks", ""), ("decode_tok_s", "tok/s", ".2f"),
@@ -104,6 +105,9 @@ def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
         out.append(BenchCase("spd-colocate-vd", ecfg.replace(mode="spd", overlap_stage0=False, verify_at="driver",
                                                              topology=dataclasses.replace(topo, colocate=True),
                                                              trace=True)))
+    if "spd-colocate-1" in names:  # the same, one token per entry (--suffix-run 1): what suffix runs buy
+        out.append(BenchCase("spd-colocate-1", ecfg.replace(mode="spd", overlap_stage0=False, suffix_run=1,
+                                                            topology=dataclasses.replace(topo, colocate=True))))
     if "spd-overlap" in names:  # co-located, stage 0 on its own thread (engine/runtime/stage0_overlap.py)
         out.append(BenchCase("spd-overlap", ecfg.replace(mode="spd", overlap_stage0=True,
                                                          topology=dataclasses.replace(topo, colocate=True))))

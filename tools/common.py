@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 
 from spd_engine.engine.protocol.branching import WHEN
-from spd_engine.engine.runtime.run_config import (DEFAULT_BRANCHES, MODES, PRESETS, STEP_MODES, TRANSPORTS, VERIFY_AT, RunConfig,
+from spd_engine.engine.runtime.run_config import (DEFAULT_BRANCHES, DEFAULT_SUFFIX_RUN, MODES, PRESETS, STEP_MODES, TRANSPORTS, VERIFY_AT, RunConfig,
                                           random_preset)
 from spd_engine.engine.protocol.topology import Topology
 
@@ -292,6 +292,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
                    help="shortest suffix match (tokens) that may draft")
     d.add_argument("--suffix-pdm-margin", type=float, default=run_default("suffix_pdm_margin"),
                    help="a suffix draft wins only where the PDM's top-1 minus top-2 logit is below this")
+    d.add_argument("--suffix-run", type=int, default=run_default("suffix_run"), metavar="K",
+                   help="tokens a suffix draft may carry through the stages as one entry: the tokens after it in "
+                        "the matched occurrence, verified together when they leave (docs/design.md 3.13); 1: none "
+                        f"(default: {DEFAULT_SUFFIX_RUN} for SPD at n >= 2 with one chain and one TP rank, else 1)")
     if branch_flags:
         d.add_argument("--branches", type=int, default=None, metavar="W",
                        help=f"branch width: a draft position may carry up to W candidate chains (docs/design.md "
@@ -316,7 +320,7 @@ def _check_ignored_engine_flags(args: argparse.Namespace, mode: str, spec: str, 
         refuse_ignored(args, ["step_mode"], "with --mode eagle (its steps run eagerly)")
     if mode != "spd":
         refuse_ignored(args, ["spec", "pdm_layers", "colocate", "suffix_drafts", "suffix_min_match", "suffix_pdm_margin",
-                                "suffix_cross_request", "overlap_stage0", "branches", "branch_when"],
+                                "suffix_cross_request", "suffix_run", "overlap_stage0", "branches", "branch_when"],
                        f"with --mode {mode} (no SPD speculation module)")
     elif hasattr(args, "colocate") and not args.colocate:
         refuse_ignored(args, ["overlap_stage0"], "without --colocate (stage 0 has a rank of its own)")
@@ -352,6 +356,7 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used:
                      seed=args.seed, step_mode=args.step_mode, suffix_drafts=args.suffix_drafts == "on",
                      suffix_min_match=args.suffix_min_match, suffix_pdm_margin=args.suffix_pdm_margin,
                      suffix_cross_request=args.suffix_cross_request == "on",
+                     suffix_run=getattr(args, "suffix_run", run_default("suffix_run")),
                      overlap_stage0=args.overlap_stage0 == "on", transport=args.transport, verify_at=args.verify_at,
                      head_screen=getattr(args, "head_screen", "on") == "on",
                      pdm_dtype=getattr(args, "pdm_dtype", run_default("pdm_dtype")),

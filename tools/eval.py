@@ -119,6 +119,11 @@ def run(args: argparse.Namespace) -> int:
                    f"seeds {settings.seed}+k (not checked against greedy)")
     if ecfg.mode == "eagle":
         footer = f"eagle k={ecfg.eagle_k}, " + footer
+    if ecfg.max_run > 1:
+        footer += f", suffix runs of up to {ecfg.max_run} tokens"
+        slots = getattr(runner, "stage_slots", 0)  # the fast executor counts what a stage step carries
+        if slots:
+            footer += f" ({runner.stage_tokens / slots:.2f} tokens per stage step)"
     if executor == "fast":  # where the runtime's other shapes could flip a draft's argmax
         total = report.summary()
         footer += (f", {total.near_ties} consulted drafts within 1e-4 of a tie, {total.outside_vocab} of "
@@ -128,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
             "eagle_k": ecfg.eagle_k if ecfg.mode == "eagle" else None, "n": n,
             "stage_layers": list(ecfg.topology.stage_layers), "executor": executor,
             "max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
-            "top_k": settings.top_k, "top_p": settings.top_p, "seed": settings.seed, "data_dir": str(data_dir), "wall_s": wall}
+            "top_k": settings.top_k, "top_p": settings.top_p, "seed": settings.seed, "data_dir": str(data_dir), "wall_s": wall,
+            "suffix_run": ecfg.max_run}
     if args.json:
         write_json(args.json, report.to_json(meta))
     if args.plot:

@@ -137,6 +137,7 @@ class FastRunner:
         self.chooser = ecfg.chooser()  # the run's draft sources, as the driver would use them
         self.cross = self.chooser.new_history()  # earlier requests' tokens, as a driver keeps them
         self.branching = ecfg.branch_policy()
+        self.stage_tokens = self.stage_slots = 0  # with suffix runs: tokens per stage step (run_replay.py)
         if self.branching.width > 1 and self.cross is not None:
             raise ValueError("the fast executor replays --branches > 1 without cross-request suffix drafts: "
                              "use --executor reference")
@@ -152,6 +153,8 @@ class FastRunner:
         else:
             fr = fast_generate(self.target, self.pdm, prompt, max_new_tokens, eos_ids, chunk=self.chunk,
                                reference=ref, chooser=self.chooser, cross=self.cross)
+            self.stage_tokens += fr.stage_tokens
+            self.stage_slots += fr.stage_slots
         if self.cross is not None:
             self.cross.add(prompt, fr.tokens)
         # a ceiling on alpha: no draft can equal a token outside the head's vocabulary

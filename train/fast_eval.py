@@ -16,34 +16,24 @@ at position P = len(prompt). `replay` is pure logic (no torch).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from spd_engine.engine.model.greedy import DEFAULT_PREFILL_CHUNK, greedy_generate
 from spd_engine.engine.model.model import StageModel
 from spd_engine.engine.model.pdm import PDM
-from spd_engine.engine.protocol.metrics import Counters
 from spd_engine.engine.protocol.drafting import DraftChooser
 from spd_engine.engine.protocol.suffix import CrossRequestHistory, SuffixProposal
 from spd_engine.engine.protocol.tick import Draft, TickPlan, TickState, Verdict
 from spd_engine.train.pipeline_sim import simulated_hidden, target_anchors
+from spd_engine.train.replay_records import Acceptance, DraftTable
+from spd_engine.train.run_replay import replay_runs
 
 # (fill, newest index t) -> whether the draft made then for index t + 1 equals y[t + 1].
 DraftCorrect = Callable[[int, int], bool]
 # (position, PDM draft) -> token sent, as engine.driver.DraftPolicy; must be a pure function here.
 DraftPolicy = Callable[[int, int], int]
-
-
-@dataclass(kw_only=True)
-class Acceptance(Counters):
-    """One request's counters (engine/protocol/metrics.py), with its token count N (the first token
-    and a final EOS included) and the drafts by source."""
-
-    n: int
-    tokens: int
-    # draft source (engine/protocol/drafting.py) -> [verified, accepted]; empty when not recorded
-    by_source: dict[str, list[int]] = field(default_factory=dict, compare=False)  # checked on its own
 
 
 _WRONG, _RIGHT = 0, 1  # token ids of the replay: whether a token equals the reference's
@@ -81,25 +71,23 @@ def replay(N: int, n: int, correct: DraftCorrect, on_verify: Callable[[int, int,
     return state.finish()  # acc, counted into by the tick protocol
 
 
-@dataclass
-class DraftTable:
-    """Teacher-forced drafts: row f - 1, column t = the draft (target id) for index t + 1 made at a
-    tick whose newest token is y[t] with fill f; margin = top-1 minus top-2 draft logit."""
-
-    drafts: torch.Tensor  # [n, N-1] int64
-    margins: torch.Tensor  # [n, N-1] fp32
-    top: torch.Tensor  # [n, N-1, k <= 4] int64: the k best draft ids, best first (recall of top-k)
+@torch.no_grad()
+def teacher_anchors(target: StageModel, pdm: PDM, prompt: Sequence[int], y: Sequence[int]) -> torch.Tensor:
+    """The anchors [1, S, m, H] (S = P + N - 1, the PDM's dtype) of one target pass over prompt + y[:-1]."""
+    device = next(target.parameters()).device
+    tokens = torch.tensor([*prompt, *y[:-1]], dtype=torch.long, device=device)[None]  # [1, S]
+    anchors, _ = target_anchors(target, pdm.plan, tokens)  # [1, S, m, H]
+    return anchors.to(next(pdm.parameters()).dtype)
 
 
 @torch.no_grad()
-def draft_table(target: StageModel, pdm: PDM, prompt: Sequence[int], y: Sequence[int]) -> DraftTable:
-    """One target pass over prompt + y[:-1], then the pipeline simulation at every fill."""
+def draft_table(target: StageModel, pdm: PDM, prompt: Sequence[int], y: Sequence[int],
+                anchors: torch.Tensor | None = None) -> DraftTable:
+    """One target pass over prompt + y[:-1] (or its `anchors`), then the pipeline simulation at every fill."""
     n, P, N = pdm.plan.n, len(prompt), len(y)
     device = next(target.parameters()).device
-    dtype = next(pdm.parameters()).dtype
-    tokens = torch.tensor([*prompt, *y[:-1]], dtype=torch.long, device=device)[None]  # [1, S], S = P+N-1
-    anchors, _ = target_anchors(target, pdm.plan, tokens)  # [1, S, m, H]
-    anchors = anchors.to(dtype)
+    if anchors is None:
+        anchors = teacher_anchors(target, pdm, prompt, y)
     drafts = torch.zeros(n, N - 1, dtype=torch.long, device=device)
     margins = torch.full((n, N - 1), float("inf"), device=device)
     k = min(4, pdm.draft_ids.numel())
@@ -144,6 +132,8 @@ class FastRun:
     acceptance: Acceptance
     table: DraftTable | None  # None when the request ended with the prefill token
     consulted: frozenset[tuple[int, int]]  # (fill, t) of the drafts whose correctness was asked
+    stage_tokens: int = 0  # with suffix runs (train/run_replay.py): tokens carried by stage steps ...
+    stage_slots: int = 0  # ... and live entries, summed over ticks
 
     def near_ties(self, tol: float = 1e-4) -> int:
         """Consulted drafts whose top-2 draft logits are within `tol`: where the runtime's other
@@ -163,13 +153,20 @@ def fast_generate(target: StageModel, pdm: PDM, prompt: Sequence[int], max_new_t
     `chunk` is the prefill chunk of the runtime being modelled (the reference decode then runs
     the same shapes as the pipelined prefill, so its first token is bit-identical). `reference`:
     that greedy output when already known (train/reference_cache.py). `chooser`: the draft
-    sources, as the driver runs them (the PDM only by default).
+    sources, as the driver runs them (the PDM only by default); with suffix runs the replay is
+    train/run_replay.py's.
     """
     y = list(reference) if reference is not None else \
         greedy_generate(target, prompt, max_new_tokens, eos_ids=eos_ids, chunk=chunk)
     N, P = len(y), len(prompt)
     if N == 1:
         return FastRun(y, replay(1, pdm.plan.n, lambda f, t: False), None, frozenset())
+    if chooser.uses_suffix and chooser.suffix.max_run > 1 and draft_policy is None:  # as the driver: a
+        anchors = teacher_anchors(target, pdm, prompt, y)  # draft policy sends one token per entry
+        table = draft_table(target, pdm, prompt, y, anchors)
+        run = replay_runs(Acceptance(n=pdm.plan.n, tokens=N), table, pdm, anchors, y, prompt, chooser,
+                          max_new_tokens, cross)
+        return FastRun(y, run.acceptance, table, frozenset(run.consulted), run.stage_tokens, run.stage_slots)
     table = draft_table(target, pdm, prompt, y)
     return replay_table(table, y, P, pdm.plan.n, chooser, draft_policy, prompt, cross)
 

@@ -72,17 +72,20 @@ class KVCache:
 
 class RowCaches:
     """The caches of a step whose rows belong to several requests: request i's `counts[i]` rows
-    (consecutive positions from `starts[i]`, causal among themselves) use its cache `caches[i]`.
+    (consecutive slots from `starts[i]`, causal among themselves) use its cache `caches[i]`.
     One row each: a stage step over several requests' tokens; several: the PDM's pass over every
-    request's rows (docs/design.md 3.12)."""
+    request's rows (docs/design.md 3.12). `masks[i]` (bool [count, start + count], None: causal)
+    overrides request i's mask: the chains of its branch point (chain_mask, 3.11)."""
 
-    def __init__(self, caches: list[KVCache], starts: list[int], counts: list[int] | None = None) -> None:
+    def __init__(self, caches: list[KVCache], starts: list[int], counts: list[int] | None = None,
+                 masks: list[torch.Tensor | None] | None = None) -> None:
         counts = [1] * len(caches) if counts is None else counts
-        assert len(caches) == len(starts) == len(counts) and caches, (len(caches), len(starts), len(counts))
+        masks = [None] * len(caches) if masks is None else masks
+        assert len(caches) == len(starts) == len(counts) == len(masks) and caches, (len(caches), len(starts))
         for cache, start, count in zip(caches, starts, counts):
             if start < 0 or count < 1 or start + count > cache.capacity:
                 raise ValueError(f"KV cache holds {cache.capacity} positions; writing at {start}..{start + count - 1}")
-        self.caches, self.starts, self.counts = caches, starts, counts
+        self.caches, self.starts, self.counts, self.masks = caches, starts, counts, masks
 
     @property
     def rows(self) -> int:
@@ -94,14 +97,14 @@ class RowCaches:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
         """q [1, nh, R, hd], k/v [1, nkv, R, hd] -> [1, nh, R, hd]: each request's rows' K/V written
-        at their positions in its own cache, its queries attending causally to that cache."""
+        at their slots in its own cache, its queries attending to that cache causally (or through
+        the request's mask)."""
         out = torch.empty_like(q)
         r = 0
-        for cache, start, count in zip(self.caches, self.starts, self.counts):
+        for cache, start, count, mask in zip(self.caches, self.starts, self.counts, self.masks):
             rows = slice(r, r + count)
             keys, values = cache.write(layer, start, k[:, :, rows], v[:, :, rows])  # [1, nkv, start + count, hd]
-            mask = None
-            if count > 1:  # row i sees slots <= start + i
+            if mask is None and count > 1:  # row i sees slots <= start + i
                 mask = torch.arange(start + count, device=q.device)[None] <= \
                     torch.arange(start, start + count, device=q.device)[:, None]
             out[:, :, rows] = F.scaled_dot_product_attention(q[:, :, rows], keys, values, attn_mask=mask,

@@ -249,6 +249,14 @@ class StageModel(nn.Module):
             return self.screen.argmax(self.final_norm(h))
         return int(self.logits(h).argmax())  # host sync: the caller needs the id
 
+    def greedy_tokens(self, h: torch.Tensor) -> list[int]:
+        """The greedy token of every row of h [R, H], as `greedy_token` gives it row by row (with the
+        screen, one int8 product for all rows; without, row by row: a several-row product could
+        round a near-tie the other way)."""
+        if self.screen is not None:
+            return self.screen.argmax_rows(self.final_norm(h))
+        return [self.greedy_token(row) for row in h]
+
     def logits_rows(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head of several rows h [R, H] -> logits [R, V] (fp32). On a CPU, 2 or 3
         rows are padded to 4: its BLAS multiplies fewer than 4 rows by a large weight as one

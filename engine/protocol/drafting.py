@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from spd_engine.engine.protocol.suffix import CrossRequestHistory, SuffixIndex, SuffixProposal, SuffixSettings
 
 PDM, SUFFIX = "pdm", "suffix"
-SOURCES = (PDM, SUFFIX)
+SUFFIX_RUN = "suffix-run"  # the tokens a suffix draft carries after it (its run, docs/design.md 3.13)
+SOURCES = (PDM, SUFFIX, SUFFIX_RUN)
 
 
 @dataclass(frozen=True)

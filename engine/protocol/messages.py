@@ -12,11 +12,13 @@ are not exact there). Fields:
 - position: TOKEN: the token's position; PREFILL: the chunk's first position
 - epoch: the driver's flush count when it sent the token; stale messages are recognised by it
 - token: TOKEN from the driver to stage 0: the token id entering the pipeline
-- length: PREFILL: tokens in the chunk; STATS: float64 values that follow
+- length: PREFILL: tokens in the chunk; STATS: float64 values that follow; TOKEN: a suffix run's
+  tokens (docs/design.md 3.13) when 2 or more: the run's ids at position, position + 1, ... follow
+  the driver's header as int64 (0 or 1: one token)
 - reply: a head stage's (pp/ar) token for the position after the message's last one; on an SPD
   decode report from a last stage that verifies (WireFormat.verify_on_last), the target's argmax
   for the position after the exiting token, or -1 where that stage did not compute it (T > 0,
-  the chains of a branch point)
+  the chains of a branch point, a suffix run)
 - rows: TOKEN: token rows the message carries; 1, or W when it carries the chains of a branch
   point (docs/design.md 3.11), which then follow the driver's header as int64 ids
 - branch: the branch point's position, on chain messages and on the message naming the survivor
@@ -26,10 +28,14 @@ are not exact there). Fields:
 - slot: with several requests in the pipeline (docs/design.md 3.12), a PREFILL chunk's request
   slot, whose KV cache it fills (its `epoch` is then the request's serial); 0 otherwise
 
-A BATCH message carries one token of each of `rows` requests; its first payload is an int64
-[rows, META_LEN] table, one row per token (META_FIELDS): the request slot whose KV cache the
-token uses, the request's serial (which request holds that slot), its epoch in that request, its
-position, its id (stage 0 embeds it) and the last stage's T=0 argmax behind it (-1: not computed).
+A BATCH message carries one token of each of several requests (a request with a branch point in
+flight: its W chains' tokens); its first payload is an int64 [rows, META_LEN] table, one row per
+token (META_FIELDS): the request slot whose KV cache the token uses, the request's serial (which
+request holds that slot), its epoch in that request, its position, its id (stage 0 embeds it),
+the last stage's T=0 argmax behind it (-1: not computed), and as the header's fields of a TOKEN
+message do for one request (docs/design.md 3.11): the branch point's position (-1: none), the
+row's chain and the branch point's width W (on a survivor row: the resolved one's), and the
+surviving chain (-1: none).
 """
 from __future__ import annotations
 
@@ -43,13 +49,13 @@ import torch
 
 HEADER_FIELDS = ("kind", "position", "epoch", "token", "length", "reply", "rows", "branch", "survivor", "slot")
 HEADER_LEN = len(HEADER_FIELDS)
-META_FIELDS = ("slot", "serial", "epoch", "position", "token", "reply")
+META_FIELDS = ("slot", "serial", "epoch", "position", "token", "reply", "branch", "chain", "width", "survivor")
 META_LEN = len(META_FIELDS)
 CONFIG_LEN = 4  # int64 values of a CONFIG payload (sampling_payload)
 
 
 class Kind(IntEnum):
-    TOKEN = 1  # one token at `position` (stage 0 reads the id from `token`), or `rows` chains' tokens
+    TOKEN = 1  # one token at `position` (stage 0 reads the id from `token`), `rows` chains' tokens or a run
     PREFILL = 2  # a chunk of `length` tokens starting at `position`
     END = 3  # end of request: stages reply with their stats and idle
     SHUTDOWN = 4  # stop the worker loop
@@ -77,7 +83,9 @@ class Header(NamedTuple):
     @property
     def num_tokens(self) -> int:
         """Tokens whose hidden states the message carries (0 for control messages)."""
-        if self.kind == Kind.TOKEN or self.kind == Kind.BATCH:
+        if self.kind == Kind.TOKEN:
+            return self.length if self.length > 1 else self.rows
+        if self.kind == Kind.BATCH:
             return self.rows
         return self.length if self.kind == Kind.PREFILL else 0
 
@@ -159,8 +167,8 @@ class WireFormat:
             return (Payload("ids", (hdr.length,), "int64"),)
         if hdr.kind == Kind.CONFIG:
             return (Payload("sampling", (CONFIG_LEN,), "int64"),)
-        if hdr.kind == Kind.TOKEN and hdr.rows > 1:
-            return (Payload("ids", (hdr.rows,), "int64"),)  # the chains' tokens, row order
+        if hdr.kind == Kind.TOKEN and hdr.num_tokens > 1:
+            return (Payload("ids", (hdr.num_tokens,), "int64"),)  # the chains' tokens, row order, or a run's
         if hdr.kind == Kind.BATCH:
             return (_meta(hdr),)  # the ids are in the table
         return ()  # TOKEN: the id is in the header

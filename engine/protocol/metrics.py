@@ -27,12 +27,12 @@ class Counters:
     verified_by_fill: dict[int, int] = field(default_factory=dict)
     accepted_by_fill: dict[int, int] = field(default_factory=dict)
 
-    def count(self, fill: int, accepted: bool) -> None:
-        """One verified draft, made at `fill`."""
-        self.verified += 1
-        self.accepted += int(accepted)
-        self.verified_by_fill[fill] = self.verified_by_fill.get(fill, 0) + 1
-        self.accepted_by_fill[fill] = self.accepted_by_fill.get(fill, 0) + int(accepted)
+    def count(self, fill: int, accepted: bool, times: int = 1) -> None:
+        """`times` verified drafts made at `fill` (a suffix run's tokens share their entry's fill)."""
+        self.verified += times
+        self.accepted += int(accepted) * times
+        self.verified_by_fill[fill] = self.verified_by_fill.get(fill, 0) + times
+        self.accepted_by_fill[fill] = self.accepted_by_fill.get(fill, 0) + int(accepted) * times
 
     def counters(self) -> Counters:
         """The counters alone (a copy), whatever record holds them."""

@@ -11,6 +11,10 @@ the token after it is known (committed or in flight). Deterministic: the same hi
 the same proposal, which is what makes the exact T=0 replay (train/fast_eval.py) agree with the
 runtime. `CrossRequestHistory` optionally adds the prompts and outputs of the process's earlier
 requests (a server's), consulted when the request's own history has no match.
+
+With `max_run` > 1 a proposal also carries its run: the tokens that followed the proposed one in
+the same occurrence (as far as they are known, at most max_run - 1), which a draft may carry
+through the stages as one entry (a suffix run, docs/design.md 3.13).
 """
 from __future__ import annotations
 
@@ -23,20 +27,25 @@ SEPARATOR = -1  # between requests in a cross-request history: never matched, ne
 
 @dataclass(frozen=True)
 class SuffixSettings:
-    """max_len: longest suffix looked up; min_match: shortest match that proposes a token."""
+    """max_len: longest suffix looked up; min_match: shortest match that proposes a token;
+    max_run: tokens one proposal may carry (the proposed one and those after it), 1: no runs."""
 
     max_len: int = 16
     min_match: int = 2
+    max_run: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_match <= self.max_len:
             raise ValueError(f"suffix drafts need 1 <= min_match <= max_len, got {self.min_match}, {self.max_len}")
+        if self.max_run < 1:
+            raise ValueError(f"a suffix run carries at least 1 token, got max_run={self.max_run}")
 
 
 @dataclass(frozen=True)
 class SuffixProposal:
     token: int
     length: int  # tokens of the matched suffix
+    run: tuple[int, ...] = ()  # the tokens after `token` in the same occurrence (max_run > 1)
 
 
 class CrossRequestHistory:
@@ -81,7 +90,12 @@ class SuffixIndex:
         for n in range(min(self.settings.max_len, len(tail)), self.settings.min_match - 1, -1):
             for e in self._ends.get(tuple(tail[len(tail) - n:]), ()):
                 if 0 <= e < len(h) - 1 and h[e + 1] != SEPARATOR:
-                    return SuffixProposal(h[e + 1], n)
+                    run = []
+                    for i in range(e + 2, min(e + 1 + self.settings.max_run, len(h))):
+                        if h[i] == SEPARATOR:
+                            break
+                        run.append(h[i])
+                    return SuffixProposal(h[e + 1], n, tuple(run))
         return None
 
     def propose(self, tail: Sequence[int], context_len: int) -> SuffixProposal | None:
@@ -98,7 +112,14 @@ class SuffixIndex:
                 continue
             for e in ends:
                 if 0 <= e < end:  # an earlier occurrence whose next token is known
-                    nxt = e + 1
-                    token = h[nxt] if nxt < len(h) else tail[len(tail) - inflight + (nxt - len(h))]
-                    return SuffixProposal(token, n)
+                    known = [h[i] if i < len(h) else tail[len(tail) - inflight + (i - len(h))]
+                             for i in range(e + 1, min(e + 1 + self.settings.max_run, end + 1))]
+                    return SuffixProposal(known[0], n, tuple(known[1:]))
         return None
+
+
+def context_tail(index: SuffixIndex, unverified: Sequence[int]) -> tuple[list[int], int]:
+    """(tail, context length) for `propose`: the committed history's last tokens, then the
+    unverified in-flight tokens (oldest first), at least max_len of them."""
+    keep = max(index.settings.max_len, len(unverified))
+    return (index.history[-keep:] + list(unverified))[-keep:], len(index.history) + len(unverified)

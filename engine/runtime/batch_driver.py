@@ -14,6 +14,12 @@ order and each row lands in its request's ring (stale rows are dropped by (seria
 
 The PDM runs once per tick over every decoding request's rows, each request's rows on its own PDM
 cache (engine/model/kv_cache.py RowCaches); the drafts and verifications are per request.
+
+Branch width W (docs/design.md 3.11) works per request as alone: a request's branch point puts its
+W chains' tokens in the BATCH message as W rows (the table names the branch point, each row's
+chain, and on the row after it resolves the survivor), which each stage writes to that request's
+chain slots; the request's rows of the PDM pass are every chain's (BranchChains.chain_inputs)
+under their tree mask; its chains' anchors land in its rings[c] and its exit rows per chain.
 """
 from __future__ import annotations
 
@@ -39,8 +45,9 @@ from spd_engine.engine.runtime.request_state import DraftPolicy, OnToken, Reques
 from spd_engine.engine.runtime.stage_worker import receive_stats
 from spd_engine.engine.runtime.verifier import Verifier
 
-_SLOT, _SERIAL, _EPOCH, _POS, _TOKEN, _REPLY = (META_FIELDS.index(f) for f in
-                                                ("slot", "serial", "epoch", "position", "token", "reply"))
+_SLOT, _SERIAL, _EPOCH, _POS, _TOKEN, _REPLY, _CHAIN = (META_FIELDS.index(f) for f in
+                                                        ("slot", "serial", "epoch", "position", "token", "reply",
+                                                         "chain"))
 
 
 @dataclass
@@ -90,13 +97,16 @@ Intake = Callable[[], "BatchRequest | None"]
 
 class _SlotParts:
     """A request slot's driver-side buffers, made once and kept for every request that takes the
-    slot (the transport pins the rings: they must live as long as it): its anchor ring, exit rows,
-    PDM cache and the lane over them. Every entry is written before it is read, by position."""
+    slot (the transport pins the rings: they must live as long as it): its anchor rings (one per
+    chain of a branch point, 3.11), exit rows (ring slot s, chain c at row s W + c), PDM cache and
+    the lane over them. Every entry is written before it is read, by position."""
 
     def __init__(self, d) -> None:
-        self.buf = DriverBuffers(d.n, d.plan, d.wire, d.head.cfg.hidden_size, 1, 1, d.t, d.device, d.dtype)
-        self.pdm_cache = d.pdm.new_cache(d.capacity)
-        self.exits = torch.empty(self.buf.num_slots, d.head.cfg.hidden_size, device=d.device, dtype=d.dtype)
+        W = d.branches.width
+        self.buf = DriverBuffers(d.n, d.plan, d.wire, d.head.cfg.hidden_size, 1, W, d.t, d.device, d.dtype)
+        # a pass over every chain writes (W - 1) n rows past the staircase's (BranchChains.chain_inputs)
+        self.pdm_cache = d.pdm.new_cache(d.capacity + (W - 1) * d.n)
+        self.exits = torch.empty(self.buf.num_slots * W, d.head.cfg.hidden_size, device=d.device, dtype=d.dtype)
         drafter = Drafter(d.pdm, self.pdm_cache, self.buf, d.drafter.chooser, d.drafter.cross, {})
         self.lane = Lane(drafter, BranchChains(d.branches.policy, drafter), Verifier(d.head, self.exits, None))
 
@@ -114,7 +124,9 @@ class _Live:
         if parts is None:
             parts = run.parts[slot] = _SlotParts(d)
         self.buf, self.pdm_cache, self.exits, self.lane = parts.buf, parts.pdm_cache, parts.exits, parts.lane
-        self.replies = [-1] * self.buf.num_slots  # the last stage's argmax behind each exit, by ring slot
+        self.width = d.branches.width
+        self.replies = [-1] * len(self.exits)  # the last stage's argmax behind each exit row
+        self.chain_width = 1  # chains of its last branch point sent: a survivor row names its width
         self.got = [(-1, -1)] * d.n  # per stage: (epoch, position) of its newest report for this request
         self.ids = torch.tensor(list(request.prompt), dtype=torch.long, device=d.device)
         self.chunks = prefill_chunks(len(request.prompt), d.chunk)
@@ -131,6 +143,25 @@ class _Live:
     def arrived(self, s: int, pos: int) -> bool:
         epoch, got = self.got[s]
         return epoch == self.req.epoch and got >= pos
+
+    def exit_row(self, pos: int, chain: int) -> int:
+        """The row of `exits` (and `replies`) holding the exit state of chain `chain`'s token at `pos`."""
+        return self.buf.slot(pos) * self.width + chain
+
+    def row_of(self, pos: int) -> int:
+        """The representative chain of its in-flight token at `pos`: 0, or the survivor's once its
+        branch point resolved (Entry.row)."""
+        return next((e.row for e in self.req.state.inflight if e.pos == pos), 0)
+
+    def meta_rows(self, e: Entry) -> list[list[int]]:
+        """Its entering token's rows of a BATCH table (META_FIELDS): one, or the W chains of its
+        branch point, whose width a later survivor row names again."""
+        assert e.rows == max(1, len(e.chains)), f"an entry of {e.rows} rows at {e.pos} cannot travel in a batch"
+        head = [self.slot, self.serial, e.epoch, e.pos]
+        if e.chains:
+            self.chain_width = e.rows
+            return [head + [tok, -1, e.branch, c, e.rows, -1] for c, tok in enumerate(e.chains)]
+        return [head + [e.token, -1, e.branch, 0, self.chain_width if e.survivor >= 0 else 1, e.survivor]]
 
 
 class StageCounts:
@@ -181,17 +212,21 @@ class BatchDriver:
             return
         assert hdr.kind == Kind.BATCH, f"stage {s} sent {hdr} in a run of several requests"
         a = d.buf.stage_anchors[s]
-        for r, (slot, serial, epoch, pos, _, reply) in enumerate(payloads["meta"].tolist()):
-            live = self.slots[slot]
-            if live is None or live.serial != serial or live.req.epoch != epoch:
+        anchors = slice(a[0], a[-1] + 1) if a else None
+        for r, row in enumerate(payloads["meta"].tolist()):
+            live = self.slots[row[_SLOT]]
+            if live is None or live.serial != row[_SERIAL] or live.req.epoch != row[_EPOCH]:
                 continue  # stale: flushed, or its request has finished
+            pos, chain = row[_POS], row[_CHAIN]
             ring = live.buf.slot(pos)
-            if a:
-                live.buf.ring[ring, a[0]:a[-1] + 1] = payloads["anchors"][r]
-            if "exit" in payloads:
-                live.exits[ring] = payloads["exit"][r]
-                live.replies[ring] = reply
-            live.got[s] = (epoch, pos)
+            if anchors is not None:  # chain c's to rings[c] (ring 0 is rings[0]), the survivor's to ring 0 too
+                live.buf.rings[chain, ring, anchors] = payloads["anchors"][r]
+                if chain and chain == live.row_of(pos):  # its branch point resolved before this arrived
+                    live.buf.ring[ring, anchors] = payloads["anchors"][r]
+            if "exit" in payloads:  # every chain's: verification reads the representative's (Entry.row)
+                live.exits[live.exit_row(pos, chain)] = payloads["exit"][r]
+                live.replies[live.exit_row(pos, chain)] = row[_REPLY]
+            live.got[s] = (row[_EPOCH], pos)
 
     def _buffer(self, p) -> torch.Tensor:
         d = self.driver
@@ -301,9 +336,7 @@ class BatchDriver:
         plans = [x.req.state.plan() for x in decoding]
         for live, plan in zip(decoding, plans):
             live.req.tick = plan.tick
-        if decoding:
-            self._send_batch(decoding, plans)
-        self.rows.append(len(decoding))
+        self.rows.append(self._send_batch(decoding, plans) if decoding else 0)
         for live, plan in zip(decoding, plans):
             for s, e in plan.anchor_reads:  # the token at lag j finished stage j-1 last tick
                 self._need(s, live, e.pos)
@@ -332,30 +365,46 @@ class BatchDriver:
 
     def _draft(self, decoding: list[_Live], plans: list[TickPlan]) -> list[list]:
         """One PDM pass over every decoding request's rows (each on its own PDM cache), then each
-        request's draft from its last row."""
+        request's drafts: from its last row, or with a branch point in flight from each chain's."""
         d, t0 = self.driver, time.perf_counter()
-        rows = torch.cat([x.lane.drafter.tick_rows(plan) for x, plan in zip(decoding, plans)])  # [N, H]
+        inputs = [self._pdm_inputs(x, plan) for x, plan in zip(decoding, plans)]  # (rows, positions, mask)
+        rows = torch.cat([i[0] for i in inputs])  # [N, H]
         spans = RowCaches([x.pdm_cache for x in decoding], [plan.pdm_pos for plan in plans],
-                          [len(plan.rows) for plan in plans])
-        h = d.pdm.forward_rows(rows[None], spans, 0, positions=spans.positions(rows.device))[0]  # [N, H]
-        ends = torch.tensor(spans.counts).cumsum(0) - 1
-        out = [x.lane.drafts_from(x.req, plan, h[int(e)]) for x, plan, e in zip(decoding, plans, ends)]
+                          [len(i[0]) for i in inputs], [i[2] for i in inputs])
+        h = d.pdm.forward_rows(rows[None], spans, 0, positions=torch.cat([i[1] for i in inputs])[None])[0]  # [N, H]
+        out = []
+        for x, plan, mine in zip(decoding, plans, h.split(spans.counts)):
+            if plan.branch is None:
+                out.append(x.lane.drafts_from(x.req, plan, mine[-1]))
+            else:
+                out.append(x.lane.branches.chain_drafts(x.req, plan, x.lane.branches.chain_lasts(plan, mine)))
         share = (time.perf_counter() - t0) / len(decoding)  # the pass is shared: each request its share
         for x in decoding:
             x.req.timers["pdm"] += share
         return out
 
-    def _send_batch(self, decoding: list[_Live], plans: list[TickPlan]) -> None:
-        """The entering tokens, one row each, to stage 0; their anchor 0 (the embedding) to their rings."""
+    def _pdm_inputs(self, live: _Live, plan: TickPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A request's rows of the tick's PDM pass, their positions and mask (None: causal): its
+        staircase, or with a branch point in flight every chain's rows (BranchChains.chain_inputs)."""
+        if plan.branch is not None:
+            return live.lane.branches.chain_inputs(plan)
+        rows = live.lane.drafter.tick_rows(plan)  # [R, H]
+        return rows, torch.arange(plan.pdm_pos, plan.pdm_pos + len(rows), device=rows.device), None
+
+    def _send_batch(self, decoding: list[_Live], plans: list[TickPlan]) -> int:
+        """The entering tokens to stage 0 (one row each; a branch point's chains, W rows); their
+        anchor 0 (the embedding) to their rings. Returns the message's rows."""
         d = self.driver
         entries: list[Entry] = [plan.enter[0] for plan in plans]
-        meta = torch.tensor([[x.slot, x.serial, e.epoch, e.pos, e.token, -1] for x, e in zip(decoding, entries)],
-                            dtype=torch.int64)  # [R, META_LEN]
-        self._send(Header(Kind.BATCH, rows=len(entries)), [meta])
+        tables = [x.meta_rows(e) for x, e in zip(decoding, entries)]
+        meta = torch.tensor([row for table in tables for row in table], dtype=torch.int64)  # [R, META_LEN]
+        self._send(Header(Kind.BATCH, rows=len(meta)), [meta])
         emb = d.head.embed(meta[None, :, _TOKEN].to(d.device))[0]  # [R, H]
-        for r, (live, e) in enumerate(zip(decoding, entries)):
-            live.buf.ring[live.buf.slot(e.pos), 0] = emb[r]
-        self.unsealed.append((self.tick, [(x, e.epoch) for x, e in zip(decoding, entries)]))
+        for live, e, mine in zip(decoding, entries, emb.split([len(table) for table in tables])):
+            live.buf.rings[:len(mine), live.buf.slot(e.pos), 0] = mine  # every chain's anchor 0
+        self.unsealed.append((self.tick, [(x, e.epoch) for x, e, table in zip(decoding, entries, tables)
+                                          for _ in table]))
+        return len(meta)
 
     def _verify_and_advance(self, live: _Live, plan: TickPlan, drafts: list) -> None:
         req, state = live.req, live.req.state
@@ -363,7 +412,7 @@ class BatchDriver:
         if plan.exit is not None:
             self._need(self.n - 1, live, plan.exit.pos)
             rec = req.drafts.take(plan.verify_pos)
-            row = live.buf.slot(plan.exit.pos)
+            row = live.exit_row(plan.exit.pos, plan.exit.row)
             tv = time.perf_counter()
             # the last stage's argmax is every row's; a sampled request verifies against its q here
             reply = live.replies[row] if self.driver.wire.verify_on_last and req.sampling.greedy else -1
@@ -372,6 +421,8 @@ class BatchDriver:
             req.count_verified(rec.sources[verdict.chain], verdict.accepted)
         epoch = state.epoch
         committed = state.advance(drafts, verdict)
+        if state.entry.survivor >= 0:  # a branch point resolved: the entry names its survivor
+            live.lane.branches.adopt(req, state.entry.survivor, state.inflight)
         if state.epoch != epoch:
             live.epoch_end[epoch] = self.tick
         req.epoch = state.epoch
@@ -401,8 +452,6 @@ class BatchDriver:
         d = self.driver
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if d.branches.width > 1:
-            raise ValueError("several requests in the pipeline run with branch width 1 only (--branches 1)")
         if d.topo.tp > 1:
             raise ValueError("several requests in the pipeline run without tensor parallelism only (--tp 1)")
         self.max_batch = max_batch

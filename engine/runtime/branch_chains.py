@@ -2,7 +2,9 @@
 message; until it is verified every chain drafts its own next token from its own staircase (one
 PDM pass over every chain's rows under a tree mask; the buffers' rings[c] hold chain c's anchors,
 which share ring 0's below the branch point), and the verification of the branch point picks the
-survivor, whose anchors and draft records become the representative's.
+survivor, whose anchors and draft records become the representative's. With several requests in
+the pipeline (docs/design.md 3.12) each request has its own BranchChains, and its chains' rows join
+the tick's one PDM pass over every request (chain_inputs, then chain_lasts of its share).
 """
 from __future__ import annotations
 
@@ -27,16 +29,26 @@ class BranchChains:
     def width(self) -> int:
         return self.policy.width
 
-    def chain_drafts(self, req: RequestState, plan: TickPlan) -> list[Draft]:
-        """Each chain's draft for plan.draft_pos while the branch point plan.branch is in flight."""
-        h_last = self.chain_pass(plan)  # [W, H]
-        return [Draft(plan.draft_pos, self.drafter.draft(req, h_last[c], plan, chain=c)) for c in range(plan.width)]
+    def chain_drafts(self, req: RequestState, plan: TickPlan, h_last: torch.Tensor | None = None) -> list[Draft]:
+        """Each chain's draft for plan.draft_pos while the branch point plan.branch is in flight;
+        h_last [W, H]: each chain's last hidden state when a pass over several requests' rows
+        computed it (chain_lasts), else this request's own pass."""
+        h_last = self.chain_pass(plan) if h_last is None else h_last
+        return [self.drafter.draft(req, h_last[c], plan, chain=c) for c in range(plan.width)]
 
     def chain_pass(self, plan: TickPlan) -> torch.Tensor:
-        """One PDM pass over every chain of the branch point in flight: the rows below it once,
-        then each chain's own rows (its anchors, rings[c]), a tree mask keeping the chains apart;
-        returns each chain's last hidden state [W, H]. The PDM cache keeps committed rows only, so
-        the rows written here past the pending one are rewritten next tick, as at W = 1."""
+        """One PDM pass over every chain of the branch point in flight (chain_inputs); returns each
+        chain's last hidden state [W, H]. The PDM cache keeps committed rows only, so the rows
+        written here past the pending one are rewritten next tick, as at W = 1."""
+        rows, positions, mask = self.chain_inputs(plan)
+        h = self.pdm.forward_rows(rows[None], self.drafter.cache, plan.pdm_pos, positions[None], mask[None, None])[0]
+        return self.chain_lasts(plan, h)
+
+    def chain_inputs(self, plan: TickPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The PDM rows of every chain of the branch point in flight, written from the PDM cache's
+        end: the rows below it once, then each chain's own rows (its anchors, rings[c]). Returns the
+        rows [T, H], their RoPE positions [T] and the tree mask keeping the chains apart
+        [T, pdm_pos + T]."""
         q, W, p0, buf = plan.branch, plan.width, plan.pdm_pos, self.buf
         dev = buf.ring.device
         S = q - p0  # rows below the branch point: the pending row and the staircase's older part
@@ -52,8 +64,14 @@ class BranchChains:
         depth = torch.where(new < S, new, S + (new - S) % C)  # [T]: offset from p0 of the row's position
         sees = ((chain[None] == -1) | (chain[None] == chain[:, None])) & (depth[None] <= depth[:, None])
         mask = torch.cat([torch.ones(len(new), p0, dtype=torch.bool, device=dev), sees], dim=1)
-        h = self.pdm.forward_rows(rows[None], self.drafter.cache, p0, (p0 + depth)[None], mask[None, None])[0]
-        return h[S + C - 1::C]  # [W, H]: the last row of each chain
+        return rows, p0 + depth, mask
+
+    @staticmethod
+    def chain_lasts(plan: TickPlan, h: torch.Tensor) -> torch.Tensor:
+        """Each chain's last hidden state [W, H] from a pass's output h [T, H] over chain_inputs' rows."""
+        S = plan.branch - plan.pdm_pos  # the shared rows, then each chain's C rows
+        C = len(plan.rows) - S
+        return h[S + C - 1::C]
 
     def candidates(self, req: RequestState, h_last: torch.Tensor, plan: TickPlan) -> list[Draft]:
         """A branch point's candidates (engine/protocol/branching.py): the chooser's draft, then the suffix

@@ -57,9 +57,10 @@ class Driver:
         p = next(head.parameters())
         self.device, self.dtype = p.device, p.dtype
         W = opts.branches.width
+        self.max_run = opts.drafting.suffix.max_run if opts.drafting.uses_suffix else 1  # 3.13
         self.wire = wire_format(topo, plan, head.cfg.hidden_size, opts.verify_on_last)
         self.buf = DriverBuffers(self.n, plan, self.wire, head.cfg.hidden_size, max(self.chunk, W), W, transport,
-                                 self.device, self.dtype)
+                                 self.device, self.dtype, self.max_run)
         self.stage_rank = [topo.stage_rank(s) for s in range(self.n)]  # TP rank 0 of each stage
         self.links = StageLinks(transport, self.stage_rank, [self.wire.reports_to_driver(s) for s in range(self.n)],
                                 self.timeout, self._read_payloads)
@@ -141,7 +142,7 @@ class Driver:
         if self.trace is not None:
             self.trace.clear()
         self.req = req = RequestState(self.n, max_new_tokens, frozenset(eos_ids), sampling, self.epoch, draft_policy,
-                                      on_token, self.drafter.chooser.new_index(prompt), self.trace)
+                                      on_token, self.drafter.chooser.new_index(prompt), self.trace, self.max_run)
         self.links.begin()
         res = req.res
         try:
@@ -191,13 +192,16 @@ class Driver:
             if state.entry.survivor >= 0:  # a branch point resolved: the entry names its survivor
                 self.branches.adopt(req, state.entry.survivor, state.inflight)
             req.epoch = state.epoch
-            if committed is not None and not req.commit(committed.token):
-                break
+            if committed is not None and not all(req.commit(tok) for tok in committed.tokens):
+                break  # all() stops at the token that ends the request: a run's tokens after it are dropped
         state.finish()
 
     def _send_entry(self, entry: Entry) -> None:
         """The entering token (or a branch point's chains) to stage 0; its anchor 0 (the embedding) to the ring."""
         slot, req = self.buf.slot(entry.pos), self.req
+        if entry.run:
+            self._send_run(entry)
+            return
         if not entry.chains:
             hdr = Header(Kind.TOKEN, entry.pos, entry.epoch, entry.token, branch=entry.branch,
                          survivor=entry.survivor)
@@ -212,6 +216,20 @@ class Driver:
         self.stage0.send(Header(Kind.TOKEN, entry.pos, entry.epoch, entry.token, rows=entry.rows,
                                 branch=entry.branch), [ids], overlap=True, req=req)
         self.buf.rings[:entry.rows, slot, 0] = self.head.embed(ids[None])[0]  # [W, H]: every chain's anchor 0
+
+    def _send_run(self, entry: Entry) -> None:
+        """A suffix run (docs/design.md 3.13): its tokens as one message of consecutive positions; each
+        position's anchor 0 to its ring slot."""
+        ids = torch.tensor(entry.tokens, dtype=torch.long, device=self.device)  # [L]
+        hdr = Header(Kind.TOKEN, entry.pos, entry.epoch, entry.token, length=len(entry.tokens))
+        if self.stage0.direct:
+            self.stage0.step_direct(hdr, self.req, ids)
+        else:
+            self.stage0.send(hdr, [ids], overlap=True, req=self.req)
+        if not self.stage0.anchor0_from_stage0:
+            emb = self.head.embed(ids[None])[0]  # [L, H]
+            for i in range(len(entry.tokens)):
+                self.buf.ring[self.buf.slot(entry.pos + i), 0] = emb[i]
 
     def _tick(self, plan: TickPlan) -> tuple[list[Draft], Verdict | None]:
         """One tick as planned: (this tick's drafts, the verdict when a token left the pipeline)."""
@@ -232,12 +250,9 @@ class Driver:
         if ex is None:  # filling: no token leaves the pipeline this tick
             return drafts, None
         exit_hdr = exit_hdr or self._recv(last, Kind.TOKEN, ex.pos, ex.row)
-        rec = self.req.drafts.take(plan.verify_pos)  # bookkeeping, outside the verification's timer
         tv = time.perf_counter()
-        verdict = self.lane.verify(self.req, plan, drafts, rec, plan.exit.row,
-                                   exit_hdr.reply if self.wire.verify_on_last else -1)
+        verdict = self.lane.verify_exit(self.req, plan, drafts, exit_hdr.reply if self.wire.verify_on_last else -1)
         self.req.account("verify", tv)
-        self.req.count_verified(rec.sources[verdict.chain], verdict.accepted)
         return drafts, verdict
 
     def _finish_request(self) -> list[dict[str, float]]:

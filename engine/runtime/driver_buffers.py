@@ -1,7 +1,7 @@
 """The driver's preallocated buffers and how the stages' payloads land in them (docs/design.md 3.3).
 
 Anchor states live in rings `[W, slots, m, H]` indexed by position (slot = pos mod (n + 2), so
-every live position has its own): chain c's anchors in rings[c], ring 0 the representative's
+every live position has its own; with suffix runs of up to `max_run` tokens, (n + 2) max_run): chain c's anchors in rings[c], ring 0 the representative's
 (the only one at W = 1). The last stage's exit hidden states land in `exit_buf`, anchors nobody
 reads (prefill chunks, stale messages) in per-stage scratch. A decode tick's destinations are
 sliced once and pinned with the transport, and the index tensors of a tick's PDM rows are built
@@ -19,10 +19,11 @@ from spd_engine.engine.protocol.tick import TickPlan
 
 class DriverBuffers:
     def __init__(self, n: int, plan: AnchorPlan, wire: WireFormat, hidden: int, rows: int, width: int,
-                 transport: Transport, device: torch.device, dtype: torch.dtype) -> None:
+                 transport: Transport, device: torch.device, dtype: torch.dtype, max_run: int = 1) -> None:
         H, m = hidden, plan.num_types
         self.n, self.wire, self.t = n, wire, transport
-        self.num_slots = n + 2
+        # the pending rows and n live entries, each up to max_run positions, and one entry's headroom
+        self.num_slots = (n + 2) * max_run
         self.rings = torch.zeros(width, self.num_slots, m, H, device=device, dtype=dtype)  # [W, slots, m, H]
         self.ring = self.rings[0]  # [slots, m, H]
         self.exit_buf = torch.empty(rows, H, device=device, dtype=dtype)  # [chunk, H]
@@ -42,11 +43,12 @@ class DriverBuffers:
         # ring[slot, a] as [1, 1, H], the shape of a co-located stage 0's embedding and captured anchors
         self.ring_rows = [[self.ring[i, a].view(1, 1, H) for a in range(m)] for i in range(self.num_slots)]
         self.full_type = plan.type_at_depth(n)
-        depth_types = [plan.type_at_depth(d) for d in range(n + 1)]
+        self.depth_types = depth_types = [plan.type_at_depth(d) for d in range(n + 1)]
+        self._run_types: dict[tuple[int, ...], torch.Tensor] = {}  # depths of a tick with a suffix run -> types
         # a tick's rows are consecutive positions from the PDM cache end (the pending row, then the
         # staircase oldest -> newest): their slots depend on (first slot, count), their types on (pending, fill)
         self.row_slots = {(a, R): torch.tensor([(a + i) % self.num_slots for i in range(R)], device=device)
-                          for a in range(self.num_slots) for R in range(1, n + 2)}
+                          for a in range(self.num_slots) for R in range(1, self.num_slots)}
         self.row_types = {(pending, L): torch.tensor([self.full_type] * pending +
                                                      [depth_types[j] for j in range(L - 1, -1, -1)], device=device)
                           for pending in (0, 1) for L in range(1, n + 1)}
@@ -56,7 +58,15 @@ class DriverBuffers:
 
     def types_of(self, plan: TickPlan) -> torch.Tensor:
         """[R] the anchor types of the tick's rows."""
-        return self.row_types[(int(plan.rows[0].pending), plan.fill)]
+        pending = int(plan.rows[0].pending)
+        if len(plan.rows) == pending + plan.fill:  # one row per live token, at most one pending row
+            return self.row_types[(pending, plan.fill)]
+        depths = tuple(r.depth for r in plan.rows)  # a suffix run in flight or among the pending rows
+        types = self._run_types.get(depths)
+        if types is None:
+            types = self._run_types[depths] = torch.tensor([self.depth_types[d] for d in depths],
+                                                           device=self.ring.device)
+        return types
 
     def slots_of(self, plan: TickPlan) -> torch.Tensor:
         """[R] the ring slots of the tick's rows."""
@@ -67,21 +77,25 @@ class DriverBuffers:
         """The payloads behind stage s's header: anchors to ring slot `where[0]` (None: scratch), the
         last stage's exit hidden states to exit_buf. A chains message (hdr.rows = W): chain c's
         anchors to rings[c], the representative's (row `where[1]`) to ring 0."""
-        if where is not None and hdr.kind == Kind.TOKEN and hdr.rows == 1:  # a decode tick's: pinned rows
+        if where is not None and hdr.kind == Kind.TOKEN and hdr.num_tokens == 1:  # a decode tick's: pinned rows
             for name in self.decode_report[s]:
                 dest = self.exit_row if name == "exit" else self.anchor_dest[s][where[0]]
                 self.t.recv_into(rank, dest, timeout, tick)
             return
         ids = self.stage_anchors[s]
         chains = hdr.kind == Kind.TOKEN and hdr.rows > 1
+        run = hdr.kind == Kind.TOKEN and hdr.length > 1  # a suffix run: one ring slot per position
         for payload in self.wire.to_driver(s, hdr):
             if payload.name == "anchors":
-                dest = self.scratch[s][:hdr.num_tokens] if where is None or chains else \
+                dest = self.scratch[s][:hdr.num_tokens] if where is None or chains or run else \
                     self.anchor_dest[s][where[0]]  # [1, k, H], contiguous
             else:
                 assert payload.name == "exit", payload
                 dest = self.exit_row if hdr.num_tokens == 1 else self.exit_buf[:hdr.num_tokens]
             self.t.recv_into(rank, dest, timeout, tick)
+            if payload.name == "anchors" and run and where is not None:
+                for i in range(hdr.num_tokens):
+                    self.ring[self.slot(hdr.position + i), ids[0]:ids[-1] + 1] = dest[i]  # [k, H]
             if payload.name == "anchors" and chains and where is not None:
                 a = slice(ids[0], ids[-1] + 1)
                 self.rings[:hdr.rows, where[0], a] = dest  # [W, k, H]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from spd_engine.engine.protocol.tick import Draft, TickPlan, Verdict
+from spd_engine.engine.protocol.tick import Draft, Entry, TickPlan, Verdict
 from spd_engine.engine.runtime.branch_chains import BranchChains
 from spd_engine.engine.runtime.draft_records import DraftRecord
 from spd_engine.engine.runtime.drafter import Drafter
@@ -32,7 +32,45 @@ class Lane:
         static step's greedy draft [1]); a pass over several requests' rows gives each its own."""
         if self.branches.policy.branches(plan.fill, False):
             return self.branches.candidates(req, h_last, plan)
-        return [Draft(plan.draft_pos, self.drafter.draft(req, h_last, plan, draft_id))]
+        return [self.drafter.draft(req, h_last, plan, draft_id)]
+
+    def verify_exit(self, req: RequestState, plan: TickPlan, drafts: list[Draft], reply: int) -> Verdict:
+        """The verdict of a tick whose entry left the pipeline: its run's tokens first (exit rows
+        0 .., docs/design.md 3.13), then the draft behind it, each counted by its source."""
+        ex, row = plan.exit, plan.exit.row
+        if ex.run:
+            verdict, reply = self._verify_run(req, ex)
+            if verdict is not None:
+                return verdict
+            row = len(ex.run)
+        rec = req.drafts.take(plan.verify_pos)
+        if ex.run and (ex.run[-1] in req.eos or ex.end >= req.last_pos):  # the run ended the request:
+            # what is behind it is moot, counted rejected as the exact replay counts a draft past the end
+            verdict = Verdict(False, ex.run[-1])
+        else:
+            verdict = self.verify(req, plan, drafts, rec, row, reply)
+        req.count_verified(rec.sources[verdict.chain], verdict.accepted)
+        return verdict._replace(run=len(ex.run))
+
+    def _verify_run(self, req: RequestState, ex: Entry) -> tuple[Verdict | None, int]:
+        """The exiting entry's run verified token by token (row i verifies run[i]; at T=0 every
+        row's argmax at once): the verdict at the first rejection, else None and the argmax behind
+        the last row (-1 at T>0). A token that ends the request (EOS) ends the verification: the
+        next is counted rejected, as the exact replay counts it."""
+        greedy = self.verifier.greedy_rows(len(ex.tokens)) if req.sampling.greedy else None  # rows 0 .. L-1
+        for i, tok in enumerate(ex.run):
+            pos = ex.pos + 1 + i
+            rec = req.drafts.take(pos)
+            if i > 0 and ex.run[i - 1] in req.eos:
+                accepted, target = False, tok
+            elif greedy is not None:
+                accepted, target = greedy[i] == tok, greedy[i]
+            else:
+                accepted, target = self.verifier.verify(pos, tok, rec.qs[0], req.sampling, i)
+            req.count_verified(rec.sources[0], accepted)
+            if not accepted:
+                return Verdict(False, target, run=i), -1
+        return None, greedy[-1] if greedy is not None else -1
 
     def verify(self, req: RequestState, plan: TickPlan, drafts: list[Draft], rec: DraftRecord, row: int,
                reply: int) -> Verdict:

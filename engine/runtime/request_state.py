@@ -30,21 +30,24 @@ class RequestState:
     def __init__(self, n: int, max_new: int, eos: frozenset[int], sampling: SamplingParams, epoch: int,
                  policy: DraftPolicy | None = None, on_token: OnToken | None = None,
                  suffix: SuffixIndex | None = None,
-                 trace: list[tuple[int, str, float, float]] | None = None) -> None:
+                 trace: list[tuple[int, str, float, float]] | None = None, max_run: int = 1) -> None:
         self.res = GenerationResult(tokens=[], n=n)
         self.n, self.max_new, self.eos, self.sampling = n, max_new, eos, sampling
         self.policy, self.on_token = policy, on_token
         self.epoch = epoch  # the epoch its messages carry (bumped by every flush)
         self.tick = 0
         self.state: TickState | None = None  # the tick protocol's state, from the first token on
+        self.last_pos = 0  # the last position the request may commit (from the first token on)
         self.drafts = DraftRecords()
         self.suffix = suffix  # prompt + committed tokens, when suffix drafts are on
+        self.max_run = max_run  # tokens a suffix draft may carry as one entry (docs/design.md 3.13)
         self.timers = dict.fromkeys(TIMERS, 0.0)  # seconds per part of the tick
         self.trace = trace  # (tick, what, t0, t1), when tracing
 
     def start_decode(self, first_pos: int, first_token: int, anchor_stages: list[int]) -> TickState:
         """The tick protocol from the first generated token on, counting into the result."""
         self.timers = dict.fromkeys(TIMERS, 0.0)  # the per-tick breakdown is the decode's
+        self.last_pos = first_pos + self.max_new - 1
         self.state = TickState(self.n, first_pos, first_token, anchor_stages, epoch=self.epoch, counters=self.res)
         return self.state
 

@@ -34,6 +34,10 @@ TRANSPORTS = ("auto", "gloo", "shm")
 # cores, a tick then costs more than that buys (docs/benchmarks.md), and the H200 profiles
 # predict a few percent at best: W = 2 stays opt-in until a GPU run measures it.
 DEFAULT_BRANCHES = 1
+# tokens a suffix draft may carry as one entry where runs can travel (SPD, suffix drafts, n >= 2, one
+# chain, one TP rank): on the dev prompts the co-located n=2 pair's pooled EAL goes 1.34 -> 1.60 at 8
+# (`spd eval --stages 2 --limit 2 --max-new-tokens 128 --suffix-run K`, docs/speed.md)
+DEFAULT_SUFFIX_RUN = 8
 EAGLE_K = 2  # draft chain length of --mode eagle: the shipped head accepts nothing past step 2 (docs/heads.md, docs/eval.md)
 
 
@@ -123,6 +127,9 @@ class RunConfig:
     suffix_max_len: int = 16  # longest suffix looked up
     suffix_pdm_margin: float = float("inf")  # suffix drafts only where the PDM's top-1 margin is below this
     suffix_cross_request: bool = False  # also draft from the process's earlier requests (a server's)
+    # tokens one suffix draft may carry through the stages as one entry (its run, docs/design.md 3.13); 1: none;
+    # None: DEFAULT_SUFFIX_RUN where runs can travel, else 1 (the `max_run` property)
+    suffix_run: int | None = None
     overlap_stage0: bool = False  # co-located, n >= 2: stage 0's decode step overlaps the driver's draft and verify
     eagle_head: str = "random"  # --mode eagle: EAGLE head directory or "random" (engine/model/eagle_head.py)
     eagle_k: int = EAGLE_K  # --mode eagle: drafts per round
@@ -152,15 +159,19 @@ class RunConfig:
         if self.pdm_dtype != "auto" and self.pdm_dtype not in DTYPES:
             raise ValueError(f"PDM dtype must be auto or one of {sorted(DTYPES)}, got {self.pdm_dtype!r}")
         object.__setattr__(self, "step_mode", StepMode.parse(self.step_mode))
-        self.chooser()  # SuffixSettings names a bad suffix setting
         if self.branches is None:
             auto = DEFAULT_BRANCHES if self.mode == "spd" else 1
             object.__setattr__(self, "branches", auto)
         self.branch_policy()  # BranchPolicy names a bad width or policy
+        if self.suffix_run is not None and self.suffix_run < 1:
+            raise ValueError(f"--suffix-run must be >= 1, got {self.suffix_run}")
+        self.chooser()  # SuffixSettings names a bad suffix setting
         if self.branches > 1 and self.mode != "spd":
             raise ValueError(f"--branches {self.branches} needs --mode spd (branch chains are SPD drafts)")
         if not self.suffix_pdm_margin > 0:
             raise ValueError(f"suffix PDM margin must be > 0, got {self.suffix_pdm_margin}")
+        if self.suffix_run is not None and self.suffix_run > 1:
+            self._check_suffix_runs()
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
         verifies_on_last(self.verify_at, self.topology.colocate)  # names a bad verify_at
@@ -240,8 +251,33 @@ class RunConfig:
         """The draft sources of this run (engine/protocol/drafting.py)."""
         if not self.suffix_drafts:
             return DraftChooser()
-        return DraftChooser(SuffixSettings(self.suffix_max_len, self.suffix_min_match), self.suffix_pdm_margin,
-                            self.suffix_cross_request)
+        return DraftChooser(SuffixSettings(self.suffix_max_len, self.suffix_min_match, self.max_run),
+                            self.suffix_pdm_margin, self.suffix_cross_request)
+
+    @property
+    def max_run(self) -> int:
+        """Tokens a suffix draft may carry (--suffix-run, or DEFAULT_SUFFIX_RUN where runs can travel)."""
+        if self.suffix_run is not None:
+            return self.suffix_run
+        return DEFAULT_SUFFIX_RUN if self._runs_can_travel() else 1
+
+    def _runs_can_travel(self) -> bool:
+        return (self.mode == "spd" and self.suffix_drafts and self.topology.n >= 2 and self.branches == 1
+                and self.topology.tp == 1)
+
+    def _check_suffix_runs(self) -> None:
+        """Where suffix runs (--suffix-run K > 1) can travel: SPD with suffix drafts, n >= 2, one chain, one TP rank."""
+        k = f"--suffix-run {self.suffix_run}"
+        if self.mode != "spd" or not self.suffix_drafts:
+            raise ValueError(f"{k} carries suffix drafts' runs: it needs --mode spd and --suffix-drafts on")
+        if self.topology.n < 2:
+            raise ValueError(f"{k} needs n >= 2 stages (at n = 1 a tick verifies its own draft)")
+        if self.branches > 1:
+            raise ValueError(f"{k} and --branches {self.branches} do not combine: a run is one chain")
+        if self.topology.tp > 1:
+            raise ValueError(f"{k} runs with --tp 1 only")
+        if self.suffix_run > self.prefill_chunk:
+            raise ValueError(f"{k} exceeds the prefill chunk {self.prefill_chunk} (the stages' buffers)")
 
     def branch_policy(self) -> BranchPolicy:
         return BranchPolicy(self.branches, self.branch_when)
@@ -256,9 +292,12 @@ class RunConfig:
         return max(1, (os.cpu_count() or 1) // ranks)
 
     def replace(self, **kw) -> "RunConfig":
-        """A copy with fields changed; one that cannot branch (not SPD) gets W = 1 unless given."""
+        """A copy with fields changed; one that cannot branch or carry suffix runs (not SPD) gets W = 1
+        and runs of 1 unless given."""
         if "branches" not in kw and kw.get("mode", self.mode) != "spd":
             kw["branches"] = 1
+        if "suffix_run" not in kw and kw.get("mode", self.mode) != "spd":
+            kw["suffix_run"] = None  # auto: 1 outside SPD
         return dataclasses.replace(self, **kw)
 
 

@@ -56,11 +56,12 @@ class Stage0Port:
             if req is not None:
                 req.account("stage0", t1)
 
-    def step_direct(self, hdr: Header, req: RequestState) -> None:
-        """A decode token to the co-located stage 0, stepped inline without a message."""
+    def step_direct(self, hdr: Header, req: RequestState, ids: torch.Tensor | None = None) -> None:
+        """A decode token (a suffix run: its ids [T]) to the co-located stage 0, stepped inline
+        without a message."""
         t0 = time.perf_counter()
         self.links.sent += 1
-        self.local.step_local(hdr)
+        self.local.step_local(hdr, ids)
         req.account("stage0", t0)
 
     def _local_anchors(self, hdr: Header, caps: dict[int, torch.Tensor], emb: torch.Tensor | None) -> None:
@@ -68,11 +69,12 @@ class Stage0Port:
         unless the step was static), into the ring slot of its position: next tick's anchor read
         of that token (plan.anchor_reads) is then already done. The slot is the entering token's,
         so no live row reads it for anything else (docs/design.md 3.3)."""
-        rows = self.buf.ring_rows[self.buf.slot(hdr.position)]
-        if emb is not None:
-            rows[0].copy_(emb)  # [1, 1, H]
-        for a, layer in zip(self.buf.stage_anchors[0], self.local.anchor_layers):
-            rows[a].copy_(caps[layer])  # [1, 1, H]
+        for i in range(hdr.num_tokens):  # a suffix run's positions: one ring slot each
+            rows = self.buf.ring_rows[self.buf.slot(hdr.position + i)]
+            if emb is not None:
+                rows[0].copy_(emb[:, i:i + 1])  # [1, 1, H]
+            for a, layer in zip(self.buf.stage_anchors[0], self.local.anchor_layers):
+                rows[a].copy_(caps[layer][:, i:i + 1])  # [1, 1, H]
         self.links.consumed[0] += self._reports
 
     def join(self, req: RequestState) -> None:

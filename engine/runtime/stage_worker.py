@@ -36,7 +36,8 @@ from spd_engine.engine.comm.transport import Transport
 
 
 MAX_SLOTS = 64  # request slots a stage accepts (one KV cache each, made on first use)
-_SLOT, _POSITION, _TOKEN, _REPLY = (META_FIELDS.index(f) for f in ("slot", "position", "token", "reply"))
+_POSITION, _TOKEN, _REPLY = (META_FIELDS.index(f) for f in ("position", "token", "reply"))
+_CHAIN_FIELDS = [META_FIELDS.index(f) for f in ("slot", "position", "branch", "chain", "width", "survivor")]
 
 
 def wire_format(topo: Topology, plan: AnchorPlan | None, hidden: int, verify_on_last: bool = False) -> WireFormat:
@@ -172,20 +173,23 @@ class StageWorker:
         self.t.flush()
         return False
 
-    def step_local(self, hdr: Header) -> None:
-        """A decode token handed over in-process by the co-located driver: the same computation as
-        a received TOKEN message, without the message (no loopback header to queue and pop)."""
+    def step_local(self, hdr: Header, ids: torch.Tensor | None = None) -> None:
+        """A decode token (or a suffix run, its ids [T] in `ids`) handed over in-process by the
+        co-located driver: the same computation as a received TOKEN message, without the message
+        (no loopback header to queue and pop)."""
         assert self.stage == 0 and hdr.kind == Kind.TOKEN and hdr.rows == 1, hdr
+        assert (ids is None) == (hdr.num_tokens == 1), hdr
         self.in_request = True
-        self._compute(hdr, time.perf_counter(), local=True)
+        self._compute(hdr, time.perf_counter(), local=True, local_ids=ids)
 
-    def _compute(self, hdr: Header, t0: float, local: bool = False) -> None:
+    def _compute(self, hdr: Header, t0: float, local: bool = False, local_ids: torch.Tensor | None = None) -> None:
         if torch.is_grad_enabled():  # serve() and the driver run under no_grad already: entering it
             with torch.no_grad():  # again per message costs tens of microseconds after a compute
-                return self._compute(hdr, t0, local)
+                return self._compute(hdr, t0, local, local_ids)
         T = hdr.num_tokens
         pos = hdr.position
         chains = hdr.kind == Kind.TOKEN and hdr.rows > 1
+        one = hdr.kind == Kind.TOKEN and T == 1  # a one-token decode step (not chains, not a suffix run)
         end, limit = (chain_slot0(hdr.branch, pos, T) + T, self.cache.capacity) if chains else (pos + T, self.capacity)
         if pos >= self.capacity or end > limit or T > self.h_in.shape[0]:
             raise RuntimeError(f"stage {self.stage}: message {hdr} exceeds KV capacity {self.capacity} "
@@ -195,8 +199,10 @@ class StageWorker:
         if hdr.survivor >= 0:  # the branch point resolved: keep the survivor's entries
             self.cache.keep_chain(hdr.branch, self.chain_width, hdr.survivor, pos - hdr.branch)
         if self.stage == 0:
-            if hdr.kind == Kind.TOKEN and not chains:
+            if one:
                 ids = self.tok.fill_(hdr.token)
+            elif local_ids is not None:
+                ids = local_ids[None]  # [1, T]
             else:
                 ids = self.t.recv_into(self.prev, self.ids_in[:T], self.timeout, self.handled)[None]
             t1 = time.perf_counter()
@@ -212,7 +218,7 @@ class StageWorker:
         greedy_dev = None  # the static step's argmax token [1] (a head stage only)
         into = None  # the pinned rows an eager one-row decode step writes its outputs into
         emb = None  # stage 0's embedding of the token [1, T, H] (eager steps): a local report's anchor 0
-        if self.static is not None and hdr.kind == Kind.TOKEN and not chains:
+        if self.static is not None and one:
             # static buffers that the next step rewrites: everything that leaves this step is copied
             # out below, before it returns (out1 and anchors1 into the transport, anchors into the
             # co-located driver's ring), so no clone is needed
@@ -225,7 +231,7 @@ class StageWorker:
                 self.model.forward_layers(h, cache, pos, capture=self.capture, into=into)
         if self.verifies:  # the target's argmax behind a one-row decode exit at T=0, else -1
             token = -1
-            if hdr.kind == Kind.TOKEN and not chains and self.sampling.greedy:
+            if one and self.sampling.greedy:
                 tv = time.perf_counter()
                 token = self._verify_token(out, pos)
                 self.stats.verify_s += time.perf_counter() - tv
@@ -264,11 +270,32 @@ class StageWorker:
         if cache is None:
             if not 0 <= slot < MAX_SLOTS:
                 raise RuntimeError(f"stage {self.stage}: request slot {slot} is outside 0..{MAX_SLOTS - 1}")
-            cache = self.slot_caches[slot] = self.model.new_cache(1, self.capacity)
+            # the chain slots' headroom too (3.11): its request may branch
+            cache = self.slot_caches[slot] = self.model.new_cache(1, self.cache.capacity)
         return cache
 
+    def _batch_caches(self, meta: torch.Tensor, device: torch.device) -> RowCaches:
+        """Where a BATCH step's rows go: a request's token at its position in its slot's cache; the W
+        chains of its branch point (consecutive rows) as one group at their chain slots under the
+        tree mask (3.11). A survivor row first moves the surviving chain's entries down, as a
+        TOKEN message naming it does: FIFO links brought every chain row of its branch point first."""
+        groups = []  # (cache, first slot, rows, mask or None)
+        for slot, pos, branch, chain, width, survivor in meta[:, _CHAIN_FIELDS].tolist():
+            cache = self._cache_of(slot)
+            if survivor >= 0:
+                cache.keep_chain(branch, width, survivor, pos - branch)
+            if branch < 0 or survivor >= 0:  # one token
+                groups.append((cache, pos, 1, None))
+            elif chain == 0:
+                groups.append((cache, chain_slot0(branch, pos, width), width,
+                               chain_mask(branch, pos, width, device)[0, 0]))  # [W, slot0 + W]
+        caches, starts, counts, masks = (list(x) for x in zip(*groups))
+        assert sum(counts) == len(meta), f"stage {self.stage}: a BATCH message's chain rows are not grouped"
+        return RowCaches(caches, starts, counts, masks)
+
     def _compute_batch(self, hdr: Header, t0: float) -> None:
-        """One token of each of hdr.rows requests as one step (eager): the table, then the rows."""
+        """The tokens of several requests (one each, or a branch point's W chains) as one step
+        (eager): the table, then the rows."""
         if torch.is_grad_enabled():
             with torch.no_grad():
                 return self._compute_batch(hdr, t0)
@@ -281,8 +308,7 @@ class StageWorker:
             h = self.t.recv_into(self.prev, torch.empty(R, H, device=p.device, dtype=p.dtype), self.timeout,
                                  self.handled)[None]  # [1, R, H]
         t1 = time.perf_counter()
-        positions = meta[:, _POSITION].tolist()
-        caches = RowCaches([self._cache_of(int(s)) for s in meta[:, _SLOT].tolist()], positions)
+        caches = self._batch_caches(meta, p.device)
         out, caps = self.model.forward_layers(h, caches, 0, positions=meta[None, :, _POSITION].to(p.device),
                                               capture=self.capture)  # [1, R, H]
         if self.verifies:  # every row's T=0 argmax; the driver uses those of its greedy requests

@@ -38,6 +38,10 @@ class Verifier:
             return int(self.verify_step.run(self.exit_buf[row]))  # host sync: verification decides control flow
         return None
 
+    def greedy_rows(self, rows: int) -> list[int]:
+        """T=0: the target's argmax behind each of exit_buf[:rows] (a suffix run's exit rows), at once."""
+        return self.head.greedy_tokens(self.exit_buf[:rows])  # host sync: verification decides control flow
+
     def verify(self, pos: int, proposed: int, q: torch.Tensor | None, sp: SamplingParams, row: int = 0,
                reply: int = -1) -> tuple[bool, int]:
         """(accepted, committed token) for the draft `proposed` at `pos` (q [V]: what it was drawn

@@ -55,7 +55,8 @@ def tiny_engine_config(arch: str = "llama", n: int = 2, colocate: bool = False, 
     # W = 1 unless a test asks: the tick formulas and forced-rejection counts are W = 1's
     # the PDM in fp32 on every host (auto picks bf16 on CPUs with bf16 matmuls): drafts, and so the
     # tick counts tests assert, stay the same on any x86-64 CPU
-    base = dict(capacity=CAPACITY, prefill_chunk=CHUNK, timeout_s=20.0, branches=1, pdm_dtype="float32")
+    # one token per entry unless a test asks: suffix runs (docs/design.md 3.13) have tests of their own
+    base = dict(capacity=CAPACITY, prefill_chunk=CHUNK, timeout_s=20.0, branches=1, pdm_dtype="float32", suffix_run=1)
     base.update(kw)
     return RunConfig(model=f"random:tiny-{arch}", cfg=cfg, topology=topo, mode=mode, **base)
 

@@ -67,12 +67,18 @@ def test_batching_shortens_the_run_and_fills_stage_steps(one_thread):
     assert four.utilization.overall >= one.utilization.overall
 
 
+def seeded_requests(ecfg) -> list[BatchRequest]:
+    """Three seeded requests (temperatures, top-k and seeds of their own, one past int64) arriving
+    at different ticks."""
+    prompts = random_prompts(ecfg.cfg, (6, CHUNK + 4, 3), seed=8)
+    return [BatchRequest(p, NEW, sampling=SamplingParams(temperature=t, top_k=k, seed=s), arrival_tick=1 + 2 * i)
+            for i, (p, t, k, s) in enumerate(zip(prompts, (1.0, 0.7, 1.3), (0, 20, 0), (5, 6, 2**63 + 9)))]
+
+
 @pytest.mark.parametrize("n,colocate", [(2, True), (4, False)])
 def test_seeded_sampling_equals_itself_alone(n, colocate, one_thread):
     ecfg = tiny_engine_config("qwen2", n, colocate)
-    prompts = random_prompts(ecfg.cfg, (6, CHUNK + 4, 3), seed=8)
-    reqs = [BatchRequest(p, NEW, sampling=SamplingParams(temperature=t, top_k=k, seed=s), arrival_tick=1 + 2 * i)
-            for i, (p, t, k, s) in enumerate(zip(prompts, (1.0, 0.7, 1.3), (0, 20, 0), (5, 6, 2**63 + 9)))]
+    reqs = seeded_requests(ecfg)
     with ReferenceExecutor(ecfg) as ex:
         alone = solo(ex, reqs)
         out = ex.generate_batch(reqs, 3)
@@ -114,8 +120,10 @@ def test_bad_batch_runs_are_refused_before_any_work(one_thread):
         with pytest.raises(ValueError, match="arrival_tick must be >= 1"):
             ex.generate_batch([BatchRequest([1], 2, arrival_tick=0)], 2)
         assert ex.generate_batch([ok], 2).results[0].tokens == reference(ecfg, ok.prompt, 4)
-    with ReferenceExecutor(tiny_engine_config("llama", 2, False, branches=2)) as ex:
-        with pytest.raises(ValueError, match="branch width 1 only"):
+    from tp_cases import tp_engine_config
+
+    with ReferenceExecutor(tp_engine_config("spd", 2, 2)) as ex:  # branch width > 1 runs: test_batch_branches.py
+        with pytest.raises(ValueError, match="without tensor parallelism only"):
             ex.generate_batch([ok], 2)
 
 

@@ -44,7 +44,7 @@ import numpy as np
 import pytest
 import torch
 
-from spd_engine.engine.protocol.drafting import SUFFIX
+from spd_engine.engine.protocol.drafting import SUFFIX, SUFFIX_RUN
 from spd_engine.engine.runtime.run_config import RunConfig
 from spd_engine.engine.model.greedy import prefill
 from spd_engine.engine.protocol.messages import Kind
@@ -71,6 +71,8 @@ class Setup:
     draft: str  # "poor" | "good" (draft policies) | "pdm" (the untrained PDM's own q, no policy)
     suffix: bool = False  # suffix drafts on (min match 1): point-mass drafts beside the PDM's
     branches: int = 1  # branch width W: several candidates at a branch point (recursive rejection sampling)
+    run: int = 1  # --suffix-run: a suffix draft may carry the tokens after it (docs/design.md 3.13)
+    prompt: tuple[int, ...] = PROMPT
 
     def engine_config(self) -> RunConfig:
         # A random:<preset> source builds its weights from the config's shape (engine/runtime/build.py),
@@ -78,6 +80,7 @@ class Setup:
         cfg = tiny_cfg("llama", vocab_size=V, num_layers=self.n)
         extra = dict(suffix_drafts=True, suffix_min_match=1) if self.suffix else {}
         extra.update(branches=self.branches, branch_when="always") if self.branches > 1 else None
+        extra.update(suffix_run=self.run) if self.run > 1 else None
         return tiny_engine_config("llama", self.n, cfg=cfg, capacity=16, prefill_chunk=16, threads=1, **extra)
 
 
@@ -89,6 +92,10 @@ SUFFIX_TOPK = Setup("suffix-topk2", 2, SamplingParams(temperature=1.0, top_k=2),
 # suffix draft or the PDM's best other token), the second a chain's own draft. Top-k 3: with top-k
 # 2 the second candidate never commits here (27 cells with mass instead of 8: less power)
 BRANCH_TOPK = Setup("branch-w2-topk3", 3, SamplingParams(temperature=1.0, top_k=3), "pdm", suffix=True, branches=2)
+# suffix runs (docs/design.md 3.13): where the prompt holds a match for the first token, the draft
+# behind it carries the next one, verified on its own exit row when the entry leaves (the third token)
+RUN_TOPK = Setup("suffix-run-topk2", 2, SamplingParams(temperature=1.0, top_k=2), "pdm", suffix=True, run=3,
+                 prompt=(0, 5, 1, 5, 0, 4, 3))
 # two requests live in one pipeline (docs/design.md 3.12), the untrained PDM's own q
 BATCH_TOPK = Setup("batch-2-topk2", 2, SamplingParams(temperature=1.0, top_k=2), "pdm")
 
@@ -106,7 +113,7 @@ def conditionals(setup: Setup) -> Conditionals:
     out: Conditionals = {}
     for length in range(NEW):
         for prefix in np.ndindex(*(V,) * length):
-            ids = list(PROMPT) + list(prefix)
+            ids = list(setup.prompt) + list(prefix)
             h = prefill(model, model.new_cache(1, len(ids)), ids, ecfg.prefill_chunk)  # [H]
             out[tuple(int(t) for t in prefix)] = target_probs(model.logits(h), setup.params)
     return out
@@ -235,8 +242,20 @@ def forget_residual(driver) -> None:
     driver.verifier.verify_branch = broken
 
 
+def run_unverified(driver) -> None:
+    """A suffix-run bug: the run's tokens committed as if verified (counted, never tested against p)."""
+    def broken(req, ex):
+        for i in range(len(ex.run)):
+            rec = req.drafts.take(ex.pos + 1 + i)
+            req.count_verified(rec.sources[0], True)
+        return None, -1
+
+    driver.lane._verify_run = broken
+
+
 BROKEN: dict[str, Callable] = {"accept-always": accept_always, "stale-q": stale_q, "suffix-uniform": suffix_as_uniform,
-                               "forget-residual": forget_residual}
+                               "forget-residual": forget_residual,
+                               "run-unverified": run_unverified}
 
 
 # ---- sampling runs ----
@@ -253,13 +272,15 @@ class Draws:
     suffix_verified: int = 0  # verified drafts that came from the suffix source
     branch_points: int = 0  # verified branch points (W > 1)
     branch_saves: int = 0  # of them, committed from a candidate after the first
+    run_verified: int = 0  # verified tokens of suffix runs
 
     @staticmethod
     def merge(parts: Sequence["Draws"]) -> "Draws":
         return Draws(sum(p.counts for p in parts), [o for p in parts for o in p.outputs],
                      *(sum(getattr(p, f) for p in parts) for f in ("verified", "accepted", "redrafts", "changed")),
                      max(p.seconds for p in parts), *(sum(getattr(p, f) for p in parts)
-                                                      for f in ("suffix_verified", "branch_points", "branch_saves")))
+                                                      for f in ("suffix_verified", "branch_points", "branch_saves",
+                                                                "run_verified")))
 
 
 def draw(setup: Setup, seeds: Sequence[int], broken: str | None = None) -> Draws:
@@ -267,26 +288,27 @@ def draw(setup: Setup, seeds: Sequence[int], broken: str | None = None) -> Draws
     torch.set_num_threads(1)
     cond = conditionals(setup) if setup.draft == "good" else {}
     counts = np.zeros(CELLS, dtype=np.int64)
-    outputs, verified, accepted, from_suffix, points, saves = [], 0, 0, 0, 0, 0
+    outputs, verified, accepted, from_suffix, points, saves, runs = [], 0, 0, 0, 0, 0, 0
     t0 = time.perf_counter()
     with ReferenceExecutor(setup.engine_config()) as ex:
-        policy = None if setup.draft == "pdm" else DraftPolicy(setup.draft, cond, ContextSpy(ex.driver, len(PROMPT)))
+        policy = None if setup.draft == "pdm" else DraftPolicy(setup.draft, cond, ContextSpy(ex.driver, len(setup.prompt)))
         if broken is not None:
             BROKEN[broken](ex.driver)
         for seed in seeds:
             if policy is not None:
                 policy.reset()
             params = dataclasses.replace(setup.params, seed=seed)
-            res = ex.generate(list(PROMPT), NEW, (), draft_policy=policy, sampling=params)
+            res = ex.generate(list(setup.prompt), NEW, (), draft_policy=policy, sampling=params)
             assert len(res.tokens) == NEW
             counts[np.ravel_multi_index(res.tokens, (V,) * NEW)] += 1
             outputs.append(tuple(res.tokens))
             verified, accepted = verified + res.verified, accepted + res.accepted
             from_suffix += res.by_source.get(SUFFIX, [0, 0, 0])[1]
+            runs += res.by_source.get(SUFFIX_RUN, [0, 0, 0])[1]
             points, saves = points + res.branch_points, saves + res.branch_saves
     redrafts, changed = (policy.redrafts, policy.changed) if policy is not None else (0, 0)
     return Draws(counts, outputs, verified, accepted, redrafts, changed, time.perf_counter() - t0, from_suffix,
-                 points, saves)
+                 points, saves, runs)
 
 
 def draw_parallel(setup: Setup, seeds: Sequence[int], broken: str | None = None, workers: int = 2) -> Draws:
@@ -392,6 +414,23 @@ def test_suffix_drafts_sample_the_target_distribution_small(one_thread):
     bad = draw(SUFFIX_TOPK, range(STALE_PREFIX), broken="suffix-uniform")
     verdict = judge(bad, joint)
     report(f"{SUFFIX_TOPK.name} suffix-uniform", bad, verdict)
+    assert bad.outputs != good.outputs[:STALE_PREFIX]
+    assert verdict.pvalue < TEST_LEVEL and not verdict.passes
+
+
+def test_suffix_runs_sample_the_target_distribution_small(one_thread):
+    """Suffix runs (docs/design.md 3.13): the second draft travels in the first one's entry and is
+    verified on its own exit row. 3,000 requests pass; committing a run's tokens unverified fails on
+    the first 500 seeds."""
+    joint = exact_joint(conditionals(RUN_TOPK))
+    good = draw_parallel(RUN_TOPK, range(SMALL))
+    verdict = judge(good, joint)
+    report(f"{RUN_TOPK.name} correct", good, verdict)
+    assert verdict.passes, verdict
+    assert good.run_verified > 0.15 * SMALL  # runs really travel (in about a quarter of the requests)
+    bad = draw(RUN_TOPK, range(STALE_PREFIX), broken="run-unverified")
+    verdict = judge(bad, joint)
+    report(f"{RUN_TOPK.name} run-unverified", bad, verdict)
     assert bad.outputs != good.outputs[:STALE_PREFIX]
     assert verdict.pvalue < TEST_LEVEL and not verdict.passes
 

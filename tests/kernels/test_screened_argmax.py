@@ -40,6 +40,21 @@ def test_bounds_hold_and_the_token_is_the_fp32_argmax():
     assert sorted(sizes)[len(sizes) // 2] < w.shape[0] // 4  # it screens: most rows are never recomputed
 
 
+def test_rows_at_once_equal_the_fp32_argmax_of_each_row():
+    """argmax_rows (a suffix run's exit rows): one int8 product for all rows, each row settled alone."""
+    w = _head()
+    screen = ScreenedHead.build(w)
+    gen = torch.Generator().manual_seed(2)
+    for R in (1, 2, 3, 5, 8):
+        h = torch.randn(R, w.shape[1], generator=gen) * torch.linspace(0.5, 4.0, R)[:, None]  # [R, H]
+        assert screen.argmax_rows(h) == [reference_argmax(row, w) for row in h]
+    tie = w.clone()
+    h = torch.randn(2, w.shape[1], generator=gen)
+    tie[5] = w[reference_argmax(h[1], w)]  # an exact tie in the second row: the lower id, as torch.argmax
+    screen = ScreenedHead.build(tie)
+    assert screen.argmax_rows(h) == [reference_argmax(row, tie) for row in h]
+
+
 def test_near_ties_and_exact_ties_go_where_the_fp32_argmax_goes():
     w = _head(V=512, H=64)
     h = torch.randn(64, generator=torch.Generator().manual_seed(3))

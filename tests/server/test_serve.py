@@ -29,7 +29,11 @@ from helpers import reference
 pytestmark = pytest.mark.multiproc
 REPO = Path(__file__).resolve().parents[2]
 TINY = "random:tiny-llama"
-TINY_ARGS = ["--model", TINY, "--stages", "2", "--threads", "1", "--capacity", "512", "--prefill-chunk", "16"]
+# one token per entry (--suffix-run 1): the queueing, cancellation and drain tests need a 480-token request
+# to take seconds, and the random model's looping output with suffix runs takes a fraction of one (the
+# real-model server below serves with runs)
+TINY_ARGS = ["--model", TINY, "--stages", "2", "--threads", "1", "--capacity", "512", "--prefill-chunk", "16",
+             "--suffix-run", "1"]
 SMOL_ARGS = ["--model", "smollm2-135m", "--stages", "4", "--threads", "1", "--capacity", "512"]
 
 

@@ -25,7 +25,10 @@ from spd_engine.server.process import ServerProcess, group_members
 
 pytestmark = pytest.mark.multiproc
 TINY = "random:tiny-llama"
-TINY_ARGS = ["--model", TINY, "--stages", "2", "--threads", "1", "--capacity", "512", "--prefill-chunk", "16"]
+# one token per entry (--suffix-run 1): the queueing, cancellation and drain tests need a 480-token request
+# to take seconds, and the random model's looping output with suffix runs takes a fraction of one
+TINY_ARGS = ["--model", TINY, "--stages", "2", "--threads", "1", "--capacity", "512", "--prefill-chunk", "16",
+             "--suffix-run", "1"]
 
 
 def post(server: ServerProcess, body: dict, **kw) -> httpx.Response:
