@@ -93,3 +93,14 @@ def test_processes_equal_the_reference_executor(colocate, transport):
     assert got == want
     assert want[0]["tokens"] == reference(ecfg, prompts[0], NEW)
     assert any(r["ticks"] < NEW - 1 for r in want)  # some request committed several tokens per tick
+
+
+@pytest.mark.parametrize("colocate", [True, False])
+def test_static_steps_carry_runs_eagerly(colocate, one_thread):
+    """The static (graph-path) one-token steps share the KV cache with the eager steps that carry runs."""
+    ecfg = tiny_engine_config("llama", 2, colocate, suffix_run=4, suffix_min_match=1, step_mode="static")
+    prompt = random_prompts(ecfg.cfg, [12], seed=1)[0] * 3
+    with ReferenceExecutor(ecfg) as ex:
+        res = ex.generate(prompt, NEW)
+    assert res.tokens == reference(ecfg, prompt, NEW)
+    assert res.by_source[SUFFIX_RUN][1] > 0
