@@ -35,8 +35,8 @@ TRANSPORTS = ("auto", "gloo", "shm")
 # predict a few percent at best: W = 2 stays opt-in until a GPU run measures it.
 DEFAULT_BRANCHES = 1
 # tokens a suffix draft may carry as one entry where runs can travel (SPD, suffix drafts, n >= 2, one
-# chain, one TP rank): on the dev prompts the co-located n=2 pair's pooled EAL goes 1.34 -> 1.60 at 8
-# (`spd eval --stages 2 --limit 2 --max-new-tokens 128 --suffix-run K`, docs/speed.md)
+# chain, one TP rank): at n=2 on all 120 dev prompts pooled EAL is 1.51 / 2.06 / 2.18 / 2.24 at K = 1 / 4 /
+# 8 / 16 for 1 / 1.73 / 2.26 / 3.14 tokens per stage step (docs/heads.md); timed at 8 (docs/speed.md)
 DEFAULT_SUFFIX_RUN = 8
 EAGLE_K = 2  # draft chain length of --mode eagle: the shipped head accepts nothing past step 2 (docs/heads.md, docs/eval.md)
 
