@@ -112,6 +112,15 @@ def refuse_ignored(args: argparse.Namespace, dests: list[str], why: str) -> None
         raise ValueError(f"{flags}: not used {why}")
 
 
+def refuse_runs_in_batch(args: argparse.Namespace) -> None:
+    """--suffix-run K > 1 with --max-batch B > 1: entries inside a batch carry one token (docs/design.md
+    3.12), so the flag would be ignored."""
+    run = getattr(args, "suffix_run", None)
+    if args.max_batch > 1 and run is not None and run > 1:
+        raise ValueError(f"--suffix-run {run}: not used with --max-batch {args.max_batch} (entries inside a "
+                         "batch carry one token)")
+
+
 def parse_names(text: str, choices, what: str) -> list[str]:
     """A comma-separated list of names, each one of `choices` (ValueError naming the bad ones)."""
     names = [x.strip() for x in text.split(",") if x.strip()]

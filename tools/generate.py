@@ -26,7 +26,7 @@ from spd_engine.engine.protocol.batch_schedule import format_utilization
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.runtime.request_inputs import encode_prompts, sampling_params
 from spd_engine.tools.common import (add_engine_arguments, add_json_argument, add_request_arguments, check_output_path,
-                                     engine_config, load_prompts)
+                                     engine_config, load_prompts, refuse_runs_in_batch)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    refuse_runs_in_batch(args)
     sampling_params(sampling_overrides(args), None)  # bad flags fail before any model is loaded
     texts = load_prompts(args)
     check_output_path(args.json, "--json")  # before the model is converted or a rank starts

@@ -12,7 +12,7 @@ import importlib.util
 import os
 import sys
 
-from spd_engine.tools.common import add_engine_arguments, engine_config
+from spd_engine.tools.common import add_engine_arguments, engine_config, refuse_runs_in_batch
 from spd_engine.server.http_guards import DEFAULT_MAX_REQUEST_BYTES
 from spd_engine.server.request_log import DEFAULT_LEVEL, LEVELS
 
@@ -60,6 +60,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    refuse_runs_in_batch(args)
     if args.max_request_bytes < 1024:
         raise ValueError(f"--max-request-bytes must be >= 1024, got {args.max_request_bytes}")
     if args.api_key is not None and not args.api_key.strip():

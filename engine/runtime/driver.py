@@ -1,9 +1,10 @@
 """The driver (rank 0): pipelined prefill, then the SPD tick loop.
 
 The tick loop is engine/protocol/tick.py's state machine; per tick the driver only does what the
-plan says (docs/design.md 3.3): send the entering token to stage 0; take in the anchor states the
-staircase rows need; run the PDM over [pending full-depth row] + staircase rows and draft; when
-the oldest in-flight token leaves the last stage, verify the draft behind it; advance. A rejection
+plan says (docs/design.md 3.3): send the entering token (or a suffix run's tokens, 3.13) to
+stage 0; take in the anchor states the staircase rows need; run the PDM over [pending full-depth
+rows] + staircase rows and draft; when the oldest in-flight entry leaves the last stage, verify
+its run and the draft behind it; advance. A rejection
 bumps the epoch and flushes: stale messages still in the pipe are recognised by their epoch and
 dropped, and stages roll back lazily by position. What each message carries is
 engine/protocol/messages.py's WireFormat.

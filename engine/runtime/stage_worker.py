@@ -5,7 +5,8 @@ Rollback is lazy (docs/design.md 3.4): a message at position `q` writes its K/V 
 a stale token left there is overwritten; there is no control message, collective or barrier.
 The chains of a branch point (docs/design.md 3.11) travel as one message of W rows at one
 position, written to the chain slots of engine/model/kv_cache.py; the message naming the survivor
-moves that chain's entries down before it is computed.
+moves that chain's entries down before it is computed. A suffix run (docs/design.md 3.13) travels as
+one TOKEN message of `length` consecutive positions, computed like a prefill chunk (eagerly).
 What each message carries is engine/protocol/messages.py's WireFormat: every token or prefill message a
 reporting stage computes produces exactly one message to the driver, which the driver counts
 on to drain its links at the end of a request.

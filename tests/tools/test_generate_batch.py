@@ -31,3 +31,5 @@ def test_bad_max_batch_is_refused(capsys):
     assert "--max-batch must be >= 1" in capsys.readouterr().err
     assert main([a for a in ARGS if a != "--colocate"] + ["--mode", "pp", "--max-batch", "2"]) == 2
     assert "--max-batch > 1 needs --mode spd, got --mode pp" in capsys.readouterr().err
+    assert main([*ARGS, "--max-batch", "2", "--suffix-run", "4"]) == 2  # entries in a batch carry one token
+    assert "--suffix-run 4: not used with --max-batch 2" in capsys.readouterr().err
