@@ -1,10 +1,11 @@
 """What a stage step costs when it carries W tokens (branch width W, docs/design.md 3.11): one
 stage of a preset's shape (random weights, real sizes) runs a decode step of 1, 2 and 4 tokens
 in the shape a tree step has: W tokens at the same position, each seeing the shared prefix and
-itself (a tree attention mask). The widths are timed in alternation so host drift hits them
-alike; medians, and each width's ratio to W = 1.
+itself (a tree attention mask). With `--layouts row,col` each width runs over both weight
+layouts (engine/model/linear.py), the same weights. The widths (and layouts) are timed in
+alternation so host drift hits them alike; medians, and each one's ratio to W = 1 in the first layout.
 
-    spd measure stage-width-time [--preset smollm2-135m] [--layers 8] [--widths 1,2,4]
+    spd measure stage-width-time [--preset smollm2-135m] [--layers 8] [--widths 1,2,4] [--layouts row,col]
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 
 import torch
 
+from spd_engine.engine.model.linear import LAYOUTS, set_weight_layout_
 from spd_engine.engine.model.model import StageModel, init_random_
 from spd_engine.engine.runtime.run_config import PRESETS
 
@@ -25,8 +27,8 @@ def tree_mask(prefix: int, width: int) -> torch.Tensor:
 
 @torch.no_grad()
 def time_widths(preset: str, layers: int, widths: tuple[int, ...], prefix: int = 300, iters: int = 60,
-                warmup: int = 10) -> dict[int, float]:
-    """Median ms per stage step for each width."""
+                warmup: int = 10, layouts: tuple[str, ...] = ("row",)) -> dict[tuple[str, int], float]:
+    """Median ms per stage step for each (layout, width)."""
     cfg = PRESETS[preset]
     if not 1 <= layers <= cfg.num_layers:
         raise ValueError(f"--layers must be in 1..{cfg.num_layers} for {preset}, got {layers}")
@@ -35,13 +37,15 @@ def time_widths(preset: str, layers: int, widths: tuple[int, ...], prefix: int =
     h = {w: torch.randn(1, w, cfg.hidden_size) for w in widths}  # [1, W, H]
     pos = {w: torch.full((1, w), prefix) for w in widths}  # [1, W]: siblings share the position
     masks = {w: tree_mask(prefix, w) if w > 1 else None for w in widths}
-    times: dict[int, list[float]] = {w: [] for w in widths}
+    times: dict[tuple[str, int], list[float]] = {(lay, w): [] for lay in layouts for w in widths}
     for _ in range(warmup + iters):
-        for w in widths:
-            t0 = time.perf_counter()
-            stage.forward_layers(h[w], cache, prefix, pos[w], masks[w])
-            times[w].append(time.perf_counter() - t0)
-    return {w: 1e3 * statistics.median(v[warmup:]) for w, v in times.items()}
+        for lay in layouts:
+            set_weight_layout_(stage, lay)
+            for w in widths:
+                t0 = time.perf_counter()
+                stage.forward_layers(h[w], cache, prefix, pos[w], masks[w])
+                times[(lay, w)].append(time.perf_counter() - t0)
+    return {key: 1e3 * statistics.median(v[warmup:]) for key, v in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--widths", default="1,2,4")
     p.add_argument("--prefix", type=int, default=300, help="tokens already in the KV cache")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--layouts", default="row", help=f"weight layouts to time, of {LAYOUTS} (the first is the reference)")
     args = p.parse_args(argv)
+    layouts = tuple(x.strip() for x in args.layouts.split(",") if x.strip())
+    if not layouts or set(layouts) - set(LAYOUTS):
+        p.error(f"--layouts must name some of {LAYOUTS}, got {args.layouts!r}")
     try:
         widths = tuple(int(x) for x in args.widths.split(","))
     except ValueError:
@@ -60,11 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--widths must include 1 (the reference) and be >= 1")
     torch.set_num_threads(args.threads)
     try:
-        t = time_widths(args.preset, args.layers, widths, args.prefix)
+        t = time_widths(args.preset, args.layers, widths, args.prefix, layouts=layouts)
     except ValueError as err:
         p.error(str(err))
-    for w in widths:
-        print(f"W={w}: {t[w]:.2f} ms per stage step ({args.layers} layers of {args.preset}, prefix {args.prefix}, "
-              f"{args.threads} thread(s)), {t[w] / t[1]:.2f}x W=1")
+    base = t[(layouts[0], 1)]
+    for lay in layouts:
+        for w in widths:
+            print(f"{lay} W={w}: {t[(lay, w)]:.2f} ms per stage step ({args.layers} layers of {args.preset}, "
+                  f"prefix {args.prefix}, {args.threads} thread(s)), {t[(lay, w)] / base:.2f}x {layouts[0]} W=1")
     return 0
 

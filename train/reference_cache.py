@@ -31,6 +31,8 @@ class ReferenceCache:
             raise ValueError(f"--reference-cache {self.dir} exists and is not a directory")
         self.dir.mkdir(parents=True, exist_ok=True)
         self.model = f"{weights_identity(ecfg)}|{ecfg.dtype}|{ecfg.device}"
+        if ecfg.resolved_weight_layout != "row":  # another BLAS kernel rounds otherwise (engine/model/linear.py)
+            self.model += f"|layout={ecfg.resolved_weight_layout}"
         self.hits = 0
 
     def key(self, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], chunk: int) -> str:

@@ -15,8 +15,8 @@ Layer indices are global. A `StageModel` builds only the layers it owns (plus th
 and/or final norm + head where asked), so no process materialises layers it does not run.
 Every code path (reference decoder, stages, baselines, PDM) runs the same `DecoderLayer`
 with the same shapes, so hidden states agree bit for bit between them on one device, given
-weights at the same addresses modulo 64 bytes and the same thread count (a BLAS library may
-pick its kernel by either; docs/testing.md).
+weights at the same addresses modulo 64 bytes, the same thread count (a BLAS library may
+pick its kernel by either; docs/testing.md) and the same weight layout (engine/model/linear.py).
 """
 from __future__ import annotations
 

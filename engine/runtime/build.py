@@ -9,6 +9,7 @@ import torch
 
 from spd_engine.engine.model.checkpoint import expected_shapes, load_stage_model, load_tp_stage_state, read_index
 from spd_engine.engine.runtime.run_config import RunConfig, random_preset
+from spd_engine.engine.model.linear import set_weight_layout_
 from spd_engine.engine.model.model import StageModel, init_random_, random_tensor
 from spd_engine.engine.comm.tp_group import TPGroup
 from spd_engine.engine.model.tp_model import TPStageModel
@@ -18,6 +19,7 @@ from spd_engine.engine.model.pdm import PDM, load_pdm, random_pdm
 
 def build_stage_model(ecfg: RunConfig, layers: range, embedding: bool, head: bool) -> StageModel:
     model = _load_stage_model(ecfg, layers, embedding, head)
+    set_weight_layout(model, ecfg)
     if head and ecfg.head_screen:
         model.use_head_screen()  # stays off where unsupported (kernels/screened_argmax.py)
     return model
@@ -50,7 +52,16 @@ def build_tp_stage_model(ecfg: RunConfig, layers: range, embedding: bool, head: 
         state = load_tp_stage_state(ecfg.model, layers, embedding, head, tp, r, cfg=cfg)
     model = TPStageModel(cfg, layers, group, embedding=embedding, head=head, device="meta")
     model.load_state_dict({k: v.to(ecfg.torch_dtype) for k, v in state.items()}, assign=True)
-    return model.to(device=ecfg.device).eval()
+    model = model.to(device=ecfg.device).eval()
+    set_weight_layout(model, ecfg)
+    return model
+
+
+def set_weight_layout(model: StageModel, ecfg: RunConfig) -> None:
+    """The run's weight layout (engine/model/linear.py) for the decoder layers; the output layer stays
+    row-major (the int8 screen gathers its candidate rows, kernels/screened_argmax.py)."""
+    skip = (model.output_layer,) if hasattr(model, "output_layer") else ()
+    set_weight_layout_(model, ecfg.resolved_weight_layout, skip=skip)
 
 
 def build_driver_head(ecfg: RunConfig) -> StageModel:
@@ -67,4 +78,5 @@ def build_pdm(ecfg: RunConfig) -> PDM:
     pdm = pdm.to(device=ecfg.device, dtype=ecfg.torch_dtype)
     if ecfg.pdm_torch_dtype != ecfg.torch_dtype:
         pdm.set_compute_dtype(ecfg.pdm_torch_dtype)
+    set_weight_layout_(pdm, ecfg.resolved_weight_layout)
     return pdm.eval()

@@ -21,6 +21,7 @@ from spd_engine.engine.protocol.drafting import DraftChooser
 from spd_engine.engine.protocol.suffix import SuffixSettings
 
 from spd_engine.engine.protocol.anchors import AnchorPlan
+from spd_engine.engine.model.linear import resolve_layout
 from spd_engine.engine.model.model_config import ModelConfig, tiny_config
 from spd_engine.engine.protocol.topology import VERIFY_AT, Topology, verifies_on_last  # noqa: F401 (VERIFY_AT: re-exported)
 from spd_engine.engine.model.tp_shard import check_tp
@@ -148,6 +149,8 @@ class RunConfig:
     # the PDM's weights and activations: auto = bfloat16 for an fp32 run on a CPU with bf16 matmul
     # instructions (AVX512-BF16, AMX), else the run's dtype; drafting only, so never the output
     pdm_dtype: str = "auto"
+    # the linear weights' memory layout (engine/model/linear.py): auto = col on a CPU, else row
+    weight_layout: str = "auto"
 
     def __post_init__(self) -> None:
         if self.stage_ms is not None and (len(self.stage_ms) != self.topology.n or min(self.stage_ms) < 0):
@@ -159,6 +162,7 @@ class RunConfig:
         if self.pdm_dtype != "auto" and self.pdm_dtype not in DTYPES:
             raise ValueError(f"PDM dtype must be auto or one of {sorted(DTYPES)}, got {self.pdm_dtype!r}")
         object.__setattr__(self, "step_mode", StepMode.parse(self.step_mode))
+        self.resolved_weight_layout  # names a bad layout
         if self.branches is None:
             auto = DEFAULT_BRANCHES if self.mode == "spd" else 1
             object.__setattr__(self, "branches", auto)
@@ -218,6 +222,11 @@ class RunConfig:
         return self.torch_dtype
 
     @property
+    def resolved_weight_layout(self) -> str:
+        """row or col: this run's linear weights' layout, resolved for its device."""
+        return resolve_layout(self.weight_layout, self.device)
+
+    @property
     def world_size(self) -> int:
         if self.mode == "spd":
             return self.topology.world_size
@@ -263,10 +272,11 @@ class RunConfig:
 
     def _runs_can_travel(self) -> bool:
         return (self.mode == "spd" and self.suffix_drafts and self.topology.n >= 2 and self.branches == 1
-                and self.topology.tp == 1)
+                and self.topology.tp == 1 and self.dtype == "float32")
 
     def _check_suffix_runs(self) -> None:
-        """Where suffix runs (--suffix-run K > 1) can travel: SPD with suffix drafts, n >= 2, one chain, one TP rank."""
+        """Where suffix runs (--suffix-run K > 1) can travel: SPD with suffix drafts, n >= 2, one chain, one TP
+        rank, an fp32 target."""
         k = f"--suffix-run {self.suffix_run}"
         if self.mode != "spd" or not self.suffix_drafts:
             raise ValueError(f"{k} carries suffix drafts' runs: it needs --mode spd and --suffix-drafts on")
@@ -276,6 +286,9 @@ class RunConfig:
             raise ValueError(f"{k} and --branches {self.branches} do not combine: a run is one chain")
         if self.topology.tp > 1:
             raise ValueError(f"{k} runs with --tp 1 only")
+        if self.dtype != "float32":  # docs/design.md 3.13: an L-row step rounds otherwise than one-row steps
+            raise ValueError(f"{k} needs --dtype float32: in {self.dtype} a run's rows round differently from "
+                             f"greedy decoding's one-row steps, and the output could differ from greedy's")
         if self.suffix_run > self.prefill_chunk:
             raise ValueError(f"{k} exceeds the prefill chunk {self.prefill_chunk} (the stages' buffers)")
 

@@ -34,9 +34,13 @@ def test_siblings_in_one_step_equal_their_own_steps():
 
 
 def test_timing_runs_and_refuses_bad_widths(capsys):
-    t = time_widths("tiny-llama", 1, (1, 2), prefix=8, iters=3, warmup=1)
-    assert set(t) == {1, 2} and all(v > 0 for v in t.values())
-    assert main(["--preset", "tiny-llama", "--layers", "1", "--widths", "1,2", "--prefix", "8"]) == 0
-    assert "W=2" in capsys.readouterr().out
+    t = time_widths("tiny-llama", 1, (1, 2), prefix=8, iters=3, warmup=1, layouts=("row", "col"))
+    assert set(t) == {("row", 1), ("row", 2), ("col", 1), ("col", 2)} and all(v > 0 for v in t.values())
+    assert main(["--preset", "tiny-llama", "--layers", "1", "--widths", "1,2", "--prefix", "8",
+                 "--layouts", "row,col"]) == 0
+    out = capsys.readouterr().out
+    assert "row W=2" in out and "col W=1" in out
     with pytest.raises(SystemExit):
         main(["--widths", "2,4"])
+    with pytest.raises(SystemExit):
+        main(["--layouts", "diagonal"])

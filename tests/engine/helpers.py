@@ -66,7 +66,7 @@ _FULL: dict[tuple, torch.nn.Module] = {}
 
 def full_model(ecfg: RunConfig):
     """The whole target (embedding, every layer, head) with the weights the stages get."""
-    key = (ecfg.model, ecfg.cfg.fingerprint(), ecfg.seed)
+    key = (ecfg.model, ecfg.cfg.fingerprint(), ecfg.seed, ecfg.resolved_weight_layout)
     if key not in _FULL:
         _FULL[key] = build_stage_model(ecfg, range(ecfg.cfg.num_layers), embedding=True, head=True)
     return _FULL[key]

@@ -72,6 +72,9 @@ def test_where_runs_cannot_travel_is_refused():
         tiny_engine_config("llama", 2, suffix_run=4, suffix_drafts=False)
     with pytest.raises(ValueError, match=">= 1"):
         tiny_engine_config("llama", 2, suffix_run=0)
+    with pytest.raises(ValueError, match="float32"):  # docs/design.md 3.13: rounding
+        tiny_engine_config("llama", 2, suffix_run=4, dtype="bfloat16")
+    assert tiny_engine_config("llama", 2, suffix_run=None, dtype="bfloat16").max_run == 1
     assert tiny_engine_config("llama", 2, suffix_run=None).max_run > 1  # the default where runs travel
     assert tiny_engine_config("llama", 2, suffix_run=None, branches=2).max_run == 1
     assert tiny_engine_config("llama", 2, suffix_run=None).replace(mode="pp").max_run == 1

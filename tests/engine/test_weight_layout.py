@@ -1,0 +1,91 @@
+"""The linear weights' memory layout (engine/model/linear.py): the same values in another layout,
+applied by the builders to what a run computes with, part of what names a cached reference, and
+outputs that agree with the row layout up to float rounding (another BLAS kernel)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from spd_engine.engine.model.greedy import greedy_generate
+from spd_engine.engine.model.linear import is_col_major, resolve_layout, set_weight_layout_
+from spd_engine.engine.model.model import StageModel, init_random_
+from spd_engine.engine.runtime.build import build_pdm, build_stage_model
+from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.train.reference_cache import ReferenceCache
+from helpers import tiny_cfg, tiny_engine_config
+from near_ties import assert_greedy_agrees, teacher_forced
+
+
+def test_resolve_layout():
+    assert resolve_layout("auto", "cpu") == "col"
+    assert resolve_layout("auto", "cuda:0") == "row"
+    assert resolve_layout("row", "cpu") == "row" and resolve_layout("col", "cuda") == "col"
+    with pytest.raises(ValueError, match="weight layout"):
+        resolve_layout("diagonal", "cpu")
+    with pytest.raises(ValueError, match="weight layout"):
+        tiny_engine_config(weight_layout="columns")
+
+
+def test_set_weight_layout_keeps_values_names_and_parameters():
+    model = init_random_(StageModel(tiny_cfg("qwen2"), range(2), embedding=True, head=True)).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = dict(model.named_parameters())
+    out = model.output_layer
+    moved = set_weight_layout_(model, "col", skip=(out,))
+    assert moved == 8  # qkv, proj, fc1, fc2 of 2 layers; the skipped output layer stays
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert all(params[k] is p for k, p in model.named_parameters())  # the Parameters stay (optimizers, hooks)
+    layer = model.decoder.layers["0"]
+    assert is_col_major(layer.mlp.linear_fc1.weight) and is_col_major(layer.self_attention.linear_qkv.weight)
+    assert not is_col_major(out.weight) and out.weight.is_contiguous()
+    assert set_weight_layout_(model, "col", skip=(out,)) == 0  # already there
+    assert set_weight_layout_(model, "row") == 8
+    assert layer.mlp.linear_fc1.weight.is_contiguous()
+    with pytest.raises(ValueError, match="weight layout"):
+        set_weight_layout_(model, "auto")
+
+
+def test_bf16_weights_keep_torch_layout():
+    model = init_random_(StageModel(tiny_cfg("llama"), range(1))).to(torch.bfloat16)
+    assert set_weight_layout_(model, "col") == 0
+    assert model.decoder.layers["0"].mlp.linear_fc1.weight.is_contiguous()
+
+
+def test_builders_apply_the_run_layout():
+    ecfg = tiny_engine_config("llama")  # CPU: auto = col
+    assert ecfg.resolved_weight_layout == "col"
+    stage = build_stage_model(ecfg, range(2), embedding=True, head=True)
+    assert is_col_major(stage.decoder.layers["1"].mlp.linear_fc2.weight)
+    pdm = build_pdm(ecfg)  # fp32 in the tests' config
+    assert is_col_major(pdm.head.weight) and is_col_major(pdm.stack.decoder.layers["0"].mlp.linear_fc1.weight)
+    row = build_stage_model(dataclasses.replace(ecfg, weight_layout="row"), range(2), embedding=True, head=True)
+    assert row.decoder.layers["1"].mlp.linear_fc2.weight.is_contiguous()
+
+
+def test_reference_cache_names_the_layout(tmp_path):
+    ecfg = tiny_engine_config("llama")
+    keys = {lay: ReferenceCache(tmp_path, dataclasses.replace(ecfg, weight_layout=lay)).key([1, 2], 8, [0], 4)
+            for lay in ("row", "col", "auto")}
+    assert keys["row"] != keys["col"] and keys["auto"] == keys["col"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_col_layout_decodes_what_row_does_up_to_rounding(arch):
+    """Another kernel, so not bit for bit: logits within fp32 rounding, greedy tokens equal up to the
+    first near-tie (tests/near_ties.py)."""
+    ecfg: RunConfig = tiny_engine_config(arch)
+    col = build_stage_model(ecfg, range(ecfg.cfg.num_layers), embedding=True, head=True)
+    row = build_stage_model(dataclasses.replace(ecfg, weight_layout="row"), range(ecfg.cfg.num_layers),
+                            embedding=True, head=True)
+    prompt = list(range(3, 20))
+    with torch.no_grad():
+        h = torch.randn(1, 5, ecfg.cfg.hidden_size)
+        a, _ = col.forward_layers(h, col.new_cache(1, 8), 0)
+        b, _ = row.forward_layers(h, row.new_cache(1, 8), 0)
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
+    want = greedy_generate(row, prompt, 24)
+    got = greedy_generate(col, prompt, 24)
+    assert_greedy_agrees(got, want, teacher_forced(row, prompt, want), 1e-4, f"{arch} col vs row")
