@@ -221,9 +221,10 @@ class EngineLoop:
     def __init__(self, open_runtime: Callable[[], AbstractContextManager], queue_limit: int, eos_ids,
                  metrics=None, rank_processes: Callable[[], list] | None = None, rank_grace_s: float = 5.0,
                  on_fatal: Callable[[str], None] | None = None, stall_s: float | None = None,
-                 max_batch: int = 1) -> None:
+                 max_batch: int = 1, max_rows: int | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.max_rows = max_rows  # decode rows per stage step (engine/runtime/batch_driver.py); None: B
         self.open_runtime, self.metrics, self.eos = open_runtime, metrics, set(eos_ids)
         self.max_queue, self.max_batch = queue_limit, max_batch
         # the queue may briefly hold max_queue + B jobs: admission (submit) is the limit, see above
@@ -461,7 +462,7 @@ class EngineLoop:
 
         self.current = batch
         try:
-            runtime.generate_batch([], self.max_batch, intake=intake, on_done=on_done)
+            runtime.generate_batch([], self.max_batch, intake=intake, on_done=on_done, max_rows=self.max_rows)
         except (TransportError, RuntimeError, AssertionError) as err:
             self._fail(describe_failure(err))
             raise

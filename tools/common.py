@@ -112,9 +112,22 @@ def refuse_ignored(args: argparse.Namespace, dests: list[str], why: str) -> None
         raise ValueError(f"{flags}: not used {why}")
 
 
-def refuse_runs_in_batch(args: argparse.Namespace) -> None:
-    """--suffix-run K > 1 with --max-batch B > 1: entries inside a batch carry one token (docs/design.md
-    3.12), so the flag would be ignored."""
+def add_batch_arguments(g, what: str) -> None:
+    """--max-batch and --max-rows (generate, serve): `what` says what joins the pipeline."""
+    g.add_argument("--max-batch", type=int, default=1, metavar="B",
+                   help=f"SPD: up to B {what} in the pipeline at once (docs/design.md 3.12)")
+    g.add_argument("--max-rows", type=int, default=None, metavar="R",
+                   help="with --max-batch: at most R decode rows per stage step (default B, every live request "
+                        "every tick); a request whose pipeline holds no live token of it waits for a row")
+
+
+def check_batch_arguments(args: argparse.Namespace) -> None:
+    """--max-batch / --max-rows, before any model loads; --suffix-run K > 1 with --max-batch B > 1 is
+    refused, since entries inside a batch carry one token (docs/design.md 3.12)."""
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.max_rows is not None and (args.max_rows < 1 or args.max_batch < 2):
+        raise ValueError(f"--max-rows {args.max_rows}: needs --max-batch B >= 2 and R >= 1")
     run = getattr(args, "suffix_run", None)
     if args.max_batch > 1 and run is not None and run > 1:
         raise ValueError(f"--suffix-run {run}: not used with --max-batch {args.max_batch} (entries inside a "

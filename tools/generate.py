@@ -25,8 +25,8 @@ from pathlib import Path
 from spd_engine.engine.protocol.batch_schedule import format_utilization
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.runtime.request_inputs import encode_prompts, sampling_params
-from spd_engine.tools.common import (add_engine_arguments, add_json_argument, add_request_arguments, check_output_path,
-                                     engine_config, load_prompts, refuse_runs_in_batch)
+from spd_engine.tools.common import (add_batch_arguments, add_engine_arguments, add_json_argument, add_request_arguments,
+                                     check_batch_arguments, check_output_path, engine_config, load_prompts)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,9 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_request_arguments(g)
     add_json_argument(g, "per prompt: text, token ids, model, head and stats (one line each)")
     g.add_argument("--quiet", action="store_true", help="do not stream text, nor the summary line on stderr")
-    g.add_argument("--max-batch", type=int, default=1, metavar="B",
-                   help="SPD: up to B prompts in the pipeline at once (docs/design.md 3.12); each answer "
-                        "prints when all are done, then one summary line of the run")
+    add_batch_arguments(g, "prompts (each answer prints when all are done, then one summary line of the run)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="generate --max-new-tokens tokens, past EOS (as vLLM's ignore_eos: benchmarks)")
     s = p.add_argument_group("sampling", "each default: the model's generation_config.json read as HF does (no "
@@ -68,9 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.max_batch < 1:
-        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
-    refuse_runs_in_batch(args)
+    check_batch_arguments(args)
     sampling_params(sampling_overrides(args), None)  # bad flags fail before any model is loaded
     texts = load_prompts(args)
     check_output_path(args.json, "--json")  # before the model is converted or a rank starts
@@ -128,7 +124,7 @@ def _generate_batch(args: argparse.Namespace, runtime, ecfg, tok, prompts: list[
     from spd_engine.engine.runtime.batch_driver import BatchRequest
 
     out = runtime.generate_batch([BatchRequest(ids, args.max_new_tokens, eos, sampling) for ids in prompts],
-                                 args.max_batch)
+                                 args.max_batch, max_rows=args.max_rows)
     records = []
     for i, res in enumerate(out.results):
         if not args.quiet:

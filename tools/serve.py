@@ -12,7 +12,7 @@ import importlib.util
 import os
 import sys
 
-from spd_engine.tools.common import add_engine_arguments, engine_config, refuse_runs_in_batch
+from spd_engine.tools.common import add_batch_arguments, add_engine_arguments, check_batch_arguments, engine_config
 from spd_engine.server.http_guards import DEFAULT_MAX_REQUEST_BYTES
 from spd_engine.server.request_log import DEFAULT_LEVEL, LEVELS
 
@@ -27,9 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None, help="model id of the API (default: --model)")
     g.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the one in the pipeline; "
                                                              "one more is answered 429 (0: one request at a time)")
-    g.add_argument("--max-batch", type=int, default=1, metavar="B",
-                   help="SPD: up to B requests in the pipeline at once; a queued one joins when a slot is free "
-                        "(docs/design.md 3.12)")
+    add_batch_arguments(g, "requests (a queued one joins when a slot is free)")
     g.add_argument("--request-timeout", type=float, default=600.0,
                    help="deadline of a request from its arrival, queue wait included (s)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
@@ -58,9 +56,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in [0, 65536), got {args.port}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
-    if args.max_batch < 1:
-        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
-    refuse_runs_in_batch(args)
+    check_batch_arguments(args)
     if args.max_request_bytes < 1024:
         raise ValueError(f"--max-request-bytes must be >= 1024, got {args.max_request_bytes}")
     if args.api_key is not None and not args.api_key.strip():
@@ -112,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     engine = EngineLoop(lambda: launch(ecfg, on_ranks=engine.set_ranks), args.max_queue,
                         () if args.ignore_eos else info.eos_ids,
                         rank_processes=lambda: list(engine.ranks.values()), stall_s=args.stall_timeout,
-                        max_batch=args.max_batch)
+                        max_batch=args.max_batch, max_rows=args.max_rows)
     metrics = ServeMetrics(ecfg.topology.n, engine.waiting, engine.running, info.name, engine.stage_counts)
     engine.metrics = metrics
     try:

@@ -12,6 +12,13 @@ for more than a chunk; it decodes from the tick after its first token is known, 
 end, freeing the slot. The stages report in the order the driver sent; reports are read in that
 order and each row lands in its request's ring (stale rows are dropped by (serial, epoch)).
 
+Who enters stage 0 each tick is engine/protocol/batch_policy.py's `plan_rows` over the live
+requests (`max_rows` decode rows per stage step, latency-critical requests first): a request with
+live tokens in flight enters every tick; one whose pipeline holds none of its live tokens (its
+first token or a correction waits) may be held back a tick, which for it is a tick that did not
+happen (its tick protocol does not advance). Newcomers' prompts go one chunk per tick, in the
+policy's order. With `max_rows` = B W (the default) every decoding request enters every tick.
+
 The PDM runs once per tick over every decoding request's rows, each request's rows on its own PDM
 cache (engine/model/kv_cache.py RowCaches); the drafts and verifications are per request.
 
@@ -32,6 +39,7 @@ import torch
 
 from spd_engine.engine.model.greedy import prefill_chunks
 from spd_engine.engine.model.kv_cache import RowCaches
+from spd_engine.engine.protocol.batch_policy import BATCH, LATENCY_CLASSES, BatchLimits, RequestView, plan_rows
 from spd_engine.engine.protocol.batch_schedule import Utilization
 from spd_engine.engine.protocol.messages import META_FIELDS, Header, Kind
 from spd_engine.engine.protocol.metrics import GenerationResult
@@ -61,6 +69,8 @@ class BatchRequest:
     arrival_tick: int = 1
     draft_policy: DraftPolicy | None = None
     on_token: OnToken | None = None
+    latency: str = BATCH  # batch_policy.CRITICAL: keeps its single-stream schedule (docs/design.md 3.12)
+    priority: int = 0  # among batch-class requests: higher enters first
 
 
 @dataclass
@@ -71,10 +81,12 @@ class BatchResult:
     ticks: int
     wall_s: float
     rows: list[int]  # decode rows of each tick's BATCH message (0: none sent)
+    held: list[int]  # per tick: ready requests held back by the row bound (batch_policy.plan_rows)
     utilization: Utilization
     stages: list[dict] = field(default_factory=list)  # each stage's statistics over the run
     ttft_s: list[float] = field(default_factory=list)  # per request: arrival (its tick, queue included) to first token
     latency_s: list[float] = field(default_factory=list)  # per request: arrival to its last token
+    held_ticks: list[int] = field(default_factory=list)  # per request: ticks the row bound held it back
 
     @property
     def tokens(self) -> int:
@@ -89,6 +101,14 @@ class BatchResult:
         """Per request: seconds per output token after the first."""
         return [(lat - ttft) / r.decode_tokens if r.decode_tokens else 0.0
                 for r, ttft, lat in zip(self.results, self.ttft_s, self.latency_s)]
+
+
+def check_class(r: BatchRequest) -> None:
+    """ValueError naming a bad latency class or priority."""
+    if r.latency not in LATENCY_CLASSES:
+        raise ValueError(f"latency must be one of {LATENCY_CLASSES}, got {r.latency!r}")
+    if not isinstance(r.priority, int) or isinstance(r.priority, bool):
+        raise ValueError(f"priority must be an integer, got {r.priority!r}")
 
 
 # hands over the next request when a slot is free (a server's queue), None when it has none now
@@ -137,8 +157,16 @@ class _Live:
         self.prefill_exit: torch.Tensor | None = None  # [H] the last chunk's last exit state
         self.decoding = False
         self.finished = False
+        self.held = 0  # ticks it had a token to enter and the row bound held it back
         self.epoch_end: dict[int, int] = {}  # epoch -> the tick after which its rows are stale
         self.t_arrival = self.t_slot = self.t_first = self.t_last = 0.0  # arrived, took its slot, first, last token
+
+    def view(self, width: int) -> RequestView:
+        """What the row policy sees of it at the start of a tick (engine/protocol/batch_policy.py)."""
+        r = self.request
+        fill = len(self.req.state.inflight) if self.decoding else 0
+        prompt_left = sum(count for _, count in self.chunks[self.sent_chunks:])
+        return RequestView(self.serial, self.serial, r.latency, r.priority, fill, width, prompt_left, self.decoding)
 
     def arrived(self, s: int, pos: int) -> bool:
         epoch, got = self.got[s]
@@ -307,11 +335,21 @@ class BatchDriver:
         while None in self.slots:
             if not (self.queue and self.queue[0][1].arrival_tick <= self.tick) and not self._take():
                 return
+            if not self._fits(self.queue[0][1]):
+                return  # a critical request waits for a critical one to finish (their rows <= max_rows)
             index, request = self.queue.pop(0)
             slot = self.slots.index(None)
             self.serial += 1
             live = self.slots[slot] = _Live(self, index, slot, self.serial, request)
             live.t_arrival, live.t_slot = self.t_ready[index], time.perf_counter()
+
+    def _fits(self, request: BatchRequest) -> bool:
+        """Whether the live critical requests' rows leave room for this one's, if it is critical
+        (batch_policy: critical requests' rows together at most max_rows)."""
+        if request.latency == BATCH:
+            return True
+        critical = sum(1 for x in self.slots if x is not None and x.request.latency != BATCH)
+        return (critical + 1) * self.width <= self.limits.max_rows
 
     def _take(self) -> bool:
         """A request from the intake into the queue, arriving now; False if it has none."""
@@ -321,6 +359,7 @@ class BatchDriver:
         if request is None:
             return False
         self.driver.check_request(request.prompt, request.max_new_tokens)  # the intake hands over checked ones
+        check_class(request)
         index = self.count
         self.count += 1
         request.arrival_tick = self.tick
@@ -332,7 +371,11 @@ class BatchDriver:
         self.tick += 1
         self._admit()
         lives = [x for x in self.slots if x is not None]
-        decoding = [x for x in lives if x.decoding]
+        rows = plan_rows([x.view(self.width) for x in lives], self.limits)
+        decoding = [x for x in lives if x.serial in rows.enter]
+        self.held.append(len(rows.held))
+        for x in lives:
+            x.held += x.serial in rows.held
         plans = [x.req.state.plan() for x in decoding]
         for live, plan in zip(decoding, plans):
             live.req.tick = plan.tick
@@ -345,9 +388,8 @@ class BatchDriver:
             self._verify_and_advance(live, plan, ds)
         if self.driver.stage0.runner is not None:  # a co-located stage 0's step of this tick's rows
             self.driver.stage0.runner.join()
-        newcomer = next((x for x in lives if x.sent_chunks < len(x.chunks)), None)
-        if newcomer is not None:  # after the join: a co-located stage 0 steps on the chunk inline
-            self._send_chunk(newcomer)
+        if rows.prefill:  # after the join: a co-located stage 0 steps on the chunk inline
+            self._send_chunk(next(x for x in lives if x.serial == rows.prefill[0][0]))
         for live in lives:
             if not live.decoding and not live.finished:
                 self._advance_prefill(live, block=not decoding)
@@ -445,13 +487,19 @@ class BatchDriver:
     # ---- a run ----
     @torch.no_grad()
     def run(self, requests: Sequence[BatchRequest], max_batch: int, intake: Intake | None = None,
-            on_done: Callable[[int, GenerationResult], None] | None = None) -> BatchResult:
+            on_done: Callable[[int, GenerationResult], None] | None = None, max_rows: int | None = None
+            ) -> BatchResult:
         """Run `requests`, up to `max_batch` at once, then whatever `intake` hands over while a slot is
         free, until neither has any left and nothing is live. on_done(index, result) at each
-        request's end (index: its place in `requests`, then the intake's in the order taken)."""
+        request's end (index: its place in `requests`, then the intake's in the order taken).
+        `max_rows`: decode rows per stage step (default every live request's: max_batch W)."""
         d = self.driver
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.width = d.branches.width
+        if max_rows is not None and max_rows < self.width:
+            raise ValueError(f"max_rows {max_rows} is below the branch width {self.width}: no request could enter")
+        self.limits = BatchLimits(max_batch, max_rows or max_batch * self.width, d.chunk)
         if d.topo.tp > 1:
             raise ValueError("several requests in the pipeline run without tensor parallelism only (--tp 1)")
         self.max_batch = max_batch
@@ -460,12 +508,14 @@ class BatchDriver:
             d.check_request(r.prompt, r.max_new_tokens)
             if r.arrival_tick < 1:
                 raise ValueError(f"arrival_tick must be >= 1, got {r.arrival_tick}")
+            check_class(r)
         self.queue = sorted(enumerate(requests), key=lambda ir: (ir[1].arrival_tick, ir[0]))
         self.slots: list[_Live | None] = [None] * self.max_batch
         self.done: dict[int, _Live] = {}
         self.t_ready: dict[int, float] = {}  # request index -> when its arrival tick came
         self.tick, self.sent, self.consumed = 0, 0, [0] * self.n
         self.rows: list[int] = []
+        self.held: list[int] = []
         self.unsealed: deque[tuple[int, list[tuple[_Live, int]]]] = deque()  # (tick sent, its rows)
         self.counts = StageCounts(self.n)
         t0 = time.perf_counter()
@@ -479,8 +529,10 @@ class BatchDriver:
         lives = [self.done[i] for i in range(self.count)]
         for live in lives:
             live.req.res.stages = stages
-        return BatchResult([x.req.res for x in lives], self.tick, wall, self.rows, self.counts.utilization(), stages,
-                           [x.t_first - x.t_arrival for x in lives], [x.t_last - x.t_arrival for x in lives])
+        return BatchResult([x.req.res for x in lives], self.tick, wall, self.rows, self.held, self.counts.utilization(),
+                           stages,
+                           [x.t_first - x.t_arrival for x in lives], [x.t_last - x.t_arrival for x in lives],
+                           [x.held for x in lives])
 
     def _finish_run(self) -> list[dict]:
         """END down the pipe, the reports still on their way, every stage's statistics."""

@@ -175,12 +175,14 @@ class Driver:
         check_request(prompt, max_new_tokens, self.capacity, self.head.cfg.vocab_size)
 
     def generate_batch(self, requests: Sequence[BatchRequest], max_batch: int, intake: Intake | None = None,
-                       on_done: Callable[[int, GenerationResult], None] | None = None) -> BatchResult:
+                       on_done: Callable[[int, GenerationResult], None] | None = None,
+                       max_rows: int | None = None) -> BatchResult:
         """Several requests through the pipeline, up to `max_batch` at once (docs/design.md 3.12);
-        `intake` hands over more while a slot is free (a server), on_done reports each end."""
+        `intake` hands over more while a slot is free (a server), on_done reports each end;
+        `max_rows` bounds the decode rows per stage step (default: every live request's)."""
         if self.batch is None:
             self.batch = BatchDriver(self)
-        return self.batch.run(requests, max_batch, intake, on_done)
+        return self.batch.run(requests, max_batch, intake, on_done, max_rows)
 
     def _decode(self, req: RequestState) -> None:
         state = req.state

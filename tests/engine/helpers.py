@@ -147,6 +147,12 @@ def summary(res: GenerationResult) -> dict:
                 rejections=res.rejections)
 
 
+def solo_results(runtime, reqs) -> list[GenerationResult]:
+    """Each of several requests (BatchRequest) run alone, one after the other: what a batch must equal."""
+    return [runtime.generate(r.prompt, r.max_new_tokens, r.eos_ids, draft_policy=r.draft_policy, sampling=r.sampling)
+            for r in reqs]
+
+
 # ---- rank harness without collectives ----
 
 COLLECTIVES = ("broadcast", "all_reduce", "all_gather", "barrier", "reduce", "scatter", "gather", "all_to_all",

@@ -22,7 +22,8 @@ from spd_engine.engine.runtime.batch_driver import BatchRequest
 from spd_engine.engine.runtime.branch_chains import BranchChains
 from spd_engine.engine.runtime.launch import launch
 from spd_engine.engine.runtime.reference import ReferenceExecutor
-from helpers import CHUNK, Policy, full_model, random_prompts, reference, summary, tiny_cfg, tiny_engine_config
+from helpers import (CHUNK, Policy, full_model, random_prompts, reference, solo_results, summary, tiny_cfg,
+                     tiny_engine_config)
 from near_ties import assert_greedy_agrees, teacher_forced
 from test_batch_runtime import seeded_requests
 from test_branches_runtime import CHAIN_LOGIT_BOUND, truth_row
@@ -99,10 +100,6 @@ def drafts(reqs: list[BatchRequest], run) -> tuple[list, list[dict]]:
     return results, [dict(r.draft_policy.drafts) for r in reqs]
 
 
-def solo(runtime, reqs: list[BatchRequest]) -> list:
-    return [runtime.generate(r.prompt, r.max_new_tokens, r.eos_ids, draft_policy=r.draft_policy,
-                             sampling=r.sampling) for r in reqs]
-
 
 @pytest.mark.parametrize("n,colocate,when", [(2, False, "refill"), (2, True, "always"), (4, False, "always"),
                                              (4, True, "refill")])
@@ -110,7 +107,7 @@ def test_branch_width_2_every_request_equals_itself_alone(n, colocate, when, for
     ecfg = tiny_engine_config("llama", n, colocate, branches=W, branch_when=when)
     reqs = requests(ecfg)
     with ReferenceExecutor(ecfg) as ex:
-        alone, alone_drafts = drafts(reqs, lambda: solo(ex, reqs))
+        alone, alone_drafts = drafts(reqs, lambda: solo_results(ex, reqs))
         for r, res in zip(reqs, alone):  # solo: greedy decoding, up to a near-tie
             want = r.draft_policy.ref
             assert_greedy_agrees(res.tokens, want, teacher_forced(full_model(ecfg), r.prompt, want),
@@ -134,7 +131,7 @@ def test_branch_width_2_seeded_sampling_equals_itself_alone(n, colocate, one_thr
     ecfg = tiny_engine_config("qwen2", n, colocate, branches=W, branch_when="always", suffix_min_match=1)
     reqs = seeded_requests(ecfg)
     with ReferenceExecutor(ecfg) as ex:
-        alone = solo(ex, reqs)
+        alone = solo_results(ex, reqs)
         out = ex.generate_batch(reqs, 3)
     assert [branched(r) for r in out.results] == [branched(r) for r in alone]
     assert all(r.branch_points > 0 for r in alone) and max(out.rows) > 3

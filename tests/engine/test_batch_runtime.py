@@ -11,7 +11,7 @@ from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.runtime.batch_driver import BatchRequest
 from spd_engine.engine.runtime.launch import launch
 from spd_engine.engine.runtime.reference import ReferenceExecutor
-from helpers import CHUNK, Policy, random_prompts, reference, summary, tiny_engine_config
+from helpers import CHUNK, Policy, random_prompts, reference, solo_results, summary, tiny_engine_config
 
 NEW = 24
 
@@ -32,17 +32,13 @@ def requests(ecfg, policies: bool = True) -> list[BatchRequest]:
     return out
 
 
-def solo(runtime, reqs: list[BatchRequest]) -> list[dict]:
-    return [summary(runtime.generate(r.prompt, r.max_new_tokens, r.eos_ids, draft_policy=r.draft_policy,
-                                     sampling=r.sampling)) for r in reqs]
-
 
 @pytest.mark.parametrize("n,colocate", [(2, False), (2, True), (4, False), (4, True)])
 def test_every_request_equals_itself_alone_at_every_batch_size(n, colocate, one_thread):
     ecfg = tiny_engine_config("llama", n, colocate)
     reqs = requests(ecfg)
     with ReferenceExecutor(ecfg) as ex:
-        alone = solo(ex, reqs)
+        alone = [summary(r) for r in solo_results(ex, reqs)]
         for r, got in zip(reqs, alone):
             assert got["tokens"] == reference(ecfg, r.prompt, r.max_new_tokens)
         for B in (1, 2, 4):
@@ -80,7 +76,7 @@ def test_seeded_sampling_equals_itself_alone(n, colocate, one_thread):
     ecfg = tiny_engine_config("qwen2", n, colocate)
     reqs = seeded_requests(ecfg)
     with ReferenceExecutor(ecfg) as ex:
-        alone = solo(ex, reqs)
+        alone = [summary(r) for r in solo_results(ex, reqs)]
         out = ex.generate_batch(reqs, 3)
     assert [summary(r) for r in out.results] == alone
 
@@ -90,7 +86,7 @@ def test_suffix_drafts_stay_per_request(one_thread):
     reqs = [BatchRequest(r.prompt, r.max_new_tokens, arrival_tick=r.arrival_tick)
             for r in requests(ecfg, policies=False)]
     with ReferenceExecutor(ecfg) as ex:
-        alone = solo(ex, reqs)
+        alone = [summary(r) for r in solo_results(ex, reqs)]
         out = ex.generate_batch(reqs, 2)
     assert [summary(r) for r in out.results] == alone
     assert sum(r.by_source.get("suffix", [0])[0] for r in out.results) > 0  # the suffix source really drafted

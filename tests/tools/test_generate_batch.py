@@ -1,5 +1,5 @@
-"""`spd generate --max-batch B`: several prompts in the pipeline at once give the answers they get
-one at a time, in order, then one line for the run; bad values are refused."""
+"""`spd generate --max-batch B [--max-rows R]`: several prompts in the pipeline at once give the answers
+they get one at a time, in order, then one line for the run; bad values are refused."""
 from __future__ import annotations
 
 import json
@@ -24,6 +24,8 @@ def test_max_batch_answers_equal_one_at_a_time(capsys, one_thread):
     cap = capsys.readouterr()
     assert answers(cap.out) == alone and len(alone) == 3
     assert "spd: 3 requests at B=2: 30 tokens in" in cap.err and "stage utilization S0" in cap.err
+    assert main([*ARGS, "--max-batch", "3", "--max-rows", "1"]) == 0  # one decode row per stage step
+    assert answers(capsys.readouterr().out) == alone
 
 
 def test_bad_max_batch_is_refused(capsys):
@@ -33,3 +35,6 @@ def test_bad_max_batch_is_refused(capsys):
     assert "--max-batch > 1 needs --mode spd, got --mode pp" in capsys.readouterr().err
     assert main([*ARGS, "--max-batch", "2", "--suffix-run", "4"]) == 2  # entries in a batch carry one token
     assert "--suffix-run 4: not used with --max-batch 2" in capsys.readouterr().err
+    for bad in (["--max-rows", "2"], ["--max-batch", "2", "--max-rows", "0"]):
+        assert main([*ARGS, *bad]) == 2
+        assert "--max-rows" in capsys.readouterr().err
