@@ -297,9 +297,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
     g.add_argument("--head-screen", choices=("on", "off"), default="on" if run_default("head_screen") else "off",
                    help="T=0 tokens of the head stage from an int8 screen of the LM head, the few candidate rows "
                         "recomputed in fp32 (same tokens; used where supported: a CPU, fp32 weights)")
-    g.add_argument("--pdm-dtype", default=run_default("pdm_dtype"), choices=("auto", "float32", "bfloat16", "float16"),
-                   help="the PDM's dtype: auto = bfloat16 for an fp32 run on a CPU with bf16 matmul instructions, "
-                        "else the run's (drafting only: the output does not change)")
+    g.add_argument("--pdm-dtype", default=run_default("pdm_dtype"),
+                   choices=("auto", "int8", "float32", "bfloat16", "float16"),
+                   help="the PDM's dtype: int8 = its matmuls over int8 weight rows, bf16 activations; auto = "
+                        "bfloat16 for an fp32 run on a CPU with bf16 matmul instructions, else the run's (drafting "
+                        "only: the output does not change)")
     g.add_argument("--weight-layout", default=run_default("weight_layout"), choices=("auto", "row", "col"),
                    help="fp32 linear weights in memory, row-major or column-major (the same values; on a CPU col makes "
                         "a one-row step about a fifth cheaper, a 4+ row step a tenth dearer); auto: col on a CPU")

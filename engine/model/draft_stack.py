@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from spd_engine.engine.model.kv_cache import KVCache
+from spd_engine.kernels.int8_linear import Int8Linear, to_int8_linears_
 from spd_engine.engine.model.model import RMSNorm, StageModel
 from spd_engine.engine.model.model_config import ModelConfig
 
@@ -38,7 +39,7 @@ class DraftStack(nn.Module):
     target_cfg: ModelConfig
     stack: StageModel
     final_norm: RMSNorm
-    head: nn.Linear
+    head: nn.Linear  # an Int8Linear after use_int8_matmuls
     draft_ids: torch.Tensor
 
     def build_stack(self, target: ModelConfig, num_layers: int, draft_vocab: tuple[int, ...] | None,
@@ -66,7 +67,14 @@ class DraftStack(nn.Module):
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype of the decoder layers and draft head (their KV cache's and hidden states' too)."""
-        return self.head.weight.dtype
+        return self.final_norm.weight.dtype
+
+    def use_int8_matmuls(self) -> int:
+        """Inference: the decoder layers' and the draft head's matmuls over int8 weight rows with bf16
+        activations (kernels/int8_linear.py); the norms run in bf16. Returns the matrices swapped."""
+        self.set_compute_dtype(torch.bfloat16)
+        self.head = Int8Linear.from_linear(self.head)
+        return 1 + to_int8_linears_(self.stack)
 
     def set_compute_dtype(self, dtype: torch.dtype) -> None:
         """Run the decoder layers, final norm and draft head in `dtype` (inference: bfloat16 on a CPU

@@ -76,7 +76,9 @@ def build_pdm(ecfg: RunConfig) -> PDM:
     else:
         pdm = load_pdm(ecfg.pdm, ecfg.cfg, stage_layers)
     pdm = pdm.to(device=ecfg.device, dtype=ecfg.torch_dtype)
-    if ecfg.pdm_torch_dtype != ecfg.torch_dtype:
+    if ecfg.pdm_int8:
+        pdm.use_int8_matmuls()
+    elif ecfg.pdm_torch_dtype != ecfg.torch_dtype:
         pdm.set_compute_dtype(ecfg.pdm_torch_dtype)
     set_weight_layout_(pdm, ecfg.resolved_weight_layout)
     return pdm.eval()

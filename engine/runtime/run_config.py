@@ -159,8 +159,8 @@ class RunConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.pdm_dtype != "auto" and self.pdm_dtype not in DTYPES:
-            raise ValueError(f"PDM dtype must be auto or one of {sorted(DTYPES)}, got {self.pdm_dtype!r}")
+        if self.pdm_dtype not in ("auto", "int8") and self.pdm_dtype not in DTYPES:
+            raise ValueError(f"PDM dtype must be auto, int8 or one of {sorted(DTYPES)}, got {self.pdm_dtype!r}")
         object.__setattr__(self, "step_mode", StepMode.parse(self.step_mode))
         self.resolved_weight_layout  # names a bad layout
         if self.branches is None:
@@ -213,8 +213,15 @@ class RunConfig:
         return DTYPES[self.dtype]
 
     @property
+    def pdm_int8(self) -> bool:
+        """Whether the PDM's matmuls run over int8 weight rows (kernels/int8_linear.py), bf16 activations."""
+        return self.pdm_dtype == "int8"
+
+    @property
     def pdm_torch_dtype(self) -> torch.dtype:
-        """The PDM's dtype (`pdm_dtype` resolved for this run's device)."""
+        """The PDM's activation dtype (`pdm_dtype` resolved for this run's device)."""
+        if self.pdm_int8:
+            return torch.bfloat16
         if self.pdm_dtype != "auto":
             return DTYPES[self.pdm_dtype]
         if self.device.startswith("cpu") and self.dtype == "float32" and cpu_has_bf16_matmul():

@@ -1,0 +1,82 @@
+"""A linear layer over int8 weight rows: the draft heads' matmuls, reading a quarter of fp32's bytes.
+
+A PDM step multiplies two or three rows by every weight of its decoder layers and its draft head,
+so it reads all of them each tick, on the driver's rank. Stored as int8 rows `q` with per-row
+scales `s` (bf16), a weight is `q s`; torch's `_weight_int8pack_mm` multiplies bf16 rows by it
+with fp32 accumulation. On a 2-core AMD EPYC, one thread, the n=2 SmolLM2 head's 9 matrices
+(2 decoder layers and an 8192-id head) took 2.4-2.8 ms in bf16 and 0.7-1.2 ms in int8 for 1-3
+rows (docs/speed.md). Drafts only: the engine's output never depends on them.
+
+`int8_linear_reference` is the plain torch form (the dequantized weight in bf16, F.linear); the
+kernel is used where it exists and was checked against it at construction (`Int8Linear.from_linear`),
+on a CPU with in-features a multiple of 16 (its vector width), else the reference runs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PROBE_TOL = 2e-2  # relative to the output's scale: bf16 rounding of inputs and result, any summation order
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q [N, K] int8, s [N] bf16) with q s within one rounding step of w per row."""
+    s = (w.detach().float().abs().amax(dim=1) / 127.0).clamp(min=1e-12).to(torch.bfloat16)  # [N]
+    q = torch.round(w.detach().float() / s.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), s.contiguous()
+
+
+def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None = None
+                          ) -> torch.Tensor:
+    """x [..., K] -> [..., N] bf16: x @ (q s)^T (+ bias), plain torch."""
+    w = (q.float() * s.float()[:, None]).to(torch.bfloat16)
+    return F.linear(x.to(torch.bfloat16), w, None if bias is None else bias.to(torch.bfloat16))
+
+
+def kernel_supported(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and q.shape[1] % 16 == 0 and hasattr(torch, "_weight_int8pack_mm")
+
+
+class Int8Linear(nn.Module):
+    """An nn.Linear's replacement over int8 rows; output bf16. `q`, `s` and `bias` are buffers."""
+
+    def __init__(self, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None, kernel: bool) -> None:
+        super().__init__()
+        self.register_buffer("q", q)  # [N, K] int8
+        self.register_buffer("s", s)  # [N] bf16
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
+        self.kernel = kernel
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, lin: nn.Linear, seed: int = 0) -> "Int8Linear":
+        q, s = quantize_rows(lin.weight)
+        out = cls(q, s, lin.bias, kernel_supported(q))
+        if out.kernel:  # a probe: the kernel must agree with the reference, else the reference runs
+            x = torch.randn(3, q.shape[1], generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+            want = int8_linear_reference(x, q, s).float()
+            got = torch._weight_int8pack_mm(x, q, s).float()
+            out.kernel = bool((got - want).abs().max() <= PROBE_TOL * (want.abs().max() + 1e-6))
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.kernel:
+            return int8_linear_reference(x, self.q, self.s, self.bias)
+        shape = x.shape
+        y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.q, self.s)  # [M, N] bf16
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def to_int8_linears_(module: nn.Module) -> int:
+    """Replace every nn.Linear inside `module` by an Int8Linear of its weight; returns how many."""
+    swapped = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, Int8Linear.from_linear(child))
+                swapped += 1
+    return swapped
