@@ -34,8 +34,13 @@ def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bia
     return F.linear(x.to(torch.bfloat16), w, None if bias is None else bias.to(torch.bfloat16))
 
 
+def int8_kernel_available() -> bool:
+    """Whether this torch has the CPU int8-weight kernel."""
+    return hasattr(torch, "_weight_int8pack_mm")
+
+
 def kernel_supported(q: torch.Tensor) -> bool:
-    return q.device.type == "cpu" and q.shape[1] % 16 == 0 and hasattr(torch, "_weight_int8pack_mm")
+    return q.device.type == "cpu" and q.shape[1] % 16 == 0 and int8_kernel_available()
 
 
 class Int8Linear(nn.Module):
@@ -47,6 +52,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("s", s)  # [N] bf16
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
         self.kernel = kernel
+        self.dequant: torch.Tensor | None = None  # without the kernel: the bf16 weight int8_linear_reference uses
         self.in_features, self.out_features = q.shape[1], q.shape[0]
 
     @classmethod
@@ -62,8 +68,10 @@ class Int8Linear(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.kernel:
-            return int8_linear_reference(x, self.q, self.s, self.bias)
+        if not self.kernel:  # the reference, its dequantized weight made once
+            if self.dequant is None:
+                self.dequant = (self.q.float() * self.s.float()[:, None]).to(torch.bfloat16)  # [N, K]
+            return F.linear(x.to(torch.bfloat16), self.dequant, self.bias)
         shape = x.shape
         y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.q, self.s)  # [M, N] bf16
         if self.bias is not None:

@@ -299,9 +299,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
                         "recomputed in fp32 (same tokens; used where supported: a CPU, fp32 weights)")
     g.add_argument("--pdm-dtype", default=run_default("pdm_dtype"),
                    choices=("auto", "int8", "float32", "bfloat16", "float16"),
-                   help="the PDM's dtype: int8 = its matmuls over int8 weight rows, bf16 activations; auto = "
-                        "bfloat16 for an fp32 run on a CPU with bf16 matmul instructions, else the run's (drafting "
-                        "only: the output does not change)")
+                   help="the PDM's dtype: int8 = its matmuls over int8 weight rows, bf16 activations; auto = int8 "
+                        "for an fp32 run on a CPU with torch's int8 kernel, else bfloat16 on a CPU with bf16 matmul "
+                        "instructions, else the run's (drafting only: the output does not change)")
     g.add_argument("--weight-layout", default=run_default("weight_layout"), choices=("auto", "row", "col"),
                    help="fp32 linear weights in memory, row-major or column-major (the same values; on a CPU col makes "
                         "a one-row step about a fifth cheaper, a 4+ row step a tenth dearer); auto: col on a CPU")

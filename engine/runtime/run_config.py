@@ -22,6 +22,7 @@ from spd_engine.engine.protocol.suffix import SuffixSettings
 
 from spd_engine.engine.protocol.anchors import AnchorPlan
 from spd_engine.engine.model.linear import resolve_layout
+from spd_engine.kernels.int8_linear import int8_kernel_available
 from spd_engine.engine.model.model_config import ModelConfig, tiny_config
 from spd_engine.engine.protocol.topology import VERIFY_AT, Topology, verifies_on_last  # noqa: F401 (VERIFY_AT: re-exported)
 from spd_engine.engine.model.tp_shard import check_tp
@@ -146,8 +147,9 @@ class RunConfig:
     # T=0 greedy tokens of a head stage from an int8 screen of its LM head, recomputing the few
     # candidate rows in fp32 (kernels/screened_argmax.py); on where supported (a CPU, fp32 weights)
     head_screen: bool = True
-    # the PDM's weights and activations: auto = bfloat16 for an fp32 run on a CPU with bf16 matmul
-    # instructions (AVX512-BF16, AMX), else the run's dtype; drafting only, so never the output
+    # the PDM's weights and activations: auto = int8 weight rows with bf16 activations for an fp32 run on
+    # a CPU with torch's int8 kernel, else bfloat16 on a CPU with bf16 matmul instructions (AVX512-BF16,
+    # AMX), else the run's dtype; drafting only, so never the output
     pdm_dtype: str = "auto"
     # the linear weights' memory layout (engine/model/linear.py): auto = col on a CPU, else row
     weight_layout: str = "auto"
@@ -214,7 +216,10 @@ class RunConfig:
 
     @property
     def pdm_int8(self) -> bool:
-        """Whether the PDM's matmuls run over int8 weight rows (kernels/int8_linear.py), bf16 activations."""
+        """Whether the PDM's matmuls run over int8 weight rows (kernels/int8_linear.py), bf16 activations:
+        asked, or auto for an fp32 run on a CPU where torch has the int8 kernel (docs/design.md 3.5)."""
+        if self.pdm_dtype == "auto":
+            return self.device.startswith("cpu") and self.dtype == "float32" and int8_kernel_available()
         return self.pdm_dtype == "int8"
 
     @property
