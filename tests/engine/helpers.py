@@ -53,7 +53,7 @@ def tiny_engine_config(arch: str = "llama", n: int = 2, colocate: bool = False, 
     cfg = cfg or tiny_cfg(arch)
     topo = Topology.build(cfg.num_layers, n, colocate=colocate)
     # W = 1 unless a test asks: the tick formulas and forced-rejection counts are W = 1's
-    # the PDM in fp32 on every host (auto picks bf16 on CPUs with bf16 matmuls): drafts, and so the
+    # the PDM in fp32 on every host (auto picks int8 or bf16 matmuls by what the CPU has): drafts, and so the
     # tick counts tests assert, stay the same on any x86-64 CPU
     # one token per entry unless a test asks: suffix runs (docs/design.md 3.13) have tests of their own
     base = dict(capacity=CAPACITY, prefill_chunk=CHUNK, timeout_s=20.0, branches=1, pdm_dtype="float32", suffix_run=1)
