@@ -3,9 +3,10 @@
 A PDM step multiplies two or three rows by every weight of its decoder layers and its draft head,
 so it reads all of them each tick, on the driver's rank. Stored as int8 rows `q` with per-row
 scales `s` (bf16), a weight is `q s`; torch's `_weight_int8pack_mm` multiplies bf16 rows by it
-with fp32 accumulation. On a 2-core AMD EPYC, one thread, the n=2 SmolLM2 head's 9 matrices
-(2 decoder layers and an 8192-id head) took 2.4-2.8 ms in bf16 and 0.7-1.2 ms in int8 for 1-3
-rows (docs/speed.md). Drafts only: the engine's output never depends on them.
+with fp32 accumulation. On a 2-core AMD EPYC, one thread, a whole PDM step of the n=2 SmolLM2
+head's shape (2 decoder layers, an 8192-id head, 3 rows) took 6.60 ms in fp32, 4.44 in bf16 and
+3.03 in int8 (`spd measure pdm-vocab-time --draft-vocab DV --stage-layers 15,15 --pdm-layers 2
+--precisions`, docs/speed.md). Drafts only: the engine's output never depends on them.
 
 `int8_linear_reference` is the plain torch form (the dequantized weight in bf16, F.linear); the
 kernel is used where it exists and was checked against it at construction (`Int8Linear.from_linear`),
@@ -17,14 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spd_engine.kernels.screened_argmax import quantize_rows  # int8 rows, bf16 scales rounded up: the screen's
+
 PROBE_TOL = 2e-2  # relative to the output's scale: bf16 rounding of inputs and result, any summation order
-
-
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (q [N, K] int8, s [N] bf16) with q s within one rounding step of w per row."""
-    s = (w.detach().float().abs().amax(dim=1) / 127.0).clamp(min=1e-12).to(torch.bfloat16)  # [N]
-    q = torch.round(w.detach().float() / s.float()[:, None]).clamp(-127, 127).to(torch.int8)
-    return q.contiguous(), s.contiguous()
 
 
 def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None = None
@@ -58,7 +54,7 @@ class Int8Linear(nn.Module):
     @classmethod
     @torch.no_grad()
     def from_linear(cls, lin: nn.Linear, seed: int = 0) -> "Int8Linear":
-        q, s = quantize_rows(lin.weight)
+        q, s = quantize_rows(lin.weight.detach().float().contiguous())
         out = cls(q, s, lin.bias, kernel_supported(q))
         if out.kernel:  # a probe: the kernel must agree with the reference, else the reference runs
             x = torch.randn(3, q.shape[1], generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)

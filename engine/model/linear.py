@@ -3,17 +3,17 @@
 A linear weight is `[out, in]` in either layout (names, shapes, values and checkpoints are
 unchanged); column-major stores it over `[in, out]` contiguous memory (`w.t().contiguous().t()`).
 A decode step multiplies one or a few rows by every weight, and on a CPU the BLAS kernel MKL picks
-for that depends on the layout. One stage step of SmolLM2-135M's first 15 layers, fp32, one
-thread, a 2-core AMD EPYC, by rows in the step (`spd measure stage-width-time --layouts row,col`,
-docs/speed.md):
+for that depends on the layout. One stage step of 15 layers of SmolLM2-135M's shape, fp32, one
+thread, a 2-core AMD EPYC, by rows in the step (`spd measure stage-width-time --layers 15 --widths
+1,2,3,4,6,9 --layouts row,col`, docs/speed.md):
 
     rows              1      2      3      4      6      9
-    row-major      21.1   32.8   38.3   29.2   33.7   39.3  ms
-    column-major   17.0   23.5   28.1   32.3   36.4   41.5
+    row-major      21.2   31.6   36.5   28.7   32.9   37.9  ms
+    column-major   17.6   23.9   28.7   32.3   36.1   41.0
 
 so `col` is the default on a CPU (`auto`): a one-row step is about a fifth cheaper, a step of 4 or
-more rows about a tenth dearer. Only fp32 weights move (in bf16, F.linear over a row-major weight was
-the fastest at every row count measured), and on a GPU `auto` keeps torch's layout.
+more rows about a tenth dearer. Only fp32 weights move (the layouts were compared in fp32 only),
+and on a GPU `auto` keeps torch's layout.
 
 The layout changes the kernel, hence float rounding: every model whose outputs are compared with
 each other (a run's stages, its greedy reference, the replays) is built with the same layout, so a

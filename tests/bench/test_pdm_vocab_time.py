@@ -15,6 +15,17 @@ def test_times_both_heads(tmp_path, capsys):
     assert "K=1: draft vocabulary (24 ids)" in capsys.readouterr().out
 
 
+def test_times_each_precision(tmp_path, capsys):
+    t = time_heads("tiny-llama", (3, 3), 1, tuple(range(0, 96, 4)), pos=8, iters=3, warmup=1, precisions=True)
+    assert set(t) == {"float32", "bfloat16", "int8"} and all(v > 0 for v in t.values())
+    dv = tmp_path / "dv.json"
+    dv.write_text(json.dumps({"ids": list(range(0, 96, 4))}))
+    assert main(["--draft-vocab", str(dv), "--preset", "tiny-llama", "--stage-layers", "3,3", "--pdm-layers", "1",
+                 "--precisions"]) == 0
+    out = capsys.readouterr().out
+    assert "K=1, 24 draft ids, 3 rows: float32" in out and "int8" in out
+
+
 def test_missing_or_corrupt_draft_vocab_is_a_clear_error(tmp_path, capsys):
     import pytest
 

@@ -13,6 +13,7 @@ from helpers import random_prompts, reference, tiny_engine_config
 
 
 def test_quantized_rows_are_within_a_rounding_step():
+    torch.manual_seed(0)
     w = torch.randn(40, 64)
     q, s = quantize_rows(w)
     assert q.dtype == torch.int8 and s.dtype == torch.bfloat16 and q.abs().max() <= 127
@@ -21,9 +22,11 @@ def test_quantized_rows_are_within_a_rounding_step():
 
 @pytest.mark.parametrize("k,bias", [(64, False), (96, True), (40, False)])  # 40: no kernel (not a multiple of 16)
 def test_int8_linear_equals_its_reference(k, bias):
+    torch.manual_seed(k)
     lin = nn.Linear(k, 48, bias=bias)
     m = Int8Linear.from_linear(lin)
-    assert m.kernel == (k % 16 == 0 and hasattr(torch, "_weight_int8pack_mm"))
+    # the kernel only where it may run (its probe may still refuse it on some CPU: the reference runs then)
+    assert not m.kernel or (k % 16 == 0 and hasattr(torch, "_weight_int8pack_mm"))
     x = torch.randn(2, 3, k)
     got = m(x)
     want = int8_linear_reference(x, m.q, m.s, m.bias)
