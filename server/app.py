@@ -168,6 +168,7 @@ def build_app(engine: EngineLoop, info: ModelInfo, metrics: ServeMetrics, reques
         except ApiError as err:
             metrics.outcome("queue_full" if err.status == 429 else "unavailable")
             raise
+        metrics.admitted(req.latency)
         log.job = job
         waiter = Waiter(engine, job, request, request_timeout_s)
         streaming = False

@@ -3,7 +3,9 @@ with `--max-batch B` up to B at once in the pipeline (docs/design.md 3.12): a qu
 as soon as a slot is free, and leaves at its end.
 
 The engine thread enters the runtime (engine/launch.launch: ranks, KV caches and CUDA graphs stay
-up for the life of the server), then takes jobs from a bounded FIFO queue. A job's `on_token`
+up for the life of the server), then takes jobs from a bounded queue: latency-critical requests
+first, then higher priority, then arrival order (docs/design.md 3.12's order; it decides who takes
+a free slot, and which request runs next at B = 1). A job's `on_token`
 runs on that thread for every committed token: it detokenizes, cuts at stop strings and hands
 pieces to the job's asyncio queue; it returns False to end the request after that token (a stop
 string, a client that went away, a deadline), and the driver then drains the pipeline so the next
@@ -28,6 +30,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
+from spd_engine.engine.protocol.batch_policy import CRITICAL
 from spd_engine.engine.protocol.metrics import GenerationResult
 from spd_engine.engine.runtime.batch_driver import BatchRequest
 from spd_engine.engine.model.tokenizer import Tokenizer
@@ -74,6 +77,12 @@ class Job:
         if self.on_close is not None:
             self.on_close()
         return True
+
+    @property
+    def queue_rank(self) -> tuple[int, int]:
+        """Its place in the queue's order, smaller first: critical before batch, then higher priority
+        (arrival order breaks ties: JobQueue)."""
+        return (0 if self.req.latency == CRITICAL else 1, -self.req.priority)
 
     @property
     def last_progress(self) -> float:
@@ -134,8 +143,16 @@ class DirectCall:
         self.fn, self.done, self.value, self.error = fn, threading.Event(), None, None
 
 
+def _rank(item) -> tuple[int, int] | None:
+    """A job's queue_rank; None for anything else (a DirectCall), which keeps its place in arrival order."""
+    return item.queue_rank if isinstance(item, Job) else None
+
+
 class JobQueue:
-    """Bounded FIFO of jobs waiting for the pipeline (the running one is not counted)."""
+    """Bounded queue of jobs waiting for the pipeline (the running ones are not counted). The next
+    item is the first-ranked job (Job.queue_rank; the earliest among equals, so FIFO within a rank);
+    an item without a rank (a DirectCall) is a barrier: the jobs queued after it wait until it has
+    been taken, so it still runs after the requests queued before it."""
 
     def __init__(self, limit: int) -> None:
         assert limit >= 0
@@ -156,17 +173,37 @@ class JobQueue:
             self._items.append(item)
             self._cv.notify()
 
+    def _next(self) -> int:
+        """Where the next item is (the queue is not empty): the first-ranked job before the first
+        barrier, or the barrier at the head."""
+        best: tuple[tuple[int, int], int] | None = None
+        for i, item in enumerate(self._items):
+            rank = _rank(item)
+            if rank is None:
+                break  # the jobs behind a barrier arrived after it
+            if best is None or rank < best[0]:  # strict: the earliest of equal rank stays first
+                best = (rank, i)
+        return 0 if best is None else best[1]
+
+    def _pop(self, i: int):
+        item = self._items[i]
+        del self._items[i]
+        return item
+
     def get_nowait(self, kind: type):
         """The next item if there is one and it is a `kind`, else None (never blocks)."""
         with self._cv:
-            return self._items.popleft() if self._items and isinstance(self._items[0], kind) else None
+            if not self._items:
+                return None
+            i = self._next()
+            return self._pop(i) if isinstance(self._items[i], kind) else None
 
     def get(self):
         """The next item, or None once closed and empty (blocks until one of the two)."""
         with self._cv:
             while not self._items and not self._closed:
                 self._cv.wait()
-            return self._items.popleft() if self._items else None
+            return self._pop(self._next()) if self._items else None
 
     def remove(self, item) -> bool:
         with self._cv:
@@ -425,7 +462,8 @@ class EngineLoop:
         req = job.req
         eos = set() if req.parsed.ignore_eos else self.eos
         job.eos = eos
-        return BatchRequest(req.prompt_ids, req.max_tokens, tuple(eos), req.sampling, on_token=job.on_token)
+        return BatchRequest(req.prompt_ids, req.max_tokens, tuple(eos), req.sampling, on_token=job.on_token,
+                            latency=req.latency, priority=req.priority)
 
     def _run_batch(self, runtime, first: Job) -> None:
         """Jobs in the pipeline B at a time, from `first` on, while the queue has jobs (a DirectCall

@@ -9,7 +9,8 @@ driver slack; with --max-batch, the stage utilization (overall and per stage) an
 exposition time, so dashboards made for vLLM can select and join on it; vLLM's per-request
 families are here too: `request_success_total{finished_reason}` (stop, length, abort),
 `request_prompt_tokens`, `request_generation_tokens`, `request_inference_time_seconds`,
-`request_prefill_time_seconds` and `request_decode_time_seconds`.
+`request_prefill_time_seconds` and `request_decode_time_seconds`. `request_admitted_total{latency}`
+counts the requests admitted to the queue by latency class (batch, critical).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from spd_engine.engine.protocol.batch_policy import LATENCY_CLASSES
 from spd_engine.engine.protocol.metrics import GenerationResult
 
 OUTCOMES = ("stop", "length", "cancelled", "timeout", "error", "bad_request", "queue_full", "unavailable")
@@ -81,6 +83,11 @@ class ServeMetrics:
         self.requests = Counter("spd:request", "Finished or refused requests by outcome", ["outcome"], registry=r)
         for o in OUTCOMES:
             self.requests.labels(outcome=o)
+        # its own counter, so request_total{outcome} keeps its one label (and dashboards their queries)
+        self.admitted_by_class = Counter("spd:request_admitted", "Requests admitted to the queue, by latency class",
+                                         ["latency"], registry=r)
+        for c in LATENCY_CLASSES:
+            self.admitted_by_class.labels(latency=c)
         self.success = Counter("spd:request_success", "Requests that went through the pipeline, by vLLM's "
                                "finished_reason", ["finished_reason"], registry=r)
         for reason in ("stop", "length", "abort"):
@@ -139,6 +146,10 @@ class ServeMetrics:
     def outcome(self, outcome: str) -> None:
         assert outcome in OUTCOMES, outcome
         self.requests.labels(outcome=outcome).inc()
+
+    def admitted(self, latency: str) -> None:
+        """A request admitted to the queue (its latency class: batch_policy.LATENCY_CLASSES)."""
+        self.admitted_by_class.labels(latency=latency).inc()
 
     def request_done(self, job, res: GenerationResult) -> None:
         """One request that went through the pipeline (job: serve_engine.Job)."""

@@ -3,7 +3,10 @@
 Every field the engine honours is checked (type and range) and every other field is refused with
 a 400 in OpenAI's error shape naming it, never ignored. Fields OpenAI defines but the engine does
 not implement (n > 1, logprobs, penalties, tools, ...) are accepted only at their neutral value
-(n = 1, logprobs null, penalties 0, ...), which asks for nothing the engine does not do.
+(n = 1, logprobs null, penalties 0, ...), which asks for nothing the engine does not do. Two extra
+fields choose how a request is scheduled (docs/design.md 3.12): `latency` ("batch", the default,
+or "critical") and `priority` (an integer, default 0, higher served first: vLLM's field of that
+name orders the other way round, lower first).
 """
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from spd_engine.engine.protocol.batch_policy import BATCH, CRITICAL, LATENCY_CLASSES
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_SEED = 1 << 64  # seeds key splitmix64 draws (engine/protocol/sampling.py): [0, 2**64)
@@ -55,6 +60,8 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     ignore_eos: bool = False  # vLLM's extra field: generate max_tokens tokens, past EOS
+    latency: str = BATCH  # batch_policy.CRITICAL: keeps its single-stream schedule, taken first from the queue
+    priority: int = 0  # among requests of one class: higher first (vLLM's `priority`: lower first)
 
 
 def _neutral(*values) -> Callable[[Any], bool]:
@@ -74,7 +81,7 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "reasoning_effort": _neutral(), "service_tier": _neutral(), "web_search_options": _neutral(),
 }
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-          "user", "ignore_eos"}
+          "user", "ignore_eos", "latency", "priority"}
 COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
 ROLES = ("system", "user", "assistant")
@@ -146,6 +153,24 @@ def _prompt(body: dict) -> str | list[int]:
     if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
         raise bad("prompt", f"batches of prompts are not supported (got {len(v)}); send one request per prompt")
     raise bad("prompt", "must be a non-empty string or a non-empty list of token ids")
+
+
+def _latency(body: dict) -> str:
+    v = body.get("latency")
+    if v is None:
+        return BATCH
+    if not isinstance(v, str) or v not in LATENCY_CLASSES:
+        raise bad("latency", f"must be {BATCH!r} (the default) or {CRITICAL!r}, got {v!r}")
+    return v
+
+
+def _priority(body: dict) -> int:
+    v = body.get("priority")
+    if v is None:
+        return 0
+    if not _is_int(v):  # a bool is not an integer here, as for every other integer field
+        raise bad("priority", f"must be an integer (higher is served first), got {v!r}")
+    return v
 
 
 def _content(v, where: str) -> str:
@@ -232,4 +257,4 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         top_k=_int({"top_k": top_k}, "top_k", 0),
         seed=_int(body, "seed", 0, MAX_SEED),
         stop=_stop(body), stream=stream, include_usage=_stream_options(body, stream),
-        ignore_eos=_bool(body, "ignore_eos"))
+        ignore_eos=_bool(body, "ignore_eos"), latency=_latency(body), priority=_priority(body))

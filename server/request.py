@@ -1,4 +1,5 @@
-"""A validated request made ready for the pipeline: prompt ids, token budget, sampling, stop strings.
+"""A validated request made ready for the pipeline: prompt ids, token budget, sampling, stop strings,
+and its latency class and priority.
 
 Everything that can be refused is refused here, before the request queues: an unknown model
 name (404), a prompt or chat turns the tokenizer cannot take, prompt + max_tokens beyond the KV
@@ -41,6 +42,16 @@ class ServeRequest:
     sampling: SamplingParams
     stops: tuple[str, ...]
     parsed: ParsedRequest
+
+    @property
+    def latency(self) -> str:
+        """Its latency class (batch_policy: "batch" or "critical")."""
+        return self.parsed.latency
+
+    @property
+    def priority(self) -> int:
+        """Among waiting requests of its class: higher is served first."""
+        return self.parsed.priority
 
 
 def _prompt_ids(parsed: ParsedRequest, info: ModelInfo, ids: list[int] | None = None) -> list[int]:

@@ -2,7 +2,8 @@
 
 Starts the ranks once (spawned, or under `torchrun`, where rank 0 serves and the other ranks run
 their stages) and keeps them, KV caches and CUDA graphs included, for the life of the server.
-One request at a time goes through the pipeline; others wait in a bounded FIFO queue.
+One request at a time goes through the pipeline (up to `--max-batch B`); others wait in a bounded
+queue, latency-critical ones first, then higher `priority`, then in arrival order.
 Its optional dependencies (the `serve` extra) are checked before anything starts.
 """
 from __future__ import annotations

@@ -140,6 +140,15 @@ def test_spd_x_tp_server_with_branch_width_2_equals_greedy_with_its_split():
         assert server.close() == 0, server.stderr()[-3000:]
 
 
+def test_a_critical_request_with_a_priority_equals_greedy_decoding_and_is_counted(tiny):
+    prompt = [19, 4, 71, 30, 8]
+    critical = metric(tiny, 'spd:request_admitted_total{latency="critical"}')
+    out = client(tiny).completions.create(model=TINY, prompt=prompt, max_tokens=12,
+                                          extra_body={"latency": "critical", "priority": 3})
+    assert ids(out.choices[0].text) == tiny_reference(prompt, 12)
+    assert metric(tiny, 'spd:request_admitted_total{latency="critical"}') == critical + 1
+
+
 def test_stream_is_server_sent_events_ending_with_done(tiny):
     with httpx.stream("POST", f"{tiny.base_url}/completions", timeout=60,
                       json={"model": TINY, "prompt": [8, 9, 10], "max_tokens": 5, "stream": True}) as r:
@@ -169,13 +178,15 @@ ERRORS = [  # (kwargs of completions.create, the field the 400 names)
     (dict(extra_body={"top_k": -3}), "top_k"), (dict(extra_body={"top_k": "x"}), "top_k"),
     (dict(extra_body={"min_p": 0.1}), "min_p"), (dict(max_tokens=512), "max_tokens"),
     (dict(prompt=["one", "two"]), "prompt"), (dict(stream_options={"include_usage": True}), "stream_options"),
+    (dict(extra_body={"priority": True}), "priority"), (dict(extra_body={"latency": "fast"}), "latency"),
 ]
 CHAT_ERRORS = [(dict(n=3), "n"), (dict(logprobs=True), "logprobs"), (dict(top_logprobs=2), "top_logprobs"),
                (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
                (dict(tool_choice="required"), "tool_choice"), (dict(response_format={"type": "json_object"}),
                                                                "response_format"),
                (dict(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]), "messages[0].role"),
-               (dict(max_tokens=3, max_completion_tokens=4), "max_completion_tokens"), (dict(store=True), "store")]
+               (dict(max_tokens=3, max_completion_tokens=4), "max_completion_tokens"), (dict(store=True), "store"),
+               (dict(extra_body={"priority": "high"}), "priority"), (dict(extra_body={"latency": 1}), "latency")]
 
 
 @pytest.mark.parametrize("kwargs,param", ERRORS, ids=[p for _, p in ERRORS])

@@ -1,10 +1,12 @@
 """The engine thread of `spd serve` on the real runtime in one process (ReferenceExecutor: the
 driver and stage workers of a distributed run, ranks as threads): FIFO requests stay lossless,
-a stop string or a cancel ends the request at that token, and the next request is unaffected."""
+a stop string or a cancel ends the request at that token, and the next request is unaffected; with
+--max-batch a critical request takes a free slot first and stays lossless beside batch ones."""
 from __future__ import annotations
 
 import asyncio
 import re
+import threading
 
 import pytest
 
@@ -30,8 +32,8 @@ def setup():
     assert engine.stop(timeout=30)
 
 
-def request(prompt: list[int], stops: tuple[str, ...] = ()) -> ServeRequest:
-    parsed = ParsedRequest(chat=False, model="m", prompt=prompt)
+def request(prompt: list[int], stops: tuple[str, ...] = (), latency: str = "batch", priority: int = 0) -> ServeRequest:
+    parsed = ParsedRequest(chat=False, model="m", prompt=prompt, latency=latency, priority=priority)
     return ServeRequest(list(prompt), NEW, SamplingParams(), stops, parsed)
 
 
@@ -157,4 +159,46 @@ def test_max_batch_runs_requests_together_and_each_stays_lossless(setup):
         assert overall == pytest.approx(sum(per_stage) / 3)
         assert float(re.search(r"^spd:rows_per_stage_step (\S+)", text, re.M)[1]) > 1  # requests shared steps
     finally:
+        assert engine.stop(timeout=30)
+
+
+def test_a_critical_request_beside_batch_ones_goes_first_and_equals_itself_alone(setup):
+    """--max-batch 2: while the engine is busy with a batch request, a batch request, a critical one
+    and a batch one of higher priority queue in that order; the critical one takes the free slot
+    first, then the higher priority one, and every reply (the critical one's beside the others
+    in the pipeline) is its solo greedy one."""
+    _, prompts, refs = setup
+    ecfg = tiny_engine_config("llama", 3)
+    engine = EngineLoop(lambda: ReferenceExecutor(ecfg), queue_limit=4, eos_ids=(), max_batch=2)
+    engine.start(timeout=60)
+    gate, busy = threading.Event(), threading.Event()
+    try:
+        async def main():
+            loop = asyncio.get_running_loop()
+            first = Job(request(prompts[0]), None, loop)
+            on_token = first.on_token
+
+            def held(token: int) -> bool:  # the engine thread waits here at first's first token
+                busy.set()
+                assert gate.wait(30)
+                return on_token(token)
+
+            first.on_token = held
+            engine.submit(first)
+            assert await loop.run_in_executor(None, busy.wait, 30)
+            later = [Job(request(prompts[1]), None, loop), Job(request(prompts[2], latency="critical"), None, loop),
+                     Job(request(prompts[0], priority=5), None, loop)]
+            for job in later:
+                engine.submit(job)
+            gate.set()
+            return [await collect(job) for job in [first, *later]], [first, *later]
+
+        outs, jobs = asyncio.run(main())
+        for (text, done), job, ref in zip(outs, jobs, [refs[0], refs[1], refs[2], refs[0]]):
+            assert ids(text) == ref == job.result.tokens and done[1].finish_reason == "length"
+        first, plain, critical, high = jobs
+        assert critical.started < high.started < plain.started
+        assert critical.token_times[0] < first.token_times[-1]  # it ran beside the first request
+    finally:
+        gate.set()
         assert engine.stop(timeout=30)

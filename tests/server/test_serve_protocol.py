@@ -1,15 +1,16 @@
 """`spd serve` pure logic: request validation (every unsupported field and bad value refused with
 its name), request preparation (KV capacity, sampling defaults), stop strings over detokenized
-pieces, the bounded FIFO queue. No processes."""
+pieces, the bounded queue and its order (critical, priority, arrival). No processes."""
 from __future__ import annotations
 
 import threading
 
 import pytest
 
-from spd_engine.server.engine_loop import JobQueue, QueueFull
-from spd_engine.server.openai_api import UNSUPPORTED, ApiError, parse_request
-from spd_engine.server.request import ModelInfo, prepare
+from spd_engine.engine.protocol.sampling import SamplingParams
+from spd_engine.server.engine_loop import DirectCall, Job, JobQueue, QueueFull
+from spd_engine.server.openai_api import UNSUPPORTED, ApiError, ParsedRequest, parse_request
+from spd_engine.server.request import ModelInfo, ServeRequest, prepare
 from spd_engine.server.text import StopMatcher, TextStream
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -30,7 +31,8 @@ BAD_VALUES = [  # (field, value) that must be refused, naming the field
     ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("top_k", 1.5), ("seed", -1), ("seed", 1 << 64),
     ("seed", "7"), ("max_tokens", 0), ("max_tokens", 2.0), ("stream", "yes"), ("stop", ["a", ""]),
     ("stop", ["a", "b", "c", "d", "e"]), ("stop", 5), ("stream_options", {"include_usage": True}),
-    ("user", 5), ("model", ""),
+    ("user", 5), ("model", ""), ("priority", 1.5), ("priority", True), ("priority", "3"), ("latency", "fast"),
+    ("latency", 1), ("latency", ["critical"]), ("latency", "Critical"),
 ]
 
 
@@ -108,6 +110,26 @@ def test_prepare_fills_defaults_and_keeps_explicit_values():
     assert len(seeds) > 1
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_latency_class_and_priority_are_parsed_and_default_to_batch_and_0(chat):
+    body = CHAT if chat else {**COMPLETION, "prompt": [7, 8]}
+    parsed = parse_request(body, chat)
+    assert (parsed.latency, parsed.priority) == ("batch", 0)
+    parsed = parse_request({**body, "latency": "critical", "priority": -3}, chat)
+    assert (parsed.latency, parsed.priority) == ("critical", -3)
+    parsed = parse_request({**body, "latency": None, "priority": None}, chat)
+    assert (parsed.latency, parsed.priority) == ("batch", 0)
+    if not chat:  # INFO has no chat template
+        req = prepare(parse_request({**body, "latency": "batch", "priority": 7}, chat), INFO)
+        assert (req.latency, req.priority) == ("batch", 7)
+
+
+def test_bad_latency_or_priority_says_what_is_allowed():
+    assert "'batch' (the default) or 'critical'" in error_of({**COMPLETION, "latency": "fast"}, False).message
+    err = error_of({**CHAT, "priority": False}, True)
+    assert err.param == "priority" and "must be an integer" in err.message
+
+
 def test_chat_uses_the_template_and_defaults_to_what_fits(smollm2_dir):
     from spd_engine.engine.model.tokenizer import Tokenizer
 
@@ -173,6 +195,28 @@ def test_text_stream_never_cuts_a_utf8_character_and_stops_on_text(smollm2_dir):
 def test_text_stream_without_a_tokenizer_writes_ids():
     stream = TextStream(None, ["4 5"])
     assert [stream.push(t) for t in (3, 4)] == ["3 ", ""] and stream.push(5) == "" and stream.stopped
+
+
+def queued(latency: str = "batch", priority: int = 0) -> Job:
+    parsed = ParsedRequest(chat=False, model="m", prompt=[1], latency=latency, priority=priority)
+    return Job(ServeRequest([1], 1, SamplingParams(), (), parsed), None, None)
+
+
+def test_job_queue_takes_critical_then_higher_priority_then_arrival():
+    q = JobQueue(16)
+    a, b, c, d, e, f = (queued(), queued(priority=2), queued("critical"), queued(priority=2), queued("critical", 1),
+                        queued(priority=-1))
+    for job in (a, b, c, d, e, f):
+        q.put(job)
+    assert q.remove(d) and not q.remove(d)  # cancelled while queued: gone, the order of the rest kept
+    assert [q.get() for _ in range(5)] == [e, c, b, a, f]
+    # a call is taken after the jobs queued before it, and the jobs after it wait for it
+    g, call, h = queued(), DirectCall(lambda rt: None), queued("critical")
+    for item in (g, call, h):
+        q.put(item)
+    assert q.get_nowait(DirectCall) is None  # g first, whatever the kind asked
+    assert q.get_nowait(Job) is g and q.get_nowait(Job) is None and q.get() is call and q.get_nowait(Job) is h
+    assert len(q) == 0 and q.get_nowait(Job) is None
 
 
 def test_job_queue_is_a_bounded_fifo():
