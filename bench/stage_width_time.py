@@ -1,15 +1,16 @@
 """What a stage step costs when it carries W tokens (branch width W, docs/design.md 3.11): one
 stage of a preset's shape (random weights, real sizes) runs a decode step of 1, 2 and 4 tokens
 in the shape a tree step has: W tokens at the same position, each seeing the shared prefix and
-itself (a tree attention mask). With `--layouts row,col` each width runs over both weight
-layouts (engine/model/linear.py), the same weights. The widths (and layouts) are timed in
+itself (a tree attention mask). With `--layouts row,col,packed` each width runs over each weight
+layout (engine/model/linear.py), the same weights. The widths (and layouts) are timed in
 alternation so host drift hits them alike; medians, and each one's ratio to W = 1 in the first layout.
 
-    spd measure stage-width-time [--preset smollm2-135m] [--layers 8] [--widths 1,2,4] [--layouts row,col]
+    spd measure stage-width-time [--preset smollm2-135m] [--layers 8] [--widths 1,2,4] [--layouts row,col,packed]
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 
@@ -32,15 +33,17 @@ def time_widths(preset: str, layers: int, widths: tuple[int, ...], prefix: int =
     cfg = PRESETS[preset]
     if not 1 <= layers <= cfg.num_layers:
         raise ValueError(f"--layers must be in 1..{cfg.num_layers} for {preset}, got {layers}")
-    stage = init_random_(StageModel(cfg, range(layers))).eval()
-    cache = stage.new_cache(1, prefix + max(widths))
+    base = init_random_(StageModel(cfg, range(layers))).eval()
+    stages = {lay: copy.deepcopy(base) for lay in layouts}  # the same weights in each layout
+    for lay, stage in stages.items():
+        set_weight_layout_(stage, lay)
+    cache = base.new_cache(1, prefix + max(widths))
     h = {w: torch.randn(1, w, cfg.hidden_size) for w in widths}  # [1, W, H]
     pos = {w: torch.full((1, w), prefix) for w in widths}  # [1, W]: siblings share the position
     masks = {w: tree_mask(prefix, w) if w > 1 else None for w in widths}
     times: dict[tuple[str, int], list[float]] = {(lay, w): [] for lay in layouts for w in widths}
     for _ in range(warmup + iters):
-        for lay in layouts:
-            set_weight_layout_(stage, lay)
+        for lay, stage in stages.items():
             for w in widths:
                 t0 = time.perf_counter()
                 stage.forward_layers(h[w], cache, prefix, pos[w], masks[w])

@@ -302,9 +302,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
                    help="the PDM's dtype: int8 = its matmuls over int8 weight rows, bf16 activations; auto = int8 "
                         "for an fp32 run on a CPU with torch's int8 kernel, else bfloat16 on a CPU with bf16 matmul "
                         "instructions, else the run's (drafting only: the output does not change)")
-    g.add_argument("--weight-layout", default=run_default("weight_layout"), choices=("auto", "row", "col"),
-                   help="fp32 linear weights in memory, row-major or column-major (the same values; on a CPU col makes "
-                        "a one-row step about a fifth cheaper, a 4+ row step a tenth dearer); auto: col on a CPU")
+    g.add_argument("--weight-layout", default=run_default("weight_layout"), choices=("auto", "row", "col", "packed", "mixed"),
+                   help="fp32 linear weights in memory (the same values, another kernel): row- or column-major, "
+                        "packed (oneDNN's blocked weight: up to ~6 rows for one's price, one step over every thread), "
+                        "mixed (packed, one row over a column-major copy); auto: on a CPU packed with 2+ threads per "
+                        "rank, mixed with one (col without oneDNN), row on a GPU")
     g.add_argument("--overlap-stage0", choices=("on", "off"), default="on" if run_default("overlap_stage0") else "off",
                    help="co-located (n >= 2): stage 0 steps on its own thread while the driver drafts and verifies")
     e = p.add_argument_group("eagle baseline (serial draft-then-verify on one rank)")

@@ -1,19 +1,25 @@
-"""The engine's linear weights in memory: row-major (torch's default) or column-major.
+"""The engine's linear weights in memory: row-major, column-major, packed (oneDNN) or mixed.
 
-A linear weight is `[out, in]` in either layout (names, shapes, values and checkpoints are
-unchanged); column-major stores it over `[in, out]` contiguous memory (`w.t().contiguous().t()`).
-A decode step multiplies one or a few rows by every weight, and on a CPU the BLAS kernel MKL picks
-for that depends on the layout. One stage step of 15 layers of SmolLM2-135M's shape, fp32, one
-thread, a 2-core AMD EPYC, by rows in the step (`spd measure stage-width-time --layers 15 --widths
-1,2,3,4,6,9 --layouts row,col`, docs/speed.md):
+A linear weight is `[out, in]` in every layout (names, shapes, values and checkpoints are
+unchanged); column-major stores it over `[in, out]` contiguous memory (`w.t().contiguous().t()`);
+packed replaces the nn.Linear by a PackedLinear over oneDNN's blocked weight
+(kernels/packed_linear.py; a linear the kernel cannot serve stays an nn.Linear, column-major);
+mixed is packed with a column-major copy for one-row steps. A decode step multiplies one or a few
+rows by every weight, and on a CPU the kernel that runs it depends on the layout. One stage step
+of 15 layers of SmolLM2-135M's shape, fp32, one thread, a 2-core AMD EPYC, by rows in the step
+(`spd measure stage-width-time --layers 15 --widths 1,2,4,8 --layouts col,packed,mixed`; row from
+`--layouts row,col`; docs/design.md 3.14):
 
-    rows              1      2      3      4      6      9
-    row-major      21.2   31.6   36.5   28.7   32.9   37.9  ms
-    column-major   17.6   23.9   28.7   32.3   36.1   41.0
+    rows              1      2      4      8
+    row-major      21.2   31.6   28.7         ms
+    column-major   17.8   24.5   32.3   37.2
+    packed         18.7   19.2   18.8   23.5
+    mixed          17.5   19.7   19.1   23.7
 
-so `col` is the default on a CPU (`auto`): a one-row step is about a fifth cheaper, a step of 4 or
-more rows about a tenth dearer. Only fp32 weights move (the layouts were compared in fp32 only),
-and on a GPU `auto` keeps torch's layout.
+and with two threads a packed one-row step spreads over both (MKL's one-row kernel stays on one).
+So `auto` on a CPU with oneDNN is packed for ranks of 2+ threads and mixed for one; col without
+it. Only fp32 weights move (the layouts were compared in fp32 only), and on a GPU `auto` keeps
+torch's layout.
 
 The layout changes the kernel, hence float rounding: every model whose outputs are compared with
 each other (a run's stages, its greedy reference, the replays) is built with the same layout, so a
@@ -25,15 +31,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-LAYOUTS = ("row", "col")
+from spd_engine.kernels.packed_linear import PackedLinear, packed_kernel_available, to_packed_linears_
+
+LAYOUTS = ("row", "col", "packed", "mixed")
 
 
-def resolve_layout(layout: str, device: str) -> str:
-    """`auto` -> col on a CPU, row elsewhere; otherwise checked."""
+def resolve_layout(layout: str, device: str, threads: int = 1) -> str:
+    """`auto` -> on a CPU with oneDNN, packed for a rank of 2+ intra-op threads (one step spreads
+    over them) and mixed for one thread; col on a CPU without it; row elsewhere. Otherwise checked."""
     if layout == "auto":
-        return "col" if device.startswith("cpu") else "row"
+        if not device.startswith("cpu"):
+            return "row"
+        if not packed_kernel_available():
+            return "col"
+        return "packed" if threads >= 2 else "mixed"
     if layout not in LAYOUTS:
         raise ValueError(f"weight layout must be auto or one of {LAYOUTS}, got {layout!r}")
+    if layout in ("packed", "mixed") and not device.startswith("cpu"):
+        raise ValueError(f"weight layout {layout} is oneDNN's CPU layout; device {device!r} takes row or col")
     return layout
 
 
@@ -45,9 +60,20 @@ def is_col_major(w: torch.Tensor) -> bool:
 @torch.no_grad()
 def set_weight_layout_(module: nn.Module, layout: str, skip: tuple[nn.Module, ...] = ()) -> int:
     """Store every fp32 `nn.Linear` weight of `module` (but those in `skip`) in `layout`, in place
-    (the Parameter objects stay); returns how many weights moved."""
+    (row and col: the Parameter objects stay; packed: the modules are replaced, and those the
+    kernel cannot serve go column-major); returns how many weights moved."""
     if layout not in LAYOUTS:
         raise ValueError(f"weight layout must be one of {LAYOUTS}, got {layout!r}")
+    if any(isinstance(m, PackedLinear) for m in module.modules()):
+        raise ValueError("this module's weights are packed already: a layout is chosen once, when it is built")
+    if layout in ("packed", "mixed"):
+        swapped, _ = to_packed_linears_(module, skip=tuple(skip) + _not_fp32(module), keep_dense=layout == "mixed")
+        return swapped + _move_dense(module, "col", skip)
+    return _move_dense(module, layout, skip)
+
+
+def _move_dense(module: nn.Module, layout: str, skip: tuple[nn.Module, ...]) -> int:
+    """row or col for every fp32 nn.Linear weight of `module` but those in `skip`; how many moved."""
     moved = 0
     for m in module.modules():
         if not isinstance(m, nn.Linear) or m.weight.dtype != torch.float32 or any(m is s for s in skip):
@@ -57,3 +83,7 @@ def set_weight_layout_(module: nn.Module, layout: str, skip: tuple[nn.Module, ..
             m.weight.data = w.t().contiguous().t() if layout == "col" else w.contiguous()
             moved += 1
     return moved
+
+
+def _not_fp32(module: nn.Module) -> tuple[nn.Module, ...]:
+    return tuple(m for m in module.modules() if isinstance(m, nn.Linear) and m.weight.dtype != torch.float32)

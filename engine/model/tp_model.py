@@ -18,18 +18,22 @@ from collections.abc import Sequence
 
 import torch
 
+from spd_engine.kernels.packed_linear import PackedLinear
 from spd_engine.engine.model.kv_cache import KVCache
 from spd_engine.engine.model.model import StageModel, causal_mask
 from spd_engine.engine.model.model_config import ModelConfig
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.comm.tp_group import TPGroup, reduce_parts
-from spd_engine.engine.model.tp_sampling import tp_sample
+from spd_engine.engine.model.tp_sampling import tp_argmax_rows, tp_sample
 from spd_engine.engine.model.tp_shard import shard_config, vocab_range
 
 
 def resident_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the parameters this rank holds (a tied embedding / head counted once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the weights this rank holds: its parameters (a tied embedding / head counted once)
+    and its packed linears' weights (kernels/packed_linear.py: not Parameters; the mixed layout's
+    column-major copy too)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params + sum(m.resident_bytes() for m in model.modules() if isinstance(m, PackedLinear))
 
 
 class TPStageModel(StageModel):
@@ -75,6 +79,10 @@ class TPStageModel(StageModel):
     def choose_token(self, local_logits: torch.Tensor, sampling: SamplingParams, pos: int) -> int:
         """The token for position `pos` from local logits [V/T]: argmax or a keyed draw, across ranks."""
         return tp_sample(self.group, local_logits, self.vocab.start, self.cfg.vocab_size, sampling, pos)
+
+    def argmax_rows(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """Each row's greedy token from local logits [R, V/T], across ranks: ids [R] (int64, host)."""
+        return tp_argmax_rows(self.group, local_logits, self.vocab.start)
 
 
 class _NoGroup(TPGroup):

@@ -3,7 +3,8 @@ full logits. Pure logic over a `TPGroup` (engine/comm/tp_group.py), no torch.dis
 
 Each rank holds the logits of its vocabulary shard `[lo, lo + V/T)` (fp32):
 - greedy: each rank's max and its (first) index, one all_gather of T (value, id) pairs; the
-  largest value wins and a tie goes to the lowest id, as `torch.argmax` on the full logits does;
+  largest value wins and a tie goes to the lowest id, as `torch.argmax` on the full logits does
+  (a step of R rows: one all_gather of T x R pairs, `tp_argmax_rows`);
 - T > 0 (engine/protocol/sampling.py semantics: temperature, then top-k, then top-p; one keyed uniform
   inverts the float64 CDF): top-k gathers each rank's k largest values (T k floats) to find the
   global k-th; the CDF is inverted across shards from the shard totals (one all_gather of T
@@ -30,6 +31,18 @@ def tp_argmax(group: TPGroup, local: torch.Tensor, lo: int) -> int:
     table = torch.stack(group.all_gather(pair)).tolist()  # [T, 2], ranks in vocabulary order
     best = max(range(len(table)), key=lambda r: (table[r][0], -r))  # first rank holding the max
     return int(table[best][1])
+
+
+def tp_argmax_rows(group: TPGroup, local: torch.Tensor, lo: int) -> torch.Tensor:
+    """Each row's tp_argmax at once: local [R, V/T] shard logits -> ids [R] (int64, on the host), one
+    all_gather of R (value, id) pairs per rank for the whole step."""
+    local = local.detach()
+    i = local.argmax(-1)  # [R]: the first maximum of each row
+    # on the logits' device, as the layers' reductions: fp32 values and ids are exact in float64
+    pairs = torch.stack([local.gather(-1, i[:, None])[:, 0].double(), (i + lo).double()], dim=-1)  # [R, 2]
+    table = torch.stack(group.all_gather(pairs))  # [T, R, 2], ranks in vocabulary order
+    best = table[..., 0].argmax(0)  # [R]: the first rank holding the row's maximum
+    return table[best, torch.arange(len(best), device=best.device), 1].long().cpu()  # host sync: ids go in the table
 
 
 def _global_kth(group: TPGroup, x: torch.Tensor, k: int) -> float:

@@ -500,8 +500,6 @@ class BatchDriver:
         if max_rows is not None and max_rows < self.width:
             raise ValueError(f"max_rows {max_rows} is below the branch width {self.width}: no request could enter")
         self.limits = BatchLimits(max_batch, max_rows or max_batch * self.width, d.chunk)
-        if d.topo.tp > 1:
-            raise ValueError("several requests in the pipeline run without tensor parallelism only (--tp 1)")
         self.max_batch = max_batch
         self.intake, self.on_done, self.count = intake, on_done, len(requests)
         for r in requests:

@@ -80,5 +80,7 @@ def build_pdm(ecfg: RunConfig) -> PDM:
         pdm.use_int8_matmuls()
     elif ecfg.pdm_torch_dtype != ecfg.torch_dtype:
         pdm.set_compute_dtype(ecfg.pdm_torch_dtype)
-    set_weight_layout_(pdm, ecfg.resolved_weight_layout)
+    # the PDM's anchor projections are read as weights (kernels/anchor_gather.py): never packed
+    layout = ecfg.resolved_weight_layout
+    set_weight_layout_(pdm, "col" if layout in ("packed", "mixed") else layout)
     return pdm.eval()

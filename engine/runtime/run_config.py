@@ -151,7 +151,8 @@ class RunConfig:
     # a CPU with torch's int8 kernel, else bfloat16 on a CPU with bf16 matmul instructions (AVX512-BF16,
     # AMX), else the run's dtype; drafting only, so never the output
     pdm_dtype: str = "auto"
-    # the linear weights' memory layout (engine/model/linear.py): auto = col on a CPU, else row
+    # the linear weights' memory layout (engine/model/linear.py): auto = on a CPU packed (2+ threads per
+    # rank) or mixed (one), col without oneDNN; row elsewhere
     weight_layout: str = "auto"
 
     def __post_init__(self) -> None:
@@ -235,8 +236,9 @@ class RunConfig:
 
     @property
     def resolved_weight_layout(self) -> str:
-        """row or col: this run's linear weights' layout, resolved for its device."""
-        return resolve_layout(self.weight_layout, self.device)
+        """This run's linear weights' layout (engine/model/linear.py), resolved for its device and
+        its ranks' intra-op threads."""
+        return resolve_layout(self.weight_layout, self.device, self.threads_per_rank())
 
     @property
     def world_size(self) -> int:

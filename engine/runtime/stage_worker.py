@@ -13,7 +13,9 @@ on to drain its links at the end of a request.
 Several requests in the pipeline (docs/design.md 3.12): each request slot has its own KV cache;
 a BATCH message carries one token of each of several requests, computed as one step whose
 matmuls run over all its rows while each row attends to its own request's cache
-(engine/model/kv_cache.py RowCaches).
+(engine/model/kv_cache.py RowCaches). On a TP stage a BATCH message travels as a TOKEN does (TP rank t
+from TP rank t of the stage before): every TP rank computes the same rows on its shard of each
+slot's cache, and a verifying last stage picks every row's argmax across its ranks.
 """
 from __future__ import annotations
 
@@ -302,6 +304,7 @@ class StageWorker:
                 return self._compute_batch(hdr, t0)
         R, H = hdr.rows, self.model.cfg.hidden_size
         p = next(self.model.parameters())
+        calls0, coll0 = (self.group.calls, self.group.collective_s) if self.group is not None else (0, 0.0)
         meta = self.t.recv_into(self.prev, torch.empty(R, META_LEN, dtype=torch.int64), self.timeout, self.handled)
         if self.stage == 0:
             h = self.model.embed(meta[None, :, _TOKEN].to(p.device))  # [1, R, H]
@@ -314,7 +317,7 @@ class StageWorker:
                                               capture=self.capture)  # [1, R, H]
         if self.verifies:  # every row's T=0 argmax; the driver uses those of its greedy requests
             tv = time.perf_counter()
-            meta[:, _REPLY] = self.model.logits_rows(out[0]).argmax(-1).cpu()  # host sync: the ids go in the table
+            meta[:, _REPLY] = self._argmax_rows(out[0])
             self.stats.verify_s += time.perf_counter() - tv
         t2 = time.perf_counter()
         self.handled += 1
@@ -322,6 +325,9 @@ class StageWorker:
         self.stats.messages += 1
         self.stats.rows += R
         self.stats.wait_s += t1 - t0
+        if self.group is not None:
+            self.stats.tp_collectives += self.group.calls - calls0
+            self.stats.tp_collective_s += self.group.collective_s - coll0
         if self.trace is not None:
             self.trace += [t0, t1, t2]
         if self.next is not None:
@@ -331,6 +337,14 @@ class StageWorker:
                        "anchors": lambda: torch.stack([caps[layer][0] for layer in self.anchor_layers], dim=1)}
             self.t.send(self.driver, hdr, [tensors[q.name]() for q in self.wire.to_driver(self.stage, hdr)])
         self.stats.send_s += time.perf_counter() - t2
+
+    def _argmax_rows(self, out: torch.Tensor) -> torch.Tensor:
+        """The target's argmax of each row of a BATCH step's exit out [R, H]: ids [R] (int64, host).
+        A vocab-parallel head (a TP stage) picks them across its ranks, every TP rank taking part."""
+        logits = self.model.logits_rows(out)  # [R, V], or this TP rank's [R, V/T]
+        if self.choose is not None:
+            return self.model.argmax_rows(logits)
+        return logits.argmax(-1).cpu()  # host sync: the ids go in the table
 
     def _rows_out(self, out: torch.Tensor, caps: dict[int, torch.Tensor], T: int, report: bool,
                   written: bool) -> torch.Tensor:

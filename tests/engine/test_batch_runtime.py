@@ -116,11 +116,6 @@ def test_bad_batch_runs_are_refused_before_any_work(one_thread):
         with pytest.raises(ValueError, match="arrival_tick must be >= 1"):
             ex.generate_batch([BatchRequest([1], 2, arrival_tick=0)], 2)
         assert ex.generate_batch([ok], 2).results[0].tokens == reference(ecfg, ok.prompt, 4)
-    from tp_cases import tp_engine_config
-
-    with ReferenceExecutor(tp_engine_config("spd", 2, 2)) as ex:  # branch width > 1 runs: test_batch_branches.py
-        with pytest.raises(ValueError, match="without tensor parallelism only"):
-            ex.generate_batch([ok], 2)
 
 
 def test_utilization_counts_each_rejections_stale_rows(one_thread):

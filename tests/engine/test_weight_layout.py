@@ -13,13 +13,15 @@ from spd_engine.engine.model.linear import is_col_major, resolve_layout, set_wei
 from spd_engine.engine.model.model import StageModel, init_random_
 from spd_engine.engine.runtime.build import build_pdm, build_stage_model
 from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.kernels.packed_linear import packed_kernel_available
 from spd_engine.train.reference_cache import ReferenceCache
 from helpers import tiny_cfg, tiny_engine_config
 from near_ties import assert_greedy_agrees, teacher_forced
 
 
 def test_resolve_layout():
-    assert resolve_layout("auto", "cpu") == "col"
+    auto = ("packed", "mixed") if packed_kernel_available() else ("col", "col")
+    assert (resolve_layout("auto", "cpu", threads=2), resolve_layout("auto", "cpu", threads=1)) == auto
     assert resolve_layout("auto", "cuda:0") == "row"
     assert resolve_layout("row", "cpu") == "row" and resolve_layout("col", "cuda") == "col"
     with pytest.raises(ValueError, match="weight layout"):
@@ -55,7 +57,7 @@ def test_bf16_weights_keep_torch_layout():
 
 
 def test_builders_apply_the_run_layout():
-    ecfg = tiny_engine_config("llama")  # CPU: auto = col
+    ecfg = tiny_engine_config("llama", weight_layout="col")
     assert ecfg.resolved_weight_layout == "col"
     stage = build_stage_model(ecfg, range(2), embedding=True, head=True)
     assert is_col_major(stage.decoder.layers["1"].mlp.linear_fc2.weight)
@@ -68,15 +70,16 @@ def test_builders_apply_the_run_layout():
 def test_reference_cache_names_the_layout(tmp_path):
     ecfg = tiny_engine_config("llama")
     keys = {lay: ReferenceCache(tmp_path, dataclasses.replace(ecfg, weight_layout=lay)).key([1, 2], 8, [0], 4)
-            for lay in ("row", "col", "auto")}
-    assert keys["row"] != keys["col"] and keys["auto"] == keys["col"]
+            for lay in ("row", "col", "packed", "mixed", "auto")}
+    assert len({keys["row"], keys["col"], keys["packed"], keys["mixed"]}) == 4
+    assert keys["auto"] == keys[ecfg.resolved_weight_layout]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_col_layout_decodes_what_row_does_up_to_rounding(arch):
     """Another kernel, so not bit for bit: logits within fp32 rounding, greedy tokens equal up to the
     first near-tie (tests/near_ties.py)."""
-    ecfg: RunConfig = tiny_engine_config(arch)
+    ecfg: RunConfig = tiny_engine_config(arch, weight_layout="col")
     col = build_stage_model(ecfg, range(ecfg.cfg.num_layers), embedding=True, head=True)
     row = build_stage_model(dataclasses.replace(ecfg, weight_layout="row"), range(ecfg.cfg.num_layers),
                             embedding=True, head=True)

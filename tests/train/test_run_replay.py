@@ -12,6 +12,7 @@ from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.runtime.build import build_pdm
 from spd_engine.engine.runtime.launch import launch
 from spd_engine.engine.runtime.reference import ReferenceExecutor
+from spd_engine.kernels.packed_linear import packed_kernel_available
 from spd_engine.train.fast_eval import fast_generate
 
 NEW = 40
@@ -107,3 +108,18 @@ def test_static_steps_carry_runs_eagerly(colocate, one_thread):
         res = ex.generate(prompt, NEW)
     assert res.tokens == reference(ecfg, prompt, NEW)
     assert res.by_source[SUFFIX_RUN][1] > 0
+
+
+@pytest.mark.skipif(not packed_kernel_available(), reason="this torch has no oneDNN CPU linear")
+@pytest.mark.parametrize("colocate", [True, False])
+def test_packed_weights_carry_runs_losslessly(colocate, one_thread):
+    """`--weight-layout packed` (kernels/packed_linear.py), where a run's rows cost about what one
+    token's do: ranks as processes commit the greedy output of the same layout, runs included."""
+    ecfg = tiny_engine_config("qwen2", 2, colocate, suffix_run=4, suffix_min_match=1, threads=1,
+                              weight_layout="packed")
+    loop = random_prompts(ecfg.cfg, [10], seed=6)[0]
+    prompts = [loop * 3, random_prompts(ecfg.cfg, [17], seed=7)[0]]
+    with launch(ecfg) as runtime:
+        got = [runtime.generate(p, NEW, ()) for p in prompts]
+    assert [r.tokens for r in got] == [reference(ecfg, p, NEW) for p in prompts]
+    assert got[0].by_source.get(SUFFIX_RUN, [0, 0, 0])[1] > 0  # runs travelled
