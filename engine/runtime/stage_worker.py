@@ -340,7 +340,12 @@ class StageWorker:
 
     def _argmax_rows(self, out: torch.Tensor) -> torch.Tensor:
         """The target's argmax of each row of a BATCH step's exit out [R, H]: ids [R] (int64, host).
-        A vocab-parallel head (a TP stage) picks them across its ranks, every TP rank taking part."""
+        A vocab-parallel head (a TP stage) picks them across its ranks, every TP rank taking part;
+        a screened head (kernels/screened_argmax.py) settles each row exactly from one int8 product
+        for all rows, as a one-row step's verification does (the full fp32 head over R rows cost a
+        batch's last stage most of its step on a CPU)."""
+        if self.choose is None and self.model.screen is not None:
+            return torch.tensor(self.model.greedy_tokens(out), dtype=torch.int64)  # host: the ids go in the table
         logits = self.model.logits_rows(out)  # [R, V], or this TP rank's [R, V/T]
         if self.choose is not None:
             return self.model.argmax_rows(logits)
