@@ -67,7 +67,8 @@ def set_weight_layout_(module: nn.Module, layout: str, skip: tuple[nn.Module, ..
     if any(isinstance(m, PackedLinear) for m in module.modules()):
         raise ValueError("this module's weights are packed already: a layout is chosen once, when it is built")
     if layout in ("packed", "mixed"):
-        swapped, _ = to_packed_linears_(module, skip=tuple(skip) + _not_fp32(module), keep_dense=layout == "mixed")
+        # a linear the kernel cannot serve (not fp32) stays an nn.Linear: _move_dense leaves it in torch's layout
+        swapped, _ = to_packed_linears_(module, skip=skip, keep_dense=layout == "mixed")
         return swapped + _move_dense(module, "col", skip)
     return _move_dense(module, layout, skip)
 
@@ -83,7 +84,3 @@ def _move_dense(module: nn.Module, layout: str, skip: tuple[nn.Module, ...]) -> 
             m.weight.data = w.t().contiguous().t() if layout == "col" else w.contiguous()
             moved += 1
     return moved
-
-
-def _not_fp32(module: nn.Module) -> tuple[nn.Module, ...]:
-    return tuple(m for m in module.modules() if isinstance(m, nn.Linear) and m.weight.dtype != torch.float32)

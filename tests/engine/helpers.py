@@ -153,6 +153,21 @@ def solo_results(runtime, reqs) -> list[GenerationResult]:
             for r in reqs]
 
 
+def assert_processes_equal_threads(ecfg: RunConfig, reqs, max_batch: int = 2) -> None:
+    """A batch run with ranks as processes equals the reference executor's (ranks as threads), request
+    for request, and a single request after it equals the batch's first."""
+    from spd_engine.engine.runtime.launch import launch  # spawns processes: only the tests that do
+    from spd_engine.engine.runtime.reference import ReferenceExecutor
+
+    with ReferenceExecutor(ecfg) as ex:
+        want = [summary(r) for r in ex.generate_batch(reqs, max_batch).results]
+    with launch(ecfg) as runtime:
+        got = runtime.generate_batch(reqs, max_batch)
+        after = runtime.generate(reqs[0].prompt, reqs[0].max_new_tokens)  # a single request after a batch run
+    assert [summary(r) for r in got.results] == want
+    assert after.tokens == want[0]["tokens"]
+
+
 # ---- rank harness without collectives ----
 
 COLLECTIVES = ("broadcast", "all_reduce", "all_gather", "barrier", "reduce", "scatter", "gather", "all_to_all",

@@ -9,9 +9,9 @@ import pytest
 
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.runtime.batch_driver import BatchRequest
-from spd_engine.engine.runtime.launch import launch
 from spd_engine.engine.runtime.reference import ReferenceExecutor
-from helpers import CHUNK, Policy, random_prompts, reference, solo_results, summary, tiny_engine_config
+from helpers import (CHUNK, Policy, assert_processes_equal_threads, random_prompts, reference, solo_results, summary,
+                     tiny_engine_config)
 
 NEW = 24
 
@@ -95,14 +95,7 @@ def test_suffix_drafts_stay_per_request(one_thread):
 @pytest.mark.multiproc
 def test_processes_equal_the_reference_executor():
     ecfg = tiny_engine_config("qwen2", 3, False, threads=1)
-    reqs = requests(ecfg)
-    with ReferenceExecutor(ecfg) as ex:
-        want = [summary(r) for r in ex.generate_batch(reqs, 2).results]
-    with launch(ecfg) as runtime:
-        got = runtime.generate_batch(reqs, 2)
-        after = runtime.generate(reqs[0].prompt, NEW)  # a single request after a batch run
-    assert [summary(r) for r in got.results] == want
-    assert after.tokens == want[0]["tokens"]
+    assert_processes_equal_threads(ecfg, requests(ecfg))
 
 
 def test_bad_batch_runs_are_refused_before_any_work(one_thread):

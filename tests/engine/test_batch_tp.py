@@ -16,9 +16,8 @@ import torch
 from spd_engine.engine.comm.tp_group import LocalTPHub
 from spd_engine.engine.model.tp_sampling import tp_argmax_rows
 from spd_engine.engine.runtime.batch_driver import BatchRequest
-from spd_engine.engine.runtime.launch import launch
 from spd_engine.engine.runtime.reference import ReferenceExecutor
-from helpers import CHUNK, Policy, random_prompts, solo_results, summary
+from helpers import CHUNK, Policy, assert_processes_equal_threads, random_prompts, solo_results, summary
 from test_batch_branches import branched
 from test_batch_runtime import seeded_requests
 from tp_cases import tp_engine_config, tp_reference
@@ -122,11 +121,4 @@ def test_tp_branch_width_2_every_request_equals_itself_alone(one_thread):
 @pytest.mark.multiproc
 def test_tp_processes_equal_threads():
     ecfg = tp_engine_config("spd", 2, TP, False, threads=1)
-    reqs = requests(ecfg)[:3] + seeded_requests(ecfg)[:1]
-    with ReferenceExecutor(ecfg) as ex:
-        want = [summary(r) for r in ex.generate_batch(reqs, 2).results]
-    with launch(ecfg) as runtime:
-        got = runtime.generate_batch(reqs, 2)
-        after = runtime.generate(reqs[0].prompt, NEW)  # a single request after a batch run
-    assert [summary(r) for r in got.results] == want
-    assert after.tokens == want[0]["tokens"]
+    assert_processes_equal_threads(ecfg, requests(ecfg)[:3] + seeded_requests(ecfg)[:1])
