@@ -81,7 +81,7 @@ class Driver:
         self.drafter = Drafter(pdm, self.pdm_cache, self.buf, opts.drafting, opts.drafting.new_history(),
                                self.pdm_steps)
         self.branches = BranchChains(opts.branches, self.drafter)
-        self.verifier = Verifier(head, self.buf.exit_buf, verify_step)
+        self.verifier = Verifier(head, self.buf.exit_buf, verify_step, self.buf.replies)
         self.lane = Lane(self.drafter, self.branches, self.verifier)
         self.epoch = 0  # grows over requests: nothing of an earlier request can match a later one
         self.req: RequestState | None = None  # the live request

@@ -2,7 +2,8 @@
 
 Anchor states live in rings `[W, slots, m, H]` indexed by position (slot = pos mod (n + 2), so
 every live position has its own; with suffix runs of up to `max_run` tokens, (n + 2) max_run): chain c's anchors in rings[c], ring 0 the representative's
-(the only one at W = 1). The last stage's exit hidden states land in `exit_buf`, anchors nobody
+(the only one at W = 1). The last stage's exit hidden states land in `exit_buf` (a verifying last stage's argmaxes of a
+suffix run's rows in `replies`), anchors nobody
 reads (prefill chunks, stale messages) in per-stage scratch. A decode tick's destinations are
 sliced once and pinned with the transport, and the index tensors of a tick's PDM rows are built
 once per (first slot, row count) and (pending, fill).
@@ -28,6 +29,7 @@ class DriverBuffers:
         self.ring = self.rings[0]  # [slots, m, H]
         self.exit_buf = torch.empty(rows, H, device=device, dtype=dtype)  # [chunk, H]
         self.exit_row = self.exit_buf[:1]  # [1, H]
+        self.replies = torch.full((rows,), -1, dtype=torch.int64)  # [chunk]: a verifying last stage's run argmaxes
         self.stage_anchors = [plan.anchors_of_stage(s) for s in range(n)]
         for ids in self.stage_anchors:
             assert list(ids) == list(range(ids[0], ids[0] + len(ids))) if ids else True
@@ -89,6 +91,8 @@ class DriverBuffers:
             if payload.name == "anchors":
                 dest = self.scratch[s][:hdr.num_tokens] if where is None or chains or run else \
                     self.anchor_dest[s][where[0]]  # [1, k, H], contiguous
+            elif payload.name == "replies":
+                dest = self.replies[:hdr.num_tokens]
             else:
                 assert payload.name == "exit", payload
                 dest = self.exit_row if hdr.num_tokens == 1 else self.exit_buf[:hdr.num_tokens]

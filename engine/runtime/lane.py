@@ -39,7 +39,7 @@ class Lane:
         0 .., docs/design.md 3.13), then the draft behind it, each counted by its source."""
         ex, row = plan.exit, plan.exit.row
         if ex.run:
-            verdict, reply = self._verify_run(req, ex)
+            verdict, reply = self._verify_run(req, ex, reply)
             if verdict is not None:
                 return verdict
             row = len(ex.run)
@@ -52,12 +52,13 @@ class Lane:
         req.count_verified(rec.sources[verdict.chain], verdict.accepted)
         return verdict._replace(run=len(ex.run))
 
-    def _verify_run(self, req: RequestState, ex: Entry) -> tuple[Verdict | None, int]:
+    def _verify_run(self, req: RequestState, ex: Entry, reply: int) -> tuple[Verdict | None, int]:
         """The exiting entry's run verified token by token (row i verifies run[i]; at T=0 every
-        row's argmax at once): the verdict at the first rejection, else None and the argmax behind
-        the last row (-1 at T>0). A token that ends the request (EOS) ends the verification: the
-        next is counted rejected, as the exact replay counts it."""
-        greedy = self.verifier.greedy_rows(len(ex.tokens)) if req.sampling.greedy else None  # rows 0 .. L-1
+        row's argmax at once, the last stage's when it replied, `reply` >= 0): the verdict at the
+        first rejection, else None and the argmax behind the last row (-1 at T>0). A token that
+        ends the request (EOS) ends the verification: the next is counted rejected, as the exact
+        replay counts it."""
+        greedy = self.verifier.greedy_rows(len(ex.tokens), reply >= 0) if req.sampling.greedy else None  # rows 0..L-1
         for i, tok in enumerate(ex.run):
             pos = ex.pos + 1 + i
             rec = req.drafts.take(pos)

@@ -232,12 +232,20 @@ class StageWorker:
             cache = self.cache if hdr.slot == 0 else self._cache_of(hdr.slot)
             out, caps = self._forward(h, hdr) if chains else \
                 self.model.forward_layers(h, cache, pos, capture=self.capture, into=into)
+        replies = None  # a suffix run's rows' T=0 argmaxes [T] (int64, host), when this stage verifies
         if self.verifies:  # the target's argmax behind a one-row decode exit at T=0, else -1
             token = -1
-            if one and self.sampling.greedy:
+            run = hdr.kind == Kind.TOKEN and hdr.length > 1
+            if (one or run) and self.sampling.greedy:
                 tv = time.perf_counter()
-                token = self._verify_token(out, pos)
+                if run:
+                    replies = self._argmax_rows(out[0])
+                    token = int(replies[-1])
+                else:
+                    token = self._verify_token(out, pos)
                 self.stats.verify_s += time.perf_counter() - tv
+            elif run:
+                replies = torch.full((T,), -1, dtype=torch.int64)
         elif self.model.has_head:  # the pp/ar head stage: its logits and token are part of its compute
             if greedy_dev is not None and self.sampling.greedy:
                 token = int(greedy_dev)  # host sync: the id goes in the header; the step ran the head
@@ -263,7 +271,7 @@ class StageWorker:
         if local and self.local_reports is not None:
             self.local_reports(hdr, caps, emb if self.stage == 0 else None)
         elif via_report:
-            self._report(hdr.with_reply(token) if self.model.has_head else hdr, row, caps)
+            self._report(hdr.with_reply(token) if self.model.has_head else hdr, row, caps, replies)
         if hdr.kind == Kind.TOKEN:
             self.stats.send_s += time.perf_counter() - t2
 
@@ -339,7 +347,8 @@ class StageWorker:
         self.stats.send_s += time.perf_counter() - t2
 
     def _argmax_rows(self, out: torch.Tensor) -> torch.Tensor:
-        """The target's argmax of each row of a BATCH step's exit out [R, H]: ids [R] (int64, host).
+        """The target's argmax of each row of a BATCH step's or a suffix run's exit out [R, H]: ids [R]
+        (int64, host).
         A vocab-parallel head (a TP stage) picks them across its ranks, every TP rank taking part;
         a screened head (kernels/screened_argmax.py) settles each row exactly from one int8 product
         for all rows, as a one-row step's verification does (the full fp32 head over R rows cost a
@@ -366,13 +375,14 @@ class StageWorker:
                     dst.copy_(caps[layer])  # [1, 1, H]
         return self.out1  # [1, H]
 
-    def _report(self, hdr: Header, row: torch.Tensor, caps: dict[int, torch.Tensor]) -> None:
+    def _report(self, hdr: Header, row: torch.Tensor, caps: dict[int, torch.Tensor],
+                replies: torch.Tensor | None = None) -> None:
         """The message to the driver: the anchors [T, k, H] (ascending) and, from the last stage, the
-        exit `row` [T, H], as the wire format orders them."""
+        exit `row` [T, H] and a suffix run's `replies` [T], as the wire format orders them."""
         if row is self.out1:  # a one-row decode report: the payloads are the pinned rows (_rows_out)
             self.t.send(self.driver, hdr, self._report1)
             return
-        tensors = {"exit": lambda: row}
+        tensors = {"exit": lambda: row, "replies": lambda: replies}
         if self.anchor_ids:
             tensors["anchors"] = lambda: torch.stack([caps[layer][0] for layer in self.anchor_layers], dim=1)
         self.t.send(self.driver, hdr, [tensors[p.name]() for p in self.wire.to_driver(self.stage, hdr)])

@@ -18,8 +18,10 @@ from spd_engine.engine.protocol.verify_multi import Candidate, verify_candidates
 
 
 class Verifier:
-    def __init__(self, head: StageModel, exit_buf: torch.Tensor, verify_step: VerifyStep | None) -> None:
+    def __init__(self, head: StageModel, exit_buf: torch.Tensor, verify_step: VerifyStep | None,
+                 replies: torch.Tensor | None = None) -> None:
         self.head, self.exit_buf, self.verify_step = head, exit_buf, verify_step  # exit_buf [rows, H]
+        self.replies = replies  # [rows] int64: a verifying last stage's argmaxes of a suffix run's rows
 
     def sample_target(self, logits: torch.Tensor, pos: int, sp: SamplingParams) -> int:
         """A plain draw from the target distribution p for the token at `pos` (the first token)."""
@@ -38,8 +40,12 @@ class Verifier:
             return int(self.verify_step.run(self.exit_buf[row]))  # host sync: verification decides control flow
         return None
 
-    def greedy_rows(self, rows: int) -> list[int]:
-        """T=0: the target's argmax behind each of exit_buf[:rows] (a suffix run's exit rows), at once."""
+    def greedy_rows(self, rows: int, replied: bool = False) -> list[int]:
+        """T=0: the target's argmax behind each of exit_buf[:rows] (a suffix run's exit rows), at once:
+        as the last stage computed them (`replied`), else from the head here."""
+        if replied:
+            assert self.replies is not None, "a run's argmaxes replied to a verifier without their buffer"
+            return self.replies[:rows].tolist()
         return self.head.greedy_tokens(self.exit_buf[:rows])  # host sync: verification decides control flow
 
     def verify(self, pos: int, proposed: int, q: torch.Tensor | None, sp: SamplingParams, row: int = 0,

@@ -43,6 +43,17 @@ def test_spd_layout():
     assert wire.to_driver(1, Header(Kind.STATS, length=6))[0].shape == (6,)
 
 
+def test_a_verifying_last_stage_replies_a_runs_argmaxes():
+    run = Header(Kind.TOKEN, 3, length=4)
+    verifying = WireFormat(hidden=8, stage_anchors=(1, 1), verify_on_last=True)
+    assert [(p.name, p.shape, p.kind) for p in verifying.to_driver(1, run)] == [
+        ("anchors", (4, 1, 8), "act"), ("exit", (4, 8), "act"), ("replies", (4,), "int64")]
+    assert [p.name for p in verifying.to_driver(1, Header(Kind.TOKEN, 3))] == ["anchors", "exit"]
+    assert [p.name for p in verifying.to_driver(0, run)] == ["anchors"]
+    plain = WireFormat(hidden=8, stage_anchors=(1, 1))
+    assert [p.name for p in plain.to_driver(1, run)] == ["anchors", "exit"]
+
+
 def test_pipeline_layout_head_stage_replies_a_token_only():
     wire = WireFormat(hidden=8, stage_anchors=(0, 0, 0), head_on_last=True)
     assert [wire.reports_to_driver(s) for s in range(3)] == [False, False, True]

@@ -244,7 +244,7 @@ def forget_residual(driver) -> None:
 
 def run_unverified(driver) -> None:
     """A suffix-run bug: the run's tokens committed as if verified (counted, never tested against p)."""
-    def broken(req, ex):
+    def broken(req, ex, reply):
         for i in range(len(ex.run)):
             rec = req.drafts.take(ex.pos + 1 + i)
             req.count_verified(rec.sources[0], True)

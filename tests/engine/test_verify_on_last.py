@@ -1,11 +1,12 @@
 """T=0 verification on the last stage (RunConfig.verify_at, docs/design.md 3.5): the last stage
 holds the head and sends the target's argmax with its exit; the driver then only compares ids.
-Lossless either way, the driver really stops computing the head, T > 0 and branch chains still
-verify on the driver, and the setting is validated."""
+Lossless either way, the driver really stops computing the head (a suffix run's rows included),
+T > 0 and branch chains still verify on the driver, and the setting is validated."""
 from __future__ import annotations
 
 import pytest
 
+from spd_engine.engine.protocol.drafting import SUFFIX_RUN
 from spd_engine.engine.protocol.messages import WireFormat
 from spd_engine.engine.runtime.reference import ReferenceExecutor
 from spd_engine.engine.protocol.sampling import SamplingParams
@@ -28,7 +29,28 @@ def head_calls(driver) -> list[int]:
 
     driver.head.logits = counting(driver.head.logits)
     driver.head.greedy_token = counting(driver.head.greedy_token)
+    driver.head.greedy_tokens = counting(driver.head.greedy_tokens)  # a suffix run's rows
     return calls
+
+
+@pytest.mark.parametrize("verify_at", ["last", "driver"])
+@pytest.mark.parametrize("colocate", [True, False])
+def test_suffix_runs_verified_where_verification_runs(verify_at, colocate, one_thread):
+    """A suffix run's rows: the verifying last stage replies every row's argmax, so the driver runs
+    no head pass for them; verified on the driver, it runs one per run."""
+    ecfg = tiny_engine_config("llama", 2, colocate, verify_at=verify_at, suffix_run=4, suffix_min_match=1)
+    prompt = random_prompts(ecfg.cfg, [12], seed=1)[0] * 3  # a repeated prompt: long suffix matches
+    want = reference(ecfg, prompt, NEW)
+    with ReferenceExecutor(ecfg) as ex:
+        calls = head_calls(ex.driver)
+        res = ex.generate(prompt, NEW)
+    assert res.tokens == want
+    runs = res.by_source.get(SUFFIX_RUN, [0, 0, 0])[1]
+    assert runs > 5  # run tokens travelled and were verified
+    if verify_at == "last":
+        assert calls[0] == 1  # the prefill's last position only
+    else:
+        assert calls[0] > 1
 
 
 @pytest.mark.parametrize("verify_at", ["last", "driver"])
