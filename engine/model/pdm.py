@@ -20,6 +20,7 @@ from spd_engine.engine.model.draft_stack import DraftStack, check_draft_vocab
 from spd_engine.engine.model.head_io import HeadFormat, check_fingerprint, read_head_meta, read_head_state, save_head
 from spd_engine.engine.model.model_config import ModelConfig
 from spd_engine.kernels.anchor_gather import anchor_rows, pack_projection_weights
+from spd_engine.kernels.int8_linear import Int8Linear
 
 PDM_FORMAT = "spd-pdm-v1"
 PDM_FILES = HeadFormat("pdm", PDM_FORMAT, name="PDM", head_name="PDM head", dir_name="PDM checkpoint")
@@ -77,14 +78,35 @@ class PDM(DraftStack):
     # ---- rows ----
     def packed_projection(self) -> torch.Tensor:
         """Projection weights in the anchor-gather kernel's layout; cached (inference weights are fixed)."""
+        assert not isinstance(self.proj[0], Int8Linear), "int8 projections run per type (_rows_by_type), unpacked"
         if self._packed is None or self.training:
             self._packed = pack_projection_weights([p.weight.detach() for p in self.proj])
         return self._packed
 
     def rows_from_ring(self, ring: torch.Tensor, slots: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
         """ring [S, m, H], slots/types [R] -> rows [R, H] (the driver's per-tick path)."""
+        if isinstance(self.proj[0], Int8Linear):
+            return self._rows_by_type(ring, slots, types)
         # check_indices=False: the driver builds slots/types itself, and the check would sync the host
         return anchor_rows(ring, slots, types, self.packed_projection(), check_indices=False)
+
+    def _rows_by_type(self, ring: torch.Tensor, slots: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        """rows_from_ring over int8 projections (a CPU: the indices are read on the host for free):
+        each type's rows through its own projection, so each weight is read once."""
+        kinds = types.tolist()
+        out = torch.empty(len(kinds), ring.shape[-1], dtype=self.compute_dtype)  # [R, H]
+        for a in sorted(set(kinds)):
+            idx = [r for r, t in enumerate(kinds) if t == a]
+            x = ring.index_select(0, slots[idx])[:, :a + 1].flatten(1)  # [R_a, (a+1) H]
+            out[idx] = self.proj[a](x)
+        return out
+
+    def use_int8_matmuls(self) -> int:
+        """DraftStack's, and the anchor projections over int8 rows too (read every tick like the layers)."""
+        swapped = super().use_int8_matmuls()
+        self.proj = nn.ModuleList(Int8Linear.from_linear(p) for p in self.proj)
+        self._packed = None
+        return swapped + len(self.proj)
 
     def rows_of_type(self, anchors: torch.Tensor, a: int) -> torch.Tensor:
         """anchors [..., >= a+1, H] (anchor states 0..) -> rows [..., H] of type a (differentiable)."""

@@ -48,8 +48,30 @@ def test_a_pdm_on_int8_matmuls_drafts_and_the_output_stays_greedy(arch, one_thre
     pdm = build_pdm(ecfg)
     assert isinstance(pdm.head, Int8Linear) and pdm.compute_dtype == torch.bfloat16
     assert not any(isinstance(m, nn.Linear) for m in pdm.stack.modules())
+    assert all(isinstance(p, Int8Linear) for p in pdm.proj)  # the anchor projections too
     prompt = random_prompts(ecfg.cfg, [9], seed=2)[0]
     with ReferenceExecutor(ecfg) as ex:
         res = ex.generate(prompt, 20)
     assert res.tokens == reference(ecfg, prompt, 20)
     assert res.verified > 0
+
+
+def test_int8_anchor_projections_give_each_row_its_types_projection(one_thread):
+    """The driver's rows over int8 projections (PDM.rows_from_ring): each row is its type's
+    projection of its slot's anchors 0..type, as the fp32 gather kernel computes, within bf16's
+    and int8's rounding; rows of one type share a product, in any order of types."""
+    ecfg = tiny_engine_config("llama", 4, True, pdm_dtype="float32")
+    fp32 = build_pdm(ecfg)
+    int8 = build_pdm(ecfg.replace(pdm_dtype="int8"))
+    m, H = fp32.plan.num_types, ecfg.cfg.hidden_size
+    ring = torch.randn(9, m, H)  # [S, m, H]
+    slots = torch.tensor([4, 0, 7, 2, 2, 5])
+    types = torch.tensor([m - 1, 0, 2, 1, m - 1, 0])
+    want = fp32.rows_from_ring(ring, slots, types).float()  # [R, H]
+    got = int8.rows_from_ring(ring, slots, types)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert (got.float() - want).abs().max() <= 0.03 * want.abs().max()
+    for r in range(len(slots)):  # a row alone, through the rows_of_type path the prefill takes
+        a = int(types[r])
+        alone = int8.rows_of_type(ring[slots[r]][None], a)[0].float()
+        assert torch.allclose(alone, got[r].float(), rtol=0, atol=1e-6 + 0.02 * float(alone.abs().max()))
