@@ -19,6 +19,24 @@ its margin over every other candidate exceeds twice the fp32 error bound of an H
 (gamma_H sum|h w|, any order); a near-tie or an exact tie (rare on real text) falls back to the full
 product. The token is therefore always `reference_argmax`'s, the plain full-head argmax.
 
+Several rows at once (a suffix run's exit rows, a batch's) take another product, since the
+bf16 kernel's time grows with the rows (one row 3.4 ms, 8 rows 12.5 on the SmolLM2 head, one EPYC
+thread) while an int8 x int8 product (`torch._int_mm`, exact int32 sums) hardly does. Each row of
+h is written as two int8 digits, h ~ c1 g1 + c2 g2 (c1 = max|h| / 127, c2 the same of the
+remainder's), so 2R int8 rows go through one product, and a_v = s_v (c1 <g1, q_v> + c2 <g2, q_v>).
+With D >= ||h - c1 g1 - c2 g2||_1 (computed in float64) each logit is within
+
+    e_v = s_v [(1/2 + 1e-4)(||h||_1 + D) + 127 D + 127 gamma_H ||h||_1 + 127 * 2^-20 (||h||_1 + H c1)] + 1e-5
+
+of the fp32 one: W's int8 rounding over h's digits, h's remainder against |W| <= 127 s_v, the
+fp32 reference's own accumulation, and the fp32 arithmetic that turns the sums into logits.
+`argmax_rows` uses it from ROWS_INT8_MIN rows, for hidden sizes up to ROWS_INT8_MAX_H, where
+`torch._int_mm` exists and a probe at construction finds it within the bound; the candidates are
+settled in fp32 as for one row. Fewer rows, or a wider head, stay on the bf16 kernel: on a 2-core
+AMD EPYC, one thread, the int8 x int8 product took 0.8-1.0x the bf16 kernel's time at 1-4 rows and
+1.4-1.6x less at 5-8 for H of 576 to 1536 (SmolLM2, Qwen2.5-0.5B's 151936 x 896), but not at H =
+2048 (`spd measure screen-rows-time [--shape V,H]`).
+
 Only where it pays and is sound: a CPU, an fp32 head, torch's int8 kernel present and H a multiple
 of 16 (the kernel's vector width; other widths gave wrong results in testing). A probe at
 construction checks the kernel against plain torch and refuses the screen (`ScreenedHead.build`
@@ -29,6 +47,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+ROWS_INT8_MIN = 5  # rows from which argmax_rows takes the int8 x int8 product (module docstring)
+ROWS_INT8_MAX_H = 1536  # ... for hidden sizes up to this
 SLACK = 1.05  # on s_v ||h||_1: 0.5 (W's int8 rounding) + 0.496 (h in bf16) + fp32 accumulation (small H)
 RESULT_REL = 1.0 / 128  # the bf16 result's rounding, 2^-8 |a|, doubled
 ABS_FLOOR = 1e-5
@@ -62,6 +82,19 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s16
 
 
+def int8_digits(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [R, H] fp32 -> (digits [2R, H] int8: rows g1 then rows g2, c1 [R, 1], c2 [R, 1] fp32, and D [R]
+    float64 >= ||h - c1 g1 - c2 g2||_1): h's rows as two int8 digits each."""
+    c1 = (h.abs().amax(-1, keepdim=True) / 127.0).clamp(min=1e-30)  # [R, 1]
+    g1 = torch.round(h / c1).clamp(-127, 127)
+    rest = h - c1 * g1  # [R, H]: only g2 depends on its rounding; D is exact either way
+    c2 = (rest.abs().amax(-1, keepdim=True) / 127.0).clamp(min=1e-30)
+    g2 = torch.round(rest / c2).clamp(-127, 127)
+    # float64: each product of an fp32 scale and an integer up to 127 is exact, the sums nearly
+    d = (h.double() - c1.double() * g1.double() - c2.double() * g2.double()).abs().sum(-1) * (1 + 1e-9)
+    return torch.cat([g1, g2]).to(torch.int8), c1, c2, d
+
+
 class ScreenedHead:
     """The int8 screen of one head weight (kept by reference for the fp32 recomputation)."""
 
@@ -70,6 +103,8 @@ class ScreenedHead:
         self.weight = weight  # [V, H] fp32, shared with the model
         self.q, self.scales = quantize_rows(weight.detach())  # [V, H] int8, [V] bf16
         self.slack = self.scales.float() * slack_coefficient(weight.shape[1])  # [V]
+        # several rows through the int8 x int8 product (where it pays: ROWS_INT8_MIN, ROWS_INT8_MAX_H)
+        self.rows_int8 = hasattr(torch, "_int_mm") and weight.shape[1] <= ROWS_INT8_MAX_H
         self.last_candidates = 0  # rows recomputed by the last call (tests, profiling)
         self.fallbacks = 0  # calls that needed the full product (near-ties)
 
@@ -87,6 +122,13 @@ class ScreenedHead:
                 a, e = screen.bounds(h)
                 if bool(((a - F.linear(h, weight)).abs() > e).any()):
                     return None
+            if screen.rows_int8:  # the several-row product too, else those rows take the bf16 kernel
+                h = torch.randn(3, weight.shape[1], generator=gen) * torch.tensor([[0.1], [1.0], [30.0]])
+                try:
+                    a, e = screen.bounds_rows(h)
+                    screen.rows_int8 = not bool(((a - F.linear(h, weight)).abs() > e).any())
+                except RuntimeError:  # a torch whose _int_mm refuses these shapes on this CPU
+                    screen.rows_int8 = False
         return screen
 
     def bounds(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,13 +145,30 @@ class ScreenedHead:
         a, e = self.bounds(h)
         return self._settle(h, a, e)
 
+    def bounds_rows(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Approximate logits a [R, V] and bounds e [R, V] for h [R, H] fp32 from one int8 x int8
+        product of h's two int8 digits per row (the module docstring's several-row bound)."""
+        R, H = h.shape
+        digits, c1, c2, d = int8_digits(h)
+        sums = torch._int_mm(digits, self.q.t()).float()  # [2R, V]: exact int32 sums, then fp32
+        s = self.scales.float()  # [V]
+        a = (c1 * sums[:R] + c2 * sums[R:]) * s  # [R, V]
+        gamma = H * 2.0 ** -24 / (1 - H * 2.0 ** -24)
+        l1, d = h.abs().sum(-1, keepdim=True).double(), d[:, None]  # [R, 1]
+        c = (0.5 + 1e-4) * (l1 + d) + 127 * d + 127 * gamma * l1 + 127 * 2.0 ** -20 * (l1 + H * c1.double())
+        return a, s * c.float() + ABS_FLOOR
+
     @torch.no_grad()
     def argmax_rows(self, h: torch.Tensor) -> list[int]:
-        """`argmax` of every row of h [R, H] fp32, the screen's int8 product run once for all rows
-        (a suffix run's exit rows): each row's bound is the one-row bound, whatever the kernel's order."""
+        """`argmax` of every row of h [R, H] fp32, one product for all rows (a suffix run's exit rows,
+        a batch's): the int8 x int8 one where it passed its probe, else the bf16 kernel's; each row
+        settled alone, its bound whatever the kernel's order."""
         assert h.dim() == 2, f"rows [R, H], got {tuple(h.shape)}"
-        a = torch._weight_int8pack_mm(h.to(torch.bfloat16), self.q, self.scales).float()  # [R, V]
-        e = self.slack * h.abs().sum(-1, keepdim=True) + a.abs() * RESULT_REL + ABS_FLOOR  # [R, V]
+        if self.rows_int8 and h.shape[0] >= ROWS_INT8_MIN:
+            a, e = self.bounds_rows(h)
+        else:
+            a = torch._weight_int8pack_mm(h.to(torch.bfloat16), self.q, self.scales).float()  # [R, V]
+            e = self.slack * h.abs().sum(-1, keepdim=True) + a.abs() * RESULT_REL + ABS_FLOOR  # [R, V]
         return [self._settle(h[r], a[r], e[r]) for r in range(h.shape[0])]
 
     def _settle(self, h: torch.Tensor, a: torch.Tensor, e: torch.Tensor) -> int:

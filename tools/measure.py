@@ -18,6 +18,7 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
     "pdm-budget": ("pdm_budget", "how many PDM layers K hide behind a stage, on a compute profile"),
     "pdm-vocab-time": ("pdm_vocab_time", "the PDM's step time against the draft vocabulary's size"),
     "stage-width-time": ("spd_engine.bench.stage_width_time", "the cost of a W-row stage step against one row"),
+    "screen-rows-time": ("screen_rows_time", "the head screen's product for R rows: bf16 kernel against int8 x int8"),
     "suffix-time": ("suffix_time", "the suffix index's time per tick on cached references"),
     "sync-time": ("spd_engine.bench.sync_time", "the cost of one host sync on a device"),
     "tp-agreement": ("tp_agreement", "greedy tokens of a TP split against the unsharded model"),
