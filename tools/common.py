@@ -240,11 +240,19 @@ def default_head(model: str, n: int, mode: str = "spd") -> str:
     candidate = REPO_HEADS / f"{model}-n{n}"
     if (candidate / "pdm.json").is_file():
         return str(candidate)
+    from spd_engine.train.carried_head import is_carried
+
+    return carried_or_given(str(candidate), model) if is_carried(candidate) else "random"
+
+
+def carried_or_given(spec: str, model: str) -> str:
+    """A head directory as given, or, where it holds a carried-head manifest (a head carried over
+    to another split, `carried.json`), the head it builds into the cache on first use."""
     from spd_engine.train.carried_head import is_carried, materialize
 
-    if is_carried(candidate):  # shipped as a manifest: built from its source head on first use
-        return str(materialize(candidate, model_config(resolve_model(model)[0])))
-    return "random"
+    if spec == "random" or not is_carried(Path(spec)):
+        return spec
+    return str(materialize(Path(spec), model_config(resolve_model(model)[0])))
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", mode_flags: bool = True,
@@ -256,8 +264,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
                    help="built-in name, engine checkpoint dir, HF dir, GGUF file, model id in the local "
                         "Hugging Face cache (org/name[@revision]), or random:<preset>")
     g.add_argument("--spec", default=None,
-                   help="PDM head directory, or 'random' (default: the shipped head for the model and n, "
-                        "else an untrained one)")
+                   help="PDM head directory (or a carried-head manifest's, built on first use), or 'random' "
+                        "(default: the shipped head for the model and n, else an untrained one)")
     g.add_argument("--stages", "--pipeline-parallel-size", "-pp", dest="stages", type=int, default=4,
                    help="pipeline stages n (vLLM's spellings accepted)")
     g.add_argument("--stage-layers", default=None, help="explicit split, e.g. 8,8,7,7 (default: even split)")
@@ -372,7 +380,7 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used:
     n = 1 if mode in ("ar", "tp", "eagle") else args.stages
     topo = Topology.build(cfg.num_layers, n=None if args.stage_layers else n, stage_layers=args.stage_layers,
                           colocate=getattr(args, "colocate", False), tp=args.tp)
-    spec = args.spec or default_head(args.model, topo.n)
+    spec = carried_or_given(args.spec, args.model) if args.spec else default_head(args.model, topo.n)
     eagle_head = args.eagle_head or default_head(args.model, 1, "eagle")
     _check_ignored_engine_flags(args, mode, spec, seed_used, eagle_head if eagle_used or mode == "eagle" else None)
     backend = args.backend or ("nccl" if str(args.device).startswith("cuda") else run_default("backend"))
