@@ -144,18 +144,32 @@ def read_pdm_config(path: str | Path) -> tuple[PDMConfig, dict]:
     return PDMConfig.from_dict(meta["config"]), meta
 
 
-def check_pdm_matches(pcfg: PDMConfig, target: ModelConfig, stage_layers: tuple[int, ...]) -> None:
-    """Clear errors for a head trained for another model or another stage split."""
+def check_pdm_matches(pcfg: PDMConfig, target: ModelConfig, stage_layers: tuple[int, ...]) -> PDMConfig:
+    """The head's config for this run's split, or clear errors for a head trained for another model
+    or a split it cannot serve. A head serves another split of the same n when each depth selects
+    the same aggregation type there (its anchors, fixed layers, fall in the same stages): its rows,
+    and so its drafts, are then the same (e.g. anchors 0, 12, 23 at 12/12 or at 14/10)."""
     check_fingerprint(pcfg.target_fingerprint, target, PDM_FILES)
-    if tuple(pcfg.stage_layers) != tuple(stage_layers):
-        raise ValueError(f"PDM head was trained for n={pcfg.n} stages with layers {list(pcfg.stage_layers)}; "
-                         f"this run uses n={len(stage_layers)} with layers {list(stage_layers)}")
+    if tuple(pcfg.stage_layers) == tuple(stage_layers):
+        return pcfg
+    trained = f"PDM head was trained for n={pcfg.n} stages with layers {list(pcfg.stage_layers)}"
+    here = f"this run uses n={len(stage_layers)} with layers {list(stage_layers)}"
+    if len(stage_layers) != pcfg.n or sum(stage_layers) != sum(pcfg.stage_layers):
+        raise ValueError(f"{trained}; {here}")
+    moved = dataclasses.replace(pcfg, stage_layers=tuple(stage_layers))
+    try:
+        same = moved.plan().depth_types == pcfg.plan().depth_types
+    except ValueError:  # an anchor no depth selects under the new split
+        same = False
+    if not same:
+        raise ValueError(f"{trained}; {here}, where its anchors {list(pcfg.anchors)} fall in other stages")
+    return moved
 
 
 def load_pdm(path: str | Path, target: ModelConfig, stage_layers: tuple[int, ...], device=None,
              dtype=torch.float32) -> PDM:
     pcfg, _ = read_pdm_config(path)
-    check_pdm_matches(pcfg, target, stage_layers)
+    pcfg = check_pdm_matches(pcfg, target, stage_layers)
     pdm = PDM(target, pcfg, device=device, dtype=dtype)
     state, wpath = read_head_state(path, PDM_FILES, dtype)
     expected = pdm.state_dict()

@@ -310,7 +310,14 @@ class RunConfig:
         return BranchPolicy(self.branches, self.branch_when)
 
     def plan(self) -> AnchorPlan:
-        return AnchorPlan.build(self.topology.bounds, self.anchors)
+        """The anchor plan: `anchors` when given, else a trained head's own (an SPD run's head reads
+        the states its projections were trained on, whatever the split), else the defaults."""
+        anchors = self.anchors
+        if anchors is None and self.mode == "spd" and self.pdm != "random":
+            from spd_engine.engine.model.pdm import read_pdm_config
+
+            anchors = read_pdm_config(self.pdm)[0].anchors
+        return AnchorPlan.build(self.topology.bounds, anchors)
 
     def threads_per_rank(self, ranks_on_host: int | None = None) -> int:
         if self.threads is not None:
