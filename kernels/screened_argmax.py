@@ -133,8 +133,13 @@ class ScreenedHead:
 
     def bounds(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Approximate logits a [V] (fp32 from bf16) and their error bounds e [V] for h [H] fp32."""
-        a = torch._weight_int8pack_mm(h.to(torch.bfloat16)[None], self.q, self.scales)[0].float()  # [V]
-        e = self.slack * h.abs().sum() + a.abs() * RESULT_REL + ABS_FLOOR  # [V]
+        a, e = self.bounds_rows_bf16(h[None])
+        return a[0], e[0]
+
+    def bounds_rows_bf16(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`bounds` of every row of h [R, H] fp32 from one bf16-kernel product: a, e [R, V]."""
+        a = torch._weight_int8pack_mm(h.to(torch.bfloat16), self.q, self.scales).float()  # [R, V]
+        e = self.slack * h.abs().sum(-1, keepdim=True) + a.abs() * RESULT_REL + ABS_FLOOR  # [R, V]
         return a, e
 
     @torch.no_grad()
@@ -164,11 +169,8 @@ class ScreenedHead:
         a batch's): the int8 x int8 one where it passed its probe, else the bf16 kernel's; each row
         settled alone, its bound whatever the kernel's order."""
         assert h.dim() == 2, f"rows [R, H], got {tuple(h.shape)}"
-        if self.rows_int8 and h.shape[0] >= ROWS_INT8_MIN:
-            a, e = self.bounds_rows(h)
-        else:
-            a = torch._weight_int8pack_mm(h.to(torch.bfloat16), self.q, self.scales).float()  # [R, V]
-            e = self.slack * h.abs().sum(-1, keepdim=True) + a.abs() * RESULT_REL + ABS_FLOOR  # [R, V]
+        use_int8 = self.rows_int8 and h.shape[0] >= ROWS_INT8_MIN
+        a, e = self.bounds_rows(h) if use_int8 else self.bounds_rows_bf16(h)
         return [self._settle(h[r], a[r], e[r]) for r in range(h.shape[0])]
 
     def _settle(self, h: torch.Tensor, a: torch.Tensor, e: torch.Tensor) -> int:

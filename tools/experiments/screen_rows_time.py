@@ -14,13 +14,7 @@ import time
 import torch
 
 from spd_engine.engine.runtime.run_config import PRESETS
-from spd_engine.kernels.screened_argmax import ABS_FLOOR, RESULT_REL, ScreenedHead, supported
-
-
-def bf16_bounds(screen: ScreenedHead, h: torch.Tensor) -> torch.Tensor:
-    """What argmax_rows computes for h [R, H] without the int8 x int8 product: logits and bounds."""
-    a = torch._weight_int8pack_mm(h.to(torch.bfloat16), screen.q, screen.scales).float()  # [R, V]
-    return screen.slack * h.abs().sum(-1, keepdim=True) + a.abs() * RESULT_REL + ABS_FLOOR
+from spd_engine.kernels.screened_argmax import ScreenedHead, supported
 
 
 @torch.no_grad()
@@ -35,7 +29,7 @@ def time_rows(V: int, H: int, rows: list[int], iters: int = 40, warmup: int = 5)
         h = torch.randn(R, H)  # [R, H]
         times: tuple[list[float], list[float]] = ([], [])
         for i in range(warmup + iters):
-            for k, f in enumerate((lambda: bf16_bounds(screen, h), lambda: screen.bounds_rows(h))):
+            for k, f in enumerate((lambda: screen.bounds_rows_bf16(h), lambda: screen.bounds_rows(h))):
                 t0 = time.perf_counter()
                 f()
                 if i >= warmup:
