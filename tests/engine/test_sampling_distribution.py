@@ -394,7 +394,7 @@ def test_spd_samples_the_target_distribution_small(one_thread):
     report(f"{POOR_TOPK.name} accept-always", blatant, judge(blatant, joint))
     assert chi_square_pvalue(blatant.counts, joint) == 0.0  # a cell of probability 0 was hit
 
-    stale = draw(POOR_TOPK, range(STALE_PREFIX), broken="stale-q")
+    stale = draw_parallel(POOR_TOPK, range(STALE_PREFIX), broken="stale-q")
     verdict = judge(stale, joint)
     report(f"{POOR_TOPK.name} stale-q", stale, verdict)
     assert stale.outputs != good.outputs[:STALE_PREFIX]  # the override really changes outputs
@@ -411,7 +411,7 @@ def test_suffix_drafts_sample_the_target_distribution_small(one_thread):
     report(f"{SUFFIX_TOPK.name} correct", good, verdict)
     assert verdict.passes, verdict
     assert good.suffix_verified > 0.3 * good.verified  # the suffix source really drafts
-    bad = draw(SUFFIX_TOPK, range(STALE_PREFIX), broken="suffix-uniform")
+    bad = draw_parallel(SUFFIX_TOPK, range(STALE_PREFIX), broken="suffix-uniform")
     verdict = judge(bad, joint)
     report(f"{SUFFIX_TOPK.name} suffix-uniform", bad, verdict)
     assert bad.outputs != good.outputs[:STALE_PREFIX]
@@ -428,7 +428,7 @@ def test_suffix_runs_sample_the_target_distribution_small(one_thread):
     report(f"{RUN_TOPK.name} correct", good, verdict)
     assert verdict.passes, verdict
     assert good.run_verified > 0.15 * SMALL  # runs really travel (in about a quarter of the requests)
-    bad = draw(RUN_TOPK, range(STALE_PREFIX), broken="run-unverified")
+    bad = draw_parallel(RUN_TOPK, range(STALE_PREFIX), broken="run-unverified")
     verdict = judge(bad, joint)
     report(f"{RUN_TOPK.name} run-unverified", bad, verdict)
     assert bad.outputs != good.outputs[:STALE_PREFIX]
@@ -449,7 +449,7 @@ def test_branch_candidates_sample_the_target_distribution_small(one_thread):
     print(f"power against a {SMALL_SHIFT} TV shift at N={BRANCH_SMALL}: {detect:.3f}")
     assert detect >= 0.8
     assert good.branch_points >= BRANCH_SMALL and good.branch_saves > 0.02 * BRANCH_SMALL  # later candidates commit
-    bad = draw(BRANCH_TOPK, range(STALE_PREFIX), broken="forget-residual")
+    bad = draw_parallel(BRANCH_TOPK, range(STALE_PREFIX), broken="forget-residual")
     verdict = judge(bad, joint)
     report(f"{BRANCH_TOPK.name} forget-residual", bad, verdict)
     assert bad.outputs != good.outputs[:STALE_PREFIX]
@@ -470,8 +470,8 @@ def other_exit(live_cls) -> Callable:
 
 
 def draw_batch(setup: Setup, seeds: Sequence[int], broken: bool = False) -> tuple[Draws, Draws]:
-    """Two requests per run (seeds in pairs), both live from tick 1 at B = 2: (every request's
-    counts, the second requests' counts)."""
+    """Two requests per run (seeds in pairs), both live from tick 1 at B = 2: (the first requests'
+    draws, the second requests' draws)."""
     from spd_engine.engine.runtime import batch_driver
 
     torch.set_num_threads(1)
@@ -495,8 +495,22 @@ def draw_batch(setup: Setup, seeds: Sequence[int], broken: bool = False) -> tupl
     finally:
         batch_driver._Live.__init__ = init
     dt = time.perf_counter() - t0
-    both = Draws(counts[0] + counts[1], outputs[0] + outputs[1], sum(verified), sum(accepted), 0, 0, dt)
-    return both, Draws(counts[1], outputs[1], verified[1], accepted[1], 0, 0, dt)
+    first, second = (Draws(counts[k], outputs[k], verified[k], accepted[k], 0, 0, dt) for k in (0, 1))
+    return first, second
+
+
+def draw_batch_parallel(setup: Setup, seeds: Sequence[int], broken: bool = False, workers: int = 2
+                        ) -> tuple[Draws, Draws]:
+    """`draw_batch` over `workers` processes, each a contiguous share of whole seed pairs: (every
+    request's draws, the first requests' outputs then the second requests', the second requests'
+    draws)."""
+    pairs = len(seeds) // 2
+    cuts = [2 * (i * pairs // workers) for i in range(workers + 1)]
+    seeds = list(seeds)
+    with mp.get_context("spawn").Pool(workers) as pool:
+        parts = pool.starmap(draw_batch, [(setup, seeds[a:b], broken) for a, b in zip(cuts, cuts[1:])])
+    first, second = Draws.merge([f for f, _ in parts]), Draws.merge([s for _, s in parts])
+    return Draws.merge([first, second]), second
 
 
 def test_two_live_requests_sample_the_target_distribution_small(one_thread):
@@ -504,14 +518,14 @@ def test_two_live_requests_sample_the_target_distribution_small(one_thread):
     request's output is its own solo seeded output; a driver whose second request verifies against
     the first request's exit rows fails on the second requests of 500 runs."""
     joint = exact_joint(conditionals(BATCH_TOPK))
-    good, _ = draw_batch(BATCH_TOPK, range(SMALL))
+    good, _ = draw_batch_parallel(BATCH_TOPK, range(SMALL))
     verdict = judge(good, joint)
     report(f"{BATCH_TOPK.name} correct", good, verdict)
     assert verdict.passes, verdict
     assert good.accepted < 0.8 * good.verified  # rejections, so residual draws happen
     solo = draw(BATCH_TOPK, range(0, 200))
     assert good.outputs[:100] == solo.outputs[0::2][:100] and good.outputs[SMALL // 2:][:100] == solo.outputs[1::2][:100]
-    _, bad = draw_batch(BATCH_TOPK, range(2 * STALE_PREFIX), broken=True)
+    _, bad = draw_batch_parallel(BATCH_TOPK, range(2 * STALE_PREFIX), broken=True)
     verdict = judge(bad, joint)
     report(f"{BATCH_TOPK.name} other-exit (second requests)", bad, verdict)
     assert bad.outputs != good.outputs[SMALL // 2:][:STALE_PREFIX]
