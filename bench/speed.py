@@ -25,6 +25,7 @@ import numpy as np
 from spd_engine.bench.hf_peer import HFPeer
 from spd_engine.bench.profiling import residual_per_tick_ms
 from spd_engine.bench.speedups import add_speedups
+from spd_engine.costmodel.cost_partitions import rebalanced_split
 from spd_engine.engine.runtime.run_config import RunConfig
 from spd_engine.engine.runtime.launch import launch
 from spd_engine.engine.protocol.metrics import GenerationResult
@@ -137,6 +138,22 @@ def colocated_residual(runs: list[list[GenerationResult]], traces: list[dict] | 
             "residual_tick_p90_ms": ticks[min(len(ticks) - 1, int(0.9 * len(ticks)))]}
 
 
+def split_advice(breakdown: dict[str, float], counts: Sequence[int], colocate: bool) -> dict:
+    """The split that balances an SPD run's measured per-tick costs (costmodel/cost_partitions.py
+    rebalanced_split): each stage's layers (its compute less a verifying head's), and besides them
+    the co-located driver's PDM and verification on stage 0's rank and the head on a verifying
+    last stage. Keys: stage_layers, busiest_ms (this split, from its parts), balanced_layers,
+    balanced_busiest_ms (predicted)."""
+    n = len(counts)
+    verify = [breakdown.get(f"stage{p}_verify_ms", 0.0) for p in range(n)]
+    layers = [breakdown[f"stage{p}_compute_ms"] - verify[p] for p in range(n)]
+    extra = list(verify)
+    if colocate:
+        extra[0] += breakdown["driver_pdm_ms"] + breakdown["driver_verify_ms"] + breakdown.get("driver_other_ms", 0.0)
+    best, best_ms, now_ms = rebalanced_split(list(counts), layers, extra)
+    return {"stage_layers": list(counts), "busiest_ms": now_ms, "balanced_layers": best, "balanced_busiest_ms": best_ms}
+
+
 def run_case(case: BenchCase, prompts: Sequence[list[int]], max_new: int, eos: Sequence[int], repeats: int,
              reference: list[list[int]] | None, synthetic_alpha: float | None, seed: int,
              progress: Progress) -> tuple[dict, list[list[int]], list[dict] | None]:
@@ -163,6 +180,9 @@ def run_case(case: BenchCase, prompts: Sequence[list[int]], max_new: int, eos: S
     summary.update(latency_summary(clocks))
     if case.name in ("spd-colocate", "spd-colocate-vd"):
         summary.update(colocated_residual(runs, trace))
+    if case.ecfg.mode == "spd" and case.ecfg.topology.n > 1 and summary["breakdown_ms_per_tick"]:
+        summary["split"] = split_advice(summary["breakdown_ms_per_tick"], case.ecfg.topology.stage_layers,
+                                        case.ecfg.topology.colocate)
     if case.ecfg.mode == "eagle" or (case.peer is not None and (case.peer.lookup_tokens or case.peer.assistant_dir)):
         summary["acceptance_length"] = summary["eal"]  # ticks are target passes and n = 1: tokens per pass
     if case.ecfg.mode != "spd":

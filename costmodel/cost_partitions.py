@@ -1,7 +1,8 @@
 """Stage splits for the cost model: the engine's default split (engine/protocol/topology.py
 default_stage_layers) is the even one; `balanced_partition` is the contiguous split that
-minimises the slowest stage, and `stage_times` turns a split into per-stage compute. Pure
-arithmetic: no torch. Times are milliseconds.
+minimises the slowest stage, and `stage_times` turns a split into per-stage compute;
+`rebalanced_split` applies it to a run's measured per-tick costs (`spd bench`). Pure arithmetic:
+no torch. Times are milliseconds.
 """
 from __future__ import annotations
 
@@ -53,3 +54,25 @@ def stage_times(profile: Profile, counts: list[int], shard_layer_ms: tuple[float
         out.append(sum(layers[start:start + c]) + c * per_layer_extra_ms + profile.stage_fixed_ms)
         start += c
     return out
+
+
+def rebalanced_split(counts: list[int], layers_ms: list[float], extra_ms: list[float]) -> tuple[list[int], float, float]:
+    """A run's split rebalanced from its own measured costs: `layers_ms[p]`, stage p's layers
+    together (each layer charged its stage's mean), `extra_ms[p]`, the rest of that rank's work
+    per tick (the co-located driver's PDM, a verifying last stage's head). Returns (the balanced
+    split, its predicted busiest rank, the measured split's busiest), all in ms."""
+    if not (len(counts) == len(layers_ms) == len(extra_ms)) or min(counts, default=0) < 1:
+        raise ValueError(f"split {counts}: need one layer time and one extra per stage, each stage >= 1 layer")
+    per_layer = tuple(t / c for t, c in zip(layers_ms, counts) for _ in range(c))
+
+    def busiest(split: list[int]) -> float:
+        out, start = [], 0
+        for c, e in zip(split, extra_ms):
+            out.append(sum(per_layer[start:start + c]) + e)
+            start += c
+        return max(out)
+
+    best, now = balanced_partition(per_layer, len(counts), list(extra_ms)), busiest(list(counts))
+    if busiest(best) >= now - 1e-9:  # no better than the run's own split: keep it
+        best = list(counts)
+    return best, busiest(best), now

@@ -211,6 +211,16 @@ def batch_rows(args: argparse.Namespace, bench_cases: list[BenchCase], prompts, 
     return rows
 
 
+def split_line(name: str, split: dict) -> str:
+    """One SPD row's split against the one that balances its measured per-tick costs."""
+    now = f"{name} split {split['stage_layers']}: busiest rank {split['busiest_ms']:.2f} ms per tick from its parts"
+    if split["balanced_layers"] == split["stage_layers"]:
+        return now + " (balanced for these costs: no other split has a less busy rank)"
+    layers = ",".join(map(str, split["balanced_layers"]))
+    return (now + f"; the split balancing them: {split['balanced_layers']}, predicted {split['balanced_busiest_ms']:.2f} "
+            f"ms (--stage-layers {layers})")
+
+
 def run(args: argparse.Namespace) -> int:
     from spd_engine.engine.model.tokenizer import Tokenizer
     from spd_engine.engine.runtime.request_inputs import encode_prompts
@@ -256,6 +266,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{colo['name']} residual (tick - busiest rank's compute: stage 0 + PDM + driver verify, or a later "
               f"stage's): mean {colo['residual_ms']:.3f} ms, per tick p50 {colo['residual_tick_p50_ms']:.3f} / "
               f"p90 {colo['residual_tick_p90_ms']:.3f} ms (last repeat, {colo['residual_ticks']} ticks)", file=out)
+    for row in (r for r in report["rows"] if r.get("split")):
+        print(split_line(row["name"], row["split"]), file=out)
     if args.timeline and "spd" in report["traces"]:
         from spd_engine.bench.timeline import plot_timeline
 

@@ -8,7 +8,7 @@ import pytest
 
 from spd_engine.costmodel.cost_inputs import HEADER_BYTES, MESSAGE_PARTS, AlphaCurve, LinkModel, Profile
 from spd_engine.costmodel.cost_model_spd import SpdCase, eal_for_request, predict_spd, simulate_spd, spd_cycles
-from spd_engine.costmodel.cost_partitions import balanced_partition
+from spd_engine.costmodel.cost_partitions import balanced_partition, rebalanced_split
 from spd_engine.engine.protocol.schedule import decode_ticks, expected_eal
 
 pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
@@ -96,6 +96,22 @@ def test_balanced_partition_moves_layers_off_the_driver_stage():
     assert balanced_partition((1.0,) * 8, 2, [2.0, 0.0]) == [3, 5]
     # no extra work: the most even split of uneven layers
     assert balanced_partition((4.0, 1.0, 1.0, 1.0, 1.0), 2, [0.0, 0.0]) == [1, 4]
+
+
+def test_rebalanced_split_from_a_runs_measured_costs():
+    """Each layer is charged its stage's mean; a split no better than the run's stays the run's."""
+    # Qwen2.5-0.5B's co-located n=2 run at 12/12: stage 0's layers 46.75 ms + the PDM 5.2, stage 1's
+    # 46.0 + the head 21.0: moving two of stage 1's layers (3.833 ms each) to stage 0 gives 59.6 ms
+    best, best_ms, now_ms = rebalanced_split([12, 12], [46.75, 46.0], [5.2, 21.0])
+    assert best == [14, 10] and now_ms == pytest.approx(67.0)
+    assert best_ms == pytest.approx(max(46.75 + 2 * 46.0 / 12 + 5.2, 10 * 46.0 / 12 + 21.0))
+    # SmolLM2's 15/15: 19.93 + 3.9 against 19.53 + 4.71; 16/14 would load rank 0 with 25.2
+    assert rebalanced_split([15, 15], [19.93, 19.53], [3.9, 4.71]) == ([15, 15], pytest.approx(24.24),
+                                                                       pytest.approx(24.24))
+    # a layer is charged where it was measured: stage 1's slow layers do not move to stage 0 cheaply
+    assert rebalanced_split([2, 2], [2.0, 8.0], [0.0, 0.0])[0] == [3, 1]
+    with pytest.raises(ValueError, match="one layer time and one extra per stage"):
+        rebalanced_split([15, 15], [19.9], [0.0, 0.0])
 
 
 def test_link_model_from_netbench_interpolates():

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from spd_engine.bench.chrome_trace import trace_events
-from spd_engine.bench.speed import TokenClock, latency_summary
+from spd_engine.bench.speed import TokenClock, latency_summary, split_advice
 from spd_engine.engine.model.model_config import tiny_config
 from spd_engine.tools.cli import main
 
@@ -27,6 +27,21 @@ def test_latency_definitions():
 def synthetic_trace() -> dict:
     return {"driver": [(1, "pdm", 1.000, 1.002), (1, "verify", 1.002, 1.0025), (2, "send", 1.003, 1.0031)],
             "stages": [[(0.999, 1.0005, 1.004)], [(1.001, 1.004, 1.006)]]}
+
+
+def test_split_advice_balances_the_ranks_measured_work():
+    """The co-located driver's PDM and verification count on stage 0's rank, a verifying last
+    stage's head on its own; with the driver on a rank of its own only the stages' work counts.
+    (Medians of a real Qwen2.5-0.5B run at 12/12 on a 2-core host.)"""
+    b = {"stage0_compute_ms": 46.75, "stage1_compute_ms": 67.01, "stage1_verify_ms": 21.01,
+         "driver_pdm_ms": 5.03, "driver_verify_ms": 0.02, "driver_other_ms": 0.14, "tick_ms": 66.95}
+    co = split_advice(b, (12, 12), colocate=True)
+    assert co["stage_layers"] == [12, 12] and co["busiest_ms"] == pytest.approx(67.01)
+    assert co["balanced_layers"] == [14, 10] and co["balanced_busiest_ms"] < 60.0
+    apart = split_advice({**b, "driver_pdm_ms": 40.0}, (12, 12), colocate=False)  # the PDM's rank is not a stage:
+    assert apart["balanced_layers"] == [15, 9]  # max(15 x 3.896, 9 x 3.833 + 21.01)
+    heavy = split_advice({**b, "driver_pdm_ms": 40.0}, (12, 12), colocate=True)  # a heavy PDM beside stage 0:
+    assert heavy["balanced_layers"] == [9, 15]  # max(9 x 3.896 + 40.16, 15 x 3.833 + 21.01)
 
 
 def test_chrome_trace_events_follow_the_trace_event_format():
@@ -197,6 +212,9 @@ def test_bench_reports_the_colocated_residual_per_tick(tmp_path, capsys):
     assert 0 < row["residual_tick_p50_ms"] <= row["residual_tick_p90_ms"]
     printed = capsys.readouterr().out
     assert "spd-colocate residual" in printed
+    assert row["split"]["stage_layers"] == [3, 3] and sum(row["split"]["balanced_layers"]) == 6
+    assert "spd-colocate split [3, 3]: busiest rank" in printed
+    assert "split" not in next(r for r in json.loads(out.read_text())["rows"] if r["name"] == "ar")
     # the ratio to ar is taken per repeat (repeat i over ar's repeat i), its median and range reported
     ar = next(r for r in json.loads(out.read_text())["rows"] if r["name"] == "ar")
     per = [a / b for a, b in zip(row["decode_tok_s_per_repeat"], ar["decode_tok_s_per_repeat"])]
