@@ -21,3 +21,14 @@ def test_a_head_the_screen_cannot_take_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
         main(["--shape", "512,60"])  # H not a multiple of the kernel's 16
     assert "do not run here" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [(["--shape", "512"], "--shape takes 2 integers"),
+                                          (["--shape", "512,0"], "--shape takes 2 integers"),
+                                          (["--rows", "0"], "--rows takes integers >= 1"),
+                                          (["--rows", "a"], "--rows takes integers >= 1"),
+                                          (["--threads", "0"], "--threads must be >= 1")])
+def test_bad_arguments_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err

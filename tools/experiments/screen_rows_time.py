@@ -38,6 +38,18 @@ def time_rows(V: int, H: int, rows: list[int], iters: int = 40, warmup: int = 5)
     return out
 
 
+def positive_ints(p: argparse.ArgumentParser, flag: str, value: str, count: int | None = None) -> list[int]:
+    """A comma-separated list of integers >= 1 (exactly `count` of them when given), else a usage error."""
+    try:
+        out = [int(x) for x in value.split(",")]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1 or (count is not None and len(out) != count):
+        what = f"{count} integers >= 1" if count is not None else "integers >= 1"
+        p.error(f"{flag} takes {what}, comma-separated, got {value!r}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="spd measure screen-rows-time", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="smollm2-135m", choices=sorted(PRESETS))
@@ -45,11 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="1,2,4,6,8")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
+    rows = positive_ints(p, "--rows", args.rows)
+    cfg = PRESETS[args.preset]
+    V, H = positive_ints(p, "--shape", args.shape, 2) if args.shape else (cfg.vocab_size, cfg.hidden_size)
+    if args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     try:
-        rows = [int(x) for x in args.rows.split(",")]
-        cfg = PRESETS[args.preset]
-        V, H = (int(x) for x in args.shape.split(",")) if args.shape else (cfg.vocab_size, cfg.hidden_size)
         result = time_rows(V, H, rows)
     except ValueError as err:
         p.error(str(err))
