@@ -18,8 +18,9 @@ from spd_engine.bench.hf_peer import DEFAULT_LOOKUP_TOKENS, HFPeer
 from spd_engine.bench.speed import BenchCase, bench
 from spd_engine.bench.speedups import BASELINES, head_budget_note, noisy_lines, ratio_cell
 from spd_engine.bench.stats import format_table
-from spd_engine.tools.common import REPO_HEADS, add_engine_arguments, add_json_argument, engine_config, \
-    hf_model_dir, load_prompts, refuse_ignored, write_json
+from spd_engine.engine.runtime.measured_split import BALANCED
+from spd_engine.tools.common import REPO_HEADS, add_engine_arguments, add_json_argument, balanced_split, \
+    engine_config, hf_model_dir, load_prompts, refuse_ignored, split_key, split_store, write_json
 
 CONFIGS = ("ar", "pp", "spd", "spd-w1", "spd-colocate", "spd-colocate-vd", "spd-colocate-1", "spd-overlap", "eagle", "hf",
            "hf-lookup",
@@ -98,9 +99,12 @@ def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
         out.append(BenchCase("spd-w1", ecfg.replace(mode="spd", branches=1,
                                                     topology=dataclasses.replace(topo, colocate=False))))
     if "spd-colocate" in names:  # always traced: its per-tick residual (bench/speed.py)
-        out.append(BenchCase("spd-colocate", ecfg.replace(mode="spd", overlap_stage0=False,
-                                                          topology=dataclasses.replace(topo, colocate=True),
-                                                          trace=True)))
+        colo = ecfg.replace(mode="spd", overlap_stage0=False, topology=dataclasses.replace(topo, colocate=True),
+                            trace=True)
+        if getattr(args, "stage_layers", None) == BALANCED:  # the co-located driver's costs have a record of their own
+            colo, why = balanced_split(colo, colocate=True)
+            print(f"spd-colocate, --stage-layers balanced: {why}", file=sys.stderr)
+        out.append(BenchCase("spd-colocate", colo))
     if "spd-colocate-vd" in names:  # the same, verifying on the driver (--verify-at driver): what moving it buys
         out.append(BenchCase("spd-colocate-vd", ecfg.replace(mode="spd", overlap_stage0=False, verify_at="driver",
                                                              topology=dataclasses.replace(topo, colocate=True),
@@ -211,6 +215,18 @@ def batch_rows(args: argparse.Namespace, bench_cases: list[BenchCase], prompts, 
     return rows
 
 
+def record_splits(rows: list[dict], bench_cases: list[BenchCase], out) -> None:
+    """Keep each SPD row's split advice for `--stage-layers balanced` (engine/runtime/measured_split.py)."""
+    store = split_store()
+    for row in (r for r in rows if r.get("split") and r["name"] in ("spd", "spd-colocate")):  # the default drivers
+        case = next(c for c in bench_cases if c.name == row["name"])
+        if case.ecfg.branches not in (None, 1):  # a branching run's costs are not the default run's
+            continue
+        store.record(split_key(case.ecfg), row["split"], case.ecfg.pdm)
+        print(f"{row['name']}: its balanced split {row['split']['balanced_layers']} recorded for "
+              f"--stage-layers balanced ({store.path})", file=out)
+
+
 def split_line(name: str, split: dict) -> str:
     """One SPD row's split against the one that balances its measured per-tick costs."""
     now = f"{name} split {split['stage_layers']}: busiest rank {split['busiest_ms']:.2f} ms per tick from its parts"
@@ -268,6 +284,8 @@ def run(args: argparse.Namespace) -> int:
               f"p90 {colo['residual_tick_p90_ms']:.3f} ms (last repeat, {colo['residual_ticks']} ticks)", file=out)
     for row in (r for r in report["rows"] if r.get("split")):
         print(split_line(row["name"], row["split"]), file=out)
+    if args.synthetic_alpha is None:
+        record_splits(report["rows"], bench_cases, out)
     if args.timeline and "spd" in report["traces"]:
         from spd_engine.bench.timeline import plot_timeline
 

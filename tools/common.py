@@ -16,12 +16,14 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 
 from spd_engine.engine.protocol.branching import WHEN
 from spd_engine.engine.runtime.run_config import (DEFAULT_BRANCHES, DEFAULT_SUFFIX_RUN, MODES, PRESETS, STEP_MODES, TRANSPORTS, VERIFY_AT, RunConfig,
                                           random_preset)
 from spd_engine.engine.protocol.topology import Topology
+from spd_engine.engine.runtime.measured_split import BALANCED
 
 REPO_HEADS = Path(__file__).resolve().parents[1] / "heads"  # site-packages/spd_engine/heads when installed
 BUILTIN_MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
@@ -268,7 +270,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
                         "(default: the shipped head for the model and n, else an untrained one)")
     g.add_argument("--stages", "--pipeline-parallel-size", "-pp", dest="stages", type=int, default=4,
                    help="pipeline stages n (vLLM's spellings accepted)")
-    g.add_argument("--stage-layers", default=None, help="explicit split, e.g. 8,8,7,7 (default: even split)")
+    g.add_argument("--stage-layers", default=None,
+                   help="explicit split, e.g. 8,8,7,7, or 'balanced': the split balancing the per-tick costs "
+                        "`spd bench` measured for this model, n and device (default: even split)")
     g.add_argument("--tp", "--tensor-parallel-size", "-tp", dest="tp", type=int, default=1,
                    help="tensor-parallel ranks per stage T (must divide the heads and KV heads; world n*T (+1))")
     if mode_flags:
@@ -378,7 +382,9 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used:
     engine_spec, tok_dir = resolve_model(args.model)
     cfg = model_config(engine_spec)
     n = 1 if mode in ("ar", "tp", "eagle") else args.stages
-    topo = Topology.build(cfg.num_layers, n=None if args.stage_layers else n, stage_layers=args.stage_layers,
+    balanced = args.stage_layers == BALANCED
+    given = None if balanced else args.stage_layers
+    topo = Topology.build(cfg.num_layers, n=None if given else n, stage_layers=given,
                           colocate=getattr(args, "colocate", False), tp=args.tp)
     spec = carried_or_given(args.spec, args.model) if args.spec else default_head(args.model, topo.n)
     eagle_head = args.eagle_head or default_head(args.model, 1, "eagle")
@@ -400,7 +406,53 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used:
                      weight_layout=getattr(args, "weight_layout", run_default("weight_layout")),
                      branches=getattr(args, "branches", None),
                      branch_when=getattr(args, "branch_when", run_default("branch_when")))
+    if balanced and topo.n > 1:
+        ecfg, why = (balanced_split(ecfg, topo.colocate) if mode == "spd" else
+                     (ecfg, f"splits are measured for SPD runs: the even split {list(topo.stage_layers)}"))
+        print(f"--stage-layers balanced: {why}", file=sys.stderr)
     return ecfg, tok_dir
+
+
+def split_store():
+    """The measured splits (engine/runtime/measured_split.py): `$SPD_MEASURED_SPLITS`, else a file in
+    the engine's cache."""
+    from spd_engine.checkpoint_tools.fetch import cache_root
+    from spd_engine.engine.runtime.measured_split import FILE_NAME, SplitStore
+
+    return SplitStore(Path(os.environ.get("SPD_MEASURED_SPLITS") or cache_root() / FILE_NAME))
+
+
+def split_key(ecfg: RunConfig):
+    """The measured-split key of this run's model, n, T, driver placement, device and threads."""
+    from spd_engine.engine.runtime.measured_split import SplitKey, device_name
+
+    topo = ecfg.topology
+    return SplitKey(Path(ecfg.model).name, topo.n, topo.tp, topo.colocate,
+                    device_name(ecfg.device, ecfg.threads_per_rank()))
+
+
+def balanced_split(ecfg: RunConfig, colocate: bool) -> tuple[RunConfig, str]:
+    """`ecfg` at the recorded balanced split for its key with the driver placed as `colocate` says
+    (else the even split), and why."""
+    from spd_engine.engine.model.pdm import check_pdm_matches, read_pdm_config
+    from spd_engine.engine.protocol.topology import default_stage_layers
+    from spd_engine.engine.runtime.measured_split import balanced_choice
+
+    topo = dataclasses.replace(ecfg.topology, colocate=colocate)
+    even = default_stage_layers(topo.num_layers, topo.n)
+    ecfg = ecfg.replace(topology=dataclasses.replace(topo, stage_layers=tuple(even)))
+
+    def head_serves(split: list[int]) -> str | None:
+        if ecfg.mode != "spd" or ecfg.pdm == "random":
+            return None
+        try:
+            check_pdm_matches(read_pdm_config(ecfg.pdm)[0], ecfg.cfg, tuple(split))
+        except ValueError as err:
+            return str(err)
+        return None
+
+    split, why = balanced_choice(split_store().lookup(split_key(ecfg)), even, head_serves)
+    return ecfg.replace(topology=dataclasses.replace(topo, stage_layers=tuple(split))), why
 
 
 # ---- prompts and chats ----

@@ -1,0 +1,111 @@
+"""Measured splits: the stage split that balanced a run's own per-tick costs, kept per device so that
+`--stage-layers balanced` can use it later (docs/design.md 3.15).
+
+`spd bench` measures every SPD row's per-tick costs and names the contiguous split that minimises
+its busiest rank (bench/speed.py `split_advice`). It records that advice here, in one JSON file
+under the engine's cache (`$SPD_CACHE/measured_splits.json`), keyed by what the costs depend on:
+the converted model (its cache directory's name carries its fingerprint), n, T, whether the driver
+shares stage 0's rank, the device and the intra-op threads per rank. A later run given
+`--stage-layers balanced` with the same key takes the recorded split; without a record, or where
+the run's trained head cannot serve it (engine/model/pdm.py `check_pdm_matches`), it takes the even
+split and says why. The choice is a measurement of one host at one time: the record names the
+command's date and busiest-rank times, and a newer bench on the same key replaces it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+BALANCED = "balanced"  # the --stage-layers value that asks for the recorded split
+FILE_NAME = "measured_splits.json"
+FORMAT = 1
+
+
+def device_name(device: str, threads: int) -> str:
+    """What a split's costs depend on besides the model: the accelerator's name, or the CPU's model
+    and core count, and the ranks' intra-op threads."""
+    if device.startswith("cuda"):
+        import torch
+
+        return f"{torch.cuda.get_device_name(torch.device(device))}, {threads} thread(s)"
+    return f"{cpu_model()}, {os.cpu_count()} cores, {threads} thread(s)"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:  # not Linux: the platform's own name
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+@dataclass(frozen=True)
+class SplitKey:
+    model: str  # the converted model's directory name (name + fingerprint)
+    n: int
+    tp: int
+    colocate: bool
+    device: str  # device_name()
+
+    def text(self) -> str:
+        return f"{self.model} | n={self.n} | tp={self.tp} | {'co-located' if self.colocate else 'driver rank'} | {self.device}"
+
+
+class SplitStore:
+    """The JSON file of measured splits: {"format": 1, "splits": {key text: record}}."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def _read(self) -> dict:
+        if not self.path.is_file():
+            return {"format": FORMAT, "splits": {}}
+        try:
+            doc = json.loads(self.path.read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(f"measured splits file {self.path} is unreadable ({err}); delete it to start over") from err
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("splits"), dict):
+            raise ValueError(f"measured splits file {self.path} is not format {FORMAT}; delete it to start over")
+        return doc
+
+    def lookup(self, key: SplitKey) -> dict | None:
+        """The record for `key` (stage_layers, balanced_layers, busiest_ms, balanced_busiest_ms, date,
+        head), or None."""
+        return self._read()["splits"].get(key.text())
+
+    def record(self, key: SplitKey, advice: dict, head: str) -> None:
+        """Keep a run's split advice (bench/speed.py split_advice) for `key`, replacing an older one;
+        written whole to a temporary file and renamed, so a reader never sees half of it."""
+        doc = self._read()
+        doc["splits"][key.text()] = {**{k: advice[k] for k in ("stage_layers", "busiest_ms", "balanced_layers",
+                                                             "balanced_busiest_ms")},
+                                     "head": head, "date": time.strftime("%Y-%m-%d %H:%M")}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".measured_splits.")
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.path)
+
+
+def balanced_choice(record: dict | None, even: list[int], head_serves) -> tuple[list[int], str]:
+    """(split, why) for --stage-layers balanced: the record's balanced split where there is one and
+    `head_serves(split)` (None when it can, else the reason), else `even`."""
+    if record is None:
+        return even, ("no split measured for this model, n and device yet (`spd bench` records one): "
+                      f"the even split {even}")
+    split = [int(c) for c in record["balanced_layers"]]
+    if len(split) != len(even) or sum(split) != sum(even):
+        return even, f"the recorded split {split} is for another model or n: the even split {even}"
+    refusal = head_serves(split)
+    if refusal is not None:
+        return even, f"the recorded split {split} does not suit this run's head ({refusal}): the even split {even}"
+    return split, (f"stage layers {split}, the split balancing the costs `spd bench` measured here on "
+                   f"{record['date']} (busiest rank {record['balanced_busiest_ms']:.2f} ms predicted, "
+                   f"{record['busiest_ms']:.2f} at {record['stage_layers']})")
