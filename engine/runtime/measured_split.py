@@ -18,6 +18,7 @@ import os
 import platform
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,7 +95,8 @@ class SplitStore:
         os.replace(tmp, self.path)
 
 
-def balanced_choice(record: dict | None, even: list[int], head_serves) -> tuple[list[int], str]:
+def balanced_choice(record: dict | None, even: list[int], head_serves: Callable[[list[int]], str | None]
+                    ) -> tuple[list[int], str]:
     """(split, why) for --stage-layers balanced: the record's balanced split where there is one and
     `head_serves(split)` (None when it can, else the reason), else `even`."""
     if record is None:
