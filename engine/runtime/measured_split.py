@@ -79,7 +79,17 @@ class SplitStore:
     def lookup(self, key: SplitKey) -> dict | None:
         """The record for `key` (stage_layers, balanced_layers, busiest_ms, balanced_busiest_ms, date,
         head), or None."""
-        return self._read()["splits"].get(key.text())
+        record = self._read()["splits"].get(key.text())
+        if record is None:
+            return None
+        ok = isinstance(record, dict) and all(
+            isinstance(record.get(k), list) and record[k] and all(isinstance(c, int) and c >= 1 for c in record[k])
+            for k in ("stage_layers", "balanced_layers")) and all(
+            isinstance(record.get(k), (int, float)) for k in ("busiest_ms", "balanced_busiest_ms"))
+        if not ok:
+            raise ValueError(f"measured splits file {self.path}: the record for {key.text()!r} is malformed "
+                             f"({record!r}); delete it or rerun `spd bench` to replace it")
+        return record
 
     def record(self, key: SplitKey, advice: dict, head: str) -> None:
         """Keep a run's split advice (bench/speed.py split_advice) for `key`, replacing an older one;

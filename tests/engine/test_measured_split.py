@@ -49,3 +49,15 @@ def test_balanced_choice():
     assert split == [15, 15] and "another model" in why
     split, why = balanced_choice(record, [12, 12], lambda s: "its anchors fall in other stages")
     assert split == [12, 12] and "does not suit this run's head (its anchors fall in other stages)" in why
+
+
+@pytest.mark.parametrize("bad", [{"balanced_layers": [14, 0]}, {"balanced_layers": "14,10"}, {"busiest_ms": None},
+                                 {"stage_layers": []}])
+def test_a_malformed_record_is_a_clear_error(tmp_path, bad):
+    store = SplitStore(tmp_path / "splits.json")
+    store.record(KEY, ADVICE, head="h")
+    doc = json.loads(store.path.read_text())
+    doc["splits"][KEY.text()].update(bad)
+    store.path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="record for .* is malformed"):
+        store.lookup(KEY)
