@@ -15,6 +15,7 @@ import json
 import sys
 
 from spd_engine.bench.hf_peer import DEFAULT_LOOKUP_TOKENS, HFPeer
+from spd_engine.bench.host_load import HostLoad, running
 from spd_engine.bench.speed import BenchCase, bench
 from spd_engine.bench.speedups import BASELINES, head_budget_note, noisy_lines, ratio_cell
 from spd_engine.bench.stats import format_table
@@ -59,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hf-lookup: prompt_lookup_num_tokens (tokens drafted per lookup)")
     g.add_argument("--synthetic-alpha", type=float, default=None,
                    help="replace drafts: reference token with this probability (labelled synthetic)")
+    g.add_argument("--host-load", metavar="BUSY/IDLE[xN]", default=None,
+                   help="run every row under the same competing load: N processes (default 1) that each spin "
+                        "BUSY ms and sleep IDLE ms in turn, e.g. 2/6 (bench/host_load.py); no split is recorded")
     g.add_argument("--max-batch", metavar="B[,B...]", default=None,
                    help="also run every prompt as one request, all submitted together, up to B at once in the "
                         "spd-colocate (else spd) pipeline, against the same requests one at a time: tok/s, TPOT, "
@@ -169,13 +173,15 @@ def eagle_budget(rows: list[dict], ecfg, model: str) -> str | None:
     return f"eagle: {budget['note']}"
 
 
-def write_profile(report: dict, ecfg, path: str) -> None:
+def write_profile(report: dict, ecfg, path: str, load: HostLoad | None) -> None:
     """The run's spd-profile/1 (bench/profiling.py), with the host's cores and load recorded."""
     import os
 
     from spd_engine.bench.profiling import profile_from_bench
 
     host = f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} after the run"
+    if load is not None:
+        host += f", under {load.describe()}"
     prof = profile_from_bench(report, ecfg, os.cpu_count(), host)
     with open(path, "w") as f:
         json.dump(prof, f, indent=1)
@@ -245,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--synthetic-alpha must be in [0, 1], got {args.synthetic_alpha}")
     if args.repeats < 1:
         raise ValueError("--repeats must be >= 1")
+    load = HostLoad.parse(args.host_load) if args.host_load is not None else None
     refuse_ignored(args, ["overlap_stage0"], "by spd bench: its spd-overlap config is the overlapped driver")
     ecfg, tok_dir = engine_config(args, seed_used=args.synthetic_alpha is not None,  # it seeds the policy
                                   eagle_used="eagle" in config_names(args))
@@ -254,10 +261,12 @@ def run(args: argparse.Namespace) -> int:
     progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     batches = max_batches(args)
     bench_cases = cases(args, ecfg)
-    report = bench(bench_cases, prompts, args.max_new_tokens, eos, args.repeats, args.synthetic_alpha,
-                   args.seed, progress)
-    if batches:
-        report["batches"] = batch_rows(args, bench_cases, prompts, eos, batches, progress)
+    with running(load):
+        report = bench(bench_cases, prompts, args.max_new_tokens, eos, args.repeats, args.synthetic_alpha,
+                       args.seed, progress)
+        if batches:
+            report["batches"] = batch_rows(args, bench_cases, prompts, eos, batches, progress)
+    report["host_load"] = load.to_dict() if load is not None else None
     report["model"], report["head"] = ecfg.model, ecfg.pdm
     eagle_line = None
     if "eagle" in config_names(args):
@@ -267,7 +276,8 @@ def run(args: argparse.Namespace) -> int:
     label = f" (SYNTHETIC acceptance alpha={args.synthetic_alpha})" if args.synthetic_alpha is not None else ""
     out = sys.stderr if args.json == "-" else sys.stdout  # stdout carries only the JSON then
     print(f"model {ecfg.model}, head {ecfg.pdm}, n={ecfg.topology.n}, {len(prompts)} prompts x "
-          f"{args.max_new_tokens} tokens{' (EOS ignored)' if args.ignore_eos else ''}, {args.repeats} repeats{label}",
+          f"{args.max_new_tokens} tokens{' (EOS ignored)' if args.ignore_eos else ''}, {args.repeats} repeats{label}"
+          f"{f', every row under {load.describe()}' if load is not None else ''}",
           file=out)
     print(format_table(*table(report["rows"])), file=out)
     for line in [RATIO_LEGEND, *noisy_lines(report["rows"])] + ([eagle_line] if eagle_line else []):
@@ -284,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
               f"p90 {colo['residual_tick_p90_ms']:.3f} ms (last repeat, {colo['residual_ticks']} ticks)", file=out)
     for row in (r for r in report["rows"] if r.get("split")):
         print(split_line(row["name"], row["split"]), file=out)
-    if args.synthetic_alpha is None:
+    if args.synthetic_alpha is None and load is None:  # costs measured under a made-up load are not the device's
         record_splits(report["rows"], bench_cases, out)
     if args.timeline and "spd" in report["traces"]:
         from spd_engine.bench.timeline import plot_timeline
@@ -308,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, report)
     if args.profile_out:
-        write_profile(report, ecfg, args.profile_out)
+        write_profile(report, ecfg, args.profile_out, load)
     if report["peer_mismatches"]:
         print(f"note: transformers' tokens differ from the engine's greedy tokens for {report['peer_mismatches']} "
               f"(other kernels, other rounding: see equal_prompts)", file=out)
