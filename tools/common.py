@@ -409,7 +409,8 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used:
     if balanced and topo.n > 1:
         ecfg, why = (balanced_split(ecfg, topo.colocate) if mode == "spd" else
                      (ecfg, f"splits are measured for SPD runs: the even split {list(topo.stage_layers)}"))
-        print(f"--stage-layers balanced: {why}", file=sys.stderr)
+        where = "driver co-located with stage 0" if topo.colocate else "driver on a rank of its own"
+        print(f"--stage-layers balanced ({where}): {why}", file=sys.stderr)
     return ecfg, tok_dir
 
 
@@ -423,12 +424,17 @@ def split_store():
 
 
 def split_key(ecfg: RunConfig):
-    """The measured-split key of this run's model, n, T, driver placement, device and threads."""
+    """The measured-split key of this run's model, n, T, driver placement, device and threads, and the
+    flags that change what a tick computes (as given: a bench row and a later command with the same
+    flags share a key)."""
     from spd_engine.engine.runtime.measured_split import SplitKey, device_name
 
     topo = ecfg.topology
+    runs = "default" if ecfg.suffix_run is None else ecfg.suffix_run
+    flags = (f"pdm {ecfg.pdm_dtype}, head screen {'on' if ecfg.head_screen else 'off'}, layout {ecfg.weight_layout}, "
+             f"verify at {ecfg.verify_at}, suffix drafts {'on, runs ' + str(runs) if ecfg.suffix_drafts else 'off'}")
     return SplitKey(Path(ecfg.model).name, topo.n, topo.tp, topo.colocate,
-                    device_name(ecfg.device, ecfg.threads_per_rank()))
+                    device_name(ecfg.device, ecfg.threads_per_rank()), flags)
 
 
 def balanced_split(ecfg: RunConfig, colocate: bool) -> tuple[RunConfig, str]:

@@ -54,9 +54,11 @@ class SplitKey:
     tp: int
     colocate: bool
     device: str  # device_name()
+    flags: str = ""  # the run's flags that change what a tick computes (tools/common.py split_key)
 
     def text(self) -> str:
-        return f"{self.model} | n={self.n} | tp={self.tp} | {'co-located' if self.colocate else 'driver rank'} | {self.device}"
+        where = "co-located" if self.colocate else "driver rank"
+        return f"{self.model} | n={self.n} | tp={self.tp} | {where} | {self.device}" + (f" | {self.flags}" if self.flags else "")
 
 
 class SplitStore:

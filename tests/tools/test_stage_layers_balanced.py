@@ -32,6 +32,10 @@ def test_engine_config_takes_the_recorded_split(tmp_path, capsys):
     assert "stage layers [2, 4], the split balancing" in capsys.readouterr().err
     apart = config(["--model", "random:tiny-llama", "--stages", "2", "--prompt", "x", "--stage-layers", "balanced"])
     assert apart.topology.stage_layers == (3, 3)  # the driver on a rank of its own: another record
+    # flags that change what a tick computes have records of their own
+    for other in (["--pdm-dtype", "float32"], ["--head-screen", "off"], ["--suffix-run", "1"], ["--suffix-drafts", "off"]):
+        assert config(base + ["--stage-layers", "balanced", *other]).topology.stage_layers == (3, 3), other
+        assert split_key(config(base + other)) != split_key(even), other
     # a head whose anchors fall in other stages at [1, 5] cannot serve it
     cfg = PRESETS["tiny-llama"]
     head = save_pdm(random_pdm(cfg, (3, 3)), tmp_path / "head")
@@ -61,7 +65,9 @@ def test_bench_records_and_a_balanced_run_is_lossless(tmp_path, capsys):
     assert main(["bench", *common, "--stage-layers", "balanced", "--json", str(out)]) == 0
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["spd-colocate"]["split"]["stage_layers"] == [1, 5] and rows["spd-colocate"]["lossless"]
-    assert "spd-colocate, --stage-layers balanced: stage layers [1, 5]" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "spd-colocate, --stage-layers balanced: stage layers [1, 5]" in err
+    assert "--stage-layers balanced (driver on a rank of its own): " in err  # the engine config's own lookup, named
     # a synthetic run records nothing: its drafts are not the run's own
     before = split_store().path.read_text()
     assert main(["bench", *common, "--synthetic-alpha", "1", "--suffix-drafts", "off"]) == 0
