@@ -18,6 +18,8 @@ import torch
 
 from spd_engine.engine.model.linear import LAYOUTS, set_weight_layout_
 from spd_engine.engine.model.model import StageModel, init_random_
+from spd_engine.engine.model.model_config import ModelConfig
+from spd_engine.kernels.packed_linear import packed_kernel_available
 from spd_engine.engine.runtime.run_config import PRESETS
 
 
@@ -26,13 +28,42 @@ def tree_mask(prefix: int, width: int) -> torch.Tensor:
     return torch.cat([torch.ones(width, prefix, dtype=torch.bool), torch.eye(width, dtype=torch.bool)], dim=1)
 
 
-@torch.no_grad()
 def time_widths(preset: str, layers: int, widths: tuple[int, ...], prefix: int = 300, iters: int = 60,
                 warmup: int = 10, layouts: tuple[str, ...] = ("row",)) -> dict[tuple[str, int], float]:
-    """Median ms per stage step for each (layout, width)."""
+    """Median ms per stage step of a preset's shape for each (layout, width)."""
     cfg = PRESETS[preset]
     if not 1 <= layers <= cfg.num_layers:
         raise ValueError(f"--layers must be in 1..{cfg.num_layers} for {preset}, got {layers}")
+    return time_stage(cfg, layers, widths, prefix, iters, warmup, layouts)
+
+
+def layer_bytes(cfg: ModelConfig) -> int:
+    """fp32 bytes of one decoder layer's linear weights (q, k, v, o, gate, up, down)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return 4 * cfg.hidden_size * (2 * q + 2 * kv + 3 * cfg.intermediate_size)
+
+
+def time_layouts(cfg: ModelConfig, threads: int, stage_mb: float = 200.0, iters: int = 8
+                 ) -> dict[tuple[str, int], float]:
+    """What `spd bench` chooses a weight layout from (engine/runtime/measured_layout.py): a stage of the
+    model's shape holding about `stage_mb` of weights (more than a CPU's caches, as a real stage; 1 to
+    16 layers), on `threads` intra-op threads, each layout the device has at the measured widths."""
+    from spd_engine.engine.runtime.measured_layout import TIMED, WIDTHS
+
+    layers = max(1, min(16, cfg.num_layers, round(stage_mb * 2**20 / layer_bytes(cfg))))
+    layouts = tuple(lay for lay in TIMED if lay != "packed" or packed_kernel_available())
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return time_stage(cfg, layers, WIDTHS, iters=iters, warmup=2, layouts=layouts)
+    finally:
+        torch.set_num_threads(before)
+
+
+@torch.no_grad()
+def time_stage(cfg: ModelConfig, layers: int, widths: tuple[int, ...], prefix: int = 300, iters: int = 60,
+               warmup: int = 10, layouts: tuple[str, ...] = ("row",)) -> dict[tuple[str, int], float]:
+    """Median ms per step of `layers` of `cfg`'s shape (random weights) for each (layout, width)."""
     base = init_random_(StageModel(cfg, range(layers))).eval()
     stages = {lay: copy.deepcopy(base) for lay in layouts}  # the same weights in each layout
     for lay, stage in stages.items():

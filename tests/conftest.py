@@ -54,11 +54,12 @@ def _pure_tier(request, monkeypatch):
 @pytest.fixture(autouse=True)
 def _clean_state(monkeypatch, tmp_path_factory):
     # Same random state for every test, and none of the user's shell settings; `spd bench` records its
-    # measured splits in a file of the test run's own, not the user's cache.
+    # measured splits and layouts in files of the test run's own, not the user's cache.
     torch.manual_seed(0)
     for name in USER_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SPD_MEASURED_SPLITS", str(tmp_path_factory.mktemp("splits") / "measured_splits.json"))
+    monkeypatch.setenv("SPD_MEASURED_LAYOUTS", str(tmp_path_factory.mktemp("layouts") / "measured_layouts.json"))
     yield
 
 

@@ -20,8 +20,10 @@ from spd_engine.bench.speed import BenchCase, bench
 from spd_engine.bench.speedups import BASELINES, head_budget_note, noisy_lines, ratio_cell
 from spd_engine.bench.stats import format_table
 from spd_engine.engine.runtime.measured_split import BALANCED
+from spd_engine.engine.runtime.run_config import RunConfig
 from spd_engine.tools.common import REPO_HEADS, add_engine_arguments, add_json_argument, balanced_split, \
-    engine_config, hf_model_dir, load_prompts, refuse_ignored, split_key, split_store, write_json
+    engine_config, hf_model_dir, layout_store, load_prompts, refuse_ignored, split_key, split_store, \
+    with_measured_layouts, write_json
 
 CONFIGS = ("ar", "pp", "spd", "spd-w1", "spd-colocate", "spd-colocate-vd", "spd-colocate-1", "spd-overlap", "eagle", "hf",
            "hf-lookup",
@@ -221,6 +223,26 @@ def batch_rows(args: argparse.Namespace, bench_cases: list[BenchCase], prompts, 
     return rows
 
 
+def measure_layouts(ecfg: RunConfig, out) -> RunConfig:
+    """Time the weight layouts on this model's shapes for each rank thread count of the bench's rows
+    (ar: every core; pipelines: a share), record the fastest (engine/runtime/measured_layout.py) and
+    return `ecfg` taking them under `--weight-layout auto`."""
+    from spd_engine.bench.stage_width_time import time_layouts
+    from spd_engine.engine.runtime.measured_layout import layout_key
+
+    store = layout_store()
+    topo = ecfg.topology
+    counts = {ecfg.threads} if ecfg.threads else {ecfg.threads_per_rank(w) for w in (1, topo.n * topo.tp,
+                                                                                    topo.n * topo.tp + 1)}
+    for threads in sorted(counts):
+        times = time_layouts(ecfg.cfg, threads)
+        layout = store.record(layout_key(ecfg.model, ecfg.device, threads), times)
+        ms = ", ".join(f"{lay} {times[(lay, 1)]:.1f}/{times[(lay, w)]:.1f}" for lay, w in times if w > 1)
+        print(f"weight layout for ranks of {threads} thread(s): {layout} (ms per stage step of one/four rows: {ms}; "
+              f"recorded in {store.path})", file=out)
+    return with_measured_layouts(ecfg)
+
+
 def record_splits(rows: list[dict], bench_cases: list[BenchCase], out) -> None:
     """Keep each SPD row's split advice for `--stage-layers balanced` (engine/runtime/measured_split.py)."""
     store = split_store()
@@ -260,6 +282,8 @@ def run(args: argparse.Namespace) -> int:
     eos = () if args.ignore_eos else tok.eos_ids if tok is not None else ecfg.cfg.eos_token_ids
     progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     batches = max_batches(args)
+    if ecfg.weight_layout == "auto" and ecfg.device.startswith("cpu") and load is None:  # the device's own costs
+        ecfg = measure_layouts(ecfg, sys.stderr)
     bench_cases = cases(args, ecfg)
     with running(load):
         report = bench(bench_cases, prompts, args.max_new_tokens, eos, args.repeats, args.synthetic_alpha,

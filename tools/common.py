@@ -317,8 +317,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
     g.add_argument("--weight-layout", default=run_default("weight_layout"), choices=("auto", "row", "col", "packed", "mixed"),
                    help="fp32 linear weights in memory (the same values, another kernel): row- or column-major, "
                         "packed (oneDNN's blocked weight: up to ~6 rows for one's price, one step over every thread), "
-                        "mixed (packed, one row over a column-major copy); auto: on a CPU packed with 2+ threads per "
-                        "rank, mixed with one (col without oneDNN), row on a GPU")
+                        "mixed (packed, one row over a column-major copy); auto: on a CPU the layout `spd bench` measured "
+                        "fastest there for the rank's threads, else packed with 2+ threads per rank, mixed with one "
+                        "(col without oneDNN); row on a GPU")
     g.add_argument("--overlap-stage0", choices=("on", "off"), default="on" if run_default("overlap_stage0") else "off",
                    help="co-located (n >= 2): stage 0 steps on its own thread while the driver drafts and verifies")
     e = p.add_argument_group("eagle baseline (serial draft-then-verify on one rank)")
@@ -406,6 +407,7 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used:
                      weight_layout=getattr(args, "weight_layout", run_default("weight_layout")),
                      branches=getattr(args, "branches", None),
                      branch_when=getattr(args, "branch_when", run_default("branch_when")))
+    ecfg = with_measured_layouts(ecfg)
     if balanced and topo.n > 1:
         ecfg, why = (balanced_split(ecfg, topo.colocate) if mode == "spd" else
                      (ecfg, f"splits are measured for SPD runs: the even split {list(topo.stage_layers)}"))
@@ -423,16 +425,35 @@ def split_store():
     return SplitStore(Path(os.environ.get("SPD_MEASURED_SPLITS") or cache_root() / FILE_NAME))
 
 
+def layout_store():
+    """The measured weight layouts (engine/runtime/measured_layout.py): `$SPD_MEASURED_LAYOUTS`, else a
+    file in the engine's cache."""
+    from spd_engine.checkpoint_tools.fetch import cache_root
+    from spd_engine.engine.runtime.measured_layout import FILE_NAME, LayoutStore
+
+    return LayoutStore(Path(os.environ.get("SPD_MEASURED_LAYOUTS") or cache_root() / FILE_NAME))
+
+
+def with_measured_layouts(ecfg: RunConfig) -> RunConfig:
+    """`ecfg` with the layouts `spd bench` measured for its model on this CPU, for every thread count a
+    rank may have here (what `--weight-layout auto` takes); unchanged for a given layout or off a CPU."""
+    if ecfg.weight_layout != "auto" or not ecfg.device.startswith("cpu"):
+        return ecfg
+    threads = tuple(range(1, max(os.cpu_count() or 1, ecfg.threads or 1) + 1))
+    return ecfg.replace(measured_layouts=layout_store().layouts_for(ecfg.model, ecfg.device, threads))
+
+
 def split_key(ecfg: RunConfig):
     """The measured-split key of this run's model, n, T, driver placement, device and threads, and the
-    flags that change what a tick computes (as given: a bench row and a later command with the same
-    flags share a key)."""
+    flags that change what a tick computes (as given, but the weight layout as resolved: a bench row and
+    a later command with the same flags share a key)."""
     from spd_engine.engine.runtime.measured_split import SplitKey, device_name
 
     topo = ecfg.topology
     runs = "default" if ecfg.suffix_run is None else ecfg.suffix_run
-    flags = (f"pdm {ecfg.pdm_dtype}, head screen {'on' if ecfg.head_screen else 'off'}, layout {ecfg.weight_layout}, "
-             f"verify at {ecfg.verify_at}, suffix drafts {'on, runs ' + str(runs) if ecfg.suffix_drafts else 'off'}")
+    flags = (f"pdm {ecfg.pdm_dtype}, head screen {'on' if ecfg.head_screen else 'off'}, "
+             f"layout {ecfg.resolved_weight_layout}, verify at {ecfg.verify_at}, "
+             f"suffix drafts {'on, runs ' + str(runs) if ecfg.suffix_drafts else 'off'}")
     return SplitKey(Path(ecfg.model).name, topo.n, topo.tp, topo.colocate,
                     device_name(ecfg.device, ecfg.threads_per_rank()), flags)
 

@@ -18,7 +18,9 @@ of 15 layers of SmolLM2-135M's shape, fp32, one thread, a 2-core AMD EPYC, by ro
 
 and with two threads a packed one-row step spreads over both (MKL's one-row kernel stays on one).
 So `auto` on a CPU with oneDNN is packed for ranks of 2+ threads and mixed for one; col without
-it. Only fp32 weights move (the layouts were compared in fp32 only), and on a GPU `auto` keeps
+it; but the fastest kernel depends on the CPU (on an Intel Xeon packed's one-row step is the
+slowest), so where `spd bench` measured the layouts on this device `auto` takes its choice
+(engine/runtime/measured_layout.py). Only fp32 weights move (the layouts were compared in fp32 only), and on a GPU `auto` keeps
 torch's layout.
 
 The layout changes the kernel, hence float rounding: every model whose outputs are compared with
@@ -36,12 +38,16 @@ from spd_engine.kernels.packed_linear import PackedLinear, packed_kernel_availab
 LAYOUTS = ("row", "col", "packed", "mixed")
 
 
-def resolve_layout(layout: str, device: str, threads: int = 1) -> str:
-    """`auto` -> on a CPU with oneDNN, packed for a rank of 2+ intra-op threads (one step spreads
-    over them) and mixed for one thread; col on a CPU without it; row elsewhere. Otherwise checked."""
+def resolve_layout(layout: str, device: str, threads: int = 1, measured: str | None = None) -> str:
+    """`auto` -> on a CPU, the layout measured fastest there (`measured`, engine/runtime/
+    measured_layout.py) where there is one, else with oneDNN packed for a rank of 2+ intra-op threads
+    (one step spreads over them) and mixed for one thread, col without it; row elsewhere. Otherwise
+    checked."""
     if layout == "auto":
         if not device.startswith("cpu"):
             return "row"
+        if measured is not None and (measured in ("row", "col") or packed_kernel_available()):
+            return measured
         if not packed_kernel_available():
             return "col"
         return "packed" if threads >= 2 else "mixed"

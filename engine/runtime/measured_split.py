@@ -13,18 +13,17 @@ command's date and busiest-rank times, and a newer bench on the same key replace
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from spd_engine.engine.runtime.record_file import RecordFile
+
 BALANCED = "balanced"  # the --stage-layers value that asks for the recorded split
 FILE_NAME = "measured_splits.json"
-FORMAT = 1
 
 
 def device_name(device: str, threads: int) -> str:
@@ -65,23 +64,13 @@ class SplitStore:
     """The JSON file of measured splits: {"format": 1, "splits": {key text: record}}."""
 
     def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-
-    def _read(self) -> dict:
-        if not self.path.is_file():
-            return {"format": FORMAT, "splits": {}}
-        try:
-            doc = json.loads(self.path.read_text())
-        except (OSError, ValueError) as err:
-            raise ValueError(f"measured splits file {self.path} is unreadable ({err}); delete it to start over") from err
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("splits"), dict):
-            raise ValueError(f"measured splits file {self.path} is not format {FORMAT}; delete it to start over")
-        return doc
+        self.file = RecordFile(path, "splits", "measured splits")
+        self.path = self.file.path
 
     def lookup(self, key: SplitKey) -> dict | None:
         """The record for `key` (stage_layers, balanced_layers, busiest_ms, balanced_busiest_ms, date,
         head), or None."""
-        record = self._read()["splits"].get(key.text())
+        record = self.file.get(key.text())
         if record is None:
             return None
         ok = isinstance(record, dict) and all(
@@ -96,15 +85,9 @@ class SplitStore:
     def record(self, key: SplitKey, advice: dict, head: str) -> None:
         """Keep a run's split advice (bench/speed.py split_advice) for `key`, replacing an older one;
         written whole to a temporary file and renamed, so a reader never sees half of it."""
-        doc = self._read()
-        doc["splits"][key.text()] = {**{k: advice[k] for k in ("stage_layers", "busiest_ms", "balanced_layers",
-                                                             "balanced_busiest_ms")},
-                                     "head": head, "date": time.strftime("%Y-%m-%d %H:%M")}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".measured_splits.")
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
-        os.replace(tmp, self.path)
+        self.file.put(key.text(), {**{k: advice[k] for k in ("stage_layers", "busiest_ms", "balanced_layers",
+                                                            "balanced_busiest_ms")},
+                                   "head": head, "date": time.strftime("%Y-%m-%d %H:%M")})
 
 
 def balanced_choice(record: dict | None, even: list[int], head_serves: Callable[[list[int]], str | None]

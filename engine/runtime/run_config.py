@@ -21,7 +21,7 @@ from spd_engine.engine.protocol.drafting import DraftChooser
 from spd_engine.engine.protocol.suffix import SuffixSettings
 
 from spd_engine.engine.protocol.anchors import AnchorPlan
-from spd_engine.engine.model.linear import resolve_layout
+from spd_engine.engine.model.linear import LAYOUTS, resolve_layout
 from spd_engine.kernels.int8_linear import int8_kernel_available
 from spd_engine.engine.model.model_config import ModelConfig, tiny_config
 from spd_engine.engine.protocol.topology import VERIFY_AT, Topology, verifies_on_last  # noqa: F401 (VERIFY_AT: re-exported)
@@ -154,6 +154,9 @@ class RunConfig:
     # the linear weights' memory layout (engine/model/linear.py): auto = on a CPU packed (2+ threads per
     # rank) or mixed (one), col without oneDNN; row elsewhere
     weight_layout: str = "auto"
+    # (threads per rank, layout) that `spd bench` measured fastest for this model on this device
+    # (engine/runtime/measured_layout.py): what `auto` takes on a CPU for ranks of those threads
+    measured_layouts: tuple[tuple[int, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.stage_ms is not None and (len(self.stage_ms) != self.topology.n or min(self.stage_ms) < 0):
@@ -165,6 +168,9 @@ class RunConfig:
         if self.pdm_dtype not in ("auto", "int8") and self.pdm_dtype not in DTYPES:
             raise ValueError(f"PDM dtype must be auto, int8 or one of {sorted(DTYPES)}, got {self.pdm_dtype!r}")
         object.__setattr__(self, "step_mode", StepMode.parse(self.step_mode))
+        for threads, layout in self.measured_layouts:
+            if threads < 1 or layout not in LAYOUTS:
+                raise ValueError(f"a measured layout needs threads >= 1 and one of {LAYOUTS}, got {(threads, layout)}")
         self.resolved_weight_layout  # names a bad layout
         if self.branches is None:
             auto = DEFAULT_BRANCHES if self.mode == "spd" else 1
@@ -238,7 +244,8 @@ class RunConfig:
     def resolved_weight_layout(self) -> str:
         """This run's linear weights' layout (engine/model/linear.py), resolved for its device and
         its ranks' intra-op threads."""
-        return resolve_layout(self.weight_layout, self.device, self.threads_per_rank())
+        threads = self.threads_per_rank()
+        return resolve_layout(self.weight_layout, self.device, threads, dict(self.measured_layouts).get(threads))
 
     @property
     def world_size(self) -> int:
