@@ -22,7 +22,7 @@ from spd_engine.bench.stats import format_table
 from spd_engine.engine.runtime.measured_split import BALANCED
 from spd_engine.engine.runtime.run_config import RunConfig
 from spd_engine.tools.common import REPO_HEADS, add_engine_arguments, add_json_argument, balanced_split, \
-    engine_config, hf_model_dir, layout_store, load_prompts, refuse_ignored, split_key, split_store, \
+    engine_config, hf_model_dir, load_prompts, record_layouts, refuse_ignored, split_key, split_store, \
     with_measured_layouts, write_json
 
 CONFIGS = ("ar", "pp", "spd", "spd-w1", "spd-colocate", "spd-colocate-vd", "spd-colocate-1", "spd-overlap", "eagle", "hf",
@@ -224,22 +224,12 @@ def batch_rows(args: argparse.Namespace, bench_cases: list[BenchCase], prompts, 
 
 
 def measure_layouts(ecfg: RunConfig, out) -> RunConfig:
-    """Time the weight layouts on this model's shapes for each rank thread count of the bench's rows
-    (ar: every core; pipelines: a share), record the fastest (engine/runtime/measured_layout.py) and
-    return `ecfg` taking them under `--weight-layout auto`."""
-    from spd_engine.bench.stage_width_time import time_layouts
-    from spd_engine.engine.runtime.measured_layout import layout_key
-
-    store = layout_store()
+    """Time and record the weight layouts for each rank thread count of the bench's rows (ar: every
+    core; pipelines: a share) and return `ecfg` taking them under `--weight-layout auto`."""
     topo = ecfg.topology
-    counts = {ecfg.threads} if ecfg.threads else {ecfg.threads_per_rank(w) for w in (1, topo.n * topo.tp,
-                                                                                    topo.n * topo.tp + 1)}
-    for threads in sorted(counts):
-        times = time_layouts(ecfg.cfg, threads)
-        layout = store.record(layout_key(ecfg.model, ecfg.device, threads), times)
-        ms = ", ".join(f"{lay} {times[(lay, 1)]:.1f}/{times[(lay, w)]:.1f}" for lay, w in times if w > 1)
-        print(f"weight layout for ranks of {threads} thread(s): {layout} (ms per stage step of one/four rows: {ms}; "
-              f"recorded in {store.path})", file=out)
+    ranks = (1, topo.n * topo.tp, topo.n * topo.tp + 1)
+    counts = {ecfg.threads} if ecfg.threads else {ecfg.threads_per_rank(w) for w in ranks}
+    record_layouts(ecfg.model, ecfg.cfg, ecfg.device, sorted(counts), out)
     return with_measured_layouts(ecfg)
 
 

@@ -434,6 +434,23 @@ def layout_store():
     return LayoutStore(Path(os.environ.get("SPD_MEASURED_LAYOUTS") or cache_root() / FILE_NAME))
 
 
+def record_layouts(model: str, cfg, device: str, counts: list[int], out) -> dict[int, str]:
+    """Time the weight layouts on `cfg`'s shapes for ranks of each thread count in `counts`, record the
+    fastest for `model` on this device (engine/runtime/measured_layout.py) and say so on `out`."""
+    from spd_engine.bench.stage_width_time import time_layouts
+    from spd_engine.engine.runtime.measured_layout import layout_key
+
+    store = layout_store()
+    chosen = {}
+    for threads in counts:
+        times = time_layouts(cfg, threads)
+        chosen[threads] = store.record(layout_key(model, device, threads), times)
+        ms = ", ".join(f"{lay} {times[(lay, 1)]:.1f}/{times[(lay, w)]:.1f}" for lay, w in times if w > 1)
+        print(f"weight layout for ranks of {threads} thread(s): {chosen[threads]} (ms per stage step of one/four "
+              f"rows: {ms}; recorded in {store.path})", file=out)
+    return chosen
+
+
 def with_measured_layouts(ecfg: RunConfig) -> RunConfig:
     """`ecfg` with the layouts `spd bench` measured for its model on this CPU, for every thread count a
     rank may have here (what `--weight-layout auto` takes); unchanged for a given layout or off a CPU."""

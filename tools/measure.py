@@ -23,6 +23,7 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
     "sync-time": ("spd_engine.bench.sync_time", "the cost of one host sync on a device"),
     "tp-agreement": ("tp_agreement", "greedy tokens of a TP split against the unsharded model"),
     "tp-crossing": ("tp_crossing", "peer sends against a broadcast when states cross a TP stage boundary"),
+    "weight-layouts": ("weight_layouts", "record the fastest weight layout of a model on this CPU for --weight-layout auto"),
     "train-step-time": ("train_step_time", "a PDM training step's time by PDM layers and fill"),
     "serve-load": ("serve_load", "concurrent clients against a real `spd serve`: latency, 429s, disconnects"),
     "serve-overhead": ("serve_overhead", "a request streamed through the server against the same request run directly"),

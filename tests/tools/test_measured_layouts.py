@@ -52,3 +52,13 @@ def test_bench_records_the_layouts_of_its_rows(tmp_path, capsys):
     assert main(["bench", "--model", "random:tiny-llama", "--stages", "2", "--threads", "1", "--prompt", "hello",
                  "--max-new-tokens", "4", "--repeats", "1", "--configs", "ar", "--weight-layout", "col"]) == 0
     assert not path.exists()
+
+
+def test_measure_weight_layouts_records_for_a_later_command(capsys):
+    assert main(["measure", "weight-layouts", "--model", "random:tiny-llama", "--threads", "1"]) == 0
+    assert "weight layout for ranks of 1 thread(s): " in capsys.readouterr().out
+    (record,) = json.loads(layout_store().path.read_text())["layouts"].values()
+    assert config(["--model", "random:tiny-llama", "--prompt", "x", "--threads", "1"]).resolved_weight_layout == \
+        record["layout"]
+    with pytest.raises(SystemExit):
+        main(["measure", "weight-layouts", "--model", "random:tiny-llama", "--threads", "0"])
