@@ -22,6 +22,7 @@ from pathlib import Path
 from spd_engine.engine.protocol.branching import WHEN
 from spd_engine.engine.runtime.run_config import (DEFAULT_BRANCHES, DEFAULT_SUFFIX_RUN, MODES, PRESETS, STEP_MODES, TRANSPORTS, VERIFY_AT, RunConfig,
                                           random_preset)
+from spd_engine.engine.model.model_config import ModelConfig
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.measured_split import BALANCED
 
@@ -434,7 +435,7 @@ def layout_store():
     return LayoutStore(Path(os.environ.get("SPD_MEASURED_LAYOUTS") or cache_root() / FILE_NAME))
 
 
-def record_layouts(model: str, cfg, device: str, counts: list[int], out) -> dict[int, str]:
+def record_layouts(model: str, cfg: ModelConfig, device: str, counts: list[int], out) -> dict[int, str]:
     """Time the weight layouts on `cfg`'s shapes for ranks of each thread count in `counts`, record the
     fastest for `model` on this device (engine/runtime/measured_layout.py) and say so on `out`."""
     from spd_engine.bench.stage_width_time import time_layouts

@@ -20,8 +20,8 @@ and with two threads a packed one-row step spreads over both (MKL's one-row kern
 So `auto` on a CPU with oneDNN is packed for ranks of 2+ threads and mixed for one; col without
 it; but the fastest kernel depends on the CPU (on an Intel Xeon packed's one-row step is the
 slowest), so where `spd bench` measured the layouts on this device `auto` takes its choice
-(engine/runtime/measured_layout.py). Only fp32 weights move (the layouts were compared in fp32 only), and on a GPU `auto` keeps
-torch's layout.
+(engine/runtime/measured_layout.py). Only fp32 weights move (the layouts were compared in fp32
+only), and on a GPU `auto` keeps torch's layout.
 
 The layout changes the kernel, hence float rounding: every model whose outputs are compared with
 each other (a run's stages, its greedy reference, the replays) is built with the same layout, so a
