@@ -463,14 +463,14 @@ def with_measured_layouts(ecfg: RunConfig) -> RunConfig:
 
 def split_key(ecfg: RunConfig):
     """The measured-split key of this run's model, n, T, driver placement, device and threads, and the
-    flags that change what a tick computes (as given, but the weight layout as resolved: a bench row and
-    a later command with the same flags share a key)."""
+    flags that change what a tick computes (as given: a bench row and a later command with the same
+    flags share a key, also where `--weight-layout auto` resolves to another measured layout in between)."""
     from spd_engine.engine.runtime.measured_split import SplitKey, device_name
 
     topo = ecfg.topology
     runs = "default" if ecfg.suffix_run is None else ecfg.suffix_run
     flags = (f"pdm {ecfg.pdm_dtype}, head screen {'on' if ecfg.head_screen else 'off'}, "
-             f"layout {ecfg.resolved_weight_layout}, verify at {ecfg.verify_at}, "
+             f"layout {ecfg.weight_layout}, verify at {ecfg.verify_at}, "
              f"suffix drafts {'on, runs ' + str(runs) if ecfg.suffix_drafts else 'off'}")
     return SplitKey(Path(ecfg.model).name, topo.n, topo.tp, topo.colocate,
                     device_name(ecfg.device, ecfg.threads_per_rank()), flags)

@@ -73,9 +73,10 @@ class LayoutStore:
         self.file = RecordFile(path, "layouts", "measured layouts")
         self.path = self.file.path
 
-    def lookup(self, key: LayoutKey) -> str | None:
-        """The recorded layout for `key`, or None."""
-        record = self.file.get(key.text())
+    def lookup(self, key: LayoutKey, records: dict | None = None) -> str | None:
+        """The recorded layout for `key` (in `records`, the file's section already read, else the file's),
+        or None."""
+        record = (self.file.records() if records is None else records).get(key.text())
         if record is None:
             return None
         if not isinstance(record, dict) or record.get("layout") not in LAYOUTS:
@@ -92,5 +93,6 @@ class LayoutStore:
 
     def layouts_for(self, model: str, device: str, threads: tuple[int, ...]) -> tuple[tuple[int, str], ...]:
         """(threads, layout) for each thread count with a record for this model and device."""
-        found = ((t, self.lookup(layout_key(model, device, t))) for t in threads)
+        records = self.file.records()  # the file once, not once per thread count
+        found = ((t, self.lookup(layout_key(model, device, t), records)) for t in threads)
         return tuple((t, lay) for t, lay in found if lay is not None)

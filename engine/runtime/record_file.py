@@ -34,8 +34,12 @@ class RecordFile:
             raise ValueError(f"{self.what} file {self.path} is not format {FORMAT}; delete it to start over")
         return doc
 
+    def records(self) -> dict:
+        """The section's records, key -> record."""
+        return self.read()[self.section]
+
     def get(self, key: str) -> object | None:
-        return self.read()[self.section].get(key)
+        return self.records().get(key)
 
     def put(self, key: str, record: dict) -> None:
         """Keep `record` under `key`, replacing an older one."""
