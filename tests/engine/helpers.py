@@ -1,7 +1,7 @@
 """Shared helpers for the runtime tests: config builders, the greedy oracle, draft policies that
 steer acceptance (oracle, forced rejections, recording), the expected tick count computed from a
-policy alone, and a rank harness that runs each rank in its own process with every
-torch.distributed collective patched to raise.
+policy alone, a rank harness that runs each rank in its own process with every
+torch.distributed collective patched to raise, and a pool of processes that seeded draws share.
 
 A draft policy `(position, pdm_draft) -> token` decides the draft that will sit at `position`.
 Drafts are keyed by position, so the last call for a position is the draft that gets verified
@@ -33,8 +33,30 @@ from spd_engine.engine.protocol.topology import Topology
 ARCHS = ("llama", "qwen2", "qwen3")
 CHUNK = 16  # small prefill chunk: prompts longer than 16 tokens take several chunks
 CAPACITY = 256
+SEED_WORKERS = 2  # processes a sampling test spreads its seeded requests over (the CI host's cores)
 
 
+
+
+# ---- seeded draws over processes ----
+
+@pytest.fixture(scope="module")
+def seed_pool():
+    """SEED_WORKERS spawned processes a module's sampling tests share: spawning them costs about 2 s,
+    and a test draws several times."""
+    with mp.get_context("spawn").Pool(SEED_WORKERS) as pool:
+        yield pool
+
+
+def in_shares(pool, fn: Callable[[list[int]], object], seeds: Sequence[int], unit: int = 1) -> list:
+    """fn(share) for SEED_WORKERS contiguous shares of seeds (whole groups of `unit` seeds), each in
+    a process of the pool (fn a module-level function or a functools.partial of one); the results
+    in seed order. A seeded request draws the same tokens in any process (every draw is keyed by
+    seed, position and purpose), so together they are what one process drawing every seed returns."""
+    seeds = list(seeds)
+    assert len(seeds) % unit == 0, f"{len(seeds)} seeds are not whole groups of {unit}"
+    cuts = [unit * (i * (len(seeds) // unit) // SEED_WORKERS) for i in range(SEED_WORKERS + 1)]
+    return pool.map(fn, [seeds[a:b] for a, b in zip(cuts, cuts[1:])])
 
 
 # ---- configs and the oracle ----

@@ -20,6 +20,7 @@ fail for broken verifiers, run on the driver:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -30,7 +31,7 @@ import torch
 from spd_engine.engine.model.greedy import prefill
 from spd_engine.engine.runtime.reference import ReferenceExecutor
 from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs, uniform
-from helpers import full_model, tiny_cfg, tiny_engine_config
+from helpers import full_model, in_shares, seed_pool, tiny_cfg, tiny_engine_config  # noqa: F401
 from stats import TEST_LEVEL, chi_square_pvalue, rejection_rate, tv_distance, worst_case_shift
 
 V, NEW, K = 6, 4, 2
@@ -137,6 +138,13 @@ def draw(kind: str, seeds, broken: str | None = None) -> tuple[np.ndarray, list,
     return counts, outputs, verified, accepted, time.perf_counter() - t0
 
 
+def draw_parallel(pool, kind: str, seeds, broken: str | None = None) -> tuple[np.ndarray, list, int, int, float]:
+    """`draw` over the pool's processes, a contiguous share of seeds each (seconds: the longest share's)."""
+    parts = in_shares(pool, functools.partial(draw, kind, broken=broken), seeds)
+    return (sum(p[0] for p in parts), [o for p in parts for o in p[1]], sum(p[2] for p in parts),
+            sum(p[3] for p in parts), max(p[4] for p in parts))
+
+
 def tv_bound(joint: np.ndarray, samples: int, trials: int = 2000) -> float:
     rng = np.random.default_rng(0)
     return float(np.quantile([tv_distance(rng.multinomial(samples, joint), joint) for _ in range(trials)],
@@ -157,8 +165,8 @@ def joint() -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def poor_draws():
-    return draw("poor", range(SMALL))
+def poor_draws(seed_pool):
+    return draw_parallel(seed_pool, "poor", range(SMALL))
 
 
 def test_eagle_samples_the_target_distribution_poor_draft(poor_draws, joint, one_thread):
@@ -172,19 +180,19 @@ def test_eagle_samples_the_target_distribution_poor_draft(poor_draws, joint, one
 
 
 @pytest.mark.parametrize("broken,seeds", [("accept-always", 200), ("residual-from-p", 1000)])
-def test_broken_verifiers_fail(broken, seeds, poor_draws, joint, one_thread):
+def test_broken_verifiers_fail(broken, seeds, poor_draws, joint, seed_pool, one_thread):
     """The same check fails an accept-everything verifier on 200 seeds and a verifier that draws the
     correction from p instead of the residual on 1,000 (measured: it already fails on 500)."""
-    counts, outputs, *_ = draw("poor", range(seeds), broken)
+    counts, outputs, *_ = draw_parallel(seed_pool, "poor", range(seeds), broken)
     assert outputs != poor_draws[1][:seeds]  # the override really changes outputs
     assert not passes(counts, joint, f"poor {broken}")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["good", "head"])
-def test_eagle_samples_the_target_distribution(kind, joint, one_thread):
+def test_eagle_samples_the_target_distribution(kind, joint, seed_pool, one_thread):
     """A good draft (whole chains accepted: bonus tokens) and the untrained head's own q."""
-    counts, _, verified, accepted, secs = draw(kind, range(SMALL))
+    counts, _, verified, accepted, secs = draw_parallel(seed_pool, kind, range(SMALL))
     print(f"{kind}: alpha {accepted / verified:.3f}, {1e3 * secs / SMALL:.1f} ms/request")
     assert passes(counts, joint, f"{kind} correct")
     if kind == "good":

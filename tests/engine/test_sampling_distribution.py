@@ -35,7 +35,7 @@ default run keeps a 3,000-request check, which still fails the accept-always ver
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,7 +50,7 @@ from spd_engine.engine.model.greedy import prefill
 from spd_engine.engine.protocol.messages import Kind
 from spd_engine.engine.runtime.reference import ReferenceExecutor
 from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs, uniform
-from helpers import full_model, tiny_cfg, tiny_engine_config  # noqa: F401
+from helpers import full_model, in_shares, seed_pool, tiny_cfg, tiny_engine_config  # noqa: F401
 from stats import TEST_LEVEL, chi_square_pvalue, rejection_rate, tv_distance, worst_case_shift
 
 V = 6
@@ -311,13 +311,9 @@ def draw(setup: Setup, seeds: Sequence[int], broken: str | None = None) -> Draws
                  points, saves, runs)
 
 
-def draw_parallel(setup: Setup, seeds: Sequence[int], broken: str | None = None, workers: int = 2) -> Draws:
-    """`draw` over `workers` processes, each with its own executor and a contiguous share of seeds."""
-    seeds = list(seeds)
-    shares = [seeds[i * len(seeds) // workers:(i + 1) * len(seeds) // workers] for i in range(workers)]
-    with mp.get_context("spawn").Pool(workers) as pool:
-        parts = pool.starmap(draw, [(setup, share, broken) for share in shares])
-    return Draws.merge(parts)
+def draw_parallel(pool, setup: Setup, seeds: Sequence[int], broken: str | None = None) -> Draws:
+    """`draw` over the pool's processes, each with its own executor and a contiguous share of seeds."""
+    return Draws.merge(in_shares(pool, functools.partial(draw, setup, broken=broken), seeds))
 
 
 # ---- the statistics ----
@@ -375,12 +371,12 @@ def test_exact_distribution_is_a_distribution_and_filters_apply():
     assert (exact_joint(conditionals(GOOD_TOPP)) > 0).sum() == 2 ** NEW  # top-p cuts every reachable step
 
 
-def test_spd_samples_the_target_distribution_small(one_thread):
+def test_spd_samples_the_target_distribution_small(seed_pool, one_thread):
     """3,000 requests with the poor draft pass. The same check fails the accept-always verifier on
     the first 200 seeds (a count in a cell of probability 0, so every superset of those seeds fails
     too) and the stale-q verifier on the first 500 seeds."""
     joint = exact_joint(conditionals(POOR_TOPK))
-    good = draw_parallel(POOR_TOPK, range(SMALL))
+    good = draw_parallel(seed_pool, POOR_TOPK, range(SMALL))
     verdict = judge(good, joint)
     report(f"{POOR_TOPK.name} correct", good, verdict)
     assert verdict.passes, verdict
@@ -394,54 +390,54 @@ def test_spd_samples_the_target_distribution_small(one_thread):
     report(f"{POOR_TOPK.name} accept-always", blatant, judge(blatant, joint))
     assert chi_square_pvalue(blatant.counts, joint) == 0.0  # a cell of probability 0 was hit
 
-    stale = draw_parallel(POOR_TOPK, range(STALE_PREFIX), broken="stale-q")
+    stale = draw_parallel(seed_pool, POOR_TOPK, range(STALE_PREFIX), broken="stale-q")
     verdict = judge(stale, joint)
     report(f"{POOR_TOPK.name} stale-q", stale, verdict)
     assert stale.outputs != good.outputs[:STALE_PREFIX]  # the override really changes outputs
     assert verdict.pvalue < TEST_LEVEL and not verdict.passes
 
 
-def test_suffix_drafts_sample_the_target_distribution_small(one_thread):
+def test_suffix_drafts_sample_the_target_distribution_small(seed_pool, one_thread):
     """Point-mass suffix drafts beside the PDM's sampled drafts (min match 1, so most requests have
     one): 3,000 requests pass; verifying a suffix draft as if it were drawn from a uniform q (a
     multi-source bug) fails on the first 500 seeds."""
     joint = exact_joint(conditionals(SUFFIX_TOPK))
-    good = draw_parallel(SUFFIX_TOPK, range(SMALL))
+    good = draw_parallel(seed_pool, SUFFIX_TOPK, range(SMALL))
     verdict = judge(good, joint)
     report(f"{SUFFIX_TOPK.name} correct", good, verdict)
     assert verdict.passes, verdict
     assert good.suffix_verified > 0.3 * good.verified  # the suffix source really drafts
-    bad = draw_parallel(SUFFIX_TOPK, range(STALE_PREFIX), broken="suffix-uniform")
+    bad = draw_parallel(seed_pool, SUFFIX_TOPK, range(STALE_PREFIX), broken="suffix-uniform")
     verdict = judge(bad, joint)
     report(f"{SUFFIX_TOPK.name} suffix-uniform", bad, verdict)
     assert bad.outputs != good.outputs[:STALE_PREFIX]
     assert verdict.pvalue < TEST_LEVEL and not verdict.passes
 
 
-def test_suffix_runs_sample_the_target_distribution_small(one_thread):
+def test_suffix_runs_sample_the_target_distribution_small(seed_pool, one_thread):
     """Suffix runs (docs/design.md 3.13): the second draft travels in the first one's entry and is
     verified on its own exit row. 3,000 requests pass; committing a run's tokens unverified fails on
     the first 500 seeds."""
     joint = exact_joint(conditionals(RUN_TOPK))
-    good = draw_parallel(RUN_TOPK, range(SMALL))
+    good = draw_parallel(seed_pool, RUN_TOPK, range(SMALL))
     verdict = judge(good, joint)
     report(f"{RUN_TOPK.name} correct", good, verdict)
     assert verdict.passes, verdict
     assert good.run_verified > 0.15 * SMALL  # runs really travel (in about a quarter of the requests)
-    bad = draw_parallel(RUN_TOPK, range(STALE_PREFIX), broken="run-unverified")
+    bad = draw_parallel(seed_pool, RUN_TOPK, range(STALE_PREFIX), broken="run-unverified")
     verdict = judge(bad, joint)
     report(f"{RUN_TOPK.name} run-unverified", bad, verdict)
     assert bad.outputs != good.outputs[:STALE_PREFIX]
     assert verdict.pvalue < TEST_LEVEL and not verdict.passes
 
 
-def test_branch_candidates_sample_the_target_distribution_small(one_thread):
+def test_branch_candidates_sample_the_target_distribution_small(seed_pool, one_thread):
     """W = 2: a branch point's candidates verified by recursive rejection sampling, then the
     survivor's chain: 3,000 requests pass (over 27 cells the power against a SMALL_SHIFT change is
     lower than the other small runs': 0.84, asserted >= 0.8); a verifier that tests every
     candidate against p instead of the residual fails on the first 500 seeds (observed p ~ 1e-8)."""
     joint = exact_joint(conditionals(BRANCH_TOPK))
-    good = draw_parallel(BRANCH_TOPK, range(BRANCH_SMALL))
+    good = draw_parallel(seed_pool, BRANCH_TOPK, range(BRANCH_SMALL))
     verdict = judge(good, joint)
     report(f"{BRANCH_TOPK.name} correct", good, verdict)
     assert verdict.passes, verdict
@@ -449,7 +445,7 @@ def test_branch_candidates_sample_the_target_distribution_small(one_thread):
     print(f"power against a {SMALL_SHIFT} TV shift at N={BRANCH_SMALL}: {detect:.3f}")
     assert detect >= 0.8
     assert good.branch_points >= BRANCH_SMALL and good.branch_saves > 0.02 * BRANCH_SMALL  # later candidates commit
-    bad = draw_parallel(BRANCH_TOPK, range(STALE_PREFIX), broken="forget-residual")
+    bad = draw_parallel(seed_pool, BRANCH_TOPK, range(STALE_PREFIX), broken="forget-residual")
     verdict = judge(bad, joint)
     report(f"{BRANCH_TOPK.name} forget-residual", bad, verdict)
     assert bad.outputs != good.outputs[:STALE_PREFIX]
@@ -499,33 +495,28 @@ def draw_batch(setup: Setup, seeds: Sequence[int], broken: bool = False) -> tupl
     return first, second
 
 
-def draw_batch_parallel(setup: Setup, seeds: Sequence[int], broken: bool = False, workers: int = 2
-                        ) -> tuple[Draws, Draws]:
-    """`draw_batch` over `workers` processes, each a contiguous share of whole seed pairs: (every
+def draw_batch_parallel(pool, setup: Setup, seeds: Sequence[int], broken: bool = False) -> tuple[Draws, Draws]:
+    """`draw_batch` over the pool's processes, each a contiguous share of whole seed pairs: (every
     request's draws, the first requests' outputs then the second requests', the second requests'
     draws)."""
-    pairs = len(seeds) // 2
-    cuts = [2 * (i * pairs // workers) for i in range(workers + 1)]
-    seeds = list(seeds)
-    with mp.get_context("spawn").Pool(workers) as pool:
-        parts = pool.starmap(draw_batch, [(setup, seeds[a:b], broken) for a, b in zip(cuts, cuts[1:])])
+    parts = in_shares(pool, functools.partial(draw_batch, setup, broken=broken), seeds, unit=2)
     first, second = Draws.merge([f for f, _ in parts]), Draws.merge([s for _, s in parts])
     return Draws.merge([first, second]), second
 
 
-def test_two_live_requests_sample_the_target_distribution_small(one_thread):
+def test_two_live_requests_sample_the_target_distribution_small(seed_pool, one_thread):
     """Two requests share every stage step (B = 2): 3,000 requests (1,500 runs) pass, and each
     request's output is its own solo seeded output; a driver whose second request verifies against
     the first request's exit rows fails on the second requests of 500 runs."""
     joint = exact_joint(conditionals(BATCH_TOPK))
-    good, _ = draw_batch_parallel(BATCH_TOPK, range(SMALL))
+    good, _ = draw_batch_parallel(seed_pool, BATCH_TOPK, range(SMALL))
     verdict = judge(good, joint)
     report(f"{BATCH_TOPK.name} correct", good, verdict)
     assert verdict.passes, verdict
     assert good.accepted < 0.8 * good.verified  # rejections, so residual draws happen
     solo = draw(BATCH_TOPK, range(0, 200))
     assert good.outputs[:100] == solo.outputs[0::2][:100] and good.outputs[SMALL // 2:][:100] == solo.outputs[1::2][:100]
-    _, bad = draw_batch_parallel(BATCH_TOPK, range(2 * STALE_PREFIX), broken=True)
+    _, bad = draw_batch_parallel(seed_pool, BATCH_TOPK, range(2 * STALE_PREFIX), broken=True)
     verdict = judge(bad, joint)
     report(f"{BATCH_TOPK.name} other-exit (second requests)", bad, verdict)
     assert bad.outputs != good.outputs[SMALL // 2:][:STALE_PREFIX]
@@ -539,15 +530,17 @@ FULL_UNFILTERED = 20000
 
 
 @pytest.fixture(scope="module")
-def full_runs() -> dict[tuple[str, str | None], Draws]:
-    """Full-size draws shared by the tests of this module (the correct poor-draft run serves two)."""
-    return {}
+def full_runs(seed_pool) -> tuple:
+    """Full-size draws shared by the tests of this module (the correct poor-draft run serves two),
+    and the pool that draws them."""
+    return {}, seed_pool
 
 
-def full_draws(cache: dict, setup: Setup, broken: str | None = None) -> Draws:
+def full_draws(runs: tuple, setup: Setup, broken: str | None = None) -> Draws:
+    cache, pool = runs
     key = (setup.name, broken)
     if key not in cache:
-        cache[key] = draw_parallel(setup, range(FULL_UNFILTERED if setup is POOR_FULL else FULL), broken)
+        cache[key] = draw_parallel(pool, setup, range(FULL_UNFILTERED if setup is POOR_FULL else FULL), broken)
     return cache[key]
 
 

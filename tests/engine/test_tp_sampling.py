@@ -11,6 +11,7 @@ the reference executor (the ranks of a distributed run as threads), one request 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 
 import numpy as np
@@ -22,6 +23,7 @@ from spd_engine.engine.model.greedy import prefill
 from spd_engine.engine.runtime.reference import ReferenceExecutor
 from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs
 from spd_engine.engine.comm.tp_group import LocalTPHub
+from helpers import in_shares, seed_pool  # noqa: F401
 from stats import TEST_LEVEL, chi_square_pvalue
 from test_sampling_distribution import POWER, judge, power
 from tp_cases import serial_tp, tp_cfg, tp_engine_config
@@ -57,6 +59,8 @@ class Counts:
 
 
 def draw(ecfg, params: SamplingParams, seeds) -> Counts:
+    """One request per seed on one reference executor: counts of the first NEW tokens, outputs."""
+    torch.set_num_threads(1)
     counts, outputs = np.zeros(V ** NEW, dtype=np.int64), []
     with ReferenceExecutor(ecfg) as ex:
         for seed in seeds:
@@ -66,39 +70,45 @@ def draw(ecfg, params: SamplingParams, seeds) -> Counts:
     return Counts(counts, outputs)
 
 
-N = 1500  # about 15 ms a request on two cores
+def draw_parallel(pool, ecfg, params: SamplingParams, seeds) -> Counts:
+    """`draw` over the pool's processes, a contiguous share of seeds each."""
+    parts = in_shares(pool, functools.partial(draw, ecfg, params), seeds)
+    return Counts(sum(p.counts for p in parts), [o for p in parts for o in p.outputs])
+
+
+N = 1500  # about 26 ms a request on one core
 SHIFT = 0.08  # the check at N detects this total-variation shift with probability >= 0.9 (asserted)
 
 
-def test_tp_head_samples_the_target_distribution(one_thread, monkeypatch):
+def test_tp_head_samples_the_target_distribution(seed_pool, one_thread, monkeypatch):
     """1,500 requests at top-k 2 over T=2 shards pass; each shard keeping its own top-k (k per
     shard, not k overall: a plausible bug) fails on 500 seeds."""
     ecfg = setup("tp", 2)
     joint = exact_joint(ecfg, TOPK2)
-    verdict = judge(draw(ecfg, TOPK2, range(N)), joint)
+    verdict = judge(draw_parallel(seed_pool, ecfg, TOPK2, range(N)), joint)
     print(f"\ntp=2 top-k 2: TV={verdict.tv:.4f} (bound {verdict.tv_bound:.4f}) p={verdict.pvalue:.3g}")
     assert verdict.passes, verdict
     assert power(joint, N, SHIFT) >= POWER
     monkeypatch.setattr(tp_sampling, "_global_kth",
                         lambda group, x, k: float(torch.topk(x, min(k, x.numel())).values[-1]))
-    broken = draw(ecfg, TOPK2, range(500))
+    broken = draw(ecfg, TOPK2, range(500))  # here: the patch holds in this process only
     assert chi_square_pvalue(broken.counts, joint) < TEST_LEVEL
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,params", [(2, UNFILTERED), (2, TOPK_TOPP), (3, TOPK2), (3, UNFILTERED), (3, TOPK_TOPP)],
                          ids=["tp2-unfiltered", "tp2-topk-topp", "tp3-topk2", "tp3-unfiltered", "tp3-topk-topp"])
-def test_tp_head_samples_the_target_distribution_more_filters(tp, params, one_thread):
+def test_tp_head_samples_the_target_distribution_more_filters(tp, params, seed_pool, one_thread):
     ecfg = setup("tp", tp)
-    verdict = judge(draw(ecfg, params, range(N)), exact_joint(ecfg, params))
+    verdict = judge(draw_parallel(seed_pool, ecfg, params, range(N)), exact_joint(ecfg, params))
     assert verdict.passes, verdict
 
 
 @pytest.mark.slow
-def test_spd_x_tp_samples_the_target_distribution(one_thread):
+def test_spd_x_tp_samples_the_target_distribution(seed_pool, one_thread):
     """The driver samples from its unsharded head over the TP stages' hidden states."""
     ecfg = setup("spd", 2, n=2)
-    verdict = judge(draw(ecfg, TOPK2, range(N)), exact_joint(ecfg, TOPK2))
+    verdict = judge(draw_parallel(seed_pool, ecfg, TOPK2, range(N)), exact_joint(ecfg, TOPK2))
     assert verdict.passes, verdict
 
 
