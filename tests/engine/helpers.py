@@ -36,8 +36,6 @@ CAPACITY = 256
 SEED_WORKERS = 2  # processes a sampling test spreads its seeded requests over (the CI host's cores)
 
 
-
-
 # ---- seeded draws over processes ----
 
 @pytest.fixture(scope="module")
