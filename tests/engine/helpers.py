@@ -38,11 +38,15 @@ SEED_WORKERS = 2  # processes a sampling test spreads its seeded requests over (
 
 # ---- seeded draws over processes ----
 
+def _one_intra_op_thread() -> None:
+    torch.set_num_threads(1)  # as the one_thread fixture: SEED_WORKERS processes already fill the cores
+
+
 @pytest.fixture(scope="module")
 def seed_pool():
-    """SEED_WORKERS spawned processes a module's sampling tests share: spawning them costs about 2 s,
-    and a test draws several times."""
-    with mp.get_context("spawn").Pool(SEED_WORKERS) as pool:
+    """SEED_WORKERS spawned processes a module's sampling tests share, one intra-op thread each:
+    spawning them costs about 2 s, and a test draws several times."""
+    with mp.get_context("spawn").Pool(SEED_WORKERS, initializer=_one_intra_op_thread) as pool:
         yield pool
 
 

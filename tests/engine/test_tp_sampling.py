@@ -60,7 +60,6 @@ class Counts:
 
 def draw(ecfg, params: SamplingParams, seeds) -> Counts:
     """One request per seed on one reference executor: counts of the first NEW tokens, outputs."""
-    torch.set_num_threads(1)
     counts, outputs = np.zeros(V ** NEW, dtype=np.int64), []
     with ReferenceExecutor(ecfg) as ex:
         for seed in seeds:
