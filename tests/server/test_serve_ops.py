@@ -245,6 +245,7 @@ def test_json_nested_too_deeply_is_a_400_and_metrics_carry_the_model_name(keyed)
     r = httpx.post(f"{keyed.base_url}/completions", content=deep,
                    headers={**AUTH, "content-type": "application/json"})
     assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+    assert post(keyed, {"prompt": [5, 6], "max_tokens": 3}, headers=AUTH).status_code == 200
     text = httpx.get(f"{keyed.url}/metrics").text
     assert f'spd:request_total{{model_name="{TINY}",outcome="bad_request"}}' in text
     assert re.search(rf'^spd:request_success_total\{{finished_reason="length",model_name="{re.escape(TINY)}"\}} '
