@@ -29,10 +29,10 @@ demo: install
 		--prompt "Explain in two sentences why the sky is blue."
 
 # the default run over TEST_WORKERS pytest-xdist workers (0: in this process), a test file per
-# worker at a time, so a module's fixtures (a server, a process pool) start once
+# worker at a time, the CPU-heavy and timing files one after another (tests/conftest.py groups)
 TEST_WORKERS ?= 2
 test: install
-	$(BIN)/pytest -q -x -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/pytest -q -x -n $(TEST_WORKERS) --dist loadgroup
 
 # the pure tier: logic only, no process, no model file (docs/testing.md, tiers); only the files
 # that mark it are collected, so the others' imports cost nothing

@@ -27,6 +27,24 @@ def pytest_addoption(parser):
 MODEL_FIXTURES = frozenset({"smollm2_dir", "smollm2_gguf", "smol", "qwen"})
 
 
+# Under `make test` (pytest-xdist, `--dist loadgroup`) every file is a group: a worker takes a
+# whole file, so a module's fixtures start once and its tests run in order. These files form one
+# group, run one after another on one worker and never beside each other: the statistical checks
+# keep both cores of a small host busy for a minute, and the server and timing checks measure
+# stream gaps, ticks and stall deadlines that such a neighbour stretches by seconds.
+SHARED_GROUP = frozenset(f"tests/{f}.py" for f in (
+    "engine/test_sampling_distribution", "engine/test_tp_sampling", "engine/test_eagle_sampling",
+    "server/test_serve", "server/test_serve_ops", "engine/test_no_bubbles", "engine/test_faults",
+    "engine/test_tp_faults"))
+
+
+def pytest_itemcollected(item):
+    """Each test's group, set as it is collected (pytest-xdist reads the groups in its own
+    pytest_collection_modifyitems)."""
+    file = item.path.relative_to(item.config.rootpath).as_posix()
+    item.add_marker(pytest.mark.xdist_group("one-at-a-time" if file in SHARED_GROUP else file))
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA device (gpu marker)")
     for item in items:

@@ -382,9 +382,10 @@ def _stream_gaps(server: ServerProcess, during=None) -> list[float]:
 def test_huge_prompts_are_refused_without_freezing_a_stream(smol):
     """A 10 MB body is refused (413) before it is read into the parser, a prompt that cannot fit is
     refused before it is tokenized, and tokenization runs in a worker process: an unrelated stream's
-    largest gap between tokens stays within 0.5 s of its largest gap alone (this shared host's
-    own jitter reaches about 1 s). Before: the 10 MB prompt was tokenized on the event loop for
-    several seconds while every stream stalled."""
+    largest gap between tokens stays within 1.5 s of the largest gap of the same stream alone,
+    once before and once after (a shared host's jitter, or another test worker's load, moves a
+    single gap by about 1 s). Before: the 10 MB prompt was tokenized on the event loop while every
+    stream stalled (6.5 s for that tokenization alone on a 2-core Intel Xeon)."""
     def huge_requests() -> None:
         r = httpx.post(f"{smol.base_url}/completions", timeout=120,
                        json={"model": "smollm2-135m", "prompt": "word " * 2_000_000})  # 10 MB
@@ -394,9 +395,10 @@ def test_huge_prompts_are_refused_without_freezing_a_stream(smol):
                            json={"model": "smollm2-135m", "prompt": "word " * (size // 5)})
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
 
-    alone = max(_stream_gaps(smol))
+    before = max(_stream_gaps(smol))
     contended = max(_stream_gaps(smol, huge_requests))
-    assert contended < alone + 0.5, (alone, contended)
+    after = max(_stream_gaps(smol))
+    assert contended < max(before, after) + 1.5, (before, contended, after)
 
 
 # ---- deadline, drain, faults: servers of their own ----
