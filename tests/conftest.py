@@ -34,7 +34,7 @@ MODEL_FIXTURES = frozenset({"smollm2_dir", "smollm2_gguf", "smol", "qwen"})
 # stream gaps, ticks and stall deadlines that such a neighbour stretches by seconds.
 SHARED_GROUP = frozenset(f"tests/{f}.py" for f in (
     "engine/test_sampling_distribution", "engine/test_tp_sampling", "engine/test_eagle_sampling",
-    "server/test_serve", "server/test_serve_ops", "engine/test_no_bubbles", "engine/test_faults",
+    "server/test_serve", "server/test_serve_ops", "server/test_stall", "engine/test_no_bubbles", "engine/test_faults",
     "engine/test_tp_faults"))
 
 

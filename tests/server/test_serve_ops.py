@@ -14,7 +14,6 @@ import signal
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -38,11 +37,6 @@ def ps_group(pgid: int) -> list[str]:
     """`ps` lines of the processes still in the group (zombies excluded: they are gone)."""
     out = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-g", str(pgid)], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if line.split()[1][0] != "Z"]
-
-
-def ranks_of(server: ServerProcess) -> list[int]:
-    return [pid for pid in group_members(server.proc.pid) if pid != server.proc.pid
-            and "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
 
 
 class Stream:
@@ -107,7 +101,7 @@ def test_a_stopped_stage_rank_fails_the_request_naming_it_and_nothing_survives()
     try:
         stream = Stream(server, {"prompt": [4, 5], "max_tokens": 480})
         assert stream.first.wait(60)
-        ranks = ranks_of(server)
+        ranks = server.spawned()
         assert len(ranks) == 3, ranks
         stopped = ranks[1]
         os.kill(stopped, signal.SIGSTOP)
@@ -294,7 +288,7 @@ def test_nothing_outlives_a_server_killed_with_sigkill():
     server = ServerProcess(TINY_ARGS)
     try:
         assert post(server, {"prompt": [5, 6], "max_tokens": 4}).status_code == 200
-        assert len(ranks_of(server)) == 2
+        assert len(server.spawned()) == 2
         os.kill(server.proc.pid, signal.SIGKILL)
         assert server.wait(30) == -signal.SIGKILL
         deadline = time.monotonic() + 10

@@ -1,0 +1,181 @@
+"""A real `spd serve` stream alone and beside a competing neighbour on the same host: the gaps
+between its tokens, the CPU and run-queue time of its spawned processes, and what its stall
+watch made of it.
+
+    spd measure serve-neighbour --duration 60 -- --model smollm2-135m --stages 4 --threads 1
+    spd measure serve-neighbour --neighbour busy -- --model smollm2-135m --stages 4 --threads 1
+
+Starts the server (arguments after `--`; it leads its own session, as `spd serve` from a shell or
+a service does), streams `--repeats` greedy completions alone, then starts the neighbour and
+streams for `--duration` seconds, then streams `--repeats` alone again. Neighbours:
+`gil-threads` is `--processes` processes of `--threads-each` Python threads each running small
+one-thread torch products (threads that hand one interpreter lock back and forth, as a test
+runner or a data loader in Python does); `busy` is `--processes` one-thread busy loops. Both end
+themselves when this process is gone. Per phase: streams, the largest gap between two tokens
+(median and max over streams), the stream time, the server's spawned processes' CPU seconds and
+run-queue seconds per wall second (all together, /proc; server/stall.py), and the requests that
+failed (their error code, e.g. `rank_stalled`). Linux only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from spd_engine.server.process import ServerProcess
+from spd_engine.server.stall import sample
+
+# a neighbour process: T threads of small one-thread products; ends when its parent is gone
+_GIL_THREADS = """
+import os, sys, threading, torch
+torch.set_num_threads(1)
+threads, parent = int(sys.argv[1]), int(sys.argv[2])
+a, w = torch.randn(1, 576), torch.randn(576, 1536)
+def loop():
+    while os.getppid() == parent:
+        for _ in range(100):
+            (a @ w).sum()
+ts = [threading.Thread(target=loop, daemon=True) for _ in range(threads - 1)]
+[t.start() for t in ts]
+loop()
+"""
+_BUSY = """
+import os, sys
+parent = int(sys.argv[2])
+while os.getppid() == parent:
+    for _ in range(100000):
+        pass
+"""
+
+
+def start_neighbour(kind: str, processes: int, threads: int) -> list[subprocess.Popen]:
+    script = _GIL_THREADS if kind == "gil-threads" else _BUSY
+    return [subprocess.Popen([sys.executable, "-c", script, str(threads), str(os.getpid())])
+            for _ in range(processes)]
+
+
+def stream(url: str, model: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed greedy completion: gaps between chunks (s), the time to its last chunk, and the
+    error code of a request that failed."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    t0 = time.monotonic()
+    gaps, error = [], None
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+            error = _read(r, gaps, t0) if r.status_code == 200 else f"HTTP {r.status_code}"
+    except httpx.TransportError:  # the server exited (a failed engine ends the server)
+        error = "server gone"
+    return {"largest_gap_s": max(gaps) if gaps else None, "total_s": sum(gaps), "error": error}
+
+
+def _read(r: httpx.Response, gaps: list[float], t0: float) -> str | None:
+    """Append the gaps between data chunks; the error code of an error event, if one came."""
+    last, error = t0, None
+    for line in r.iter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line.removeprefix("data: "))
+        if "error" in event:
+            error = event["error"].get("code") or "error"
+            continue
+        now = time.monotonic()
+        gaps.append(now - last)
+        last = now
+    return error
+
+
+class RankUse:
+    """CPU and run-queue seconds of the given processes between start() and stop()."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+
+    def start(self) -> None:
+        self.t0, self.a = time.monotonic(), [sample(p) for p in self.pids]
+
+    def stop(self) -> dict:
+        dt, b = time.monotonic() - self.t0, [sample(p) for p in self.pids]
+        if any(y.state is None for y in b):  # a process ended: its counts went with it
+            return {"cpu_per_s": None, "run_queue_per_s": None}
+        return {"cpu_per_s": sum(y.cpu_s - x.cpu_s for x, y in zip(self.a, b)) / dt,
+                "run_queue_per_s": sum(y.wait_s - x.wait_s for x, y in zip(self.a, b)) / dt}
+
+
+def phase(name: str, server: ServerProcess, args: argparse.Namespace, model: str, until=None, count=None) -> dict:
+    use = RankUse(server.spawned())
+    use.start()
+    runs = []
+    while (count is not None and len(runs) < count) or (until is not None and time.monotonic() < until):
+        runs.append(stream(server.url, model, args.prompt, args.max_tokens))
+        if runs[-1]["error"]:  # a failed request fails the engine: the server is ending
+            break
+    gaps = [r["largest_gap_s"] for r in runs if r["largest_gap_s"] is not None]
+    return {"phase": name, "streams": len(runs), "largest_gap_median_s": statistics.median(gaps) if gaps else None,
+            "largest_gap_max_s": max(gaps) if gaps else None,
+            "total_median_s": statistics.median(r["total_s"] for r in runs),
+            "failed": [r["error"] for r in runs if r["error"]], **use.stop()}
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spd measure serve-neighbour", description=__doc__.split("\n")[0])
+    p.add_argument("--neighbour", choices=("gil-threads", "busy"), default="gil-threads")
+    p.add_argument("--processes", type=int, default=2, help="neighbour processes")
+    p.add_argument("--threads-each", type=int, default=3, help="threads per gil-threads process")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of streaming beside the neighbour")
+    p.add_argument("--repeats", type=int, default=3, help="streams alone, before and after")
+    p.add_argument("--prompt", default="Count from one to fifty:")
+    p.add_argument("--max-tokens", type=int, default=60)
+    p.add_argument("--json-out", default=None)
+    p.add_argument("serve_args", nargs="*", help="after --: arguments of spd serve (model, stages, ...)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.processes < 1 or args.threads_each < 1 or args.duration <= 0 or args.repeats < 1 or args.max_tokens < 1:
+        raise ValueError("--processes, --threads-each, --repeats and --max-tokens must be >= 1, --duration > 0")
+    if "--model" not in args.serve_args:
+        raise ValueError("name the model after --: spd measure serve-neighbour -- --model smollm2-135m ...")
+    model = args.serve_args[args.serve_args.index("--model") + 1]
+    server = ServerProcess(args.serve_args)
+    report = []
+    try:
+        report.append(phase("alone (before)", server, args, model, count=args.repeats))
+        assert not report[0]["failed"], f"a stream alone failed: {report[0]['failed']}"
+        neighbour = start_neighbour(args.neighbour, args.processes, args.threads_each)
+        try:
+            report.append(phase(f"beside {args.processes} x {args.neighbour}", server, args, model,
+                                until=time.monotonic() + args.duration))
+        finally:
+            for p in neighbour:
+                p.kill()
+                p.wait()
+        if not report[-1]["failed"]:
+            report.append(phase("alone (after)", server, args, model, count=args.repeats))
+    finally:
+        server.close()
+    print("| phase | streams | largest gap, median (max) s | stream s (median) | ranks' CPU s/s | run-queue s/s | failed |")
+    print("|---|---|---|---|---|---|---|")
+    for r in report:
+        gap = "-" if r["largest_gap_max_s"] is None else f"{r['largest_gap_median_s']:.2f} ({r['largest_gap_max_s']:.2f})"
+        print(f"| {r['phase']} | {r['streams']} | {gap} | "
+              f"{r['total_median_s']:.2f} | {_num(r['cpu_per_s'])} | {_num(r['run_queue_per_s'])} | "
+              f"{', '.join(r['failed']) or '-'} |")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"argv": argv, "phases": report}, f, indent=1)
+    if server.proc.returncode not in (0, None):
+        said = [line for line in server.stderr().splitlines() if "unhealthy" in line or " ERROR " in line]
+        print(f"the server exited {server.proc.returncode}:\n" + "\n".join(said[:2]))
+    return 0
