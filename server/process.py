@@ -81,8 +81,14 @@ class ServerProcess:
     def spawned(self) -> list[int]:
         """Pids of the processes the server spawned: its stage ranks (and its tokenizer process,
         where the model has a tokenizer)."""
-        return [pid for pid in group_members(self.proc.pid) if pid != self.proc.pid
-                and "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        pids = []
+        for pid in group_members(self.proc.pid):
+            try:
+                if pid != self.proc.pid and "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text():
+                    pids.append(pid)
+            except OSError:  # ended while we looked
+                continue
+        return pids
 
     def leftovers(self, within: float = 10.0) -> list[int]:
         """Processes of the server's group still alive after `within` seconds."""

@@ -7,9 +7,10 @@ The server watches instead: a request that commits no token (prefill included) f
 is stalled when a rank process is stopped (SIGSTOP, a debugger) or gone, or when no rank
 process is computing (their CPU time, read from /proc, hardly advances: a rank waiting on a
 deadlock or a lost message). Ranks that are computing (a long prefill on a slow host) are not
-stalled, nor are ranks waiting for a CPU (their run-queue wait, /proc/PID/schedstat, fills the
-window: a host whose other processes take the cores, docs/serve.md); the driver's own receive
-timeout still bounds both, and the second is logged once per request. Linux /proc only;
+stalled, nor are ranks waiting for a CPU (a rank's run-queue time, /proc/PID/task/*/schedstat,
+fills half the window, or half the window's samples find it runnable: a host whose other
+processes take the cores, docs/serve.md); the driver's own receive timeout still bounds both, and the second is
+logged once per job in the pipeline. Linux /proc only;
 elsewhere, and for ranks this process did not spawn (torchrun), the deadline alone decides and
 no rank is named.
 """
@@ -22,8 +23,10 @@ from collections import deque
 from dataclasses import dataclass
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-BUSY_FRACTION = 0.1  # rank CPU seconds per wall second (all ranks together) above which the ranks are computing
-STARVED_FRACTION = 0.5  # rank run-queue seconds per wall second (all ranks together) above which they wait for a CPU
+BUSY_FRACTION = 0.1  # CPU seconds per wall second of the busiest rank above which the ranks are computing
+STARVED_FRACTION = 0.5  # run-queue seconds per wall second of one rank above which the ranks wait for a CPU
+RUNNABLE_FRACTION = 0.5  # ... or the share of a window's samples that found one rank runnable (state R)
+MIN_SAMPLES = 4  # samples a window needs before the runnable share counts
 STOPPED_STATES = {"T": "stopped", "t": "stopped by a tracer", "Z": "exited (not yet reaped)", "X": "dead"}
 LOG = logging.getLogger("spd.serve")
 
@@ -37,7 +40,7 @@ class RankSample:
 
 def sample(pid: int) -> RankSample:
     """State letter and CPU seconds (user + system) of a process from /proc/PID/stat, and its
-    run-queue wait from /proc/PID/schedstat (all its threads; absent without scheduler stats)."""
+    threads' run-queue time from /proc/PID/task/*/schedstat (0 without scheduler stats)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -47,10 +50,8 @@ def sample(pid: int) -> RankSample:
 
 
 def _run_queue_wait_s(pid: int) -> float:
-    """Sum over the process's threads of the second field of schedstat (nanoseconds spent runnable
-    on a run queue); a thread's wait is counted when it next gets a CPU, so a starved rank's wait
-    arrives in lumps."""
-    total = 0
+    """Seconds the process's threads spent runnable on a run queue (schedstat's second field, summed)."""
+    wait = 0
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -58,47 +59,61 @@ def _run_queue_wait_s(pid: int) -> float:
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[1])
+                wait += int(f.read().split()[1])
         except (OSError, IndexError, ValueError):  # the thread ended, or no scheduler stats
             continue
-    return total / 1e9
+    return wait / 1e9
 
 
 class StallWatch:
-    """Call `check(last_progress)` periodically while a request runs; it returns the failure
-    reason once the request is stalled. `ranks`: {rank: pid} of the spawned stage ranks."""
+    """Call `check(last_progress)` periodically while a job (a request, or a batch of them) is in
+    the pipeline; it returns the failure reason once the job is stalled. `ranks`: {rank: pid} of
+    the spawned stage ranks. Ranks are judged one by one: a sum over ranks would let several
+    ranks polling a peer that never answers pass for one that computes or waits for a CPU. Call it
+    every fraction of a second: the runnable share counts from MIN_SAMPLES samples a window."""
 
     def __init__(self, stall_s: float, ranks: dict[int, int] | None = None) -> None:
         if stall_s <= 0:
             raise ValueError(f"the stall deadline must be positive, got {stall_s}")
         self.stall_s = stall_s
         self.ranks = dict(ranks or {})
-        self._cpu: deque[tuple[float, float, float]] = deque()  # (time, CPU s, run-queue wait s) of all ranks
-        self._told = False  # the wait for a CPU is logged once per request
+        self._window: deque[tuple[float, dict[int, RankSample]]] = deque()  # (time, samples), the last stall_s
+        self._told = False  # the wait for a CPU is logged once per job
 
     def reset(self) -> None:
-        """A new request entered the pipeline: CPU use is measured from now on."""
-        self._cpu.clear()
+        """A new job entered the pipeline: the ranks are judged from now on."""
+        self._window.clear()
         self._told = False
 
     def _silent_ranks(self, samples: dict[int, RankSample]) -> list[str]:
         return [f"stage rank {r} (pid {self.ranks[r]}) is {STOPPED_STATES.get(s.state, 'gone') if s.state else 'gone'}"
                 for r, s in samples.items() if s.state is None or s.state in STOPPED_STATES]
 
-    def _rates(self, now: float, cpu: float, wait: float) -> tuple[float, float]:
-        """(CPU seconds, run-queue seconds) of all ranks per wall second over the last stall window (a
-        thread that ended takes its share of the sums with it, hence the clamp)."""
-        self._cpu.append((now, cpu, wait))
-        while len(self._cpu) > 2 and self._cpu[1][0] <= now - self.stall_s:
-            self._cpu.popleft()
-        t0, c0, w0 = self._cpu[0]
-        return (max(0.0, cpu - c0) / (now - t0), max(0.0, wait - w0) / (now - t0)) if now > t0 else (0.0, 0.0)
+    def _judge(self, now: float, samples: dict[int, RankSample]) -> tuple[float, float, float]:
+        """Over the last stall window, the most of any one rank: CPU seconds per second, run-queue
+        seconds per second (a thread that ended takes its share of a sum with it, hence the clamps),
+        and the share of the window's samples that found it runnable. A thread's run-queue wait is
+        counted only when it next gets a CPU, so a starved rank's arrives in lumps, and one kept off
+        the CPUs for the whole window shows none: its state is what shows it then."""
+        self._window.append((now, samples))
+        while len(self._window) > 2 and self._window[1][0] <= now - self.stall_s:
+            self._window.popleft()
+        t0, first = self._window[0]
+        if now <= t0 or not samples:
+            return 0.0, 0.0, 0.0
+        dt = now - t0
+        cpu = max(max(0.0, s.cpu_s - first[r].cpu_s) / dt for r, s in samples.items())
+        wait = max(max(0.0, s.wait_s - first[r].wait_s) / dt for r, s in samples.items())
+        runnable = 0.0
+        if len(self._window) >= MIN_SAMPLES:
+            runnable = max(sum(seen[r].state == "R" for _, seen in self._window if r in seen) / len(self._window)
+                           for r in samples)
+        return cpu, wait, runnable
 
     def check(self, last_progress: float, now: float | None = None) -> str | None:
         now = time.monotonic() if now is None else now
         samples = {r: sample(pid) for r, pid in self.ranks.items()}
-        cpu_rate, wait_rate = self._rates(now, sum(s.cpu_s for s in samples.values()),
-                                          sum(s.wait_s for s in samples.values()))
+        cpu_rate, wait_rate, runnable = self._judge(now, samples)
         silent_for = now - last_progress
         if silent_for < self.stall_s:
             return None
@@ -109,12 +124,13 @@ class StallWatch:
             return f"no token for {silent_for:.1f} s (stall deadline {self.stall_s:g} s); the ranks are not watched"
         if cpu_rate > BUSY_FRACTION:
             return None  # computing (a long prefill): the driver's receive timeout bounds it
-        if wait_rate > STARVED_FRACTION:  # runnable, not silent: other processes hold the cores
+        if wait_rate > STARVED_FRACTION or runnable >= RUNNABLE_FRACTION:  # not silent: other processes hold the cores
             if not self._told:
                 self._told = True
-                LOG.warning("no token for %.1f s: the stage ranks are waiting for a CPU (%.2f s on the run queue "
-                            "and %.2f s computing per second, all ranks together, over the last %g s); other "
-                            "processes hold this host's cores", silent_for, wait_rate, cpu_rate, self.stall_s)
+                LOG.warning("no token for %.1f s: the stage ranks are waiting for a CPU (over the last %g s, the most "
+                            "of one rank: %.2f s on the run queue and %.2f s computing per second, runnable in %.0f%% "
+                            "of the samples); other processes hold this host's cores", silent_for, self.stall_s,
+                            wait_rate, cpu_rate, 100 * runnable)
             return None
         states = ", ".join(f"rank {r} pid {self.ranks[r]} state {s.state}" for r, s in samples.items())
         return (f"no token for {silent_for:.1f} s (stall deadline {self.stall_s:g} s) and no stage rank is "
