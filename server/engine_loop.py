@@ -557,7 +557,8 @@ class EngineLoop:
         return True
 
     def _watch(self, procs: list) -> None:
-        stall = StallWatch(self.stall_s, {r: p.pid for r, p in self.ranks.items()}) \
+        stall = StallWatch(self.stall_s, {r: p.pid for r, p in self.ranks.items()},
+                           self.metrics.cpu_waits.inc if self.metrics is not None else None) \
             if self.stall_s is not None else None
         last_job = None
         while self.state in ("ready", "draining") and not self._leaving.is_set():

@@ -139,6 +139,9 @@ class ServeMetrics:
         r.register(StageUtilization(n, stage_counts))
         self.driver = Counter("spd:driver_seconds", "Driver time by part (pdm, verify, wait, send)", ["part"],
                               registry=r)
+        self.cpu_waits = Counter("spd:stall_cpu_waits", "Jobs in the pipeline that committed no token for the "
+                                 "stall deadline while their ranks waited for a CPU (not failed; server/stall.py)",
+                                 registry=r)
         self.slack = Histogram("spd:driver_slack_seconds_per_tick", "Per request: slowest stage's compute "
                                "per tick minus the driver's pdm + verify + send per tick", buckets=SLACK_BUCKETS,
                                registry=r)

@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -72,11 +73,13 @@ class StallWatch:
     ranks polling a peer that never answers pass for one that computes or waits for a CPU. Call it
     every fraction of a second: the runnable share counts from MIN_SAMPLES samples a window."""
 
-    def __init__(self, stall_s: float, ranks: dict[int, int] | None = None) -> None:
+    def __init__(self, stall_s: float, ranks: dict[int, int] | None = None,
+                 on_cpu_wait: Callable[[], None] | None = None) -> None:
         if stall_s <= 0:
             raise ValueError(f"the stall deadline must be positive, got {stall_s}")
         self.stall_s = stall_s
         self.ranks = dict(ranks or {})
+        self.on_cpu_wait = on_cpu_wait  # called with the warning, once per job (the server's counter)
         self._window: deque[tuple[float, dict[int, RankSample]]] = deque()  # (time, samples), the last stall_s
         self._told = False  # the wait for a CPU is logged once per job
 
@@ -131,6 +134,8 @@ class StallWatch:
                             "of one rank: %.2f s on the run queue and %.2f s computing per second, runnable in %.0f%% "
                             "of the samples); other processes hold this host's cores", silent_for, self.stall_s,
                             wait_rate, cpu_rate, 100 * runnable)
+                if self.on_cpu_wait is not None:
+                    self.on_cpu_wait()
             return None
         states = ", ".join(f"rank {r} pid {self.ranks[r]} state {s.state}" for r, s in samples.items())
         return (f"no token for {silent_for:.1f} s (stall deadline {self.stall_s:g} s) and no stage rank is "

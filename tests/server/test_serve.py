@@ -100,7 +100,7 @@ def test_models_health_and_metrics(tiny):
                  "spd:spec_decode_num_draft_tokens_total", "spd:spec_decode_num_accepted_tokens_total",
                  "spd:spec_decode_ticks_total", "spd:spec_decode_eal", "spd:spec_decode_num_rejections_total",
                  "spd:stage_compute_seconds_total{stage=\"1\"}", "spd:driver_seconds_total{part=\"pdm\"}",
-                 "spd:driver_slack_seconds_per_tick_bucket"):
+                 "spd:driver_slack_seconds_per_tick_bucket", "spd:stall_cpu_waits_total"):
         assert name in text, name
 
 

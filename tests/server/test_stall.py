@@ -59,14 +59,15 @@ def test_ranks_waiting_for_a_cpu_are_not_stalled_and_it_is_logged_once_per_job(m
     """All ranks runnable, hardly any CPU time, seconds on the run queue: the host's other processes
     hold the cores (a 4-stage server beside two processes of GIL-bound threads did exactly this)."""
     starved = [ranks("R", 1.0 + 0.01 * i, 10.0 + 3.0 * i) for i in range(4)]
-    watch = StallWatch(10.0, {1: 1, 2: 2, 3: 3})
+    counted = []
+    watch = StallWatch(10.0, {1: 1, 2: 2, 3: 3}, on_cpu_wait=lambda: counted.append(1))
     with caplog.at_level(logging.WARNING, logger="spd.serve"):
         assert watch_over(monkeypatch, starved, watch=watch) == [None] * 4
         told = [r.getMessage() for r in caplog.records if "waiting for a CPU" in r.getMessage()]
         assert len(told) == 1 and "on the run queue" in told[0], told
         watch.reset()  # the next job
         assert watch_over(monkeypatch, starved, watch=watch) == [None] * 4
-    assert sum("waiting for a CPU" in r.getMessage() for r in caplog.records) == 2
+    assert sum("waiting for a CPU" in r.getMessage() for r in caplog.records) == 2 and len(counted) == 2
 
 
 def test_a_rank_found_runnable_in_most_samples_is_waiting_for_a_cpu(monkeypatch, caplog):
