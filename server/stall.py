@@ -5,14 +5,13 @@ The driver's receives wait up to `--timeout` (60 s by default) for a rank, which
 batch run but leaves a server's clients and its load balancer waiting a minute on a hung rank.
 The server watches instead: a request that commits no token (prefill included) for `stall_s`
 is stalled when a rank process is stopped (SIGSTOP, a debugger) or gone, or when no rank
-process is computing (their CPU time, read from /proc, hardly advances: a rank waiting on a
-deadlock or a lost message). Ranks that are computing (a long prefill on a slow host) are not
+process is computing (each rank's CPU time, read from /proc, hardly advances: a rank waiting on
+a deadlock or a lost message). Ranks that are computing (a long prefill on a slow host) are not
 stalled, nor are ranks waiting for a CPU (a rank's run-queue time, /proc/PID/task/*/schedstat,
 fills half the window, or half the window's samples find it runnable: a host whose other
-processes take the cores, docs/serve.md); the driver's own receive timeout still bounds both, and the second is
-logged once per job in the pipeline. Linux /proc only;
-elsewhere, and for ranks this process did not spawn (torchrun), the deadline alone decides and
-no rank is named.
+processes take the cores, docs/serve.md); the driver's own receive timeout still bounds both,
+and the second is logged once per job in the pipeline. Linux /proc only; elsewhere, and for
+ranks this process did not spawn (torchrun), the deadline alone decides and no rank is named.
 """
 from __future__ import annotations
 
