@@ -1,4 +1,4 @@
-"""`spd gpu-check`: every GPU path checked on one CUDA device in one run (bench/device_check.py);
+"""`spd gpu-check`: every GPU path checked on one CUDA device in one run (bench/device_check/);
 `--dry` runs the same checks on the CPU with tiny shapes. Writes OUT/gpu-check.json and .md."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
               f"(CUDA build: {torch.version.cuda or 'none'}); run `make gpu-check-dry` for the CPU dry run",
               file=sys.stderr)
         return 2
-    from spd_engine.bench.device_check import run_check
+    from spd_engine.bench.device_check.check_run import run_check
     from spd_engine.tools.cli import main as spd_main
 
     report = run_check(args.out, args.dry, lambda m: print(m, flush=True), device=args.device, spd_main=spd_main)

@@ -1,4 +1,4 @@
-"""`make gpu-check-dry` (bench/device_check.py on the CPU, tiny shapes): it passes in the default
+"""`make gpu-check-dry` (bench/device_check/ on the CPU, tiny shapes): it passes in the default
 suite within a minute and writes both reports with the keys the GPU run writes; `make gpu-check`
 and `spd gpu-check` refuse clearly without CUDA; the lossless check fails a run that differs."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from spd_engine.bench import device_check as gpu_check
-from spd_engine.bench.device_check import REPORT_KEYS, TIMING_KEYS
+from spd_engine.bench.device_check import check_lossless, check_patches, check_run
+from spd_engine.bench.device_check.check_plan import REPORT_KEYS, TIMING_KEYS, dry_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +39,7 @@ def test_make_gpu_check_dry_writes_both_reports_with_the_gpu_keys(tmp_path: Path
     assert wall < 60, f"the dry run took {wall:.0f} s"
     # every lossless case and the sampling checks ran and passed (nothing cut by the time guard)
     cases = report["lossless"]["cases"]
-    assert len(cases) == len(gpu_check.dry_plan().lossless) and all(c["status"] == "pass" for c in cases)
+    assert len(cases) == len(dry_plan().lossless) and all(c["status"] == "pass" for c in cases)
     assert all(c["forced_accepted"] > 0 for c in cases)  # accepts happened, not only rejections
     assert report["lossless"]["sampling"]["sampling_twice"]["status"] == "pass"
     assert report["lossless"]["sampling"]["branch_width_2"]["status"].startswith("pass")
@@ -50,7 +50,7 @@ def test_make_gpu_check_dry_writes_both_reports_with_the_gpu_keys(tmp_path: Path
     assert report["timings"]["anchor_gather"]["status"].startswith("not run")
     assert report["timings"]["syncs_per_tick"]["per_tick"] is None
     # the timed shape gave a profile that the cost model reads
-    (shape,) = gpu_check.dry_plan().timing_shapes
+    (shape,) = dry_plan().timing_shapes
     prof_path = tmp_path / report["timings"]["profiles"][shape][0]
     from spd_engine.costmodel.cost_model import Profile
 
@@ -82,21 +82,21 @@ def test_spd_gpu_check_exits_2_with_one_line_without_cuda(tmp_path: Path, monkey
     assert len(err) == 1 and "no CUDA device" in err[0]
     assert not any(tmp_path.iterdir())
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        gpu_check.run_check(tmp_path, dry=False)
+        check_run.run_check(tmp_path, dry=False)
 
 
 def test_lossless_check_fails_a_run_that_differs(monkeypatch, one_thread) -> None:
     """The comparison can fail: an oracle with other weights (seed 1) than SPD's must not pass."""
-    plan = gpu_check.dry_plan()
+    plan = dry_plan()
     case = plan.lossless[0]
-    original = gpu_check._case_config
+    original = check_lossless.case_config
 
     def other_oracle(case, plan, mode, colocate=False, **kw):
         ecfg = original(case, plan, mode, colocate, **kw)
         return ecfg.replace(seed=1) if mode == "pp" else ecfg
 
-    monkeypatch.setattr(gpu_check, "_case_config", other_oracle)
-    res = gpu_check.lossless_case(case, plan)
+    monkeypatch.setattr(check_lossless, "case_config", other_oracle)
+    res = check_lossless.lossless_case(case, plan)
     assert res["status"] == "fail" and not res["bit_equal"] and res["first_difference"] is not None
 
 
@@ -109,7 +109,7 @@ def test_device_random_weights_give_stages_the_full_models_weights_and_restore_t
     cfg = PRESETS["tiny-llama"]
     ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, 2), capacity=64)
     saved = (build_mod.build_stage_model, roles_mod.build_stage_model, roles_mod.build_pdm)
-    with gpu_check.device_random_weights():
+    with check_patches.device_random_weights():
         full = build_mod.build_stage_model(ecfg, range(cfg.num_layers), embedding=True, head=True)
         last = roles_mod.build_stage_model(ecfg, range(3, cfg.num_layers), embedding=False, head=True)
         other = build_mod.build_stage_model(ecfg.replace(seed=1), range(3, cfg.num_layers), embedding=False,
