@@ -21,9 +21,11 @@ from spd_engine.bench.speedups import BASELINES, head_budget_note, noisy_lines, 
 from spd_engine.bench.stats import format_table
 from spd_engine.engine.runtime.measured_split import BALANCED
 from spd_engine.engine.runtime.run_config import RunConfig
-from spd_engine.tools.common import REPO_HEADS, add_engine_arguments, add_json_argument, balanced_split, \
-    engine_config, hf_model_dir, load_prompts, record_layouts, refuse_ignored, split_key, split_store, \
-    with_measured_layouts, write_json
+from spd_engine.tools.cli_conventions import add_json_argument, refuse_ignored, write_json
+from spd_engine.tools.engine_args import add_engine_arguments, engine_config
+from spd_engine.tools.measured_args import balanced_split, record_layouts, split_key, split_store, with_measured_layouts
+from spd_engine.tools.model_args import REPO_HEADS, hf_model_dir
+from spd_engine.tools.prompt_args import load_prompts
 
 CONFIGS = ("ar", "pp", "spd", "spd-w1", "spd-colocate", "spd-colocate-vd", "spd-colocate-1", "spd-overlap", "eagle", "hf",
            "hf-lookup",
@@ -44,7 +46,7 @@ LATENCY_COLUMNS = [("name", "config", "")] + [
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from spd_engine.tools.common import add_request_arguments
+    from spd_engine.tools.prompt_args import add_request_arguments
 
     add_engine_arguments(p, mode_flags=False)  # --configs names the modes and layouts
     g = p.add_argument_group("benchmark")

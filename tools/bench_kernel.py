@@ -46,7 +46,7 @@ SWEEP = [(32, 128, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (1
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES),
                         help=f"comma-separated model shapes (default: all of {', '.join(SHAPES)})")
-    from spd_engine.tools.common import add_dtype_argument, add_json_argument
+    from spd_engine.tools.cli_conventions import add_dtype_argument, add_json_argument
 
     add_dtype_argument(parser, "bfloat16", "packed weights, ring and rows")
     parser.add_argument("--iters", type=int, default=200, help="timed calls per measurement")
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     _print_table(results, copy_bw)
     doc = {"device": torch.cuda.get_device_name(0), "copy_bandwidth_gbps": copy_bw / 1e9, "results": results}
     if args.json:
-        from spd_engine.tools.common import write_json
+        from spd_engine.tools.cli_conventions import write_json
 
         write_json(args.json, doc)
     tol = 1e-4 if dtype == torch.float32 else 1e-2

@@ -13,7 +13,7 @@ import argparse
 
 from spd_engine.checkpoint_tools import hf, megatron_dcp, shard, verify_checkpoint as verify
 from spd_engine.engine.model.checkpoint import parse_dtype
-from spd_engine.tools.common import add_dtype_argument, dtype_name
+from spd_engine.tools.cli_conventions import add_dtype_argument, dtype_name
 
 
 def _split_args(p: argparse.ArgumentParser) -> None:
@@ -30,7 +30,7 @@ def _dtype_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _head_dtype(text: str) -> str:
-    """int4, int8, or a float dtype under any of its spellings (tools/common.py dtype_name)."""
+    """int4, int8, or a float dtype under any of its spellings (tools/cli_conventions.py dtype_name)."""
     return text if text in ("int4", "int8") else dtype_name(text)
 
 

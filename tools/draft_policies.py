@@ -40,7 +40,7 @@ def _pooled(accs, n: int) -> dict:
 
 def _branch_policies(widths: str, whens: str) -> list:
     from spd_engine.engine.protocol.branching import WHEN, BranchPolicy
-    from spd_engine.tools.common import parse_names
+    from spd_engine.tools.cli_conventions import parse_names
 
     try:
         ws = [int(w) for w in widths.split(",") if w.strip()]
@@ -52,7 +52,8 @@ def _branch_policies(widths: str, whens: str) -> list:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from spd_engine.tools.common import add_engine_arguments, add_json_argument
+    from spd_engine.tools.cli_conventions import add_json_argument
+    from spd_engine.tools.engine_args import add_engine_arguments
 
     add_engine_arguments(p, mode_flags=False, branch_flags=False)
     g = p.add_argument_group("policies")
@@ -77,7 +78,8 @@ def _run(args) -> int:
     from spd_engine.engine.model.greedy import greedy_generate
     from spd_engine.engine.protocol.suffix import SuffixSettings
     from spd_engine.engine.model.tokenizer import Tokenizer
-    from spd_engine.tools.common import engine_config, parse_names, write_json
+    from spd_engine.tools.cli_conventions import parse_names, write_json
+    from spd_engine.tools.engine_args import engine_config
     from spd_engine.train.branch_replay import pooled as branch_pooled
     from spd_engine.train.branch_replay import score_branches
     from spd_engine.train.draft_potential import StateStats, loops, score_prompt

@@ -19,7 +19,8 @@ from spd_engine.train.evaluate import DATASETS, EXECUTORS, EvalSettings, check_s
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from spd_engine.tools.common import add_engine_arguments, add_json_argument
+    from spd_engine.tools.cli_conventions import add_json_argument
+    from spd_engine.tools.engine_args import add_engine_arguments
 
     add_engine_arguments(p, mode_flags=False)  # acceptance does not depend on the layout
     g = p.add_argument_group("evaluation")
@@ -59,7 +60,7 @@ def _data_dir(arg: str | None) -> Path:
 
 
 def _datasets(arg: str) -> list[str]:
-    from spd_engine.tools.common import parse_names
+    from spd_engine.tools.cli_conventions import parse_names
 
     return parse_names(arg, DATASETS, "dataset(s)")
 
@@ -69,11 +70,12 @@ def run(args: argparse.Namespace) -> int:
 
     from spd_engine.engine.model.tokenizer import Tokenizer
     from spd_engine.engine.runtime.progress import Progress
-    from spd_engine.tools.common import engine_config, write_json
+    from spd_engine.tools.cli_conventions import write_json
+    from spd_engine.tools.engine_args import engine_config
     from spd_engine.train.evaluate import encode_prompt, evaluate, format_table, load_dataset, open_runner
 
     if args.mode == "eagle":
-        from spd_engine.tools.common import refuse_ignored
+        from spd_engine.tools.cli_conventions import refuse_ignored
 
         refuse_ignored(args, ["executor"], "with --mode eagle (its runtime runs in this process)")
     executor = "reference" if args.mode == "eagle" else args.executor or default_executor(args.temperature)
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
                             args.sampling_seed)
     check_settings(settings)  # before any model is loaded
     if args.plot:  # a missing matplotlib or an unwritable path is refused before the run, not after it
-        from spd_engine.tools.common import check_output_path
+        from spd_engine.tools.cli_conventions import check_output_path
 
         check_output_path(args.plot, "--plot")
         import matplotlib  # noqa: F401

@@ -25,8 +25,10 @@ from pathlib import Path
 from spd_engine.engine.protocol.batch_schedule import format_utilization
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.runtime.request_inputs import encode_prompts, sampling_params
-from spd_engine.tools.common import (add_batch_arguments, add_engine_arguments, add_json_argument, add_request_arguments,
-                                     check_batch_arguments, check_output_path, engine_config, load_prompts)
+from spd_engine.tools.cli_conventions import (add_batch_arguments, add_json_argument, check_batch_arguments,
+                                              check_output_path)
+from spd_engine.tools.engine_args import add_engine_arguments, engine_config
+from spd_engine.tools.prompt_args import add_request_arguments, load_prompts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -319,7 +319,7 @@ def _runtime_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
     --threads per rank, --seed; receives inside a request wait at least a minute."""
     from spd_engine.engine.runtime.run_config import RunConfig
     from spd_engine.engine.protocol.topology import Topology
-    from spd_engine.tools.common import default_head, model_config, resolve_model
+    from spd_engine.tools.model_args import default_head, model_config, resolve_model
 
     engine_spec, tok_dir = resolve_model(args.model)
     cfg = model_config(engine_spec)
@@ -452,7 +452,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--net-transport / --net-busy-mb price a plan or --validate-runtime's runs; "
                          "--validate and --revalidate use what they measured")
     if args.validate or args.revalidate:
-        from spd_engine.tools.common import refuse_ignored  # imports the runtime's config (torch), as these do
+        from spd_engine.tools.cli_conventions import refuse_ignored  # imports the runtime's config (torch), as these do
 
         refuse_ignored(args, ["verify_at"], "by --validate (its tick replays verify on the driver) or --revalidate "
                                             "(it prices its saved runs as they verified)")

@@ -23,7 +23,7 @@ QUICK_CPU_SHAPES = "tiny-llama,tiny-qwen3"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    from spd_engine.tools.common import add_dtype_argument
+    from spd_engine.tools.cli_conventions import add_dtype_argument
 
     add_dtype_argument(p, None, "weights and activations (default bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--shapes", default=None,
@@ -74,7 +74,7 @@ def _settings(args: argparse.Namespace):
 
 def _shapes(args: argparse.Namespace, device: str) -> list[str]:
     from spd_engine.engine.runtime.run_config import PRESETS
-    from spd_engine.tools.common import parse_names
+    from spd_engine.tools.cli_conventions import parse_names
 
     text = args.shapes or (QUICK_CPU_SHAPES if args.quick and device == "cpu" else DEFAULT_SHAPES)
     return parse_names(text, PRESETS, "shapes")

@@ -13,7 +13,8 @@ import importlib.util
 import os
 import sys
 
-from spd_engine.tools.common import add_batch_arguments, add_engine_arguments, check_batch_arguments, engine_config
+from spd_engine.tools.cli_conventions import add_batch_arguments, check_batch_arguments
+from spd_engine.tools.engine_args import add_engine_arguments, engine_config
 from spd_engine.server.http_guards import DEFAULT_MAX_REQUEST_BYTES
 from spd_engine.server.request_log import DEFAULT_LEVEL, LEVELS
 

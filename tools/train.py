@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from spd_engine.engine.protocol.topology import Topology
-from spd_engine.tools.common import add_dtype_argument, model_config, resolve_model
+from spd_engine.tools.cli_conventions import add_dtype_argument
+from spd_engine.tools.model_args import model_config, resolve_model
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
     _check_method_flags(args)
     if args.plot:  # a missing matplotlib or an unwritable path is refused before training, not after it
-        from spd_engine.tools.common import check_output_path
+        from spd_engine.tools.cli_conventions import check_output_path
 
         check_output_path(args.plot, "--plot")
         import matplotlib  # noqa: F401
@@ -165,7 +166,7 @@ def plot_run(out: str, png: str, title: str) -> None:
 
 
 def _check_method_flags(args: argparse.Namespace) -> None:
-    from spd_engine.tools.common import refuse_ignored
+    from spd_engine.tools.cli_conventions import refuse_ignored
 
     if args.method == "eagle":
         refuse_ignored(args, ["stages", "stage_layers", "anchors", "pdm_layers", "init_head"],

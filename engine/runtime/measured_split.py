@@ -53,7 +53,7 @@ class SplitKey:
     tp: int
     colocate: bool
     device: str  # device_name()
-    flags: str = ""  # the run's flags that change what a tick computes (tools/common.py split_key)
+    flags: str = ""  # the run's flags that change what a tick computes (tools/measured_args.py split_key)
 
     def text(self) -> str:
         where = "co-located" if self.colocate else "driver rank"

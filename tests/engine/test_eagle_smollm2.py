@@ -52,7 +52,7 @@ def test_launched_eagle_is_lossless_on_smollm2(smollm2, refs, one_thread):
 
 
 def test_shipped_eagle_head_is_lossless_and_accepts_drafts(smollm2, refs, one_thread):
-    from spd_engine.tools.common import default_head
+    from spd_engine.tools.model_args import default_head
 
     head = default_head("smollm2-135m", 1, "eagle")
     if head == "random":

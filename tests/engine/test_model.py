@@ -230,7 +230,7 @@ def smollm2(smollm2_dir):
     """(HF model, our full model on the converted checkpoint, tokenizer, config, checkpoint dir)."""
     from spd_engine.engine.model.checkpoint import load_stage_model, read_index
     from spd_engine.engine.model.tokenizer import Tokenizer
-    from spd_engine.tools.common import resolve_model
+    from spd_engine.tools.model_args import resolve_model
 
     engine_dir, tok_dir = resolve_model("smollm2-135m")
     hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()

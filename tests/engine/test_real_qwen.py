@@ -35,7 +35,7 @@ def qwen():
     from spd_engine.checkpoint_tools.fetch import fetch_gguf
     from spd_engine.engine.model.checkpoint import load_stage_model, read_index
     from spd_engine.engine.model.tokenizer import Tokenizer
-    from spd_engine.tools.common import resolve_model
+    from spd_engine.tools.model_args import resolve_model
 
     engine_dir, tok_dir = resolve_model(NAME)
     cfg = read_index(engine_dir).cfg
@@ -123,7 +123,7 @@ def test_the_1_5b_at_n4_equals_greedy_and_transformers(one_thread):
     from spd_engine.checkpoint_tools.fetch import fetch_gguf
     from spd_engine.engine.model.checkpoint import load_stage_model, read_index
     from spd_engine.engine.model.tokenizer import Tokenizer
-    from spd_engine.tools.common import resolve_model
+    from spd_engine.tools.model_args import resolve_model
 
     engine_dir, tok_dir = resolve_model("qwen2.5-coder-1.5b")
     cfg = read_index(engine_dir).cfg

@@ -32,7 +32,7 @@ def smollm2(smollm2_dir):
     """(engine checkpoint dir, model config, full model, tokenizer)."""
     from spd_engine.engine.model.checkpoint import load_stage_model, read_index
     from spd_engine.engine.model.tokenizer import Tokenizer
-    from spd_engine.tools.common import resolve_model
+    from spd_engine.tools.model_args import resolve_model
 
     engine_dir, tok_dir = resolve_model("smollm2-135m")
     cfg = read_index(engine_dir).cfg
@@ -108,7 +108,7 @@ def test_distributed_colocated_oracle_and_untrained_on_smollm2(smollm2, refs, on
 
 
 def shipped_head_config(smollm2, colocate: bool = False) -> RunConfig:
-    from spd_engine.tools.common import default_head
+    from spd_engine.tools.model_args import default_head
 
     head = default_head("smollm2-135m", 4)
     assert head != "random", "the repository ships a trained head for smollm2-135m at n=4"

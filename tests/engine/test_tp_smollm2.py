@@ -25,7 +25,7 @@ NEW = 24
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
     from spd_engine.engine.model.tokenizer import Tokenizer
-    from spd_engine.tools.common import resolve_model
+    from spd_engine.tools.model_args import resolve_model
 
     engine_dir, tok_dir = resolve_model("smollm2-135m")
     return engine_dir, read_index(engine_dir).cfg, Tokenizer.from_dir(tok_dir)

@@ -308,7 +308,7 @@ def test_completion_greedy_equals_greedy_decoding(smol):
     from spd_engine.engine.model.checkpoint import load_stage_model, read_index
     from spd_engine.engine.model.greedy import greedy_generate
     from spd_engine.engine.model.tokenizer import Tokenizer
-    from spd_engine.tools.common import resolve_model
+    from spd_engine.tools.model_args import resolve_model
 
     engine_dir, tok_dir = resolve_model("smollm2-135m")
     cfg, tok = read_index(engine_dir).cfg, Tokenizer.from_dir(tok_dir)

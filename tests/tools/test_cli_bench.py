@@ -169,7 +169,7 @@ def test_a_peer_that_differs_is_reported_not_failed(tmp_path, monkeypatch):
 
 
 def test_hf_rows_need_a_model_in_hf_form():
-    from spd_engine.tools.common import hf_model_dir
+    from spd_engine.tools.model_args import hf_model_dir
 
     with pytest.raises(ValueError, match="no Hugging Face form"):
         hf_model_dir("random:tiny-llama")

@@ -13,7 +13,8 @@ import pytest
 
 from spd_engine.engine.runtime.launch import spd_command
 from spd_engine.tools import cli
-from spd_engine.tools.common import add_engine_arguments, resolve_dtype
+from spd_engine.tools.cli_conventions import resolve_dtype
+from spd_engine.tools.engine_args import add_engine_arguments
 
 TINY = ["--model", "random:tiny-llama", "--stages", "2", "--threads", "1"]
 
@@ -83,7 +84,7 @@ def test_plan_best_on_n_devices_agrees_with_the_recommendation(capsys):
 
 def test_a_truncated_config_json_is_refused_before_converting(tmp_path):
     """Before: 'converting ... (once)' was printed, then the conversion failed."""
-    from spd_engine.tools.common import resolve_model
+    from spd_engine.tools.model_args import resolve_model
 
     hf_dir = resolve_model("smollm2-135m")[1]  # the fetched HF directory (it holds the tokenizer)
     broken = tmp_path / "model"

@@ -12,7 +12,7 @@ import pytest
 from spd_engine.engine.runtime.run_config import RunConfig
 from spd_engine.tools import cli
 from spd_engine.tools.cli import SUBCOMMANDS, main
-from spd_engine.tools.common import resolve_dtype
+from spd_engine.tools.cli_conventions import resolve_dtype
 
 pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
 
@@ -67,8 +67,8 @@ def test_run_defaults_come_from_run_config():
     # --dtype auto picks by device; on RunConfig's default device it is RunConfig's default dtype
     assert p.get_default("dtype") == "auto"
     assert resolve_dtype("auto", defaults["device"]) == defaults["dtype"]
-    common = (cli.__file__.rsplit("/", 1)[0]) + "/common.py"
-    source = open(common).read()
+    folder = cli.__file__.rsplit("/", 1)[0]
+    source = "".join(open(f"{folder}/{m}.py").read() for m in ("cli_conventions", "engine_args", "model_args"))
     assert "default=60.0" not in source and "default=128" not in source  # no second copy of a RunConfig default
 
 

@@ -11,7 +11,8 @@ import pytest
 from spd_engine.engine.runtime.measured_layout import layout_key
 from spd_engine.tools import generate
 from spd_engine.tools.cli import main
-from spd_engine.tools.common import engine_config, layout_store
+from spd_engine.tools.engine_args import engine_config
+from spd_engine.tools.measured_args import layout_store
 
 
 def config(argv: list[str]):

@@ -1,4 +1,4 @@
-"""Prompt sources shared by spd generate and spd bench (tools/common.py): --eval-prompts K takes the
+"""Prompt sources shared by spd generate and spd bench (tools/prompt_args.py): --eval-prompts K takes the
 first K prompts of each shipped evaluation set, the dev prompts of the speed reports."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from spd_engine.tools.common import add_request_arguments, load_prompts
+from spd_engine.tools.prompt_args import add_request_arguments, load_prompts
 from spd_engine.train.evaluate import default_data_dir
 
 pytestmark = pytest.mark.pure

@@ -12,7 +12,8 @@ from spd_engine.engine.runtime.run_config import PRESETS
 from spd_engine.engine.model.pdm import random_pdm, save_pdm
 from spd_engine.tools import generate
 from spd_engine.tools.cli import main
-from spd_engine.tools.common import engine_config, split_key, split_store
+from spd_engine.tools.engine_args import engine_config
+from spd_engine.tools.measured_args import split_key, split_store
 
 
 def config(argv: list[str]):

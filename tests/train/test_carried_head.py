@@ -65,10 +65,10 @@ def test_a_bad_manifest_is_refused_by_name(tmp_path, edit, match):
 def test_a_carried_manifest_given_as_spec_is_built(tmp_path, monkeypatch):
     """`--spec DIR` with a carried-head manifest (another split of a shipped head): the command
     builds it as the default heads are built; a plain head directory passes as given."""
-    from spd_engine.tools.common import carried_or_given
+    from spd_engine.tools.model_args import carried_or_given
 
     cfg, heads, dst_cfg = _shipped(tmp_path)
-    monkeypatch.setattr("spd_engine.tools.common.model_config", lambda spec: cfg)
+    monkeypatch.setattr("spd_engine.tools.model_args.model_config", lambda spec: cfg)
     monkeypatch.setenv("SPD_CACHE", str(tmp_path / "cache"))
     built = carried_or_given(str(heads / "dst"), "random:tiny-llama")
     assert read_pdm_config(built)[0] == dst_cfg

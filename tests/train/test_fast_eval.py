@@ -212,7 +212,7 @@ CHAT = ["What is the capital of France? Answer in one sentence.",
 def test_fast_path_equals_reference_on_smollm2(n):
     from spd_engine.engine.runtime.build import build_stage_model
     from spd_engine.engine.model.tokenizer import Tokenizer
-    from spd_engine.tools.common import model_config, resolve_model
+    from spd_engine.tools.model_args import model_config, resolve_model
 
     spec, tok_dir = resolve_model("smollm2-135m")
     cfg = model_config(spec)

@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     from spd_engine.engine.runtime.batch_driver import BatchRequest
     from spd_engine.engine.runtime.launch import launch
     from spd_engine.engine.runtime.request_inputs import encode_prompts
-    from spd_engine.tools.common import engine_config, load_prompts
+    from spd_engine.tools.engine_args import engine_config
+    from spd_engine.tools.prompt_args import load_prompts
 
     args, gen = _args(sys.argv[1:] if argv is None else argv)
     ecfg, tok_dir = engine_config(gen)

@@ -39,7 +39,7 @@ def time_us(w: torch.Tensor, rows: list[int], repeats: int) -> dict[int, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from spd_engine.tools.common import model_config, resolve_model
+    from spd_engine.tools.model_args import model_config, resolve_model
 
     p = argparse.ArgumentParser(prog="spd measure linear-rows", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="a model spec (its shapes; weights are random)")

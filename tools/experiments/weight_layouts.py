@@ -12,7 +12,8 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from spd_engine.tools.common import model_config, record_layouts, resolve_model
+    from spd_engine.tools.measured_args import record_layouts
+    from spd_engine.tools.model_args import model_config, resolve_model
 
     cores = os.cpu_count() or 1
     p = argparse.ArgumentParser(prog="spd measure weight-layouts", description=__doc__.split("\n\n")[0])
