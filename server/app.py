@@ -23,7 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from spd_engine.server.engine_loop import EngineLoop, Job
+from spd_engine.server.engine_loop import EngineLoop
+from spd_engine.server.job import Job
 from spd_engine.server.http_guards import DEFAULT_MAX_REQUEST_BYTES, check_api_key, parse_json, read_body, request_id
 from spd_engine.server.request_log import request_line
 from spd_engine.server.exporter import CONTENT_TYPE, ServeMetrics

@@ -3,7 +3,7 @@ with `--max-batch B` up to B at once in the pipeline (docs/design.md 3.12): a qu
 as soon as a slot is free, and leaves at its end.
 
 The engine thread enters the runtime (engine/launch.launch: ranks, KV caches and CUDA graphs stay
-up for the life of the server), then takes jobs from a bounded queue: latency-critical requests
+up for the life of the server), then takes jobs (server/job.py) from a bounded queue (server/job_queue.py): latency-critical requests
 first, then higher priority, then arrival order (docs/design.md 3.12's order; it decides who takes
 a free slot, and which request runs next at B = 1). A job's `on_token`
 runs on that thread for every committed token: it detokenizes, cuts at stop strings and hands
@@ -22,206 +22,19 @@ place even if the engine has not taken the next job yet, and `--max-queue 0` ser
 """
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from spd_engine.engine.protocol.batch_policy import CRITICAL
 from spd_engine.engine.protocol.metrics import GenerationResult
 from spd_engine.engine.runtime.batch_driver import BatchRequest
-from spd_engine.engine.model.tokenizer import Tokenizer
 from spd_engine.engine.comm.transport import TransportError
+from spd_engine.server.job import DirectCall, Job
+from spd_engine.server.job_queue import JobQueue, QueueFull
 from spd_engine.server.openai_api import ApiError
-from spd_engine.server.request import ServeRequest
-from spd_engine.server.responses import Summary
 from spd_engine.server.stall import StallWatch
-from spd_engine.server.text import TextStream
-
-SPD_FIELDS = ("ticks", "verified", "accepted", "rejections", "alpha", "eal", "prefill_s", "decode_s", "decode_tok_s")
-
-
-class QueueFull(Exception):
-    pass
-
-
-class Job:
-    """One request. The engine thread calls on_token / finish / fail; the event loop reads `events`:
-    ("piece", text), then ("done", Summary) or ("error", ApiError)."""
-
-    def __init__(self, req: ServeRequest, tok: Tokenizer | None, loop: asyncio.AbstractEventLoop) -> None:
-        self.req, self.loop = req, loop
-        self.text = TextStream(tok, req.stops)
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.arrival = time.monotonic()
-        self.started: float | None = None
-        self.token_times: list[float] = []  # commit time of every token of the reply
-        self.cancel_reason: str | None = None  # "cancelled" (client gone) or "timeout"; set by the event loop
-        self.finish_reason: str | None = None  # stop / length / cancelled / timeout / error
-        self.result: GenerationResult | None = None
-        self.eos: set[int] = set()  # the ids that end it (set when it enters the pipeline)
-        self.request_id: str = ""  # the HTTP side's id (X-Request-Id), for the log
-        self.on_close: Callable[[], None] | None = None  # frees the job's place in the server (EngineLoop)
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def close(self) -> bool:
-        """Mark the job ended (once) and free its place; False if it had ended already."""
-        with self._lock:
-            if self._closed:
-                return False
-            self._closed = True
-        if self.on_close is not None:
-            self.on_close()
-        return True
-
-    @property
-    def queue_rank(self) -> tuple[int, int]:
-        """Its place in the queue's order, smaller first: critical before batch, then higher priority
-        (arrival order breaks ties: JobQueue)."""
-        return (0 if self.req.latency == CRITICAL else 1, -self.req.priority)
-
-    @property
-    def last_progress(self) -> float:
-        """When the job last moved: its last token, else its entry into the pipeline."""
-        return self.token_times[-1] if self.token_times else (self.started or self.arrival)
-
-    def _emit(self, event: tuple) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the event loop is gone (server shut down): nobody is listening
-            pass
-
-    def on_token(self, token: int) -> bool:
-        """Called by the driver per committed token; False ends the request after this token."""
-        if self.finish_reason is not None:
-            return False  # ended already (the driver ran on past a False)
-        self.token_times.append(time.monotonic())
-        piece = self.text.push(token)
-        if piece:
-            self._emit(("piece", piece))
-        if self.text.stopped:
-            self.finish_reason = "stop"
-        elif self.cancel_reason is not None:
-            self.finish_reason = self.cancel_reason
-        return self.finish_reason is None
-
-    def finish(self, res: GenerationResult, eos: set[int]) -> None:
-        if not self.close():
-            return
-        self.result = res
-        if self.finish_reason is None:
-            tail = self.text.finish()
-            if tail:
-                self._emit(("piece", tail))
-            if self.cancel_reason is not None:
-                self.finish_reason = self.cancel_reason
-            elif self.text.stopped or (res.tokens and res.tokens[-1] in eos):
-                self.finish_reason = "stop"
-            else:
-                self.finish_reason = "length"
-        spd = {k: getattr(res, k) for k in SPD_FIELDS}
-        self._emit(("done", Summary(self.finish_reason, len(self.req.prompt_ids), len(self.token_times), spd)))
-
-    def fail(self, err: ApiError) -> bool:
-        """Fail the request (once); False if it had ended already."""
-        if not self.close():
-            return False
-        self.finish_reason = "error"
-        self._emit(("error", err))
-        return True
-
-
-class DirectCall:
-    """A function run on the engine thread with the runtime (the streaming-overhead benchmark runs
-    `runtime.generate` itself there, exactly as `spd generate` does, on the server's own ranks)."""
-
-    def __init__(self, fn: Callable[[Any], Any]) -> None:
-        self.fn, self.done, self.value, self.error = fn, threading.Event(), None, None
-
-
-def _rank(item) -> tuple[int, int] | None:
-    """A job's queue_rank; None for anything else (a DirectCall), which keeps its place in arrival order."""
-    return item.queue_rank if isinstance(item, Job) else None
-
-
-class JobQueue:
-    """Bounded queue of jobs waiting for the pipeline (the running ones are not counted). The next
-    item is the first-ranked job (Job.queue_rank; the earliest among equals, so FIFO within a rank);
-    an item without a rank (a DirectCall) is a barrier: the jobs queued after it wait until it has
-    been taken, so it still runs after the requests queued before it."""
-
-    def __init__(self, limit: int) -> None:
-        assert limit >= 0
-        self.limit = limit
-        self._items: deque = deque()
-        self._cv = threading.Condition()
-        self._closed = False
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def put(self, item) -> None:
-        with self._cv:
-            if self._closed:
-                raise QueueFull("closed")
-            if len(self._items) >= self.limit:
-                raise QueueFull(f"{len(self._items)} requests waiting (limit {self.limit})")
-            self._items.append(item)
-            self._cv.notify()
-
-    def _next(self) -> int:
-        """Where the next item is (the queue is not empty): the first-ranked job before the first
-        barrier, or the barrier at the head."""
-        best: tuple[tuple[int, int], int] | None = None
-        for i, item in enumerate(self._items):
-            rank = _rank(item)
-            if rank is None:
-                break  # the jobs behind a barrier arrived after it
-            if best is None or rank < best[0]:  # strict: the earliest of equal rank stays first
-                best = (rank, i)
-        return 0 if best is None else best[1]
-
-    def _pop(self, i: int):
-        item = self._items[i]
-        del self._items[i]
-        return item
-
-    def get_nowait(self, kind: type):
-        """The next item if there is one and it is a `kind`, else None (never blocks)."""
-        with self._cv:
-            if not self._items:
-                return None
-            i = self._next()
-            return self._pop(i) if isinstance(self._items[i], kind) else None
-
-    def get(self):
-        """The next item, or None once closed and empty (blocks until one of the two)."""
-        with self._cv:
-            while not self._items and not self._closed:
-                self._cv.wait()
-            return self._pop(self._next()) if self._items else None
-
-    def remove(self, item) -> bool:
-        with self._cv:
-            try:
-                self._items.remove(item)
-                return True
-            except ValueError:
-                return False
-
-    def close(self, discard: bool = False) -> list:
-        """No more puts; get() returns what is left, then None. discard: also take out (and return) what is left."""
-        with self._cv:
-            self._closed = True
-            left = list(self._items) if discard else []
-            if discard:
-                self._items.clear()
-            self._cv.notify_all()
-            return left
 
 
 class BatchInFlight:

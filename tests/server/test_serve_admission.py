@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from spd_engine.engine.protocol.sampling import SamplingParams
-from spd_engine.server.engine_loop import SPD_FIELDS, EngineLoop, Job
+from spd_engine.server.engine_loop import EngineLoop
+from spd_engine.server.job import Job, SPD_FIELDS
 from spd_engine.server.openai_api import ApiError, ParsedRequest
 from spd_engine.server.request import ServeRequest
 

@@ -8,7 +8,8 @@ import threading
 import pytest
 
 from spd_engine.engine.protocol.sampling import SamplingParams
-from spd_engine.server.engine_loop import DirectCall, Job, JobQueue, QueueFull
+from spd_engine.server.job import DirectCall, Job
+from spd_engine.server.job_queue import JobQueue, QueueFull
 from spd_engine.server.openai_api import UNSUPPORTED, ApiError, ParsedRequest, parse_request
 from spd_engine.server.request import ModelInfo, ServeRequest, prepare
 from spd_engine.server.text import StopMatcher, TextStream
