@@ -1,5 +1,5 @@
 """The device a check runs on: what every figure is labelled with (device, driver, torch, CUDA,
-triton), and the small device helpers every section uses (sync, free memory, one-line errors)."""
+triton), and the small helpers every section uses (free device memory, one-line errors)."""
 from __future__ import annotations
 
 import os
@@ -10,11 +10,6 @@ import traceback
 from pathlib import Path
 
 import torch
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def free(device: torch.device) -> None:
