@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_packaging import ROOT, _source_files
+from test_install import ROOT, _source_files
 
 # Commands that put the working directory first on sys.path; from the repository root its folders
 # would shadow installed packages of the same names (`kernels`, which transformers imports).
