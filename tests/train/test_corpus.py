@@ -275,6 +275,7 @@ def test_real_corpus_has_no_eval_13gram(tmp_path: Path, smollm2_dir: Path) -> No
 
     if not DEFAULT_EVAL_DIR.is_dir():
         pytest.skip(f"shipped eval prompts not present at {DEFAULT_EVAL_DIR}")
+    pytest.importorskip("reasoning_gym", reason="reasoning-gym (the data extra) is not installed")
     tok = TargetTokenizer(smollm2_dir)
     planted = injected_eval_records(DEFAULT_EVAL_DIR)
     streams = [itertools.islice(SOURCES["evals"](max_per_eval=3), 400),
