@@ -216,8 +216,11 @@ def test_fast_path_equals_reference_on_smollm2(n):
 
     spec, tok_dir = resolve_model("smollm2-135m")
     cfg = model_config(spec)
+    # no suffix runs: the draft observer below drafts through a policy, and a run never travels
+    # under one (engine/runtime/drafter.py), so the runtime would draft without runs and the fast
+    # path with them; runs have their own exact replay (tests/train/test_run_replay.py)
     ecfg = RunConfig(model=spec, cfg=cfg, topology=Topology.build(cfg.num_layers, n), capacity=512,
-                        timeout_s=120.0)
+                     timeout_s=120.0, suffix_run=1)
     tok = Tokenizer.from_dir(tok_dir)
     target = build_stage_model(ecfg, range(cfg.num_layers), embedding=True, head=True)
     pdm = oracle_mixed_pdm(ecfg, target, 0.0)  # the distillation starting point: agrees sometimes
