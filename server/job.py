@@ -18,7 +18,9 @@ from spd_engine.server.responses import Summary
 from spd_engine.server.text import TextStream
 
 
-SPD_FIELDS = ("ticks", "verified", "accepted", "rejections", "alpha", "eal", "prefill_s", "decode_s", "decode_tok_s")
+# the run figures a finished request reports (GenerationResult fields)
+SPD_FIELDS = ("ticks", "verified", "accepted", "rejections", "alpha", "eal", "prefill_s", "decode_s",
+              "decode_tok_s")
 
 
 class Job:

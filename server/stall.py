@@ -78,7 +78,7 @@ class StallWatch:
             raise ValueError(f"the stall deadline must be positive, got {stall_s}")
         self.stall_s = stall_s
         self.ranks = dict(ranks or {})
-        self.on_cpu_wait = on_cpu_wait  # called with the warning, once per job (the server's counter)
+        self.on_cpu_wait = on_cpu_wait  # called when the warning is logged, once per job (the server's counter)
         self._window: deque[tuple[float, dict[int, RankSample]]] = deque()  # (time, samples), the last stall_s
         self._told = False  # the wait for a CPU is logged once per job
 

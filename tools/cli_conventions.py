@@ -16,7 +16,6 @@ DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
-
 def run_default(name: str):
     """The default of a RunConfig field: the one place run defaults are written."""
     field = {f.name: f for f in dataclasses.fields(RunConfig)}[name]

@@ -15,12 +15,10 @@ REPO_HEADS = Path(__file__).resolve().parents[1] / "heads"  # site-packages/spd_
 BUILTIN_MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
 
 
-
 def _cache() -> Path:
     from spd_engine.checkpoint_tools.fetch import cache_root
 
     return cache_root()
-
 
 
 def resolve_model(spec: str) -> tuple[str, Path | None]:
