@@ -16,6 +16,10 @@ Keys and shapes are what `GPTModel.sharded_state_dict()` produces with the local
     reshards on load for any TP size
 `common.pt` also records the engine model config (`spd_model_config`), so an import needs no other
 input; for a checkpoint written by Megatron itself pass the HF config of the model instead.
+Nothing a checkpoint holds is unpickled: `.metadata` and `common.pt` go through the allowlist
+unpicklers of checkpoint_tools/safe_unpickle.py, tensors through torch's `weights_only` loader. Every
+tensor of the checkpoint is either read into the model or named in an error (optimizer state and
+`_extra_state` objects aside), so a checkpoint the config does not fully explain is refused.
 """
 from __future__ import annotations
 
@@ -24,17 +28,20 @@ import io
 import json
 import pickle
 import warnings
+from typing import Any
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                   TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from spd_engine.checkpoint_tools import hf, key_maps
+from spd_engine.checkpoint_tools.safe_unpickle import load_dcp_metadata, load_megatron_common
 from spd_engine.engine.model.checkpoint import EMBEDDING_KEY, OUTPUT_KEY, expected_shapes
 from spd_engine.engine.model.model_config import ModelConfig
 
@@ -44,6 +51,19 @@ COMMON_FILE = "common.pt"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's `--load` directory layout
 CONFIG_KEY = "spd_model_config"
 TOKENIZER_DIR = "tokenizer"
+# Tensors a training checkpoint holds besides the model: none of them is part of the model.
+NON_MODEL_PREFIXES = ("optimizer.",)
+
+
+class SafeReader(FileSystemReader):
+    """torch's DCP reader, with `.metadata` read through the allowlist unpickler instead of `pickle.load`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        meta = load_dcp_metadata(Path(self.path) / ".metadata")
+        if getattr(meta, "storage_meta", None) is None:
+            meta.storage_meta = StorageMeta()
+        meta.storage_meta.load_id = self.load_id
+        return meta
 
 
 class _LayerChunkPlanner(DefaultSavePlanner):
@@ -156,36 +176,65 @@ def is_megatron_dir(path: str | Path) -> bool:
 
 
 def read_common(ckpt: Path) -> dict:
-    """common.pt, loaded without unpickling arbitrary objects ({} when it holds any)."""
+    """common.pt through the allowlist unpickler ({} when it holds no dict)."""
     file = ckpt / COMMON_FILE
     if not file.is_file():
         raise ValueError(f"{ckpt}: {COMMON_FILE} is missing")
-    try:
-        common = torch.load(file, weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError):
-        return {}  # Megatron-LM stores its argparse namespace here; we do not unpickle code objects
+    common = load_megatron_common(file)
     return common if isinstance(common, dict) else {}
+
+
+def unexplained_tensors(meta: Metadata, explained: set[str]) -> list[str]:
+    """The checkpoint's model tensors that `explained` (torch_dist keys) does not cover."""
+    return sorted(k for k, md in meta.state_dict_metadata.items()
+                  if isinstance(md, TensorStorageMetadata) and k not in explained
+                  and not k.startswith(NON_MODEL_PREFIXES) and not k.endswith("_extra_state"))
+
+
+def _dist_names(cfg: ModelConfig) -> dict[str, list[tuple[str, int | None]]]:
+    """torch_dist key -> the engine names (and layer index) it holds, for this config."""
+    names_by_key: dict[str, list[tuple[str, int | None]]] = {}
+    for name in key_maps.mcore_keys(cfg):
+        key, layer = key_maps.to_dist_key(name)
+        names_by_key.setdefault(key, []).append((name, layer))
+    return names_by_key
+
+
+def _load(ckpt: Path, reader: SafeReader, buffers: dict[str, torch.Tensor]) -> None:
+    """dcp.load into `buffers`; a checkpoint whose data files are missing or damaged is a ValueError."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            dcp.load(buffers, storage_reader=reader, planner=DefaultLoadPlanner(flatten_state_dict=False),
+                     no_dist=True)
+        except (CheckpointException, RuntimeError, OSError, EOFError, pickle.UnpicklingError) as err:
+            first = str(err).strip().splitlines()
+            raise ValueError(f"{ckpt}: the tensor data is missing, truncated or corrupt "
+                             f"({type(err).__name__}: {first[-1] if first else ''})") from None
 
 
 def import_megatron(src: str | Path, cfg: ModelConfig | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a torch_dist checkpoint into an unsharded engine state dict (engine names).
 
     `cfg` defaults to the config our export records in common.pt. Vocabulary padding (Megatron-LM
-    pads the embedding to a multiple of 128 x tp) is dropped.
+    pads the embedding to a multiple of 128 x tp) is dropped. A tensor the config does not explain
+    (a bias, an untied output layer, ...) is an error naming it, never silently left out.
     """
     ckpt = checkpoint_dir(src)
     if cfg is None:
         raw = read_common(ckpt).get(CONFIG_KEY)
         if raw is None:
-            raise ValueError(f"{ckpt} records no model config; pass the model's HF config.json")
+            raise ValueError(f"{ckpt} records no model config; pass --hf-config DIR (a directory whose "
+                             "config.json describes the model)")
         cfg = ModelConfig.from_dict(raw)
-    reader = FileSystemReader(ckpt)
-    meta = reader.read_metadata().state_dict_metadata
-    L = cfg.num_layers
-    names_by_key: dict[str, list[tuple[str, int | None]]] = {}
-    for name in key_maps.mcore_keys(cfg):
-        key, layer = key_maps.to_dist_key(name)
-        names_by_key.setdefault(key, []).append((name, layer))
+    reader = SafeReader(ckpt)
+    metadata = reader.read_metadata()
+    names_by_key = _dist_names(cfg)
+    extra = unexplained_tensors(metadata, set(names_by_key))
+    if extra:
+        raise ValueError(f"{ckpt} holds {len(extra)} tensors the model config does not explain: "
+                         f"{', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''}; refusing to drop them")
+    meta, L = metadata.state_dict_metadata, cfg.num_layers
     buffers = {}
     shapes = expected_shapes(cfg, range(L), True, True)
     for key, names in names_by_key.items():
@@ -199,9 +248,7 @@ def import_megatron(src: str | Path, cfg: ModelConfig | None = None) -> tuple[Mo
         if got != want and not vocab_padded:
             raise ValueError(f"{ckpt}: tensor {key} has shape {got}, the model config needs {want}")
         buffers[key] = torch.empty(got, dtype=md.properties.dtype)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(buffers, storage_reader=reader, planner=DefaultLoadPlanner(flatten_state_dict=False), no_dist=True)
+    _load(ckpt, reader, buffers)
     state = {}
     for key, names in names_by_key.items():
         for name, layer in names:

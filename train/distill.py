@@ -23,7 +23,7 @@ from spd_engine.engine.protocol.anchors import AnchorPlan
 from spd_engine.engine.model.model import StageModel
 from spd_engine.engine.model.pdm import PDM, PDMConfig, load_pdm, read_pdm_config, save_pdm
 from spd_engine.train.data_parallel import DataParallel
-from spd_engine.train.head_training import HeadTrainer, check_loop_config
+from spd_engine.train.head_training import HeadTrainer, check_loop_config, load_state
 from spd_engine.train.head_training import lr_at  # noqa: F401  (part of this module's API)
 from spd_engine.train.pipeline_sim import simulated_hidden, target_anchors
 from spd_engine.train.head_transplant import transplant
@@ -158,7 +158,7 @@ class Trainer(HeadTrainer):
             stable_path = self.out / "stable.pt"
             if not stable_path.is_file():
                 raise ValueError(f"{state_path} is past the start of its decay and {stable_path} is missing")
-            st = torch.load(stable_path, weights_only=False)
+            st = load_state(stable_path)
             self.log(f"extending a {steps}-step run: back to step {st['step']}, where its decay began")
         if st["step"] > decay_start(self.cfg.steps, self.cfg.warmup, self.cfg.decay_frac):
             raise ValueError(f"{state_path}: step {st['step']} is past the start of the decay of a "

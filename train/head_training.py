@@ -9,6 +9,7 @@ own loss, state dict and history records (fills, the training-time test) in its 
 from __future__ import annotations
 
 import json
+import pickle
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +24,20 @@ from spd_engine.train.data_parallel import DataParallel
 from spd_engine.train.lr_schedule import schedule_lr
 
 LOG_EVERY = 10  # steps between log lines (and the last step)
+
+
+def load_state(path: Path) -> dict:
+    """A run's saved state (state.pt, stable.pt) with torch's `weights_only` loader: tensors and plain
+    data only, so a file planted in the run directory cannot run code (ValueError instead)."""
+    try:
+        st = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+        first = str(err).strip().splitlines()
+        raise ValueError(f"{path} is not a training state this trainer wrote (it holds more than tensors and "
+                         f"plain data, or is damaged): {first[0] if first else type(err).__name__}") from None
+    if not isinstance(st, dict):
+        raise ValueError(f"{path} holds a {type(st).__name__}, not a training state")
+    return st
 
 
 class LoopConfig(Protocol):
@@ -147,7 +162,7 @@ class HeadTrainer:
         path = self.out / "state.pt"
         if not path.is_file():
             return
-        st = self._resume_state(torch.load(path, weights_only=False), path)
+        st = self._resume_state(load_state(path), path)
         self.model.load_state_dict(st[self.STATE_KEY])
         self.opt.load_state_dict(st["opt"])
         self._restore(st)
