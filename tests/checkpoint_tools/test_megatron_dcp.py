@@ -109,3 +109,28 @@ def test_import_with_an_hf_config(tmp_path):
     cfg2, back = megatron_dcp.import_megatron(tmp_path / "m", hf.read_hf_config(tmp_path / "hf")[0])
     assert cfg2 == cfg
     assert_same_tensors(back, state)
+
+
+@pytest.mark.parametrize("saved,read,named", [
+    (dict(arch="qwen2"), dict(arch="qwen2", qkv_bias=False), "decoder.layers.self_attention.linear_qkv.bias"),
+    (dict(arch="llama"), dict(arch="llama", tie_embeddings=True), "output_layer.weight"),
+    (dict(arch="qwen3"), dict(arch="qwen3", qk_norm=False), "decoder.layers.self_attention.q_layernorm.weight"),
+])
+def test_unexplained_tensors_are_refused_by_name(tmp_path, saved, read, named):
+    """A tensor the config does not explain (bias, untied head, q/k norm) is an error, not dropped."""
+    cfg = tiny_config(**saved)
+    megatron_dcp.export_megatron(tmp_path, cfg, tiny_state(cfg))
+    with pytest.raises(ValueError, match=f"does not explain: .*{named}"):
+        megatron_dcp.import_megatron(tmp_path, tiny_config(**read))
+
+
+def test_optimizer_state_is_not_model(tmp_path):
+    """Tensors under optimizer.* (a training checkpoint) and _extra_state are skipped; the rest is not."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = {"optimizer.state.exp_avg.embedding.word_embeddings.weight": torch.ones(3),
+             "decoder.layers.mlp.linear_fc1._extra_state": torch.ones(1), "output_layer.weight": torch.ones(2)}
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
+    meta = megatron_dcp.SafeReader(tmp_path).read_metadata()
+    assert megatron_dcp.unexplained_tensors(meta, set()) == ["output_layer.weight"]
+    assert megatron_dcp.unexplained_tensors(meta, {"output_layer.weight"}) == []
