@@ -8,8 +8,11 @@ request waits, the client going away cancels it (removed from the queue, or ende
 at its next token); during a stream Starlette notices the disconnect and cancels the generator,
 whose `finally` does the same. Every wait is bounded by the request's deadline.
 
-Before any of that, serve_http checks the API key and the body's size (413 before parsing), and
-prompts are tokenized by serve_tokenize's worker process, never on the event loop. Every answer
+Before any of that, http_guards checks the API key (or, without one, the Host header), the
+content type and the body's size (413 before parsing), and prompts are tokenized by
+tokenizing's worker process, never on the event loop. A client that leaves before its body has
+arrived is counted as cancelled (499 in the log), one whose body missed the body deadline as a
+timeout (the connection answered it 408: server/connections.py). Every answer
 carries the request's X-Request-Id; every request ends with one log line (serve_logging); an
 error nobody foresaw is still a 500 in OpenAI's shape, counted and logged on one line.
 """
@@ -22,10 +25,12 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from spd_engine.server.engine_loop import EngineLoop
 from spd_engine.server.job import Job
-from spd_engine.server.http_guards import DEFAULT_MAX_REQUEST_BYTES, check_api_key, parse_json, read_body, request_id
+from spd_engine.server.http_guards import (DEFAULT_MAX_REQUEST_BYTES, check_api_key, check_host, check_json_type,
+                                           parse_json, read_body, request_id)
 from spd_engine.server.request_log import request_line
 from spd_engine.server.exporter import CONTENT_TYPE, ServeMetrics
 from spd_engine.server.openai_api import ApiError, parse_request
@@ -101,7 +106,7 @@ class RequestLog:
 
 def build_app(engine: EngineLoop, info: ModelInfo, metrics: ServeMetrics, request_timeout_s: float,
               encoder: PromptEncoder | None = None, api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allowed_hosts: frozenset[str] = frozenset()) -> FastAPI:
     app = FastAPI(title="spd serve", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
 
@@ -125,6 +130,7 @@ def build_app(engine: EngineLoop, info: ModelInfo, metrics: ServeMetrics, reques
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
+        check_host(request, api_key, allowed_hosts)
         check_api_key(request, api_key)
         return {"object": "list", "data": [{"id": info.name, "object": "model", "created": created,
                                             "owned_by": "spd-engine", "max_model_len": info.capacity}]}
@@ -145,6 +151,11 @@ def build_app(engine: EngineLoop, info: ModelInfo, metrics: ServeMetrics, reques
         except ApiError as err:
             log.write(err.status, finish=err.code or err.type)
             return JSONResponse(err.body(), status_code=err.status, headers={**err.headers, **headers})
+        except ClientDisconnect:  # left before its body arrived, or its body missed the deadline
+            timed_out = request.scope.get("spd.timed_out") is not None
+            metrics.outcome("timeout" if timed_out else "cancelled")
+            log.write(408 if timed_out else 499, finish="body_timeout" if timed_out else "cancelled")
+            return Response(status_code=499)  # nobody reads it (the connection answered a timeout itself)
         except Exception as err:  # noqa: BLE001 - a bug must still answer in OpenAI's shape, counted and logged
             LOG.error("request %s: unexpected error", log.rid, exc_info=err)
             metrics.outcome("error")
@@ -154,7 +165,9 @@ def build_app(engine: EngineLoop, info: ModelInfo, metrics: ServeMetrics, reques
 
     async def _handle(request: Request, chat: bool, log: RequestLog, headers: dict) -> Response:
         try:
+            check_host(request, api_key, allowed_hosts)
             check_api_key(request, api_key)
+            check_json_type(request)
             parsed = parse_request(parse_json(await read_body(request, max_request_bytes)), chat)
             check_model(parsed, info)
             ids = await encoder.ids(parsed) if encoder is not None else None  # off the event loop

@@ -1,28 +1,34 @@
-"""HTTP-level guards of `spd serve`, before a body is parsed: the request id, the API key and the
-body size limit.
+"""HTTP-level guards of `spd serve`, before a body is parsed: the request id, the API key, the
+Host header, the content type and the body size limit.
 
 - `X-Request-Id`: a client's id (1-128 visible ASCII characters) is used and echoed; otherwise the
   server makes one. It names the request in the log and comes back on every answer.
-- `--api-key` (or SPD_API_KEY): /v1 endpoints require `Authorization: Bearer KEY` (401 otherwise,
-  in OpenAI's shape); /health and /metrics stay open for probes and scrapers.
-- `--max-request-bytes`: a body over the limit is answered 413 before it is parsed: at once from its
-  Content-Length, or as soon as a chunked body passes the limit. The rest of a body with an honest
-  Content-Length (up to DISCARD_LIMIT) is read and dropped, so the client reads the 413 rather than
-  a reset connection.
+- `--api-key` (or `--api-key-file`, or SPD_API_KEY): /v1 endpoints require `Authorization: Bearer
+  KEY` (401 otherwise, in OpenAI's shape); /health and /metrics stay open for probes and scrapers.
+- Without a key, the `Host` header must name the server by an IP address, `localhost` or a name
+  of `--allowed-host` (400 otherwise): a web page whose own name an attacker points at 127.0.0.1
+  (DNS rebinding) sends its name as Host, so a browser cannot reach a server without a key.
+- A JSON body must say so (`Content-Type: application/json` or `...+json`; 415 otherwise): a
+  browser sends text/plain or form bodies to another site without asking it first, JSON not.
+- `--max-request-bytes`: a body over the limit is answered 413 before it is parsed: at once, with
+  `Connection: close`, from its Content-Length, or as soon as a chunked body passes the limit. The
+  connection then reads and drops what the client still sends for a moment before it closes
+  (server/connections.py), so the client reads the 413 rather than a reset connection.
 """
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import re
 import uuid
 
 from fastapi import Request
 
+from spd_engine.server.limits import DEFAULT_MAX_REQUEST_BYTES  # noqa: F401 - the limit's home for app.py
 from spd_engine.server.openai_api import ApiError
 
-DEFAULT_MAX_REQUEST_BYTES = 2 << 20
-DISCARD_LIMIT = 64 << 20
+CLOSE = {"Connection": "close"}
 REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 
 
@@ -40,25 +46,48 @@ def check_api_key(request: Request, api_key: str | None) -> None:
                             "--api-key", code="invalid_api_key")
 
 
+def host_allowed(host_header: str, allowed: frozenset[str]) -> bool:
+    """Whether a Host header names this server without a DNS name an attacker could point here:
+    an IP address, `localhost`, or one of `allowed` (names given to --allowed-host)."""
+    host = host_header.strip().lower()
+    if host.startswith("["):  # [v6]:port
+        name = host[1:host.find("]")] if "]" in host else ""
+    else:
+        name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    if not name:
+        return False
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return name in ("localhost", "localhost.") or name in allowed
+
+
+def check_host(request: Request, api_key: str | None, allowed: frozenset[str]) -> None:
+    """ApiError 400 when no key is set and the Host header is not one that names this server."""
+    if api_key is None and not host_allowed(request.headers.get("host", ""), allowed):
+        raise ApiError(400, "the Host header does not name this server: without --api-key it must be an IP "
+                            "address, localhost or a name given to --allowed-host", code="host_not_allowed")
+
+
+def check_json_type(request: Request) -> None:
+    """ApiError 415 unless the body says it is JSON."""
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise ApiError(415, f"the request body must be JSON with 'Content-Type: application/json', got "
+                            f"{media or 'no content type'!r}", code="unsupported_media_type")
+
+
 def too_large(size: int, limit: int) -> ApiError:
     return ApiError(413, f"the request body has {size}{'+' if size > limit else ''} bytes; this server takes at most "
-                         f"{limit} (--max-request-bytes)", code="request_too_large")
-
-
-async def _discard(request: Request, limit: int) -> None:
-    seen = 0
-    async for chunk in request.stream():
-        seen += len(chunk)
-        if seen > limit:
-            return
+                         f"{limit} (--max-request-bytes)", code="request_too_large", headers=CLOSE)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, or ApiError 413 once it is known to exceed `limit` bytes."""
+    """The body, or ApiError 413 (with Connection: close: the rest is not read) once it is known to
+    exceed `limit` bytes."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        if int(declared) <= DISCARD_LIMIT:
-            await _discard(request, DISCARD_LIMIT)
         raise too_large(int(declared), limit)
     parts, size = [], 0
     async for chunk in request.stream():

@@ -2,16 +2,39 @@
 
 One INFO line per request (its id, endpoint, status, tokens, time to first token, total time and
 how it ended); warnings and errors are single lines too (an exception becomes `Type: message` on
-the line; its traceback only at DEBUG). uvicorn's own loggers go through the same handler.
+the line; its traceback only at DEBUG). uvicorn's own loggers go through the same handler. An
+event that can repeat thousands of times a second (connections closed at a deadline, accept()
+out of descriptors) is logged once per interval with a count (Throttled), never once per event.
 """
 from __future__ import annotations
 
 import logging
 import sys
+import time
 
 LEVELS = ("critical", "error", "warning", "info", "debug")
 DEFAULT_LEVEL = "info"
 LOG = logging.getLogger("spd.serve")
+THROTTLE_S = 10.0
+
+
+class Throttled:
+    """Repeated events, each kind logged at most once per `interval_s` with the count since its last line."""
+
+    def __init__(self, interval_s: float = THROTTLE_S, clock=time.monotonic) -> None:
+        self.interval_s, self.clock = interval_s, clock
+        self.counts: dict[str, int] = {}  # events since the kind's last line
+        self.totals: dict[str, int] = {}
+        self._last: dict[str, float] = {}
+
+    def event(self, kind: str, message: str, *args, level: int = logging.WARNING) -> None:
+        """Count one event of `kind`; `message` has a %d for the count first, then `args`."""
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        self.totals[kind] = self.totals.get(kind, 0) + 1
+        now = self.clock()
+        if now - self._last.get(kind, -self.interval_s) >= self.interval_s:
+            LOG.log(level, message, self.counts[kind], *args)
+            self.counts[kind], self._last[kind] = 0, now
 
 
 class OneLineFormatter(logging.Formatter):

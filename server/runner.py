@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -20,6 +21,8 @@ import threading
 import uvicorn
 
 from spd_engine.server.engine_loop import EngineLoop
+from spd_engine.server.limits import BACKLOG
+from spd_engine.server.request_log import Throttled
 from spd_engine.server.signals import Drain
 
 LOG = logging.getLogger("spd.serve")
@@ -37,6 +40,18 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         self.drain.on_signal(sig)
 
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        loop_errors = Throttled()
+
+        def on_loop_error(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+            err = context.get("exception")
+            loop_errors.event(context.get("message", "event loop error"), "event loop: %d x %s%s",
+                              context.get("message", "error"), f" ({type(err).__name__}: {err})" if err else "",
+                              level=logging.ERROR)
+
+        asyncio.get_running_loop().set_exception_handler(on_loop_error)
+        await super().serve(sockets)
+
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket (port 0: any free port), so the address is known before the server runs."""
@@ -48,7 +63,7 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as err:
         sock.close()
         raise ValueError(f"cannot listen on {host}:{port}: {err}") from None
-    sock.listen(1024)
+    sock.listen(BACKLOG)
     return sock
 
 
@@ -59,10 +74,11 @@ def _hard_exit(engine: EngineLoop, reason: str) -> None:
 
 
 def run_server(engine: EngineLoop, app, sock: socket.socket, drain_timeout_s: float, unhealthy_grace_s: float,
-               exit_deadline_s: float, log_level: str = "warning") -> int:
-    """Serve until a signal or an engine failure; the exit code (0 drained, 1 failed)."""
+               exit_deadline_s: float, log_level: str = "warning", protocol: type | None = None) -> int:
+    """Serve until a signal or an engine failure; the exit code (0 drained, 1 failed). `protocol`:
+    uvicorn's HTTP protocol class (server/connections.py), else uvicorn's own."""
     config = uvicorn.Config(app, log_config=None, log_level=log_level, timeout_graceful_shutdown=CLOSE_S,
-                            lifespan="off", access_log=False)
+                            lifespan="off", access_log=False, http=protocol or "auto", backlog=BACKLOG)
     server = DrainingServer(config, engine, drain_timeout_s)
 
     def on_fatal(reason: str) -> None:

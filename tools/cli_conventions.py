@@ -1,11 +1,13 @@
 """What every `spd` subcommand shares in its flags: run-config defaults are RunConfig's own field
 defaults; `--json [FILE]` writes JSON to stdout, or to FILE; dtypes are float32 / bfloat16 /
-float16 or fp32 / bf16 / fp16; a flag the command would ignore is refused; --max-batch / --max-rows."""
+float16 or fp32 / bf16 / fp16; float flags are finite (finite_float); a flag the command would ignore
+is refused; --max-batch / --max-rows."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
@@ -111,6 +113,17 @@ def check_batch_arguments(args: argparse.Namespace) -> None:
     if args.max_batch > 1 and run is not None and run > 1:
         raise ValueError(f"--suffix-run {run}: not used with --max-batch {args.max_batch} (entries inside a "
                          "batch carry one token)")
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a float that is finite (`nan` and `inf` would turn every comparison with it false)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
 def parse_names(text: str, choices, what: str) -> list[str]:

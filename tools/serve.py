@@ -4,7 +4,8 @@ Starts the ranks once (spawned, or under `torchrun`, where rank 0 serves and the
 their stages) and keeps them, KV caches and CUDA graphs included, for the life of the server.
 One request at a time goes through the pipeline (up to `--max-batch B`); others wait in a bounded
 queue, latency-critical ones first, then higher `priority`, then in arrival order.
-Its optional dependencies (the `serve` extra) are checked before anything starts.
+Its optional dependencies (the `serve` extra) are checked before anything starts: nothing here
+imports them at module level, so without them the command still says so in one line.
 """
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import importlib.util
 import os
 import sys
 
-from spd_engine.tools.cli_conventions import add_batch_arguments, check_batch_arguments
+from spd_engine.tools.cli_conventions import add_batch_arguments, check_batch_arguments, finite_float
 from spd_engine.tools.engine_args import add_engine_arguments, engine_config
-from spd_engine.server.http_guards import DEFAULT_MAX_REQUEST_BYTES
+from spd_engine.server import limits
 from spd_engine.server.request_log import DEFAULT_LEVEL, LEVELS
 
 SERVE_MODULES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus_client"}
@@ -30,25 +31,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the one in the pipeline; "
                                                              "one more is answered 429 (0: one request at a time)")
     add_batch_arguments(g, "requests (a queued one joins when a slot is free)")
-    g.add_argument("--request-timeout", type=float, default=600.0,
+    g.add_argument("--request-timeout", type=finite_float, default=600.0,
                    help="deadline of a request from its arrival, queue wait included (s)")
-    g.add_argument("--drain-timeout", type=float, default=30.0,
+    g.add_argument("--drain-timeout", type=finite_float, default=30.0,
                    help="on SIGTERM: how long held requests may run before they are cancelled (s)")
-    g.add_argument("--stall-timeout", type=float, default=10.0,
+    g.add_argument("--stall-timeout", type=finite_float, default=10.0,
                    help="a request in the pipeline that commits no token for this long while no rank computes "
                         "(or a rank is stopped or gone) fails naming the rank, and the server exits 1 (s)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="every request generates its max_tokens, past EOS (benchmarks; per request: the "
                         "ignore_eos field)")
-    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+    g.add_argument("--max-request-bytes", type=int, default=limits.DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies are answered 413 before they are read or parsed")
-    g.add_argument("--api-key", default=os.environ.get("SPD_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 endpoints (default: $SPD_API_KEY, else none)")
-    g.add_argument("--unhealthy-grace", type=float, default=2.0,
+    g.add_argument("--header-timeout", type=finite_float, default=limits.DEFAULT_HEADER_TIMEOUT_S,
+                   help="a connection that sends no complete request head this long after it opens (or after "
+                        "its last answer) is closed (s)")
+    g.add_argument("--body-timeout", type=finite_float, default=limits.DEFAULT_BODY_TIMEOUT_S,
+                   help="a request whose body has not arrived this long after its head gets 408 (s)")
+    g.add_argument("--max-connections", type=int, default=limits.DEFAULT_MAX_CONNECTIONS,
+                   help="open connections held at most (lowered to fit the open-file limit); past it the one "
+                        "waiting longest for a request head is closed, or the new one gets 503")
+    g.add_argument("--max-in-flight", type=int, default=limits.DEFAULT_MAX_IN_FLIGHT,
+                   help="requests between their head and the end of their answer; one more gets 503 at once")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 endpoints (visible in ps: prefer "
+                        "--api-key-file or $SPD_API_KEY; default: none)")
+    g.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="read the API key from the first line of FILE")
+    g.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="without an API key, a DNS name clients may send as Host (besides IP addresses and "
+                        "localhost); repeatable")
+    g.add_argument("--unhealthy-grace", type=finite_float, default=2.0,
                    help="after a rank failure: how long /health answers 503 before the server exits (s)")
-    g.add_argument("--exit-deadline", type=float, default=20.0,
+    g.add_argument("--exit-deadline", type=finite_float, default=20.0,
                    help="after a rank failure: exit 1 by this time whatever still blocks (s)")
-    g.add_argument("--startup-timeout", type=float, default=600.0, help="time for the ranks to come up (s)")
+    g.add_argument("--startup-timeout", type=finite_float, default=600.0, help="time for the ranks to come up (s)")
     g.add_argument("--log-level", default=DEFAULT_LEVEL, choices=LEVELS,
                    help="info: one line per request; warning: drains, failures and errors only")
 
@@ -61,13 +78,37 @@ def check_arguments(args: argparse.Namespace) -> None:
     check_batch_arguments(args)
     if args.max_request_bytes < 1024:
         raise ValueError(f"--max-request-bytes must be >= 1024, got {args.max_request_bytes}")
-    if args.api_key is not None and not args.api_key.strip():
-        raise ValueError("--api-key must not be empty")
-    for name in ("request_timeout", "drain_timeout", "exit_deadline", "startup_timeout", "stall_timeout"):
+    args.api_key = api_key(args)
+    for name in ("max_connections", "max_in_flight"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("request_timeout", "drain_timeout", "exit_deadline", "startup_timeout", "stall_timeout",
+                 "header_timeout", "body_timeout"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if not 0 <= args.unhealthy_grace < args.exit_deadline:
         raise ValueError("--unhealthy-grace must be >= 0 and below --exit-deadline")
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key of --api-key, else of --api-key-file (its first line), else $SPD_API_KEY; None: no key."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    key, source = args.api_key, "--api-key"
+    if args.api_key_file is not None:
+        source = f"--api-key-file {args.api_key_file}"
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.readline()
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"{source}: cannot read it ({err})") from None
+    elif key is None and "SPD_API_KEY" in os.environ:
+        key, source = os.environ["SPD_API_KEY"], "SPD_API_KEY"
+    if key is None:
+        return None
+    if not key.strip():
+        raise ValueError(f"{source}: the API key is empty")
+    return key.strip()
 
 
 def check_dependencies() -> None:
@@ -83,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
     from spd_engine.engine.runtime.launch import launch, under_torchrun
     from spd_engine.engine.model.tokenizer import Tokenizer
     from spd_engine.server.app import build_app
+    from spd_engine.server.connections import ConnectionGuard, guarded_protocol
+    from spd_engine.server.in_flight import InFlightCap
     from spd_engine.server.engine_loop import EngineLoop
     from spd_engine.server.exporter import ServeMetrics
     from spd_engine.server.request import ModelInfo
@@ -116,9 +159,24 @@ def run(args: argparse.Namespace) -> int:
     try:
         encoder.start()
         engine.start(timeout=args.startup_timeout)
-        app = build_app(engine, info, metrics, args.request_timeout, encoder, args.api_key, args.max_request_bytes)
+        app = build_app(engine, info, metrics, args.request_timeout, encoder, args.api_key, args.max_request_bytes,
+                        frozenset(h.lower() for h in args.allowed_host))
+        app = InFlightCap(app, args.max_in_flight, lambda path: metrics.outcome("unavailable")
+                          if path.startswith("/v1/") else None)
+        guard = ConnectionGuard(args.header_timeout, args.body_timeout, connection_limit(args.max_connections))
         return run_server(engine, app, sock, args.drain_timeout, args.unhealthy_grace, args.exit_deadline,
-                          args.log_level)
+                          args.log_level, guarded_protocol(guard))
     finally:
         encoder.close()
         engine.kill_ranks()  # a no-op after a clean shutdown (the ranks have exited)
+
+
+def connection_limit(wanted: int) -> int:
+    """--max-connections, lowered (and said so) to fit the open-file limit, which is first raised to
+    the hard limit."""
+    soft, hard = limits.raise_open_file_limit()
+    cap = limits.connection_cap(wanted, soft, limits.open_descriptors())
+    if cap < wanted:
+        print(f"spd serve: holding at most {cap} connections (--max-connections {wanted}): the open-file limit is "
+              f"{soft} (hard {hard})", file=sys.stderr)
+    return cap
