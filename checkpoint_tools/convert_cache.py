@@ -16,7 +16,7 @@ from pathlib import Path
 
 from spd_engine.checkpoint_tools.hf import CONFIG_FILE, weight_files
 
-KEY_VERSION = b"spd-convert-cache/1"
+KEY_VERSION = b"spd-convert-cache/2"  # 2: engine checkpoints of index format 2
 
 
 def _stat_line(path: Path) -> bytes:

@@ -3,16 +3,19 @@
 `hf2mcore` fuses HF tensors into Megatron's layout (key_maps), cuts the layers into stages
 (`--pp N` or an explicit `--stage-layers` list), splits each tensor across `--tp` ranks and writes
 `engine.checkpoint`'s format. `mcore2hf` merges stages and TP ranks back. Without a dtype change
-the round trip is bit-identical.
+the round trip is bit-identical. Both write a temporary sibling of the destination and rename it
+into place (checkpoint_tools/output_dir.py): a non-empty destination is refused unless `force`
+and it holds a previous checkpoint.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 
-from spd_engine.checkpoint_tools import hf, key_maps
+from spd_engine.checkpoint_tools import hf, key_maps, output_dir
 from spd_engine.engine.model import checkpoint as ckpt
 from spd_engine.engine.model.model_config import ModelConfig
 from spd_engine.engine.protocol.topology import Topology, stage_bounds
@@ -45,12 +48,23 @@ def split_stages(state: dict[str, torch.Tensor], cfg: ModelConfig, stage_layers:
 
 
 def write_engine(dst: str | Path, cfg: ModelConfig, state: dict[str, torch.Tensor], *,
-                 pp: int | None = None, stage_layers: str | list[int] | None = None, tp: int = 1
-                 ) -> ckpt.CheckpointIndex:
-    """Write an unsharded engine state dict as an engine checkpoint with the given split."""
+                 pp: int | None = None, stage_layers: str | list[int] | None = None, tp: int = 1,
+                 source_config: dict | None = None, tokenizer_src: str | Path | None = None,
+                 force: bool = False, sources: tuple[Path, ...] = ()) -> ckpt.CheckpointIndex:
+    """Write an unsharded engine state dict as an engine checkpoint with the given split, atomically
+    (checkpoint_tools/output_dir.py): shards, the source HF config, the tokenizer files, then
+    `index.json`, all in a temporary sibling renamed to `dst` at the end. `force` replaces a previous
+    checkpoint at `dst`; `sources` are directories `dst` must not hold."""
     topo = Topology.build(cfg.num_layers, n=pp, stage_layers=stage_layers)
     shards = split_stages(state, cfg, list(topo.stage_layers), tp)
-    return ckpt.write_checkpoint(dst, cfg, list(topo.stage_layers), tp, shards)
+    with output_dir.atomic_output(dst, force=force, sources=sources) as tmp:
+        index = ckpt.write_shards(tmp, cfg, list(topo.stage_layers), tp, shards)
+        if source_config is not None:
+            (tmp / SOURCE_HF_CONFIG).write_text(json.dumps(source_config, indent=2))
+        if tokenizer_src is not None:
+            hf.copy_tokenizer_files(tokenizer_src, tmp)
+        ckpt.write_index(index)
+    return dataclasses.replace(index, path=Path(dst))
 
 
 def read_engine(src: str | Path, dtype: torch.dtype | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -64,21 +78,24 @@ def read_engine(src: str | Path, dtype: torch.dtype | None = None) -> tuple[Mode
 
 def hf2mcore(src: str | Path, dst: str | Path, *, pp: int | None = None,
              stage_layers: str | list[int] | None = None, tp: int = 1,
-             dtype: torch.dtype | None = None) -> ckpt.CheckpointIndex:
+             dtype: torch.dtype | None = None, force: bool = False) -> ckpt.CheckpointIndex:
     cfg, raw = hf.read_hf_config(src)
     key_maps.check_tp(cfg, tp)
     topo = Topology.build(cfg.num_layers, n=pp, stage_layers=stage_layers)  # fail before reading weights
+    output_dir.check_destination(Path(dst), force, (Path(src),))  # refused before the weights are read
     state = key_maps.hf_to_mcore(cast_state(hf.read_hf_state(src), dtype), cfg)
-    index = write_engine(dst, cfg, state, stage_layers=list(topo.stage_layers), tp=tp)
-    (Path(dst) / SOURCE_HF_CONFIG).write_text(json.dumps(raw, indent=2))
-    hf.copy_tokenizer_files(src, dst)
-    return index
+    return write_engine(dst, cfg, state, stage_layers=list(topo.stage_layers), tp=tp, source_config=raw,
+                        tokenizer_src=src, force=force, sources=(Path(src),))
 
 
 def mcore2hf(src: str | Path, dst: str | Path, *, dtype: torch.dtype | None = None,
-             max_shard_bytes: int = hf.DEFAULT_MAX_SHARD_BYTES) -> Path:
+             max_shard_bytes: int = hf.DEFAULT_MAX_SHARD_BYTES, force: bool = False) -> Path:
+    """An engine checkpoint -> an HF directory at `dst`, written atomically (checkpoint_tools/output_dir.py)."""
+    output_dir.check_destination(Path(dst), force, (Path(src),))  # refused before the weights are read
     cfg, state = read_engine(src, dtype)
     base_path = Path(src) / SOURCE_HF_CONFIG
     base = json.loads(base_path.read_text()) if base_path.is_file() else None
-    return hf.write_hf_dir(dst, cfg, key_maps.mcore_to_hf(state, cfg), base_config=base,
-                           tokenizer_src=src, max_shard_bytes=max_shard_bytes)
+    with output_dir.atomic_output(dst, force=force, sources=(Path(src),)) as tmp:
+        hf.write_hf_dir(tmp, cfg, key_maps.mcore_to_hf(state, cfg), base_config=base,
+                        tokenizer_src=src, max_shard_bytes=max_shard_bytes)
+    return Path(dst)

@@ -1,17 +1,22 @@
 """`spd convert`: checkpoint conversion between HF, the engine format and Megatron-core torch_dist.
 
-  spd convert hf2mcore HF_DIR OUT [--stages N | --stage-layers 8,8,7,7] [--tp N] [--dtype D]
-  spd convert mcore2hf ENGINE_DIR OUT [--dtype D] [--max-shard-size GB]
-  spd convert export-megatron SRC OUT [--release-layout]        (SRC: engine or HF directory)
+  spd convert hf2mcore HF_DIR OUT [--stages N | --stage-layers 8,8,7,7] [--tp N] [--dtype D] [--force]
+  spd convert mcore2hf ENGINE_DIR OUT [--dtype D] [--max-shard-size GB] [--force]
+  spd convert export-megatron SRC OUT [--release-layout] [--force]   (SRC: engine or HF directory)
   spd convert import-megatron MEGATRON_DIR OUT [--stages/--stage-layers/--tp] [--dtype D] [--hf-config DIR]
   spd convert verify A B [--atol X] [--min-agreement F] [--prompts N] [--length T]
   spd convert head SRC OUT --dtype int4|int8|float16|bfloat16|float32 [--zlib]   (a head's weights, engine/model/pdm_quant.py)
+
+hf2mcore, mcore2hf and export-megatron write OUT whole or not at all (a temporary sibling renamed
+into place, checkpoint_tools/output_dir.py); a non-empty OUT is refused unless --force, which
+replaces only a previous checkpoint.
 """
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from spd_engine.checkpoint_tools import hf, megatron_dcp, shard, verify_checkpoint as verify
+from spd_engine.checkpoint_tools import hf, megatron_dcp, output_dir, shard, verify_checkpoint as verify
 from spd_engine.engine.model.checkpoint import parse_dtype
 from spd_engine.tools.cli_conventions import add_dtype_argument, dtype_name
 
@@ -29,6 +34,11 @@ def _dtype_arg(p: argparse.ArgumentParser) -> None:
                        "bit-identical)")
 
 
+def _force_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--force", action="store_true",
+                   help="replace a previous checkpoint at DST (a directory of anything else is still refused)")
+
+
 def _head_dtype(text: str) -> str:
     """int4, int8, or a float dtype under any of its spellings (tools/cli_conventions.py dtype_name)."""
     return text if text in ("int4", "int8") else dtype_name(text)
@@ -42,15 +52,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     p = action("hf2mcore", "HF directory -> engine checkpoint split by stage and TP rank")
     p.add_argument("src"), p.add_argument("dst")
-    _split_args(p), _dtype_arg(p)
+    _split_args(p), _dtype_arg(p), _force_arg(p)
     p = action("mcore2hf", "engine checkpoint -> HF directory (stages and TP ranks merged)")
     p.add_argument("src"), p.add_argument("dst")
-    _dtype_arg(p)
+    _dtype_arg(p), _force_arg(p)
     p.add_argument("--max-shard-size", type=float, default=5.0, help="max GB per safetensors file (default 5)")
     p = action("export-megatron", "engine or HF checkpoint -> Megatron-core torch_dist")
     p.add_argument("src"), p.add_argument("dst")
     p.add_argument("--release-layout", action="store_true",
                    help="write Megatron-LM's --load layout (DST/release + latest_checkpointed_iteration.txt)")
+    _force_arg(p)
     p = action("import-megatron", "Megatron-core torch_dist -> engine checkpoint")
     p.add_argument("src"), p.add_argument("dst")
     _split_args(p), _dtype_arg(p)
@@ -84,20 +95,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     dtype = parse_dtype(args.dtype) if getattr(args, "dtype", None) else None
     if args.action == "hf2mcore":
-        index = shard.hf2mcore(args.src, args.dst, pp=args.stages, stage_layers=args.stage_layers, tp=args.tp, dtype=dtype)
+        index = shard.hf2mcore(args.src, args.dst, pp=args.stages, stage_layers=args.stage_layers, tp=args.tp,
+                               dtype=dtype, force=args.force)
         print(f"wrote {args.dst}: stages {list(index.stage_layers)}, tp {index.tp}, {index.dtype}, "
               f"content hash {index.content_hash[:16]}")
     elif args.action == "mcore2hf":
         if args.max_shard_size <= 0:
             raise ValueError(f"--max-shard-size must be positive, got {args.max_shard_size}")
-        shard.mcore2hf(args.src, args.dst, dtype=dtype, max_shard_bytes=int(args.max_shard_size * 1024**3))
+        shard.mcore2hf(args.src, args.dst, dtype=dtype, max_shard_bytes=int(args.max_shard_size * 1024**3),
+                       force=args.force)
         print(f"wrote {args.dst}")
     elif args.action == "export-megatron":
-        cfg, state = verify.load_any(args.src)
-        kind = verify.detect_kind(args.src)
-        out = megatron_dcp.export_megatron(args.dst, cfg, state, release_layout=args.release_layout,
-                                           tokenizer_src=args.src if kind in ("engine", "hf") else None)
-        print(f"wrote {out}")
+        print(f"wrote {_export_megatron(args)}")
     elif args.action == "import-megatron":
         cfg = hf.read_hf_config(args.hf_config)[0] if args.hf_config else None
         cfg, state = megatron_dcp.import_megatron(args.src, cfg)
@@ -116,3 +125,15 @@ def run(args: argparse.Namespace) -> int:
         print(result.summary())
         return 0 if result.passed else 1
     return 0
+
+
+def _export_megatron(args: argparse.Namespace) -> Path:
+    """`export-megatron`, written whole into a temporary sibling of DST and renamed into place."""
+    sources = (Path(args.src),)
+    output_dir.check_destination(Path(args.dst), args.force, sources)  # refused before the weights are read
+    cfg, state = verify.load_any(args.src)
+    kind = verify.detect_kind(args.src)
+    with output_dir.atomic_output(args.dst, force=args.force, sources=sources) as tmp:
+        out = megatron_dcp.export_megatron(tmp, cfg, state, release_layout=args.release_layout,
+                                           tokenizer_src=args.src if kind in ("engine", "hf") else None)
+    return Path(args.dst) / out.relative_to(tmp)

@@ -3,7 +3,8 @@
 Layout of a checkpoint directory:
   index.json                                   model config, stage layer counts, tp, dtype, and per
                                                shard file its tensors (shape, dtype, sha256), plus a
-                                               content hash over all of them
+                                               content hash over the config, dtype and tensor list;
+                                               written last, it marks the checkpoint complete
   stage-00-of-04.tp-00-of-01.safetensors       stage 0's tensors for TP rank 0, Megatron-core names
   ...
 Tensor names are the `StageModel` parameter names with GLOBAL layer indices. Stage 0 holds the
@@ -34,7 +35,7 @@ from spd_engine.engine.protocol.topology import stage_bounds
 
 INDEX_FILE = "index.json"
 FORMAT_NAME = "spd-engine-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the content hash covers the model config and dtype
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 def dtype_name(dtype: torch.dtype) -> str:
     for name, dt in DTYPES.items():
@@ -97,9 +98,11 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
 
 
-def content_hash(tensor_hashes: dict[tuple[str, int], str]) -> str:
-    """Hash over all (name, tp rank) -> tensor sha256. Independent of the stage split by construction."""
+def content_hash(cfg: ModelConfig, dtype: str, tensor_hashes: dict[tuple[str, int], str]) -> str:
+    """Hash over the model config, the dtype and all (name, tp rank) -> tensor sha256: an edit to any
+    of them in `index.json` is caught. Independent of the stage split by construction."""
     h = hashlib.sha256()
+    h.update(f"config\t{json.dumps(cfg.to_dict(), sort_keys=True)}\ndtype\t{dtype}\n".encode())
     for (name, rank), digest in sorted(tensor_hashes.items()):
         h.update(f"{name}\t{rank}\t{digest}\n".encode())
     return h.hexdigest()
@@ -162,9 +165,10 @@ def _index_dict(cfg: ModelConfig, stage_layers: list[int], tp: int, dtype: str,
     }
 
 
-def write_checkpoint(path: str | Path, cfg: ModelConfig, stage_layers: list[int], tp: int,
-                     shards: dict[tuple[int, int], dict[str, torch.Tensor]]) -> CheckpointIndex:
-    """Write already-split tensors: shards[(stage, tp_rank)] = {name: tensor}; returns the index.
+def write_shards(path: str | Path, cfg: ModelConfig, stage_layers: list[int], tp: int,
+                 shards: dict[tuple[int, int], dict[str, torch.Tensor]]) -> CheckpointIndex:
+    """Write already-split tensors, shards[(stage, tp_rank)] = {name: tensor}, into the empty directory
+    `path`; returns the index, not yet written (`write_index`, last: it marks the checkpoint complete).
 
     The caller splits (checkpoint_tools.shard); this checks the result against the model config
     so a wrong split can never be written.
@@ -178,6 +182,9 @@ def write_checkpoint(path: str | Path, cfg: ModelConfig, stage_layers: list[int]
         raise ValueError(f"a checkpoint holds one dtype; got {sorted(map(str, dtypes))}")
     dtype = dtype_name(dtypes.pop())
     out.mkdir(parents=True, exist_ok=True)
+    # files of another checkpoint must never mix with these: converters write into a fresh
+    # directory and rename it into place (checkpoint_tools/output_dir.py)
+    assert not any(out.iterdir()), f"{out} is not empty"
     entries, hashes = [], {}
     for (p, r), sd in sorted(shards.items()):
         expected = expected_shapes(cfg, range(bounds[p], bounds[p + 1]), p == 0, p == n - 1, tp)
@@ -195,12 +202,16 @@ def write_checkpoint(path: str | Path, cfg: ModelConfig, stage_layers: list[int]
         file = shard_file_name(p, n, r, tp)
         save_safetensors({k: t.contiguous() for k, t in sd.items()}, out / file)
         entries.append(ShardEntry(file, p, r, tensors))
-    for stale in out.glob("stage-*-of-*.tp-*-of-*.safetensors"):  # left by an earlier split in this directory
-        if stale.name not in {e.file for e in entries}:
-            stale.unlink()
-    chash = content_hash(hashes)
-    (out / INDEX_FILE).write_text(json.dumps(_index_dict(cfg, stage_layers, tp, dtype, entries, chash), indent=1))
-    return CheckpointIndex(out, cfg, tuple(stage_layers), tp, dtype, tuple(entries), chash)
+    return CheckpointIndex(out, cfg, tuple(stage_layers), tp, dtype, tuple(entries), content_hash(cfg, dtype, hashes))
+
+
+def write_index(index: CheckpointIndex) -> None:
+    """Write `index.json`, the marker of a complete checkpoint, whole or not at all."""
+    raw = _index_dict(index.cfg, list(index.stage_layers), index.tp, index.dtype, list(index.shards),
+                      index.content_hash)
+    tmp = index.path / f".{INDEX_FILE}.tmp"
+    tmp.write_text(json.dumps(raw, indent=1))
+    os.replace(tmp, index.path / INDEX_FILE)
 
 
 def read_index(path: str | Path) -> CheckpointIndex:
@@ -220,7 +231,9 @@ def read_index(path: str | Path) -> CheckpointIndex:
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
         raise ValueError(f"{index_path}: not an {FORMAT_NAME} index")
     if raw.get("version") != FORMAT_VERSION:
-        raise ValueError(f"{index_path}: format version {raw.get('version')!r}, this engine reads {FORMAT_VERSION}")
+        older = " (an older format: convert the model again)" if raw.get("version") == 1 else ""
+        raise ValueError(f"{index_path}: format version {raw.get('version')!r}, this engine reads {FORMAT_VERSION}"
+                         f"{older}")
     try:
         cfg = ModelConfig.from_dict(raw["model_config"])
         stage_layers, tp, dtype = tuple(raw["stage_layers"]), int(raw["tp"]), raw["dtype"]
@@ -237,8 +250,8 @@ def read_index(path: str | Path) -> CheckpointIndex:
                                                             for r in range(tp)}:
         raise ValueError(f"{index_path}: shard list does not cover {len(stage_layers)} stages x tp={tp}")
     hashes = {(k, s.tp_rank): e.sha256 for s in shards for k, e in s.tensors.items()}
-    if content_hash(hashes) != chash:
-        raise ValueError(f"{index_path}: content hash does not match the tensor list (index edited or corrupt)")
+    if content_hash(cfg, dtype, hashes) != chash:
+        raise ValueError(f"{index_path}: content hash does not match the config and tensor list (index edited or corrupt)")
     return CheckpointIndex(root, cfg, stage_layers, tp, dtype, shards, chash)
 
 

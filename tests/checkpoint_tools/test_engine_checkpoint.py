@@ -71,9 +71,13 @@ def test_stages_compose_to_the_full_model(tmp_path):
 
 def test_rewriting_with_another_split_leaves_no_stale_shards(tmp_path):
     cfg = tiny_config("llama")
-    shard.write_engine(tmp_path, cfg, tiny_state(cfg), pp=4)
-    index = shard.write_engine(tmp_path, cfg, tiny_state(cfg), pp=2)
-    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == sorted(s.file for s in index.shards)
+    shard.write_engine(tmp_path / "e", cfg, tiny_state(cfg), pp=4)
+    with pytest.raises(ValueError, match="is not empty; .* --force"):
+        shard.write_engine(tmp_path / "e", cfg, tiny_state(cfg), pp=2)
+    assert len(list((tmp_path / "e").glob("*.safetensors"))) == 4  # refused: the old checkpoint is untouched
+    index = shard.write_engine(tmp_path / "e", cfg, tiny_state(cfg), pp=2, force=True)
+    assert sorted(p.name for p in (tmp_path / "e").glob("*.safetensors")) == sorted(s.file for s in index.shards)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e"]  # no temporary or replaced copy left beside it
 
 
 def test_tp_rank_files_hold_their_shards(tmp_path):
@@ -162,10 +166,18 @@ def test_config_mismatch(written):
     path, cfg = written
     with pytest.raises(ValueError, match="different model config.*hidden_size"):
         ckpt.load_stage_state(path, 0, cfg=tiny_config("llama", hidden_size=32))
-    # An index whose config disagrees with its tensors (edited by hand) is caught by shape.
-    _edit_index(path, lambda raw: raw["model_config"].update(intermediate_size=64))
-    with pytest.raises(ValueError, match="the model config needs"):
-        ckpt.load_stage_state(path, 0)
+    # An index whose config was edited by hand is caught by the content hash, whether the edit changes
+    # a shape (intermediate_size) or only how the model runs (rope_theta, the end-of-text ids).
+    good = (path / ckpt.INDEX_FILE).read_text()
+    for edit in ({"intermediate_size": 64}, {"rope_theta": 1.0}, {"eos_token_ids": [5]}):
+        _edit_index(path, lambda raw: raw["model_config"].update(edit))
+        with pytest.raises(ValueError, match="content hash does not match the config"):
+            ckpt.load_stage_state(path, 0)
+        (path / ckpt.INDEX_FILE).write_text(good)
+    ckpt.load_stage_state(path, 0)  # the unedited index still reads
+    _edit_index(path, lambda raw: raw.update(dtype="bfloat16"))
+    with pytest.raises(ValueError, match="content hash"):
+        ckpt.read_index(path)
 
 
 def test_unknown_architecture_and_malformed_index(written):

@@ -1,0 +1,121 @@
+"""A converter's output directory: guarded, and written whole or not at all.
+
+`atomic_output(dst)` yields a fresh temporary sibling of `dst` (`.NAME.partial-*`); the converter
+writes everything there, its completion marker last, and the directory is renamed into place only
+when the converter returns. An exception removes the temporary; a killed process leaves it beside
+`dst` under its hidden name, never a partial checkpoint under `dst`.
+
+The destination must not exist or be empty. A non-empty one is refused unless `force`, and `force`
+replaces only a previous checkpoint: a directory that holds nothing but the files an engine
+checkpoint, an HF directory or a Megatron torch_dist export consists of (never `/etc`, a home
+directory or a folder of the user's own files). The old checkpoint is moved aside before the new one
+takes its name and deleted after, so a kill in between leaves no checkpoint, not a mixed one.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from spd_engine.checkpoint_tools.hf import TOKENIZER_FILES
+
+# What each checkpoint kind writes: (marker that must be there, names allowed at its top, allowed sub-directories).
+_TOKENIZER = "|".join(re.escape(f) for f in TOKENIZER_FILES)
+_MEGATRON = r"metadata\.json|common\.pt|\.metadata|__\d+_\d+\.distcp|latest_checkpointed_iteration\.txt"
+KINDS: dict[str, tuple[str, re.Pattern[str], frozenset[str]]] = {
+    "engine checkpoint": ("index.json", re.compile(
+        rf"index\.json|hf_config\.json|stage-\d+-of-\d+\.tp-\d+-of-\d+\.safetensors|{_TOKENIZER}"), frozenset()),
+    "HF directory": ("config.json", re.compile(
+        rf"config\.json|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|"
+        rf"\.spd-fetch-complete\.json|{_TOKENIZER}"), frozenset()),
+    "Megatron checkpoint": ("metadata.json", re.compile(rf"{_MEGATRON}|{_TOKENIZER}"),
+                            frozenset({"release", "tokenizer"})),
+}
+
+
+def _only_allowed(path: Path, allowed: re.Pattern[str], subdirs: frozenset[str]) -> list[str]:
+    """Entries of `path` (and of its allowed sub-directories) that the checkpoint kind never writes."""
+    odd = []
+    for entry in sorted(path.iterdir()):
+        if entry.is_symlink():
+            odd.append(entry.name)
+        elif entry.is_dir() and entry.name in subdirs:
+            odd += [f"{entry.name}/{n}" for n in _only_allowed(entry, allowed, frozenset())]
+        elif not (entry.is_file() and allowed.fullmatch(entry.name)):
+            odd.append(entry.name)
+    return odd
+
+
+def previous_checkpoint_kind(path: Path) -> str | None:
+    """The kind of checkpoint `path` holds when it holds only such a checkpoint's files, else None."""
+    for kind, (marker, allowed, subdirs) in KINDS.items():
+        top = path / "release" if kind == "Megatron checkpoint" and (path / "release").is_dir() else path
+        if (top / marker).is_file() and not _only_allowed(path, allowed, subdirs):
+            return kind
+    return None
+
+
+def check_destination(dst: Path, force: bool, sources: tuple[Path, ...] = ()) -> None:
+    """ValueError unless a converter may write `dst`: absent, empty, or (with `force`) a previous checkpoint
+    that does not hold one of `sources`."""
+    if dst.is_symlink() or (dst.exists() and not dst.is_dir()):
+        raise ValueError(f"{dst} exists and is not a directory; choose a new directory")
+    real = dst.resolve()
+    for src in sources:
+        src = Path(src).resolve()
+        if src == real or real in src.parents:
+            raise ValueError(f"{dst} holds the source {src}; write the conversion into another directory")
+    if not dst.exists() or not any(dst.iterdir()):
+        return
+    if not force:
+        raise ValueError(f"{dst} is not empty; choose a new directory, or pass --force to replace a previous "
+                         f"checkpoint there")
+    if previous_checkpoint_kind(dst) is None:
+        entries = sorted(p.name for p in dst.iterdir())
+        shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+        raise ValueError(f"--force replaces only a previous checkpoint, and {dst} is not one (it holds {shown})")
+
+
+def _normal_mode(path: Path) -> None:
+    """The permissions a plain mkdir would give (mkdtemp makes the directory private)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o777 & ~umask)
+
+
+def _commit(tmp: Path, dst: Path) -> None:
+    """Rename the finished `tmp` to `dst`, moving a previous checkpoint there aside first."""
+    if not (dst.is_dir() and any(dst.iterdir())):
+        os.rename(tmp, dst)  # replaces an empty directory
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.replaced-", dir=dst.parent))
+    try:
+        os.rename(dst, old / dst.name)
+        try:
+            os.rename(tmp, dst)
+        except BaseException:
+            os.rename(old / dst.name, dst)  # the previous checkpoint back under its name
+            raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def atomic_output(dst: str | Path, *, force: bool = False, sources: tuple[Path, ...] = ()) -> Iterator[Path]:
+    """A temporary sibling of `dst` to write into, renamed to `dst` when the block ends without an error."""
+    dst = Path(dst).expanduser()
+    check_destination(dst, force, sources)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    try:
+        yield tmp
+        _normal_mode(tmp)
+        check_destination(dst, force, sources)  # something may have appeared there meanwhile
+        _commit(tmp, dst)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
