@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from spd_engine.engine.comm.iface import use_iface
 from spd_engine.engine.protocol.branching import WHEN
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.measured_split import BALANCED
@@ -57,6 +58,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
     g.add_argument("--transport", default=run_default("transport"), choices=TRANSPORTS,
                    help="rank-to-rank messages: shm (shared-memory rings, CPU ranks of one host), gloo (the "
                         "backend), auto (shm for the CPU ranks this command launches, else the backend)")
+    g.add_argument("--iface", default=None, metavar="NAME",
+                   help="network interface the ranks' process group binds to across nodes (default: the one whose "
+                        "route reaches the rendezvous address, unless GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME are set)")
     g.add_argument("--seed", type=int, default=run_default("seed"), help="seed of random weights / untrained heads")
     g.add_argument("--step-mode", default=run_default("step_mode"), choices=STEP_MODES,
                    help="one-token decode steps: CUDA graphs (auto on cuda), eager (auto elsewhere; the "
@@ -139,6 +143,7 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used:
     --seed for something else too, so it is never an ignored flag; `eagle_used`: the command runs
     the eagle baseline beside the mode's run (its flags are not ignored)."""
     mode = getattr(args, "mode", "spd")
+    use_iface(getattr(args, "iface", None))  # checked here, read when the ranks join (engine/comm/dist.py)
     engine_spec, tok_dir = resolve_model(args.model)
     cfg = model_config(engine_spec)
     n = 1 if mode in ("ar", "tp", "eagle") else args.stages

@@ -4,7 +4,10 @@ and the interconnect benchmark with its tick replay (bench/interconnect.py).
 - ranks: `LocalRanks` starts ranks as child processes on this host; under `torchrun` (RANK and
   WORLD_SIZE set, any number of nodes) a process is one rank (`torchrun_rank`);
 - joining: `join_group` initialises the default process group with a bounded rendezvous and
-  returns the rank's `RankContext`, whose waits and barrier are bounded by its timeout;
+  returns the rank's `RankContext`, whose waits and barrier are bounded by its timeout. Across
+  hosts it binds to the interface that reaches the rendezvous host (engine/comm/iface.py) and
+  checks every rank reaches every peer before connecting the mesh (engine/comm/mesh_check.py):
+  a join that cannot complete ends every rank within its timeout with one line saying why;
 - errors: a failing rank prints `spd: rank R failed: ...` and exits with status 1 without
   tearing the group down (that can wait on the dead peer): `run_rank`, `fail_rank`. The
   launcher lists every rank's exit status and first error line (`LocalRanks.failure_report`);
@@ -22,6 +25,7 @@ import os
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -31,7 +35,11 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from spd_engine.engine.comm.iface import FIX, IfaceChoice, apply_iface, choose_iface, interface_addresses, master_host
+from spd_engine.engine.comm.mesh_check import JoinError, check_mesh
 from spd_engine.engine.comm.transport import IDLE_TIMEOUT
+
+JOIN_GRACE_S = 10.0  # past the join's timeout, the watchdog ends a rank stuck inside the backend
 
 
 class PeerError(RuntimeError):
@@ -155,11 +163,69 @@ def join_group(rank: int, world_size: int, backend: str, device: str, init_metho
     dev = rank_device(device, rank, world_size)
     if backend == "nccl" and not idle_waits:
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    _connect(rank, world_size, backend, init_method, timeout_s)
     if backend == "nccl" and idle_waits:
         dist.distributed_c10d._set_pg_timeout(IDLE_TIMEOUT)
     return RankContext(rank, world_size, backend, dev, timeout_s, node_rank)
+
+
+class _JoinWatch:
+    """Ends this rank with one line if the join is not over `limit_s` after it began: the backend's
+    mesh connect can wait on a peer for longer than the timeout it was given."""
+
+    def __init__(self, rank: int, limit_s: float, choice: IfaceChoice) -> None:
+        self.rank, self.limit_s, self.choice = rank, limit_s, choice
+        self.stage = "starting"
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="spd-join-watch", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        if not self._done.wait(self.limit_s):
+            fail_rank(self.rank, JoinError(f"could not join the process group within {self.limit_s:g}s while "
+                                           f"{self.stage}; this rank advertises {self.choice.describe()}; {FIX}"))
+
+    def done(self) -> None:
+        self._done.set()
+
+
+def _connect(rank: int, world: int, backend: str, init_method: str, timeout_s: float) -> None:
+    """Initialise the default process group: interface chosen, rendezvous, reachability check, then
+    the backend's mesh; JoinError (one line) where it cannot complete within `timeout_s`."""
+    host = master_host(init_method, os.environ)
+    choice = choose_iface(os.environ, host, interface_addresses())
+    apply_iface(choice, backend)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    watch = _JoinWatch(rank, timeout_s + JOIN_GRACE_S, choice)
+    try:
+        watch.stage = f"waiting for the rendezvous at {_where(init_method)}"
+        try:
+            store, rank, world = next(dist.rendezvous(init_method, rank, world, timeout=timeout))
+        except RuntimeError as err:  # the store's connect or wait timed out (DistNetworkError, DistStoreError)
+            raise JoinError(f"could not join the process group: the rendezvous at {_where(init_method)} did not "
+                            f"complete within {timeout_s:g}s ({_first_line(err)}); every node needs the same "
+                            f"--nnodes, --master-addr and --master-port, and a route to that address through "
+                            f"its firewall (this rank advertises {choice.describe()})") from err
+        store.set_timeout(timeout)
+        watch.stage = "checking that every rank reaches every peer"
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        check_mesh(dist.PrefixStore(f"spd-join-{restart}", store), rank, world, choice, deadline)
+        watch.stage = f"connecting the {backend} mesh"
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    finally:
+        watch.done()
+
+
+def _where(init_method: str) -> str:
+    if init_method.startswith("env://"):
+        return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    return init_method
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__
 
 
 def finish_group(ctx: RankContext) -> None:

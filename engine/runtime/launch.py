@@ -29,6 +29,7 @@ import torch.distributed
 
 from spd_engine.engine.comm.dist import (LocalRanks, RunFailed, check_gpus, fail_rank, join_group, leave_group,
                                     local_init_method, rank_device, torchrun_rank, under_torchrun)
+from spd_engine.engine.comm.mesh_check import JoinError
 from spd_engine.engine.comm.dist import free_port  # noqa: F401  (re-exported: test harnesses import it from here)
 from spd_engine.engine.runtime.roles import build_rank, rank_topology
 from spd_engine.engine.comm.tp_group import TPGroup, dist_tp_groups
@@ -149,7 +150,10 @@ def launch(ecfg: RunConfig, on_ranks: Callable[[dict[int, multiprocessing.Proces
         if me.world_size != world:
             raise ValueError(f"torchrun started {me.world_size} processes; mode {ecfg.mode} with "
                              f"n={ecfg.topology.n} needs world size {world}")
-        ecfg, transport, group = _join(ecfg, me.rank, world, "env://")
+        try:
+            ecfg, transport, group = _join(ecfg, me.rank, world, "env://")
+        except JoinError as err:  # every rank of every node says why in one line and leaves
+            fail_rank(me.rank, err)
         if me.rank != 0:
             try:
                 _serve(ecfg, me.rank, transport, group)
