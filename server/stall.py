@@ -12,6 +12,12 @@ fills half the window, or half the window's samples find it runnable: a host who
 processes take the cores, docs/serve.md); the driver's own receive timeout still bounds both,
 and the second is logged once per job in the pipeline. Linux /proc only; elsewhere, and for
 ranks this process did not spawn (torchrun), the deadline alone decides and no rank is named.
+
+The watch also knows its own pauses: when two checks are further apart than half the deadline
+(the caller checks every fraction of a second), the watcher itself did not run (the server
+process was stopped: SIGSTOP, a VM pause or live migration, `docker pause`; or starved), and
+neither could the driver take the ranks' tokens. What the window saw is then no evidence about
+the ranks: the window restarts, and the silence counts from the resumption.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ BUSY_FRACTION = 0.1  # CPU seconds per wall second of the busiest rank above whi
 STARVED_FRACTION = 0.5  # run-queue seconds per wall second of one rank above which the ranks wait for a CPU
 RUNNABLE_FRACTION = 0.5  # ... or the share of a window's samples that found one rank runnable (state R)
 MIN_SAMPLES = 4  # samples a window needs before the runnable share counts
+PAUSE_FRACTION = 0.5  # a gap between two checks over this share of the deadline: the watcher was paused
 STOPPED_STATES = {"T": "stopped", "t": "stopped by a tracer", "Z": "exited (not yet reaped)", "X": "dead"}
 LOG = logging.getLogger("spd.serve")
 
@@ -81,11 +88,26 @@ class StallWatch:
         self.on_cpu_wait = on_cpu_wait  # called when the warning is logged, once per job (the server's counter)
         self._window: deque[tuple[float, dict[int, RankSample]]] = deque()  # (time, samples), the last stall_s
         self._told = False  # the wait for a CPU is logged once per job
+        self._last_check: float | None = None
+        self._resumed = float("-inf")  # when the watcher last resumed from a pause of its own
 
     def reset(self) -> None:
-        """A new job entered the pipeline: the ranks are judged from now on."""
+        """A new job entered the pipeline: the ranks are judged from now on (the time without checks
+        before it, while no job ran, is no pause)."""
         self._window.clear()
         self._told = False
+        self._last_check = None
+
+    def _paused(self, now: float) -> bool:
+        """Whether the watcher itself was paused since its last check (and, if so, restart the window)."""
+        last, self._last_check = self._last_check, now
+        if last is None or now - last <= PAUSE_FRACTION * self.stall_s:
+            return False
+        LOG.warning("the stall watch did not run for %.1f s (the server process was paused or starved); the "
+                    "ranks are judged again from now", now - last)
+        self._window.clear()
+        self._resumed = now
+        return True
 
     def _silent_ranks(self, samples: dict[int, RankSample]) -> list[str]:
         return [f"stage rank {r} (pid {self.ranks[r]}) is {STOPPED_STATES.get(s.state, 'gone') if s.state else 'gone'}"
@@ -114,9 +136,10 @@ class StallWatch:
 
     def check(self, last_progress: float, now: float | None = None) -> str | None:
         now = time.monotonic() if now is None else now
+        self._paused(now)
         samples = {r: sample(pid) for r, pid in self.ranks.items()}
         cpu_rate, wait_rate, runnable = self._judge(now, samples)
-        silent_for = now - last_progress
+        silent_for = now - max(last_progress, self._resumed)  # a pause of the watcher is no silence of the ranks
         if silent_for < self.stall_s:
             return None
         named = self._silent_ranks(samples)
