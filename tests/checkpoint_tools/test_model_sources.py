@@ -79,6 +79,29 @@ def test_misses_say_where_they_looked(caches):
         hf_cache.find_snapshot("org/tiny@v2")
 
 
+def test_refs_and_links_resolve_only_inside_the_cache(caches):
+    """A ref, a revision or a snapshot link that leads out of the model's cache directory is refused."""
+    write_tiny_hf(caches / "src", tiny_config("llama"))
+    snap = hub_layout(caches / "hub", "org/tiny", caches / "src")
+    repo = snap.parents[1]
+    hf_cache.find_snapshot("org/tiny")  # the well-formed cache is found
+    outside = caches / "elsewhere"
+    shutil.copytree(caches / "src", outside)
+    (repo / "refs" / "evil").write_text(os.path.relpath(outside, repo / "snapshots"))
+    with pytest.raises(ValueError, match="does not hold a commit hash"):
+        hf_cache.find_snapshot("org/tiny@evil")
+    with pytest.raises(ValueError, match="leads outside the Hugging Face cache"):
+        hf_cache.find_snapshot("org/tiny@../../../elsewhere/config.json")
+    (snap / "config.json").unlink()
+    (snap / "config.json").symlink_to(outside / "config.json")
+    with pytest.raises(ValueError, match=r"config.json leads outside the Hugging Face cache"):
+        hf_cache.find_snapshot("org/tiny")
+    shutil.rmtree(snap)
+    snap.symlink_to(outside, target_is_directory=True)  # the whole snapshot somewhere else
+    with pytest.raises(ValueError, match="leads outside"):
+        hf_cache.find_snapshot("org/tiny")
+
+
 def test_conversion_cache_is_keyed_on_content(caches, capsys):
     cfg = tiny_config("qwen3")
     write_tiny_hf(caches / "a", cfg)
