@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from spd_engine.checkpoint_tools import hf, key_maps
+from spd_engine.checkpoint_tools import hf, key_maps, megatron_args
 from spd_engine.checkpoint_tools.safe_unpickle import load_dcp_metadata, load_megatron_common
 from spd_engine.engine.model.checkpoint import EMBEDDING_KEY, OUTPUT_KEY, expected_shapes
 from spd_engine.engine.model.model_config import ModelConfig
@@ -184,6 +184,23 @@ def read_common(ckpt: Path) -> dict:
     return common if isinstance(common, dict) else {}
 
 
+def model_config(ckpt: Path, given: ModelConfig | None = None) -> ModelConfig:
+    """The model config of a checkpoint: `given`, else the engine config our export records, else the one
+    Megatron-LM's args in common.pt describe. `given` is checked against recorded args."""
+    common = read_common(ckpt)
+    args = common.get("args")
+    if given is not None:
+        if args is not None:
+            megatron_args.check_config_against_args(given, args)
+        return given
+    if CONFIG_KEY in common:
+        return ModelConfig.from_dict(common[CONFIG_KEY])
+    if args is not None:
+        return megatron_args.config_from_args(args)
+    raise ValueError(f"{ckpt} records no model config (no Megatron-LM args in {COMMON_FILE}); pass --hf-config "
+                     "DIR (a directory whose config.json describes the model)")
+
+
 def unexplained_tensors(meta: Metadata, explained: set[str]) -> list[str]:
     """The checkpoint's model tensors that `explained` (torch_dist keys) does not cover."""
     return sorted(k for k, md in meta.state_dict_metadata.items()
@@ -221,12 +238,7 @@ def import_megatron(src: str | Path, cfg: ModelConfig | None = None) -> tuple[Mo
     (a bias, an untied output layer, ...) is an error naming it, never silently left out.
     """
     ckpt = checkpoint_dir(src)
-    if cfg is None:
-        raw = read_common(ckpt).get(CONFIG_KEY)
-        if raw is None:
-            raise ValueError(f"{ckpt} records no model config; pass --hf-config DIR (a directory whose "
-                             "config.json describes the model)")
-        cfg = ModelConfig.from_dict(raw)
+    cfg = model_config(ckpt, cfg)
     reader = SafeReader(ckpt)
     metadata = reader.read_metadata()
     names_by_key = _dist_names(cfg)

@@ -33,6 +33,10 @@ DCP_METADATA_GLOBALS = frozenset({
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
         "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
 } | {
+    # megatron-core records every rank's save plan in the metadata (`all_local_plans`)
+    ("torch.distributed.checkpoint.planner", n) for n in (
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan", "ReadItem", "LoadItemType")
+} | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.serialization", "_get_layout"),  # maps the text "torch.strided" to the layout object
 } | _PLAIN_GLOBALS)

@@ -1,0 +1,153 @@
+"""Megatron-LM checkpoints import from their own args (common.pt), with no config file: the args map
+to the engine's config or are refused by name, and models built and saved by megatron-core itself
+give megatron-core's own logits and greedy tokens in the engine's model."""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from spd_engine.checkpoint_tools import megatron_args, megatron_dcp
+from spd_engine.engine.model import checkpoint as engine_ckpt
+from spd_engine.engine.model.model import StageModel
+from spd_engine.engine.model.model_config import tiny_config
+from spd_engine.tools.cli import main
+from ckpt_helpers import assert_same_tensors, tiny_state
+
+WORKER = Path(__file__).with_name("megatron_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+# Megatron-LM's args of a small llama-style model, as its argparse names them after validate_args.
+LM_ARGS = dict(
+    num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, group_query_attention=True,
+    num_query_groups=2, kv_channels=16, padded_vocab_size=128, vocab_size=None, normalization="RMSNorm",
+    norm_epsilon=1e-6, swiglu=True, add_bias_linear=False, add_qkv_bias=False, qk_layernorm=False,
+    untie_embeddings_and_output_weights=True, position_embedding_type="rope", rotary_base=500000,
+    rotary_percent=1.0, max_position_embeddings=256, seq_length=128, use_rope_scaling=False,
+    rope_scaling_factor=8.0, apply_layernorm_1p=False, num_experts=None, seed=0)
+
+
+def test_args_map_to_the_engine_config():
+    cfg = megatron_args.config_from_args(argparse.Namespace(**LM_ARGS))
+    assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+            cfg.head_dim, cfg.vocab_size) == (2, 64, 128, 4, 2, 16, 128)
+    assert (cfg.rms_eps, cfg.rope_theta, cfg.rope_scaling, cfg.max_position) == (1e-6, 500000.0, None, 256)
+    assert (cfg.tie_embeddings, cfg.qkv_bias, cfg.qk_norm, cfg.arch) == (False, False, False, "llama")
+    mha = megatron_args.config_from_args(argparse.Namespace(
+        **{**LM_ARGS, "group_query_attention": False, "kv_channels": None, "vocab_size": 100,
+           "untie_embeddings_and_output_weights": False, "add_qkv_bias": True, "use_rope_scaling": True}))
+    assert (mha.num_kv_heads, mha.head_dim, mha.vocab_size, mha.tie_embeddings, mha.arch) == (4, 16, 100, True, "qwen2")
+    assert mha.rope_scaling == {**megatron_args.MEGATRON_LLAMA3, "factor": 8.0}
+
+
+@pytest.mark.parametrize("change,named", [
+    (dict(normalization="LayerNorm"), "a LayerNorm model (normalization='LayerNorm')"),
+    (dict(swiglu=False), "a GeLU (non-gated) MLP"),
+    (dict(num_experts=8), "a mixture of experts (num_experts=8)"),
+    (dict(position_embedding_type="learned_absolute"), "position embeddings other than RoPE"),
+    (dict(rotary_percent=0.5), "partial RoPE"),
+    (dict(multi_latent_attention=True), "multi-latent attention"),
+    (dict(normalization=None), "a LayerNorm model"),  # a field the namespace lacks: Megatron-LM's default
+])
+def test_args_the_engine_cannot_compute_are_refused_by_name(change, named):
+    args = {**LM_ARGS, **change}
+    if change.get("normalization", "") is None:
+        del args["normalization"]
+    with pytest.raises(ValueError, match="does not compute: .*" + named.replace("(", r"\(").replace(")", r"\)")):
+        megatron_args.config_from_args(argparse.Namespace(**args))
+
+
+def _args_of(cfg) -> argparse.Namespace:
+    """Megatron-LM args describing an engine config (the inverse of the mapping, for the tests)."""
+    return argparse.Namespace(**{**LM_ARGS, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+                                 "ffn_hidden_size": cfg.intermediate_size, "num_attention_heads": cfg.num_heads,
+                                 "num_query_groups": cfg.num_kv_heads, "kv_channels": cfg.head_dim,
+                                 "padded_vocab_size": cfg.vocab_size, "norm_epsilon": cfg.rms_eps,
+                                 "rotary_base": cfg.rope_theta, "max_position_embeddings": cfg.max_position,
+                                 "untie_embeddings_and_output_weights": not cfg.tie_embeddings,
+                                 "add_qkv_bias": cfg.qkv_bias, "qk_layernorm": cfg.qk_norm})
+
+
+def test_import_reads_the_args_and_cross_checks_a_given_config(tmp_path, capsys):
+    cfg = tiny_config("qwen2", num_layers=2, bos_token_id=None, eos_token_ids=(), rope_theta=1e6)
+    state = tiny_state(cfg)
+    megatron_dcp.export_megatron(tmp_path / "m", cfg, state)
+    torch.save({"args": _args_of(cfg), "checkpoint_version": 3.0, "iteration": 7}, tmp_path / "m" / "common.pt")
+    got_cfg, got = megatron_dcp.import_megatron(tmp_path / "m")
+    assert got_cfg == cfg
+    assert_same_tensors(got, state)
+    # A config whose RoPE base or epsilon differs from the args loads the same weights: it is refused.
+    with pytest.raises(ValueError, match="rope_theta: config 10000.0, args 1000000.0"):
+        megatron_dcp.import_megatron(tmp_path / "m", tiny_config("qwen2", num_layers=2))
+    torch.save({"iteration": 7}, tmp_path / "m" / "common.pt")
+    assert main(["convert", "import-megatron", str(tmp_path / "m"), str(tmp_path / "e")]) == 2
+    assert "pass --hf-config DIR" in capsys.readouterr().err
+
+
+# ---- checkpoints built and saved by megatron-core itself ----
+
+MATRIX = {
+    "gqa_untied": LM_ARGS,
+    "mha_tied_qkv_bias": {**LM_ARGS, "group_query_attention": False, "untie_embeddings_and_output_weights": False,
+                          "add_qkv_bias": True, "padded_vocab_size": 128, "vocab_size": 100, "seed": 1},
+    "qk_norm_rope_scaling": {**LM_ARGS, "qk_layernorm": True, "use_rope_scaling": True, "rotary_base": 10000,
+                             "seed": 2},
+    "linear_bias": {**LM_ARGS, "add_bias_linear": True, "seed": 3},
+    "layernorm_gelu": {**LM_ARGS, "normalization": "LayerNorm", "swiglu": False, "seed": 4},
+}
+REFUSED = {"linear_bias": "linear biases (add_bias_linear)", "layernorm_gelu": "a LayerNorm model"}
+
+
+def _engine_logits_and_greedy(ckpt_dir: Path, tokens: torch.Tensor, new_tokens: int):
+    cfg, state = engine_ckpt_state(ckpt_dir)
+    model = StageModel.full(cfg)
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+
+    def logits(t: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            h, _ = model.forward_layers(model.embed(t), model.new_cache(*t.shape), 0)
+            return model.logits(h)
+
+    first, seq = logits(tokens), tokens
+    for _ in range(new_tokens):
+        seq = torch.cat([seq, logits(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return cfg, first, seq[:, -new_tokens:]
+
+
+def engine_ckpt_state(path: Path):
+    from spd_engine.checkpoint_tools import shard
+
+    return shard.read_engine(path)
+
+
+@pytest.mark.slow
+def test_megatron_core_built_checkpoints(tmp_path, capsys):
+    pytest.importorskip("megatron.core", reason="megatron-core is a test extra")
+    tokens = torch.randint(0, 100, (2, 10), generator=torch.Generator().manual_seed(3))
+    (tmp_path / "tokens.json").write_text(json.dumps(tokens.tolist()))
+    (tmp_path / "specs.json").write_text(json.dumps(MATRIX))
+    run = subprocess.run([sys.executable, str(WORKER), "save", str(tmp_path / "specs.json"),
+                          str(tmp_path / "tokens.json"), str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    for name, args in MATRIX.items():
+        argv = ["convert", "import-megatron", str(tmp_path / name), str(tmp_path / f"{name}-engine"), "--stages", "2"]
+        code = main(argv)
+        err = capsys.readouterr().err
+        if name in REFUSED:
+            assert code == 2 and REFUSED[name] in err and err.count("\n") == 1, (name, err)
+            continue
+        assert code == 0, (name, err)
+        assert engine_ckpt.read_index(tmp_path / f"{name}-engine").stage_layers == (1, 1)
+        theirs = torch.load(tmp_path / f"{name}.pt")
+        cfg, ours, greedy = _engine_logits_and_greedy(tmp_path / f"{name}-engine", tokens, theirs["greedy"].shape[1])
+        V = cfg.vocab_size  # Megatron-LM's padding rows (beyond the recorded vocab_size) are not the model's
+        torch.testing.assert_close(ours, theirs["logits"][..., :V], rtol=1e-4, atol=1e-4, msg=name)
+        if V == args["padded_vocab_size"]:
+            assert torch.equal(greedy, theirs["greedy"]), name
+        assert theirs["logits"][..., :V].std() > 0.1, name  # not a degenerate model
