@@ -13,6 +13,7 @@ takes its name and deleted after, so a kill in between leaves no checkpoint, not
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -23,16 +24,17 @@ from pathlib import Path
 
 from spd_engine.checkpoint_tools.hf import TOKENIZER_FILES
 
-# What each checkpoint kind writes: (marker that must be there, names allowed at its top, allowed sub-directories).
+# What each checkpoint kind writes: (marker file and the JSON key that tells it is that kind's, names
+# allowed, allowed sub-directories).
 _TOKENIZER = "|".join(re.escape(f) for f in TOKENIZER_FILES)
 _MEGATRON = r"metadata\.json|common\.pt|\.metadata|__\d+_\d+\.distcp|latest_checkpointed_iteration\.txt"
-KINDS: dict[str, tuple[str, re.Pattern[str], frozenset[str]]] = {
-    "engine checkpoint": ("index.json", re.compile(
+KINDS: dict[str, tuple[tuple[str, str], re.Pattern[str], frozenset[str]]] = {
+    "engine checkpoint": (("index.json", "content_hash"), re.compile(
         rf"index\.json|hf_config\.json|stage-\d+-of-\d+\.tp-\d+-of-\d+\.safetensors|{_TOKENIZER}"), frozenset()),
-    "HF directory": ("config.json", re.compile(
+    "HF directory": (("config.json", "model_type"), re.compile(
         rf"config\.json|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|"
         rf"\.spd-fetch-complete\.json|{_TOKENIZER}"), frozenset()),
-    "Megatron checkpoint": ("metadata.json", re.compile(rf"{_MEGATRON}|{_TOKENIZER}"),
+    "Megatron checkpoint": (("metadata.json", "sharded_backend"), re.compile(rf"{_MEGATRON}|{_TOKENIZER}"),
                             frozenset({"release", "tokenizer"})),
 }
 
@@ -52,11 +54,20 @@ def _only_allowed(path: Path, allowed: re.Pattern[str], subdirs: frozenset[str])
 
 def previous_checkpoint_kind(path: Path) -> str | None:
     """The kind of checkpoint `path` holds when it holds only such a checkpoint's files, else None."""
-    for kind, (marker, allowed, subdirs) in KINDS.items():
+    for kind, ((marker, key), allowed, subdirs) in KINDS.items():
         top = path / "release" if kind == "Megatron checkpoint" and (path / "release").is_dir() else path
-        if (top / marker).is_file() and not _only_allowed(path, allowed, subdirs):
+        if _has_key(top / marker, key) and not _only_allowed(path, allowed, subdirs):
             return kind
     return None
+
+
+def _has_key(file: Path, key: str) -> bool:
+    """`file` is a JSON object with `key` (an index.json of a web page is not an engine checkpoint's)."""
+    try:
+        raw = json.loads(file.read_text()) if file.is_file() else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(raw, dict) and key in raw
 
 
 def check_destination(dst: Path, force: bool, sources: tuple[Path, ...] = ()) -> None:

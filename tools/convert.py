@@ -3,11 +3,11 @@
   spd convert hf2mcore HF_DIR OUT [--stages N | --stage-layers 8,8,7,7] [--tp N] [--dtype D] [--force]
   spd convert mcore2hf ENGINE_DIR OUT [--dtype D] [--max-shard-size GB] [--force]
   spd convert export-megatron SRC OUT [--release-layout] [--force]   (SRC: engine or HF directory)
-  spd convert import-megatron MEGATRON_DIR OUT [--stages/--stage-layers/--tp] [--dtype D] [--hf-config DIR]
+  spd convert import-megatron MEGATRON_DIR OUT [--stages/--stage-layers/--tp] [--dtype D] [--hf-config DIR] [--force]
   spd convert verify A B [--atol X] [--min-agreement F] [--prompts N] [--length T]
   spd convert head SRC OUT --dtype int4|int8|float16|bfloat16|float32 [--zlib]   (a head's weights, engine/model/pdm_quant.py)
 
-hf2mcore, mcore2hf and export-megatron write OUT whole or not at all (a temporary sibling renamed
+hf2mcore, mcore2hf, export-megatron and import-megatron write OUT whole or not at all (a temporary sibling renamed
 into place, checkpoint_tools/output_dir.py); a non-empty OUT is refused unless --force, which
 replaces only a previous checkpoint.
 """
@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _force_arg(p)
     p = action("import-megatron", "Megatron-core torch_dist -> engine checkpoint")
     p.add_argument("src"), p.add_argument("dst")
-    _split_args(p), _dtype_arg(p)
+    _split_args(p), _dtype_arg(p), _force_arg(p)
     p.add_argument("--hf-config", default=None,
                    help="HF directory whose config.json describes the model (for checkpoints that record none)")
     p = action("verify", "compare the logits of two checkpoints (HF, engine or Megatron)")
@@ -108,13 +108,13 @@ def run(args: argparse.Namespace) -> int:
     elif args.action == "export-megatron":
         print(f"wrote {_export_megatron(args)}")
     elif args.action == "import-megatron":
+        output_dir.check_destination(Path(args.dst), args.force, (Path(args.src),))  # before the weights are read
         cfg = hf.read_hf_config(args.hf_config)[0] if args.hf_config else None
         cfg, state = megatron_dcp.import_megatron(args.src, cfg)
         state = shard.cast_state(state, dtype)
-        index = shard.write_engine(args.dst, cfg, state, pp=args.stages, stage_layers=args.stage_layers, tp=args.tp)
-        tok = megatron_dcp.tokenizer_dir(args.src)
-        if tok is not None:
-            hf.copy_tokenizer_files(tok, args.dst)
+        index = shard.write_engine(args.dst, cfg, state, pp=args.stages, stage_layers=args.stage_layers, tp=args.tp,
+                                   tokenizer_src=megatron_dcp.tokenizer_dir(args.src), force=args.force,
+                                   sources=(Path(args.src),))
         print(f"wrote {args.dst}: stages {list(index.stage_layers)}, tp {index.tp}, {index.dtype}")
     else:
         if args.prompts < 1 or args.length < 1:

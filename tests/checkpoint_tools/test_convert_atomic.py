@@ -77,11 +77,20 @@ def test_force_replaces_only_a_previous_checkpoint(tiny_hf: Path, tmp_path: Path
     assert main(["convert", "export-megatron", str(out), str(tmp_path / "m"), "--release-layout"]) == 0
     assert main(["convert", "export-megatron", str(out), str(tmp_path / "m"), "--force"]) == 0
     assert output_dir.previous_checkpoint_kind(tmp_path / "m") == "Megatron checkpoint"
+    assert main(["convert", "import-megatron", str(tmp_path / "m"), str(out), "--stages", "3"]) == 2
+    assert ckpt.read_index(out).n == 2
+    assert main(["convert", "import-megatron", str(tmp_path / "m"), str(out), "--stages", "3", "--force"]) == 0
+    assert ckpt.read_index(out).n == 3 and complete(out)  # with the tokenizer the export carried
     # one file of anything else in a previous checkpoint and it is no longer ours to delete
     (out / "results.csv").write_text("1,2\n")
     assert main(["convert", "hf2mcore", str(tiny_hf), str(out), "--force"]) == 2
     assert "not one (it holds " in capsys.readouterr().err and (out / "results.csv").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e", "h", "hf", "m"]
+    site = tmp_path / "site"  # named like a checkpoint's files, but not one
+    site.mkdir()
+    (site / "index.json").write_text('{"pages": []}')
+    assert main(["convert", "hf2mcore", str(tiny_hf), str(site), "--force"]) == 2
+    assert (site / "index.json").read_text() == '{"pages": []}'
 
 
 def test_empty_and_missing_destinations_are_written(tiny_hf: Path, tmp_path: Path) -> None:
