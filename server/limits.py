@@ -15,7 +15,7 @@ DEFAULT_MAX_REQUEST_BYTES = 2 << 20
 DEFAULT_HEADER_TIMEOUT_S = 10.0  # connection open (or last response) to a complete request head
 DEFAULT_BODY_TIMEOUT_S = 30.0  # complete head to the end of the body: 2 MiB at 70 KB/s
 DEFAULT_MAX_CONNECTIONS = 1000
-DEFAULT_MAX_IN_FLIGHT = 256  # requests between their head and the end of their answer
+DEFAULT_MAX_IN_FLIGHT = 128  # requests between their head and the end of their answer (bodies held: 256 MiB at most)
 BACKLOG = 128  # listen backlog, and so the most connections one accept burst takes
 FD_MARGIN = 64  # descriptors kept free for files opened after start (logs, /proc reads, pipes)
 

@@ -17,6 +17,16 @@ from pathlib import Path
 from spd_engine.engine.runtime.launch import spd_command
 
 READY = re.compile(r"spd serve: ready on (http://[\d.]+:\d+)")
+
+
+def _file_limit(n: int):
+    def set_limit() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+    return set_limit
+
+
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes of a process group."""
     pids = []
@@ -33,10 +43,13 @@ def group_members(pgid: int) -> list[int]:
 class ServerProcess:
     """`spd serve ARGS --host 127.0.0.1 --port 0`; stderr lines are kept with their arrival times."""
 
-    def __init__(self, args: list[str], env: dict | None = None, ready_timeout: float = 300.0) -> None:
+    def __init__(self, args: list[str], env: dict | None = None, ready_timeout: float = 300.0,
+                 max_open_files: int | None = None) -> None:
+        """`max_open_files`: the server's RLIMIT_NOFILE, soft and hard (as `ulimit -n N` sets it)."""
         cmd = [*spd_command(), "serve", *args, "--host", "127.0.0.1", "--port", "0"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+                                     env={**os.environ, **(env or {})}, start_new_session=True,
+                                     preexec_fn=_file_limit(max_open_files) if max_open_files else None)
         self.lines: list[tuple[float, str]] = []
         self.url: str | None = None
         self._ready = threading.Event()
