@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_INDEX_URL ?=
 TORCH_PIP_ARGS := $(if $(strip $(TORCH_INDEX_URL)),--index-url $(strip $(TORCH_INDEX_URL)))
 
-.PHONY: install demo test test-fast test-slow clean gpu-check gpu-check-dry
+.PHONY: install demo test test-fast test-slow clean gpu-check gpu-check-dry gpu-window gpu-window-dry \
+	gpu-window-stage gpu-window-corpus
 
 install: $(STAMP)
 
@@ -57,6 +58,38 @@ gpu-check:
 
 gpu-check-dry:
 	$(GPU_CHECK) --dry
+
+# The GPU window (docs/gpu-check.md, "The GPU window"): the check, then heads trained for the time
+# left of BUDGET_S (the whole command, a safety margin included; default 540 s, dry 90 s), then
+# evaluated on the device. OUT (default runs/gpu-window) gets gpu-window.{json,md} and
+# gpu-window-files.tar.NN; WINDOW_ARGS adds flags (e.g. --no-check). The target travels as the parts `make gpu-window-stage` cut into CARRY.
+CARRY ?= runs/gpu-carry
+BUDGET_S ?=
+WINDOW_ARGS ?=
+WINDOW_OUT = $(abspath $(if $(filter command line environment,$(origin OUT)),$(OUT),runs/gpu-window))
+GPU_WINDOW = mkdir -p "$(WINDOW_OUT)/.pkg" && ln -sfn "$(CURDIR)" "$(WINDOW_OUT)/.pkg/spd_engine" && \
+	cd "$(WINDOW_OUT)/.pkg" && $(GPU_PY) -m spd_engine.tools.cli gpu-check --window --out "$(WINDOW_OUT)" \
+	--carry "$(abspath $(CARRY))" $(if $(BUDGET_S),--budget-s $(BUDGET_S)) $(WINDOW_ARGS)
+
+gpu-window:
+	$(GPU_WINDOW)
+
+gpu-window-dry:
+	$(GPU_WINDOW) --dry
+
+# Before a window, here (network): the target's GGUF cut into parts of PART_MIB under CARRY, each
+# carried on its own, and the gguf wheel (pure Python) the GPU host lacks.
+GGUF ?= $(HOME)/.cache/spd-engine/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+PART_MIB ?= 20
+gpu-window-stage: install
+	test -f "$(GGUF)" || $(BIN)/spd fetch-model smollm2-135m
+	$(BIN)/spd gpu-check --stage-target "$(GGUF)" --carry "$(CARRY)" --part-mib $(PART_MIB)
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: -d "$(CARRY)" gguf==0.19.0
+
+# The packed corpus the window trains on (tracked): `spd data` with a token limit
+gpu-window-corpus: install
+	$(BIN)/spd data --out data/smollm2-135m-corpus --tokenizer "$$($(BIN)/spd fetch-model smollm2-135m | tail -1)" \
+		--sources evals,chitchat,stdlib --limit-tokens 2000000 --holdout 0.02
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -33,15 +33,18 @@ class _SyntheticTokenizer:
         return [i for m in messages for i in self.chat_ids(m["content"])]
 
 
-def synthetic_corpus(out: Path, vocab_size: int) -> Path:
+def synthetic_corpus(out: Path, vocab_size: int, holdout: float = 0.0, prompts: int = 0) -> Path:
+    """64 synthetic texts (and `prompts` short prompts, for self-distillation), `holdout` of them held out."""
     from spd_engine.train.corpus import BuildOptions, build_corpus
     from spd_engine.train.decontaminate import Decontaminator
 
     tok = _SyntheticTokenizer(vocab_size)
     texts = [{"source": "synthetic", "licence": "CC0-1.0", "kind": "text",
               "text": f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 12} for i in range(64)]
-    build_corpus(out, [texts], tok, Decontaminator(tok.encode), BuildOptions(holdout_fraction=0.0,
-                                                                           build_command="spd gpu-check"))
+    asks = [{"source": "synthetic-prompts", "licence": "CC0-1.0", "kind": "prompt",
+             "text": f"what is f{i}(3)?"} for i in range(prompts)]
+    build_corpus(out, [texts, asks], tok, Decontaminator(tok.encode),
+                 BuildOptions(holdout_fraction=holdout, build_command="spd gpu-check"))
     return out
 
 

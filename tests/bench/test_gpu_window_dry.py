@@ -1,0 +1,139 @@
+"""`make gpu-window-dry` (the GPU window on the CPU, tiny shapes): the check, head training under
+the time guard and the evaluation in one command, well inside 2 minutes, with OUT packed to what
+a GPU host hands back; the guard stops training before the limit and still saves, exports and
+reports; the target's carried parts are joined only when every one is there and intact."""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from spd_engine.bench.device_check.window_plan import (OUT_MAX_FILE_BYTES, OUT_MAX_FILES, WINDOW_KEYS,
+                                                       dry_window_plan)
+from spd_engine.bench.device_check.window_target import assemble_target, missing_parts, stage_target
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _archive(out: Path) -> tarfile.TarFile:
+    parts = sorted(out.glob("gpu-window-files.tar.*"))
+    return tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts)))
+
+
+def _heads_load(out: Path, tmp: Path, cfg_name: str, plan) -> None:
+    """Every trained head in the archive loads as the engine loads a shipped head."""
+    from spd_engine.engine.model.pdm import load_pdm
+    from spd_engine.engine.runtime.run_config import random_preset
+
+    dest = tmp / "unpacked"
+    _archive(out).extractall(dest, filter="data")
+    for run in plan.runs:
+        pdm = load_pdm(dest / "heads" / run.name, random_preset(cfg_name), run.stage_layers)
+        assert pdm.pcfg.num_layers == run.pdm_layers
+        assert json.loads((dest / "heads" / run.name / "train_history.json").read_text())
+
+
+def _make_window(out: Path, *extra: str) -> tuple[subprocess.CompletedProcess, float]:
+    if shutil.which("make") is None:
+        pytest.skip("needs make")
+    t0 = time.perf_counter()
+    proc = subprocess.run(["make", "-s", "-C", str(ROOT), "gpu-window-dry", f"OUT={out}", f"GPU_PY={sys.executable}",
+                           *extra], capture_output=True, text=True, timeout=300)
+    return proc, time.perf_counter() - t0
+
+
+@pytest.mark.slow  # the check's part is tests/bench/test_gpu_check.py's in the default run
+def test_make_gpu_window_dry_with_the_check_within_two_minutes(tmp_path: Path) -> None:
+    proc, wall = _make_window(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert wall < 120, f"the dry window took {wall:.0f} s"
+    report = json.loads((tmp_path / "gpu-window.json").read_text())
+    assert report["check"]["status"] == "pass" and report["summary"]["ok"]
+    assert "check/gpu-check.json" in _archive(tmp_path).getnames()
+
+
+def test_make_gpu_window_dry_trains_evaluates_and_packs(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc, wall = _make_window(out, "WINDOW_ARGS=--no-check")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert wall < 120, f"the dry window took {wall:.0f} s"
+    report = json.loads((out / "gpu-window.json").read_text())
+    assert tuple(report) == WINDOW_KEYS and report["mode"].startswith("dry")
+    s = report["summary"]
+    assert s["ok"] and s["within_budget"] and report["check"]["status"].startswith("not run")
+    plan = dry_window_plan()
+    assert s["trained"] == [r.name for r in plan.runs] and not s["guard_stopped"]
+    for run in plan.runs:
+        r = report["training"][run.name]
+        assert r["steps"] == plan.max_steps and r["tokens"] == plan.max_steps * plan.batch * plan.seq_len
+        assert r["loss_last"] == r["loss_last"] and r["head_bytes"] > 0
+        ev = report["evaluation"]["heads"][run.name]
+        assert ev["status"] == "measured" and 0 <= ev["agree_trained"] <= 1
+        assert set(ev["trained"]) == {str(f) for f in range(1, len(run.stage_layers) + 1)}
+    # the run warm-started from the first run's head was scored against that start
+    assert report["evaluation"]["heads"]["n2-k1"]["agree_start"] is not None
+    assert report["corpus"]["self_distill"]["tokens"] > 0
+    # what comes back: few files, each under the limit; nothing else in OUT but the package link
+    files = [p for p in out.iterdir() if p.name != ".pkg"]
+    assert {p.name for p in files} == {"gpu-window.json", "gpu-window.md", *report["outputs"]["files"]}
+    assert len(files) <= OUT_MAX_FILES and all(p.stat().st_size <= OUT_MAX_FILE_BYTES for p in files)
+    _heads_load(out, tmp_path, "random:tiny-llama", plan)
+    md = (out / "gpu-window.md").read_text()
+    assert "| n2-k1 | 2 | 1 | n4-k1 |" in md and "OK:" in md
+
+
+def test_time_guard_stops_every_run_before_the_limit_and_still_saves(tmp_path: Path, one_thread) -> None:
+    from spd_engine.bench.device_check.window_run import run_window
+    from spd_engine.tools.train import batches
+
+    # no calibration and no step cap: only the guard can end a run
+    plan = dataclasses.replace(dry_window_plan(check=False), budget_s=14.0, calib_steps=10**6, max_steps=10**6,
+                               self_distill=0, min_run_s=0.2)
+    t0 = time.perf_counter()
+    report = run_window(tmp_path / "out", tmp_path / "work", plan, tmp_path / "no-carry", batches, lambda m: None,
+                        t0=t0)
+    wall = time.perf_counter() - t0
+    s = report["summary"]
+    assert s["ok"] and wall < plan.budget_s, (wall, s)
+    started = [n for n, r in report["training"].items() if r["status"] != "skipped (time budget)"]
+    assert started and s["guard_stopped"] == started
+    for name in started:
+        r = report["training"][name]
+        assert r["stopped_by"] == "guard" and r["steps"] >= 1 and r["head_bytes"] > 0
+    assert report["outputs"]["files"] and (tmp_path / "out" / "gpu-window.md").is_file()
+
+
+def test_target_parts_join_only_when_all_are_there_and_intact(tmp_path: Path) -> None:
+    src = tmp_path / "model.gguf"
+    src.write_bytes(bytes(range(256)) * 9000)  # 2.2 MiB
+    carry = tmp_path / "carry"
+    manifest = stage_target(src, carry, part_mib=1.0)
+    assert [p["name"] for p in manifest["parts"]] == ["target.part00", "target.part01", "target.part02"]
+    assert all((carry / p["name"]).stat().st_size <= 2**20 for p in manifest["parts"])
+    (carry / "target.part01").rename(tmp_path / "held-back")
+    assert missing_parts(carry) == ["target.part01"]
+    with pytest.raises(ValueError, match="target.part01"):
+        assemble_target(carry, tmp_path / "work")
+    data = bytearray((tmp_path / "held-back").read_bytes())
+    data[7] ^= 1
+    (carry / "target.part01").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="sha256"):
+        assemble_target(carry, tmp_path / "work")
+    (carry / "target.part01").write_bytes((tmp_path / "held-back").read_bytes())
+    assert assemble_target(carry, tmp_path / "work").read_bytes() == src.read_bytes()
+
+
+def test_window_without_a_staged_target_reports_why_and_trains_nothing(tmp_path: Path) -> None:
+    from spd_engine.bench.device_check.window_run import _target
+
+    plan = dataclasses.replace(dry_window_plan(check=False), model="staged")
+    entry, spec, cfg = _target(plan, tmp_path / "empty", tmp_path / "work")
+    assert entry["status"] == "error" and "gpu-window-stage" in entry["error"] and spec is None
