@@ -1,0 +1,137 @@
+"""Two nodes as network namespaces (tests/multinode/nodes.py), each its own network stack, with
+no interface hint in the environment: ranks join across the link on the interface that routes to
+the master, `spd generate` under torchrun on both nodes is lossless, a node that dies ends the
+other's ranks, and a join that cannot connect ends every rank with one line (docs/cluster.md)."""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from spd_engine.engine.comm.iface import GLOO_ENV, IFACE_ENV, NCCL_ENV
+from spd_engine.engine.runtime.launch import spd_script
+from nodes import IFNAME, Lines, Nodes, namespaces_unusable
+
+REPO = Path(__file__).resolve().parents[2]
+PORT = "29500"  # each namespace has its own ports: no clash with anything else on the host
+TINY = ["--model", "random:tiny-llama", "--threads", "1", "--timeout", "20"]
+SPD4 = ["--stages", "4", "--colocate"]  # four ranks, two per node
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.fixture
+def nodes():
+    why = namespaces_unusable()
+    if why:
+        pytest.skip(f"no network namespaces here: {why}")
+    made = Nodes(2)
+    yield made
+    made.close()
+
+
+def bare_env(**extra: str) -> dict[str, str]:
+    """This environment without any interface hint, one thread per process."""
+    env = {k: v for k, v in os.environ.items() if k not in (GLOO_ENV, NCCL_ENV, IFACE_ENV)}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def torchrun(nodes: Nodes, node: int, args: list[str], **env: str):
+    """`torchrun --nnodes 2 --nproc-per-node 2 ... spd ARGS` on `node`, master on node 0."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+           "--node-rank", str(node), "--master-addr", nodes.addrs[0], "--master-port", PORT, spd_script(), *args]
+    return nodes.popen(node, cmd, env=bare_env(**env), cwd=REPO)
+
+
+JOIN = """
+import os, sys, torch, torch.distributed as dist
+from spd_engine.engine.comm.dist import join_group
+join_group(int(sys.argv[1]), 2, "gloo", "cpu", "env://", 30.0)
+t = torch.ones(1)
+dist.all_reduce(t)
+print(os.environ["GLOO_SOCKET_IFNAME"], t.item(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_join_across_nodes_on_the_interface_routing_to_the_master(nodes, tmp_path):
+    """gloo left to itself advertises the host name's address, 127.0.0.1 here: unreachable from the
+    other node. join_group binds to the veth (the route to the master) and the all-reduce crosses."""
+    env = bare_env(MASTER_ADDR=nodes.addrs[0], MASTER_PORT=PORT)
+    procs = [nodes.popen(r, [sys.executable, "-c", JOIN, str(r)], env=env, cwd=tmp_path) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        assert out.split() == [IFNAME, "2.0"]
+
+
+@pytest.mark.slow
+def test_spd_colocated_across_two_nodes_gives_ar_tokens(nodes, capsys):
+    from spd_engine.tools.cli import main
+
+    args = [*TINY, "--prompt", "hello there", "--max-new-tokens", "24", "--ignore-eos"]
+    assert main(["generate", *args, "--mode", "ar", "--stages", "1"]) == 0
+    want = capsys.readouterr().out.strip()
+    assert re.fullmatch(r"\[\d+(, \d+){23}\]", want), want
+    procs = [torchrun(nodes, node, ["generate", *args, *SPD4]) for node in (0, 1)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert outs[0][0].strip() == want  # rank 0, on node 0, prints the tokens
+    assert outs[1][0].strip() == ""
+    assert nodes.gone(0, 5.0) == [] and nodes.gone(1, 5.0) == []
+
+
+@pytest.mark.slow
+def test_a_killed_node_ends_the_other_within_a_minute(nodes):
+    args = ["generate", *TINY, *SPD4, "--max-new-tokens", "400", "--ignore-eos", "--capacity", "512",
+            "--prompt", "one", "--prompt", "two", "--prompt", "three"]
+    procs = [torchrun(nodes, node, args) for node in (0, 1)]
+    err0 = Lines(procs[0].stderr)
+    assert err0.wait_for(r"^\[2/3\]", 240), err0.text(1.0)[-3000:]  # the second prompt is generating
+    assert procs[0].poll() is None, "the run ended before the kill: make it longer"
+    nodes.kill_node(1)
+    killed = time.monotonic()
+    procs[0].wait(timeout=90)
+    survived_s = time.monotonic() - killed
+    assert procs[0].returncode != 0
+    assert survived_s < 60, f"node 0 ran on {survived_s:.0f}s after node 1 died"
+    # a survivor names a peer on the dead node: (rank, peer, tick) of the transport's error
+    assert re.search(r"\(rank=[01], peer=[23], tick=-?\d+\)", err0.text()), err0.text()[-3000:]
+    assert nodes.gone(0, 5.0) == [] and nodes.gone(1, 5.0) == []
+
+
+@pytest.mark.slow
+def test_a_join_that_cannot_connect_ends_every_rank_with_one_line(nodes):
+    """Node 1 is told to bind to loopback: its ranks advertise 127.0.0.1, which node 0 cannot
+    reach. Every rank on both nodes leaves within the join deadline, each with one line."""
+    args = ["generate", *TINY, *SPD4, "--prompt", "hi", "--max-new-tokens", "4"]
+    start = time.monotonic()
+    procs = [torchrun(nodes, 0, args), torchrun(nodes, 1, args, GLOO_SOCKET_IFNAME="lo")]
+    outs = [p.communicate(timeout=150) for p in procs]
+    elapsed = time.monotonic() - start
+    assert all(p.returncode != 0 for p in procs), [p.returncode for p in procs]
+    assert elapsed < 60 + 30, f"{elapsed:.0f}s: past the join deadline (60 s) and start-up"
+    err = "\n".join(e for _, e in outs)
+    for rank in range(4):
+        lines = [ln for ln in err.splitlines() if ln.startswith(f"spd: rank {rank} failed: ")]
+        assert len(lines) == 1, (rank, err[-4000:])
+        line = lines[0]
+        assert "could not join the process group" in line and "cannot reach rank" in line, line
+        assert "127.0.0.1" in line and "interface lo" in line and "--iface" in line, line
+    for rank in (0, 1):  # node 0's ranks name what they advertise themselves
+        assert f"rank {rank} advertising {nodes.addrs[0]} (interface {IFNAME}" in err
+    assert "connectFullMesh" not in err  # the backend's own failure never happens
+    assert nodes.gone(0, 5.0) == [] and nodes.gone(1, 5.0) == []
+
+
+def test_an_unknown_iface_is_a_one_line_error(capsys):
+    from spd_engine.tools.cli import main
+
+    assert main(["generate", *TINY, "--stages", "2", "--prompt", "hi", "--iface", "nosuch0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--iface nosuch0: no such network interface" in err[0], err
