@@ -238,7 +238,10 @@ def check_fetched_dir(hf_dir: Path) -> None:
     """Before converting an HF directory: a fetched built-in model's every file as the fetch wrote it."""
     marker = Path(hf_dir) / MARKER
     if marker.is_file():
-        name = json.loads(marker.read_text()).get("model")
+        try:
+            name = json.loads(marker.read_text()).get("model")
+        except (json.JSONDecodeError, AttributeError):
+            raise ValueError(f"{marker} is not a fetch marker; delete {hf_dir} and fetch the model again") from None
         if name in MODELS and is_complete(Path(hf_dir), name):
             check_fetched(Path(hf_dir), name)
 
