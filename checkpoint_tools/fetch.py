@@ -224,7 +224,8 @@ def is_complete(out: Path, name: str) -> bool:
     """True when `out` is a finished fetch of model `name` from its pinned GGUF (the marker, written
     last, lists the digest of every file the conversion wrote)."""
     raw = read_marker(out, name)
-    return raw is not None and isinstance(raw.get("files"), dict) and raw.get("gguf_sha256") == model_source(name).sha256
+    pinned = model_source(name).sha256
+    return raw is not None and isinstance(raw.get("files"), dict) and raw.get("gguf_sha256") == pinned
 
 
 def check_fetched(out: Path, name: str, full: bool = True) -> None:

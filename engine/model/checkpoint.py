@@ -251,7 +251,8 @@ def read_index(path: str | Path) -> CheckpointIndex:
         raise ValueError(f"{index_path}: shard list does not cover {len(stage_layers)} stages x tp={tp}")
     hashes = {(k, s.tp_rank): e.sha256 for s in shards for k, e in s.tensors.items()}
     if content_hash(cfg, dtype, hashes) != chash:
-        raise ValueError(f"{index_path}: content hash does not match the config and tensor list (index edited or corrupt)")
+        raise ValueError(f"{index_path}: content hash does not match the config and tensor list "
+                         "(index edited or corrupt)")
     return CheckpointIndex(root, cfg, stage_layers, tp, dtype, shards, chash)
 
 

@@ -140,7 +140,8 @@ def test_a_failure_at_any_write_step_leaves_no_checkpoint_or_a_complete_one(tiny
         steps = _count_steps(m, None)
         shard.hf2mcore(tiny_hf, tmp_path / "probe", pp=2, tp=2, force=previous)
     shutil.rmtree(tmp_path / "probe")
-    assert len(steps) >= 10 and steps[-1].startswith("rename"), steps  # 4 shards, the config, 2 tokenizer files, index, renames
+    # 4 shards, the source config, 2 tokenizer files, the index, the rename(s)
+    assert len(steps) >= 10 and steps[-1].startswith("rename"), steps
     for k in range(len(steps)):
         for killed in (False, True):  # an exception cleans up; a kill (no cleanup runs) leaves its temporary
             with monkeypatch.context() as m:
