@@ -6,7 +6,7 @@ backwards, so the two directions cannot drift apart.
 
 Megatron fused layouts (the engine's `StageModel` uses them as well):
   linear_qkv [(nh + 2 nkv) hd, H]: for each KV head g: its q_per_group q heads, then k_g, then v_g
-  linear_fc1 [2 I, H]: gate rows, then up rows
+  linear_fc1 [2 I, H]: gate rows, then up rows (its bias likewise)
 
 Tensor parallelism (Megatron's scheme; engine/model/tp_shard.py, which the runtime shares):
   column-parallel linear_qkv: each rank gets whole query groups (its q heads with their k and v);
@@ -108,10 +108,15 @@ RULES: tuple[Rule, ...] = (
     Rule((_A + "q_norm.weight",), _M + "q_layernorm.weight", when=lambda c: c.qk_norm),
     Rule((_A + "k_norm.weight",), _M + "k_layernorm.weight", when=lambda c: c.qk_norm),
     Rule((_A + "o_proj.weight",), _M + "linear_proj.weight"),
+    Rule((_A + "o_proj.bias",), _M + "linear_proj.bias", when=lambda c: c.linear_bias),
     Rule(("model.layers.{i}.post_attention_layernorm.weight",), "decoder.layers.{i}.pre_mlp_layernorm.weight"),
     Rule(("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
          "decoder.layers.{i}.mlp.linear_fc1.weight", GATE_UP),
+    Rule(("model.layers.{i}.mlp.gate_proj.bias", "model.layers.{i}.mlp.up_proj.bias"),
+         "decoder.layers.{i}.mlp.linear_fc1.bias", GATE_UP, lambda c: c.linear_bias),
     Rule(("model.layers.{i}.mlp.down_proj.weight",), "decoder.layers.{i}.mlp.linear_fc2.weight"),
+    Rule(("model.layers.{i}.mlp.down_proj.bias",), "decoder.layers.{i}.mlp.linear_fc2.bias",
+         when=lambda c: c.linear_bias),
     Rule(("model.norm.weight",), "decoder.final_layernorm.weight"),
     Rule(("lm_head.weight",), "output_layer.weight", when=lambda c: not c.tie_embeddings),
 )

@@ -28,6 +28,7 @@ FIELDS = {
     "max_position": "max_position_embeddings, else seq_length",
     "tie_embeddings": "not untie_embeddings_and_output_weights",
     "qkv_bias": "add_qkv_bias or add_bias_linear",
+    "linear_bias": "add_bias_linear (biases on linear_proj, linear_fc1, linear_fc2; Megatron-LM's default)",
     "qk_norm": "qk_layernorm",
 }
 # Megatron hard-codes these llama3 RoPE scaling factors (megatron/core/models/common/embeddings/rope_utils.py).
@@ -52,7 +53,6 @@ _REQUIRED = (
     ("window_size", None, None, "sliding-window attention"),
     ("hybrid_override_pattern", None, None, "a hybrid (Mamba) model"),
     ("heterogeneous_layers_config_path", None, None, "heterogeneous layers"),
-    ("add_bias_linear", True, False, "linear biases (add_bias_linear) on the projection and MLP layers"),
 )
 
 
@@ -85,24 +85,26 @@ def config_from_args(args: Any) -> ModelConfig:
     kv_heads = _need_int(args, "num_query_groups") if _get(args, "group_query_attention") else heads
     vocab = _get(args, "vocab_size") or _need_int(args, "padded_vocab_size")
     eps = _get(args, "norm_epsilon", _get(args, "layernorm_epsilon", 1e-5))
-    qkv_bias, qk_norm = bool(_get(args, "add_qkv_bias") or _get(args, "add_bias_linear")), bool(_get(args, "qk_layernorm"))
+    linear_bias = bool(_get(args, "add_bias_linear", True))  # Megatron-LM's default: on
+    qkv_bias, qk_norm = bool(_get(args, "add_qkv_bias")) or linear_bias, bool(_get(args, "qk_layernorm"))
     rope_scaling = None
     if _get(args, "use_rope_scaling"):
         rope_scaling = {**MEGATRON_LLAMA3, "factor": float(_get(args, "rope_scaling_factor", 8.0))}
     return ModelConfig(
-        arch="qwen3" if qk_norm else "qwen2" if qkv_bias else "llama",
+        # the HF family whose layout it is (HF llama's attention_bias + mlp_bias are Megatron's linear biases)
+        arch="qwen3" if qk_norm else "qwen2" if qkv_bias and not linear_bias else "llama",
         vocab_size=vocab, hidden_size=hidden, intermediate_size=_need_int(args, "ffn_hidden_size"),
         num_layers=_need_int(args, "num_layers"), num_heads=heads, num_kv_heads=kv_heads,
         head_dim=_get(args, "kv_channels") or hidden // heads, rms_eps=float(eps),
         rope_theta=float(_get(args, "rotary_base", 10000)), rope_scaling=rope_scaling,
         max_position=_get(args, "max_position_embeddings") or _need_int(args, "seq_length"),
         tie_embeddings=not _get(args, "untie_embeddings_and_output_weights", False),
-        qkv_bias=qkv_bias, qk_norm=qk_norm)
+        qkv_bias=qkv_bias, linear_bias=linear_bias, qk_norm=qk_norm)
 
 
 # Fields the weights cannot show (a wrong value still loads): checked when both args and a config exist.
 _CROSS_CHECKED = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                  "rms_eps", "rope_theta", "rope_scaling", "tie_embeddings", "qkv_bias", "qk_norm")
+                  "rms_eps", "rope_theta", "rope_scaling", "tie_embeddings", "qkv_bias", "linear_bias", "qk_norm")
 
 
 def check_config_against_args(cfg: ModelConfig, args: Any) -> None:

@@ -136,10 +136,13 @@ def _check_maths(cfg: dict, family: str) -> None:
     act = _get(cfg, family, "hidden_act")
     if act not in SILU_NAMES:
         raise _refuse("hidden_act", act, "is not SiLU (the engine's MLP is SwiGLU)")
-    if family in ("llama", "qwen3") and _get(cfg, family, "attention_bias"):
-        raise _refuse("attention_bias", True, "adds q/k/v/o biases (the engine has no o_proj bias)")
-    if family == "llama" and _get(cfg, family, "mlp_bias"):
-        raise _refuse("mlp_bias", True, "adds MLP biases (not implemented)")
+    if family == "qwen3" and _get(cfg, family, "attention_bias"):
+        raise _refuse("attention_bias", True, "adds q/k/v/o biases without MLP biases (not implemented)")
+    if family == "llama" and bool(_get(cfg, family, "attention_bias")) != bool(_get(cfg, family, "mlp_bias")):
+        # the engine's linear_bias (Megatron's add_bias_linear) is both at once
+        raise _refuse("attention_bias", _get(cfg, family, "attention_bias"),
+                      f"differs from mlp_bias={_get(cfg, family, 'mlp_bias')!r} (the engine biases all "
+                      "linear layers or none)")
     if cfg.get("quantization_config"):
         raise _refuse("quantization_config", cfg["quantization_config"].get("quant_method", "?"),
                       "means quantised weights (the engine reads float weights)")
@@ -172,6 +175,7 @@ def read_hf_fields(cfg: dict) -> dict:
     if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
         raise _refuse("rms_norm_eps", eps, "is not a positive number")
     eos = _get(cfg, family, "eos_token_id")
+    linear_bias = family == "llama" and bool(_get(cfg, family, "attention_bias"))
     return dict(
         arch=family, vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
         intermediate_size=shape["intermediate_size"], num_layers=shape["num_hidden_layers"], num_heads=heads,
@@ -179,6 +183,7 @@ def read_hf_fields(cfg: dict) -> dict:
         head_dim=_positive_int("head_dim", head_dim), rms_eps=float(eps), rope_theta=theta,
         rope_scaling=scaling, max_position=max_position,
         tie_embeddings=bool(_get(cfg, family, "tie_word_embeddings")),
-        qkv_bias=family == "qwen2", qk_norm=family == "qwen3", bos_token_id=_get(cfg, family, "bos_token_id"),
+        qkv_bias=family == "qwen2" or linear_bias, linear_bias=linear_bias, qk_norm=family == "qwen3",
+        bos_token_id=_get(cfg, family, "bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
     )

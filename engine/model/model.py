@@ -10,6 +10,8 @@ Parameter names are the checkpoint keys (`StageModel.state_dict()` == engine che
   decoder.layers.{i}.pre_mlp_layernorm.weight                   [H]
   decoder.layers.{i}.mlp.linear_fc1.weight                      [2 I, H] gate stacked on up
   decoder.layers.{i}.mlp.linear_fc2.weight                      [H, I]
+  with `linear_bias` (Megatron's add_bias_linear) also linear_proj / linear_fc1 / linear_fc2 .bias
+      [H], [2 I] (gate on up), [H]
   decoder.final_layernorm.weight, output_layer.weight           [H], [V, H]
 Layer indices are global. A `StageModel` builds only the layers it owns (plus the embedding
 and/or final norm + head where asked), so no process materialises layers it does not run.
@@ -82,7 +84,7 @@ class SelfAttention(nn.Module):
         self.cfg = cfg
         kw = dict(device=device, dtype=dtype)
         self.linear_qkv = nn.Linear(cfg.hidden_size, cfg.qkv_rows, bias=cfg.qkv_bias, **kw)
-        self.linear_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False, **kw)
+        self.linear_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.linear_bias, **kw)
         if cfg.qk_norm:
             self.q_layernorm = RMSNorm(cfg.head_dim, cfg.rms_eps, **kw)
             self.k_layernorm = RMSNorm(cfg.head_dim, cfg.rms_eps, **kw)
@@ -112,8 +114,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, device=None, dtype=None) -> None:
         super().__init__()
         kw = dict(device=device, dtype=dtype)
-        self.linear_fc1 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, **kw)
-        self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, **kw)
+        self.linear_fc1 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.linear_bias, **kw)
+        self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.linear_bias, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.linear_fc1(x).chunk(2, dim=-1)

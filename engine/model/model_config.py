@@ -1,7 +1,8 @@
 """Model configuration: a validated, explicit description of a Llama-family target model.
 
 One object describes Llama (incl. llama3 RoPE scaling), Mistral (Llama-shaped), Qwen2 (QKV bias)
-and Qwen3 (q/k norm). It is built from an HF `config.json` dict (read exactly or refused:
+and Qwen3 (q/k norm), and the Megatron-LM GPT models shaped like them (`linear_bias`: Megatron's
+default biases on every linear layer). It is built from an HF `config.json` dict (read exactly or refused:
 engine/model/hf_config.py) and written back to one, and it is what every
 checkpoint index records, so a stage, a PDM head and a converted checkpoint can be checked
 against the model they were made for.
@@ -40,6 +41,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
+    # Megatron's add_bias_linear: biases on linear_proj, linear_fc1 and linear_fc2 as well (with qkv_bias)
+    linear_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -56,6 +59,9 @@ class ModelConfig:
                              f"num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"model config: head_dim={self.head_dim} must be even for RoPE")
+        if self.linear_bias and not self.qkv_bias:
+            raise ValueError("model config: linear_bias (Megatron's add_bias_linear) biases every linear layer, "
+                             "linear_qkv included: it needs qkv_bias")
         if self.rope_scaling is not None and self.rope_scaling.get("rope_type", "llama3") != "llama3":
             raise ValueError(f"model config: unsupported rope_scaling {self.rope_scaling!r} (only llama3)")
 
@@ -101,10 +107,15 @@ class ModelConfig:
             cfg.update(rope_theta=self.rope_theta, rope_scaling=dict(self.rope_scaling) if self.rope_scaling else None)
         else:
             cfg["rope_parameters"] = {"rope_theta": self.rope_theta, **(self.rope_scaling or {"rope_type": "default"})}
+        if self.linear_bias and self.arch != "llama":
+            raise ValueError(f"an HF {self.arch} model has no biases on o_proj and the MLP; only HF llama "
+                             "(attention_bias, mlp_bias) describes linear_bias")
+        if self.qkv_bias and not self.linear_bias and self.arch != "qwen2":
+            raise ValueError(f"an HF {self.arch} model has no q/k/v biases without an o_proj bias")
         if self.arch in ("llama", "qwen3"):
-            cfg["attention_bias"] = False
+            cfg["attention_bias"] = self.linear_bias
         if self.arch == "llama":
-            cfg["mlp_bias"] = False
+            cfg["mlp_bias"] = self.linear_bias
         if self.arch == "mistral":
             cfg["sliding_window"] = None  # MistralConfig's default (4096) would switch it on
         if self.arch in ("qwen2", "qwen3"):
@@ -115,6 +126,10 @@ class ModelConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        if not self.linear_bias:
+            # written only when set, so the fingerprints and content hashes of configs written before
+            # the field existed stay what they were
+            del d["linear_bias"]
         return d
 
     @classmethod

@@ -10,6 +10,9 @@ Which part of each weight TP rank `r` of `tp` owns (docs/design.md 3.9):
   vocab-parallel embedding / output layer: rows [r V/tp, (r+1) V/tp); the vocabulary must be
       divisible by tp (no padding, so a round trip stays bit-identical)
   norms: replicated
+  biases (Megatron's add_bias_linear): qkv's and fc1's split with their rows; a row-parallel
+      layer's (linear_proj, linear_fc2) is added once to the reduced sum, so rank 0 holds it and
+      the other ranks hold zeros (their partial sums then add nothing)
 A shard's modules are ordinary engine modules built from `shard_config` (the model shape with
 the local head, MLP and vocabulary counts), so a TP rank runs the same code as an unsharded one.
 """
@@ -28,12 +31,16 @@ Tensor = torch.Tensor
 _TP_SPLIT_DIM = {
     "self_attention.linear_qkv.weight": 0,
     "self_attention.linear_qkv.bias": 0,
+    "mlp.linear_fc1.bias": 0,
     "mlp.linear_fc1.weight": 0,
     "self_attention.linear_proj.weight": 1,
     "mlp.linear_fc2.weight": 1,
     EMBEDDING_KEY: 0,
     OUTPUT_KEY: 0,
 }
+
+
+_ROW_PARALLEL_BIASES = ("self_attention.linear_proj.bias", "mlp.linear_fc2.bias")
 
 
 def tp_split_dim(name: str) -> int | None:
@@ -70,11 +77,13 @@ def vocab_range(cfg: ModelConfig, tp: int, rank: int) -> range:
 
 
 def tensor_kind(name: str) -> str:
-    """qkv, fc1, replicated, or dim<d> (split on dim d)."""
+    """qkv, fc1, rowbias, replicated, or dim<d> (split on dim d)."""
     if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
         return "qkv"
-    if name.endswith("linear_fc1.weight"):
+    if name.endswith("linear_fc1.weight") or name.endswith("linear_fc1.bias"):
         return "fc1"
+    if name.endswith(_ROW_PARALLEL_BIASES):
+        return "rowbias"
     dim = tp_split_dim(name)
     return "replicated" if dim is None else f"dim{dim}"
 
@@ -93,6 +102,8 @@ def shard_tensor(name: str, t: Tensor, cfg: ModelConfig, tp: int) -> list[Tensor
     if kind == "fc1":
         gate, up = t.chunk(2, dim=0)
         return [torch.cat([g, u], dim=0) for g, u in zip(gate.chunk(tp, 0), up.chunk(tp, 0))]
+    if kind == "rowbias":
+        return [t] + [torch.zeros_like(t)] * (tp - 1)
     if kind == "replicated":
         return [t] * tp
     dim = int(kind[3:])
@@ -111,6 +122,10 @@ def merge_tensor(name: str, pieces: list[Tensor], cfg: ModelConfig | None = None
     if kind == "fc1":
         halves = [p.chunk(2, dim=0) for p in pieces]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    if kind == "rowbias":
+        if any(p.any() for p in pieces[1:]):
+            raise ValueError(f"row-parallel bias {name} is non-zero beyond TP rank 0")
+        return pieces[0]
     if kind == "replicated":
         if any(not torch.equal(pieces[0], p) for p in pieces[1:]):
             raise ValueError(f"replicated tensor {name} differs between TP ranks")

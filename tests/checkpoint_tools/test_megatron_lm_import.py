@@ -37,7 +37,13 @@ def test_args_map_to_the_engine_config():
     assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
             cfg.head_dim, cfg.vocab_size) == (2, 64, 128, 4, 2, 16, 128)
     assert (cfg.rms_eps, cfg.rope_theta, cfg.rope_scaling, cfg.max_position) == (1e-6, 500000.0, None, 256)
-    assert (cfg.tie_embeddings, cfg.qkv_bias, cfg.qk_norm, cfg.arch) == (False, False, False, "llama")
+    assert (cfg.tie_embeddings, cfg.qkv_bias, cfg.linear_bias, cfg.qk_norm, cfg.arch) == (False, False, False,
+                                                                                          False, "llama")
+    biased = megatron_args.config_from_args(argparse.Namespace(**{**LM_ARGS, "add_bias_linear": True}))
+    assert (biased.qkv_bias, biased.linear_bias, biased.arch) == (True, True, "llama")
+    missing = dict(LM_ARGS)
+    del missing["add_bias_linear"]  # an older namespace: Megatron-LM's default (biases on)
+    assert megatron_args.config_from_args(argparse.Namespace(**missing)).linear_bias
     mha = megatron_args.config_from_args(argparse.Namespace(
         **{**LM_ARGS, "group_query_attention": False, "kv_channels": None, "vocab_size": 100,
            "untie_embeddings_and_output_weights": False, "add_qkv_bias": True, "use_rope_scaling": True}))
@@ -70,7 +76,8 @@ def _args_of(cfg) -> argparse.Namespace:
                                  "padded_vocab_size": cfg.vocab_size, "norm_epsilon": cfg.rms_eps,
                                  "rotary_base": cfg.rope_theta, "max_position_embeddings": cfg.max_position,
                                  "untie_embeddings_and_output_weights": not cfg.tie_embeddings,
-                                 "add_qkv_bias": cfg.qkv_bias, "qk_layernorm": cfg.qk_norm})
+                                 "add_qkv_bias": cfg.qkv_bias, "add_bias_linear": cfg.linear_bias,
+                                 "qk_layernorm": cfg.qk_norm})
 
 
 def test_import_reads_the_args_and_cross_checks_a_given_config(tmp_path, capsys):
@@ -97,10 +104,13 @@ MATRIX = {
                           "add_qkv_bias": True, "padded_vocab_size": 128, "vocab_size": 100, "seed": 1},
     "qk_norm_rope_scaling": {**LM_ARGS, "qk_layernorm": True, "use_rope_scaling": True, "rotary_base": 10000,
                              "seed": 2},
+    # Megatron-LM's defaults: biases on every linear layer, untied, GQA
     "linear_bias": {**LM_ARGS, "add_bias_linear": True, "seed": 3},
+    "linear_bias_tied_qk_norm": {**LM_ARGS, "add_bias_linear": True, "qk_layernorm": True,
+                                 "untie_embeddings_and_output_weights": False, "seed": 5},
     "layernorm_gelu": {**LM_ARGS, "normalization": "LayerNorm", "swiglu": False, "seed": 4},
 }
-REFUSED = {"linear_bias": "linear biases (add_bias_linear)", "layernorm_gelu": "a LayerNorm model"}
+REFUSED = {"layernorm_gelu": "a LayerNorm model"}
 
 
 def _engine_logits_and_greedy(ckpt_dir: Path, tokens: torch.Tensor, new_tokens: int):
@@ -151,3 +161,11 @@ def test_megatron_core_built_checkpoints(tmp_path, capsys):
         if V == args["padded_vocab_size"]:
             assert torch.equal(greedy, theirs["greedy"]), name
         assert theirs["logits"][..., :V].std() > 0.1, name  # not a degenerate model
+    # Control: the imported linear biases matter (without them the logits are not megatron-core's).
+    cfg, state = engine_ckpt_state(tmp_path / "linear_bias-engine")
+    assert cfg.linear_bias
+    model = StageModel.full(cfg)
+    model.load_state_dict({k: torch.zeros_like(v) if k.endswith("fc2.bias") else v for k, v in state.items()})
+    with torch.no_grad():
+        dropped = model.logits(model.forward_layers(model.embed(tokens), model.new_cache(*tokens.shape), 0)[0])
+    assert (dropped - torch.load(tmp_path / "linear_bias.pt")["logits"][..., :cfg.vocab_size]).abs().max() > 1e-3
