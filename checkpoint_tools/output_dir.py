@@ -5,6 +5,9 @@ writes everything there, its completion marker last, and the directory is rename
 when the converter returns. An exception removes the temporary; a killed process leaves it beside
 `dst` under its hidden name, never a partial checkpoint under `dst`.
 
+A killed conversion's temporary is deleted by the next conversion into the same destination on the
+same host (its name carries the host and the process id, and that process is gone).
+
 The destination must not exist or be empty. A non-empty one is refused unless `force`, and `force`
 replaces only a previous checkpoint: a directory that holds nothing but the files an engine
 checkpoint, an HF directory or a Megatron torch_dist export consists of (never `/etc`, a home
@@ -13,10 +16,12 @@ takes its name and deleted after, so a kill in between leaves no checkpoint, not
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -115,13 +120,43 @@ def replace_dir(tmp: Path, dst: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _partial_prefix(dst: Path, pid: int | None) -> str:
+    """`.NAME.partial-HOST-PID-` (without PID and its dash when None): the temporary's name before mkdtemp's part."""
+    host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())
+    return f".{dst.name}.partial-{host}-" + ("" if pid is None else f"{pid}-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def sweep_partials(dst: Path) -> list[Path]:
+    """Delete the temporaries that killed conversions into `dst` on this host left; returns them."""
+    prefix = _partial_prefix(dst, None)
+    swept = []
+    for path in dst.parent.glob(glob.escape(prefix) + "*") if dst.parent.is_dir() else ():
+        m = re.fullmatch(r"(\d+)-\w+", path.name[len(prefix):])
+        if m and path.is_dir() and not path.is_symlink() and int(m.group(1)) != os.getpid() \
+                and not _alive(int(m.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            swept.append(path)
+    return swept
+
+
 @contextmanager
 def atomic_output(dst: str | Path, *, force: bool = False, sources: tuple[Path, ...] = ()) -> Iterator[Path]:
     """A temporary sibling of `dst` to write into, renamed to `dst` when the block ends without an error."""
     dst = Path(dst).expanduser()
     check_destination(dst, force, sources)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    sweep_partials(dst)
+    tmp = Path(tempfile.mkdtemp(prefix=_partial_prefix(dst, os.getpid()), dir=dst.parent))
     try:
         yield tmp
         _normal_mode(tmp)

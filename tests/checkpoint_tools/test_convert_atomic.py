@@ -179,10 +179,15 @@ sys.exit(main(["convert", "hf2mcore", sys.argv[1], sys.argv[2]]))
 
 def test_a_killed_conversion_process_leaves_no_checkpoint(tiny_hf: Path, tmp_path: Path) -> None:
     out = tmp_path / "e"
-    proc = subprocess.run([sys.executable, "-c", KILL_BEFORE_INDEX, str(tiny_hf), str(out)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    proc = subprocess.Popen([sys.executable, "-c", KILL_BEFORE_INDEX, str(tiny_hf), str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, stderr
     assert not out.exists()
     partial = [p for p in tmp_path.iterdir() if p.name.startswith(".e.partial-")]
     assert len(partial) == 1 and any(partial[0].glob("stage-*.safetensors"))  # it was killed mid-conversion
+    assert f"-{proc.pid}-" in partial[0].name
+    (tmp_path / f".e.partial-elsewhere-{proc.pid}-x").mkdir()  # another host's: not ours to judge
     assert main(["convert", "hf2mcore", str(tiny_hf), str(out)]) == 0 and complete(out)
+    assert not partial[0].exists()  # the next conversion into `e` swept the dead process's temporary
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".e.partial-elsewhere-{proc.pid}-x", "e", "hf"]
