@@ -20,14 +20,17 @@ from spd_engine.bench.device_check.check_training import run_training
 
 
 def run_check(out_dir: str | Path, dry: bool, log: Callable[[str], None] = print, device: str = "cuda",
-              spd_main: Callable[[list[str]], int] | None = None) -> dict:
+              spd_main: Callable[[list[str]], int] | None = None, budget_s: float | None = None) -> dict:
     """The whole check; writes OUT/gpu-check.json and OUT/gpu-check.md; returns the report.
-    `spd_main`: the `spd` command's main, to run `spd train` in this process (else a child)."""
+    `spd_main`: the `spd` command's main, to run `spd train` in this process (else a child).
+    `budget_s`: the time guard's budget in place of the plan's (a GPU window's shorter check)."""
     if not dry:
         if not torch.cuda.is_available():
             raise ValueError("gpu-check needs a CUDA device and torch with CUDA; none is available here "
                              "(`make gpu-check-dry` runs the same checks on the CPU)")
     plan = dry_plan() if dry else gpu_plan(device)
+    if budget_s is not None:
+        plan = dataclasses.replace(plan, budget_s=budget_s)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dl = Deadline(plan.budget_s)

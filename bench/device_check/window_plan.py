@@ -38,6 +38,7 @@ class WindowPlan:
     budget_s: float  # the whole window from the process's start; the guard keeps `margin_s` of it
     margin_s: float  # kept free at the end: the last save, the evaluation's overrun, the report, exit
     check: bool  # run the GPU check first (`spd gpu-check`)
+    check_budget_s: float  # its time guard's budget (its own plan orders the items so a cut keeps every shape)
     eval_s: float  # reserved after training for the evaluation on the device
     runs: tuple[HeadRun, ...]
     seq_len: int
@@ -64,7 +65,8 @@ def gpu_window_plan(budget_s: float = 600.0, device: str = "cuda", check: bool =
         HeadRun("n8-k2", (4, 4, 4, 4, 4, 4, 3, 3), (0, 4, 12, 24, 29), 2, 0.15, 3e-4, SHIPPED_N4),
         HeadRun("n4-k4", (8, 8, 7, 7), (0, 8, 23, 29), 4, 0.15, 5e-4, None, SHIPPED_FILL_WEIGHTS),
     )
-    return WindowPlan(device=device, model="staged", budget_s=budget_s, margin_s=45.0, check=check, eval_s=30.0,
+    return WindowPlan(device=device, model="staged", budget_s=budget_s, margin_s=45.0, check=check,
+                      check_budget_s=150.0, eval_s=30.0,
                       runs=runs, seq_len=256, batch=64, max_steps=100_000, calib_steps=12, warm_steps=4,
                       min_run_s=20.0, eval_seqs=64, self_distill=0, gen_tokens=192, gen_batch=128,
                       dtype="bfloat16", corpus="data/smollm2-135m-corpus")
@@ -79,8 +81,8 @@ def dry_window_plan(budget_s: float = 90.0, check: bool = True) -> WindowPlan:
         HeadRun("n4-k2", (2, 2, 1, 1), None, 2, 0.3, 3e-3, None, (4.0, 2.0, 1.0, 1.0)),
     )
     return WindowPlan(device="cpu", model="random:tiny-llama", budget_s=budget_s, margin_s=5.0, check=check,
-                      eval_s=3.0, runs=runs, seq_len=16, batch=2, max_steps=12, calib_steps=4, warm_steps=1,
-                      min_run_s=0.5, eval_seqs=4, self_distill=4, gen_tokens=6, gen_batch=4,
+                      check_budget_s=50.0, eval_s=3.0, runs=runs, seq_len=16, batch=2, max_steps=12, calib_steps=4,
+                      warm_steps=1, min_run_s=0.5, eval_seqs=4, self_distill=4, gen_tokens=6, gen_batch=4,
                       dtype="float32", corpus="synthetic")
 
 

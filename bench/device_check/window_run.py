@@ -28,7 +28,8 @@ def _check(plan: WindowPlan, work: Path, log, spd_main) -> dict:
         return {"status": "not run (--no-check)"}
     t0 = time.perf_counter()
     try:
-        rep = run_check(work / "check", plan.device == "cpu", log, device=plan.device, spd_main=spd_main)
+        rep = run_check(work / "check", plan.device == "cpu", log, device=plan.device, spd_main=spd_main,
+                        budget_s=plan.check_budget_s)
         status = "pass" if rep["summary"]["ok"] else "fail"
         return {"status": status, "summary": rep["summary"], "seconds": round(time.perf_counter() - t0, 1)}
     except Exception as err:  # the window goes on to training

@@ -137,3 +137,26 @@ def test_window_without_a_staged_target_reports_why_and_trains_nothing(tmp_path:
     plan = dataclasses.replace(dry_window_plan(check=False), model="staged")
     entry, spec, cfg = _target(plan, tmp_path / "empty", tmp_path / "work")
     assert entry["status"] == "error" and "gpu-window-stage" in entry["error"] and spec is None
+
+
+@pytest.mark.slow
+def test_window_plan_on_the_real_staged_target_on_the_cpu(tmp_path: Path, smollm2_gguf, one_thread) -> None:
+    """The GPU plan itself at tiny batches on the CPU: the staged GGUF joined and converted, the
+    shipped n = 4 head continued (same target fingerprint, draft vocabulary, anchors), n = 2 and
+    n = 8 warm-started from it, the deeper head from the target's layers; every head scored and packed."""
+    from spd_engine.bench.device_check.window_plan import gpu_window_plan
+    from spd_engine.bench.device_check.window_run import run_window
+    from spd_engine.tools.train import batches
+
+    carry = tmp_path / "carry"
+    stage_target(Path(smollm2_gguf), carry, part_mib=20.0)
+    plan = dataclasses.replace(gpu_window_plan(device="cpu", check=False), budget_s=1800.0, batch=2, seq_len=32,
+                               max_steps=2, calib_steps=10**6, eval_seqs=1, eval_s=300.0, margin_s=10.0)
+    report = run_window(tmp_path / "out", tmp_path / "work", plan, carry, batches, lambda m: None)
+    assert report["summary"]["ok"], report["summary"]
+    assert report["summary"]["trained"] == [r.name for r in plan.runs]
+    heads = report["evaluation"]["heads"]
+    assert all(heads[r.name]["status"] == "measured" for r in plan.runs)
+    # warm-started heads start where the shipped head is: well above an untrained head
+    assert heads["n4-k2"]["agree_start"] > 0.2 and heads["n4-k4"]["agree_start"] is None
+    assert not report["outputs"]["left_out"] and len(report["outputs"]["files"]) <= OUT_MAX_FILES - 2
