@@ -42,6 +42,7 @@ class ConnectionGuard:
         self.header_s, self.body_s, self.max_connections = header_s, body_s, max_connections
         self.waiting: dict[GuardedH11Protocol, float] = {}  # waiting for a request head, oldest first
         self.lingering = 0
+        self.closing = 0  # closed by us, not yet gone from uvicorn's set of connections
         self.log = Throttled()
 
     def oldest_waiting(self, other_than: GuardedH11Protocol) -> GuardedH11Protocol | None:
@@ -73,6 +74,7 @@ class GuardedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self.lingering = False
         self._lingered = 0
+        self._closed = False  # counted in guard.closing
         self._timer: asyncio.TimerHandle | None = None
         self._raw: asyncio.Transport | None = None
 
@@ -82,7 +84,7 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_made(transport)
         self._raw = transport
         self.transport = LingeringTransport(transport, self)  # type: ignore[assignment]
-        if len(self.connections) > self.guard.max_connections:
+        if len(self.connections) - self.guard.closing > self.guard.max_connections:
             victim = self.guard.oldest_waiting(self)
             if victim is None:
                 self._refuse()
@@ -98,6 +100,9 @@ class GuardedH11Protocol(H11Protocol):
         if self.lingering:
             self.lingering = False
             self.guard.lingering -= 1
+        if self._closed:
+            self._closed = False
+            self.guard.closing -= 1
         super().connection_lost(exc)
 
     def shutdown(self) -> None:
@@ -185,8 +190,14 @@ class GuardedH11Protocol(H11Protocol):
         self.close_lingering()
 
     def close_now(self) -> None:
+        """Close at once; it no longer counts against the cap (nor is it evicted twice)."""
+        self.guard.waiting.pop(self, None)
+        self._cancel_timer()
         if self._raw is not None and not self._raw.is_closing():
             self._raw.close()
+            if not self._closed:
+                self._closed = True
+                self.guard.closing += 1
 
     def close_lingering(self) -> None:
         """Close; while the client may still be sending, first shut our side and drop what arrives."""

@@ -17,7 +17,8 @@ The watch also knows its own pauses: when two checks are further apart than half
 (the caller checks every fraction of a second), the watcher itself did not run (the server
 process was stopped: SIGSTOP, a VM pause or live migration, `docker pause`; or starved), and
 neither could the driver take the ranks' tokens. What the window saw is then no evidence about
-the ranks: the window restarts, and the silence counts from the resumption.
+the ranks: the window restarts, and the silence counts from the resumption. Likewise silence
+counts only from when the watcher first saw the job (reset), which it may see after a pause.
 """
 from __future__ import annotations
 
@@ -89,14 +90,15 @@ class StallWatch:
         self._window: deque[tuple[float, dict[int, RankSample]]] = deque()  # (time, samples), the last stall_s
         self._told = False  # the wait for a CPU is logged once per job
         self._last_check: float | None = None
-        self._resumed = float("-inf")  # when the watcher last resumed from a pause of its own
+        self._since = float("-inf")  # since when the watcher has seen the job without a pause of its own
 
-    def reset(self) -> None:
-        """A new job entered the pipeline: the ranks are judged from now on (the time without checks
-        before it, while no job ran, is no pause)."""
+    def reset(self, now: float | None = None) -> None:
+        """A new job entered the pipeline: the ranks are judged from now on. Silence counts from
+        here at the earliest (the server may have been paused between the job's start and the
+        watcher seeing it), and a pause before the job's first check is one."""
         self._window.clear()
         self._told = False
-        self._last_check = None
+        self._last_check = self._since = time.monotonic() if now is None else now
 
     def _paused(self, now: float) -> bool:
         """Whether the watcher itself was paused since its last check (and, if so, restart the window)."""
@@ -106,7 +108,7 @@ class StallWatch:
         LOG.warning("the stall watch did not run for %.1f s (the server process was paused or starved); the "
                     "ranks are judged again from now", now - last)
         self._window.clear()
-        self._resumed = now
+        self._since = now
         return True
 
     def _silent_ranks(self, samples: dict[int, RankSample]) -> list[str]:
@@ -139,7 +141,7 @@ class StallWatch:
         self._paused(now)
         samples = {r: sample(pid) for r, pid in self.ranks.items()}
         cpu_rate, wait_rate, runnable = self._judge(now, samples)
-        silent_for = now - max(last_progress, self._resumed)  # a pause of the watcher is no silence of the ranks
+        silent_for = now - max(last_progress, self._since)  # a pause of the watcher is no silence of the ranks
         if silent_for < self.stall_s:
             return None
         named = self._silent_ranks(samples)
