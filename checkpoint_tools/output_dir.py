@@ -16,6 +16,7 @@ takes its name and deleted after, so a kill in between leaves no checkpoint, not
 """
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -154,14 +155,21 @@ def atomic_output(dst: str | Path, *, force: bool = False, sources: tuple[Path, 
     """A temporary sibling of `dst` to write into, renamed to `dst` when the block ends without an error."""
     dst = Path(dst).expanduser()
     check_destination(dst, force, sources)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    sweep_partials(dst)
-    tmp = Path(tempfile.mkdtemp(prefix=_partial_prefix(dst, os.getpid()), dir=dst.parent))
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        sweep_partials(dst)
+        tmp = Path(tempfile.mkdtemp(prefix=_partial_prefix(dst, os.getpid()), dir=dst.parent))
+    except OSError as err:  # a read-only or missing place: the user's to fix, one line
+        raise ValueError(f"cannot write {dst}: {err.strerror} ({err.filename or dst.parent})") from None
     try:
         yield tmp
         _normal_mode(tmp)
         check_destination(dst, force, sources)  # something may have appeared there meanwhile
         replace_dir(tmp, dst)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise ValueError(f"no space left to write {dst} ({err.strerror}); nothing was written there") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -93,6 +93,18 @@ def test_force_replaces_only_a_previous_checkpoint(tiny_hf: Path, tmp_path: Path
     assert (site / "index.json").read_text() == '{"pages": []}'
 
 
+def test_a_full_disk_is_one_line_and_writes_nothing(tiny_hf: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    import errno
+
+    def full(tensors, file):
+        raise OSError(errno.ENOSPC, "No space left on device", str(file))
+
+    monkeypatch.setattr(ckpt, "save_safetensors", full)
+    assert main(["convert", "hf2mcore", str(tiny_hf), str(tmp_path / "e")]) == 2
+    assert "no space left to write" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
 def test_empty_and_missing_destinations_are_written(tiny_hf: Path, tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     shard.hf2mcore(tiny_hf, tmp_path / "empty")
