@@ -297,8 +297,9 @@ def test_1100_idle_half_sent_requests_under_an_open_file_limit_of_1024():
             except ConnectionResetError:
                 pass
         log_bytes = len(server.stderr().encode())
-        print(f"opened 1100 in {opened:.1f} s; good request {answered:.2f} s; idle closed by "
-              f"{time.monotonic() - t0:.1f} s; log {log_bytes} bytes")
+        held = re.search(r"holding at most (\d+) connections", server.stderr())
+        print(f"cap {held and held.group(1)}; opened 1100 in {opened:.1f} s; good request {answered:.2f} s; idle "
+              f"closed by {time.monotonic() - t0:.1f} s; log {log_bytes} bytes")
         assert still_open == [] and log_bytes < 5 << 20, (len(still_open), log_bytes)
         assert server.close() == 0, server.stderr()[-3000:]
     finally:
