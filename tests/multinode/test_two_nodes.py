@@ -16,7 +16,6 @@ from spd_engine.engine.comm.iface import GLOO_ENV, IFACE_ENV, NCCL_ENV
 from spd_engine.engine.runtime.launch import spd_script
 from nodes import IFNAME, Lines, Nodes, namespaces_unusable
 
-REPO = Path(__file__).resolve().parents[2]
 PORT = "29500"  # each namespace has its own ports: no clash with anything else on the host
 TINY = ["--model", "random:tiny-llama", "--threads", "1", "--timeout", "20"]
 SPD4 = ["--stages", "4", "--colocate"]  # four ranks, two per node
@@ -40,11 +39,12 @@ def bare_env(**extra: str) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
-def torchrun(nodes: Nodes, node: int, args: list[str], **env: str):
-    """`torchrun --nnodes 2 --nproc-per-node 2 ... spd ARGS` on `node`, master on node 0."""
+def torchrun(nodes: Nodes, node: int, args: list[str], cwd: Path, **env: str):
+    """`torchrun --nnodes 2 --nproc-per-node 2 ... spd ARGS` on `node`, master on node 0, run from
+    `cwd` (not the repository root, which must not head sys.path)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
            "--node-rank", str(node), "--master-addr", nodes.addrs[0], "--master-port", PORT, spd_script(), *args]
-    return nodes.popen(node, cmd, env=bare_env(**env), cwd=REPO)
+    return nodes.popen(node, cmd, env=bare_env(**env), cwd=cwd)
 
 
 JOIN = """
@@ -70,14 +70,14 @@ def test_ranks_join_across_nodes_on_the_interface_routing_to_the_master(nodes, t
 
 
 @pytest.mark.slow
-def test_spd_colocated_across_two_nodes_gives_ar_tokens(nodes, capsys):
+def test_spd_colocated_across_two_nodes_gives_ar_tokens(nodes, capsys, tmp_path):
     from spd_engine.tools.cli import main
 
     args = [*TINY, "--prompt", "hello there", "--max-new-tokens", "24", "--ignore-eos"]
     assert main(["generate", *args, "--mode", "ar", "--stages", "1"]) == 0
     want = capsys.readouterr().out.strip()
     assert re.fullmatch(r"\[\d+(, \d+){23}\]", want), want
-    procs = [torchrun(nodes, node, ["generate", *args, *SPD4]) for node in (0, 1)]
+    procs = [torchrun(nodes, node, ["generate", *args, *SPD4], tmp_path) for node in (0, 1)]
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
@@ -86,32 +86,64 @@ def test_spd_colocated_across_two_nodes_gives_ar_tokens(nodes, capsys):
     assert nodes.gone(0, 5.0) == [] and nodes.gone(1, 5.0) == []
 
 
-@pytest.mark.slow
-def test_a_killed_node_ends_the_other_within_a_minute(nodes):
+def _mid_run(nodes: Nodes, cwd: Path) -> tuple[list, list[Lines]]:
+    """SPD n=4 over both nodes, three prompts of 400 tokens; returns once the second is generating."""
     args = ["generate", *TINY, *SPD4, "--max-new-tokens", "400", "--ignore-eos", "--capacity", "512",
             "--prompt", "one", "--prompt", "two", "--prompt", "three"]
-    procs = [torchrun(nodes, node, args) for node in (0, 1)]
-    err0 = Lines(procs[0].stderr)
-    assert err0.wait_for(r"^\[2/3\]", 240), err0.text(1.0)[-3000:]  # the second prompt is generating
-    assert procs[0].poll() is None, "the run ended before the kill: make it longer"
+    procs = [torchrun(nodes, node, args, cwd) for node in (0, 1)]
+    errs = [Lines(p.stderr) for p in procs]
+    assert errs[0].wait_for(r"^\[2/3\]", 240), errs[0].text(1.0)[-3000:]
+    assert all(p.poll() is None for p in procs), "the run ended before the fault: make it longer"
+    return procs, errs
+
+
+def _ended_within(procs: list, start: float, limit_s: float) -> list[float]:
+    """Each process's seconds from `start` to its exit (it must exit within `limit_s` + 30)."""
+    ends = []
+    for p in procs:
+        p.wait(timeout=max(1.0, start + limit_s + 30 - time.monotonic()))
+        ends.append(time.monotonic() - start)
+    return ends
+
+
+@pytest.mark.slow
+def test_a_killed_node_ends_the_other_within_a_minute(nodes, tmp_path):
+    procs, errs = _mid_run(nodes, tmp_path)
     nodes.kill_node(1)
-    killed = time.monotonic()
-    procs[0].wait(timeout=90)
-    survived_s = time.monotonic() - killed
+    (survived_s,) = _ended_within(procs[:1], time.monotonic(), 60)
     assert procs[0].returncode != 0
     assert survived_s < 60, f"node 0 ran on {survived_s:.0f}s after node 1 died"
     # a survivor names a peer on the dead node: (rank, peer, tick) of the transport's error
-    assert re.search(r"\(rank=[01], peer=[23], tick=-?\d+\)", err0.text()), err0.text()[-3000:]
+    assert re.search(r"\(rank=[01], peer=[23], tick=-?\d+\)", errs[0].text()), errs[0].text()[-3000:]
     assert nodes.gone(0, 5.0) == [] and nodes.gone(1, 5.0) == []
 
 
 @pytest.mark.slow
-def test_a_join_that_cannot_connect_ends_every_rank_with_one_line(nodes):
+def test_a_cut_link_ends_every_rank_on_both_nodes(nodes, tmp_path):
+    """`ip link set down` on node 1's end: no connection closes, so every rank's wait ends by its
+    timeout (--timeout 20) and every rank on both nodes exits non-zero within a minute."""
+    procs, errs = _mid_run(nodes, tmp_path)
+    nodes.link(1, up=False)
+    ends = _ended_within(procs, time.monotonic(), 60)
+    assert [p.returncode != 0 for p in procs] == [True, True], [p.returncode for p in procs]
+    assert max(ends) < 60, f"nodes ended {ends} s after the cut"
+    # each node ends by its ranks' own errors naming (rank, peer, tick); which rank fails first, and
+    # on which peer (across the link, or a neighbour that failed first), is a race. Nothing closes
+    # a connection at the cut, so the first failure is a receive timing out.
+    texts = [err.text() for err in errs]
+    for text in texts:
+        assert re.search(r"\(rank=\d, peer=\d, tick=-?\d+\)", text), text[-3000:]
+    assert any(re.search(r"timed out after 20.0s", text) for text in texts), texts[0][-3000:]
+    assert nodes.gone(0, 5.0) == [] and nodes.gone(1, 5.0) == []
+
+
+@pytest.mark.slow
+def test_a_join_that_cannot_connect_ends_every_rank_with_one_line(nodes, tmp_path):
     """Node 1 is told to bind to loopback: its ranks advertise 127.0.0.1, which node 0 cannot
     reach. Every rank on both nodes leaves within the join deadline, each with one line."""
     args = ["generate", *TINY, *SPD4, "--prompt", "hi", "--max-new-tokens", "4"]
     start = time.monotonic()
-    procs = [torchrun(nodes, 0, args), torchrun(nodes, 1, args, GLOO_SOCKET_IFNAME="lo")]
+    procs = [torchrun(nodes, 0, args, tmp_path), torchrun(nodes, 1, args, tmp_path, GLOO_SOCKET_IFNAME="lo")]
     outs = [p.communicate(timeout=150) for p in procs]
     elapsed = time.monotonic() - start
     assert all(p.returncode != 0 for p in procs), [p.returncode for p in procs]
