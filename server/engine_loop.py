@@ -139,8 +139,7 @@ class EngineLoop:
 
     def cancel(self, job: Job, reason: str = "cancelled") -> None:
         """Client gone or deadline passed: drop it from the queue, or end it at its next token."""
-        if job.cancel_reason is None:
-            job.cancel_reason = reason
+        job.ask_cancel(reason)
         if self.queue.remove(job):
             job.finish_reason = reason
             job.close()

@@ -10,7 +10,8 @@ exposition time, so dashboards made for vLLM can select and join on it; vLLM's p
 families are here too: `request_success_total{finished_reason}` (stop, length, abort),
 `request_prompt_tokens`, `request_generation_tokens`, `request_inference_time_seconds`,
 `request_prefill_time_seconds` and `request_decode_time_seconds`. `request_admitted_total{latency}`
-counts the requests admitted to the queue by latency class (batch, critical).
+counts the requests admitted to the queue by latency class (batch, critical); `cancel_tokens_after` and
+`cancel_seconds_after` how promptly a cancelled request in the pipeline ended.
 """
 from __future__ import annotations
 
@@ -92,6 +93,11 @@ class ServeMetrics:
                                "finished_reason", ["finished_reason"], registry=r)
         for reason in ("stop", "length", "abort"):
             self.success.labels(finished_reason=reason)
+        # how promptly a cancel (client gone, deadline) ends a request in the pipeline: it ends at the next token
+        self.cancel_tokens = Histogram("spd:cancel_tokens_after", "Per cancelled request in the pipeline: tokens "
+                                       "committed after the cancel", buckets=(0, 1, 2, 4, 8, 16, 64), registry=r)
+        self.cancel_time = Histogram("spd:cancel_seconds_after", "Per cancelled request in the pipeline: the cancel "
+                                     "to the request's end", buckets=ITL_BUCKETS, registry=r)
         self.request_prompt = Histogram("spd:request_prompt_tokens", "Prompt tokens per request",
                                         buckets=TOKEN_BUCKETS, registry=r)
         self.request_generation = Histogram("spd:request_generation_tokens", "Generated tokens per request",
@@ -159,6 +165,9 @@ class ServeMetrics:
         self.outcome(job.finish_reason)
         if job.finish_reason in FINISHED:
             self.success.labels(finished_reason=FINISHED[job.finish_reason]).inc()
+        if (after := job.after_cancel()) is not None:
+            self.cancel_time.observe(after[0])
+            self.cancel_tokens.observe(after[1])
         times = job.token_times
         self.request_prompt.observe(len(job.req.prompt_ids))
         self.request_generation.observe(len(times))

@@ -35,6 +35,7 @@ class Job:
         self.started: float | None = None
         self.token_times: list[float] = []  # commit time of every token of the reply
         self.cancel_reason: str | None = None  # "cancelled" (client gone) or "timeout"; set by the event loop
+        self.cancel_asked: tuple[float, int] | None = None  # (when, tokens committed by then): for the metrics
         self.finish_reason: str | None = None  # stop / length / cancelled / timeout / error
         self.result: GenerationResult | None = None
         self.eos: set[int] = set()  # the ids that end it (set when it enters the pipeline)
@@ -69,6 +70,19 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop is gone (server shut down): nobody is listening
             pass
+
+    def ask_cancel(self, reason: str) -> None:
+        """Called on the event loop: end at the next token (the engine thread reads cancel_reason there)."""
+        if self.cancel_reason is None:
+            self.cancel_asked = (time.monotonic(), len(self.token_times))
+            self.cancel_reason = reason
+
+    def after_cancel(self) -> tuple[float, int] | None:
+        """Seconds and tokens from the cancel until now (called as the request ends); None if not cancelled."""
+        if self.cancel_asked is None:
+            return None
+        asked, tokens = self.cancel_asked
+        return time.monotonic() - asked, len(self.token_times) - tokens
 
     def on_token(self, token: int) -> bool:
         """Called by the driver per committed token; False ends the request after this token."""

@@ -47,6 +47,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
                         f"min({run_default('capacity')}, the model's max positions))")
     g.add_argument("--prefill-chunk", type=int, default=run_default("prefill_chunk"), help="prompt tokens per prefill message")
     g.add_argument("--timeout", type=float, default=run_default("timeout_s"), help="receive timeout inside a request (s)")
+    g.add_argument("--stage-ms", default=None, metavar="MS[,MS...]",
+                   help="synthetic decode step time per stage: each stage's step is padded with sleep to at least "
+                        "this long (one value for every stage, or n values); stands in for a larger model's stages "
+                        "(the tokens do not change)")
     g.add_argument("--threads", type=int, default=run_default("threads"),
                    help="torch threads per rank (default cores // ranks)")
     g.add_argument("--dtype", type=engine_dtype_name, default="auto", metavar="{auto,float32,bfloat16,float16}",
@@ -137,6 +141,21 @@ def _check_ignored_engine_flags(args: argparse.Namespace, mode: str, spec: str, 
         refuse_ignored(args, ["pdm_layers"], f"with a trained head ({spec}: its K is in its pdm.json)")
 
 
+def _stage_ms(text: str | None, n: int) -> tuple[float, ...] | None:
+    """--stage-ms: one value for every stage or one per stage, finite and non-negative."""
+    if text is None:
+        return None
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--stage-ms takes milliseconds, one or {n} comma-separated, got {text!r}") from None
+    if len(values) == 1:
+        values *= n
+    if len(values) != n or not all(0 <= v < float("inf") for v in values):
+        raise ValueError(f"--stage-ms needs one or {n} finite non-negative values (milliseconds), got {text!r}")
+    return values
+
+
 def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used: bool = False
                   ) -> tuple[RunConfig, Path | None]:
     """The RunConfig of the engine flags (and the tokenizer directory); `seed_used`: the command reads
@@ -170,7 +189,8 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used:
                      pdm_dtype=getattr(args, "pdm_dtype", run_default("pdm_dtype")),
                      weight_layout=getattr(args, "weight_layout", run_default("weight_layout")),
                      branches=getattr(args, "branches", None),
-                     branch_when=getattr(args, "branch_when", run_default("branch_when")))
+                     branch_when=getattr(args, "branch_when", run_default("branch_when")),
+                     stage_ms=_stage_ms(getattr(args, "stage_ms", None), topo.n))
     ecfg = with_measured_layouts(ecfg)
     if balanced and topo.n > 1:
         ecfg, why = (balanced_split(ecfg, topo.colocate) if mode == "spd" else

@@ -29,11 +29,12 @@ from helpers import reference
 pytestmark = pytest.mark.multiproc
 REPO = Path(__file__).resolve().parents[2]
 TINY = "random:tiny-llama"
-# one token per entry (--suffix-run 1): the queueing, cancellation and drain tests need a 480-token request
-# to take seconds, and the random model's looping output with suffix runs takes a fraction of one (the
-# real-model server below serves with runs)
+# one token per entry (--suffix-run 1); the real-model server below serves with runs
 TINY_ARGS = ["--model", TINY, "--stages", "2", "--threads", "1", "--capacity", "512", "--prefill-chunk", "16",
              "--suffix-run", "1"]
+# the queueing, cancellation and deadline tests need a 480-token request still running seconds later on any
+# host: every stage step lasts at least 20 ms, so 480 tokens take at least 480 ticks (9.6 s), by construction
+SLOW_STEPS = ["--stage-ms", "20"]
 SMOL_ARGS = ["--model", "smollm2-135m", "--stages", "4", "--threads", "1", "--capacity", "512"]
 
 
@@ -54,7 +55,7 @@ def ids(text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tiny():
-    server = ServerProcess([*TINY_ARGS, "--max-queue", "1"])
+    server = ServerProcess([*TINY_ARGS, *SLOW_STEPS, "--max-queue", "1"])
     yield server
     assert server.close() == 0, server.stderr()[-3000:]
 
@@ -265,17 +266,23 @@ def test_full_queue_answers_429_at_once_and_a_disconnect_frees_the_pipeline(tiny
     assert metric(tiny, "spd:request_total{outcome=\"queue_full\"}") >= 1
 
 
-def test_a_non_streaming_client_that_gives_up_cancels_its_request(tiny):
+def test_a_non_streaming_client_that_gives_up_cancels_its_request_at_its_next_token(tiny):
+    """The client leaves after 0.5 s; its 480 tokens need at least 9.6 s (SLOW_STEPS). The server notices
+    the closed connection and the request ends at the next token it commits (at most two after the
+    cancel: one may be committed while the cancel is being recorded), far short of its 480."""
     cancelled = metric(tiny, "spd:request_total{outcome=\"cancelled\"}")
     tokens = metric(tiny, "spd:generation_tokens_total")
+    after = metric(tiny, "spd:cancel_tokens_after_count"), metric(tiny, "spd:cancel_tokens_after_sum")
     with pytest.raises(httpx.ReadTimeout):  # the client closes the connection after 0.5 s
         httpx.post(f"{tiny.base_url}/completions", json={"model": TINY, "prompt": [4, 5], "max_tokens": 480},
                    timeout=httpx.Timeout(60, read=0.5))
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while metric(tiny, "spd:request_total{outcome=\"cancelled\"}") == cancelled and time.monotonic() < deadline:
         time.sleep(0.05)
     assert metric(tiny, "spd:request_total{outcome=\"cancelled\"}") == cancelled + 1
     assert metric(tiny, "spd:generation_tokens_total") - tokens < 480  # it ended early
+    assert metric(tiny, "spd:cancel_tokens_after_count") == after[0] + 1
+    assert metric(tiny, "spd:cancel_tokens_after_sum") - after[1] <= 2
 
 
 # ---- the real model ----
@@ -404,7 +411,7 @@ def test_huge_prompts_are_refused_without_freezing_a_stream(smol):
 # ---- deadline, drain, faults: servers of their own ----
 
 def test_deadline_then_sigterm_drains_to_exit_0():
-    server = ServerProcess([*TINY_ARGS, "--request-timeout", "1"])
+    server = ServerProcess([*TINY_ARGS, *SLOW_STEPS, "--request-timeout", "1"])
     try:
         c = client(server)
         t0 = time.monotonic()

@@ -23,10 +23,10 @@ from spd_engine.server.process import ServerProcess, group_members
 
 pytestmark = pytest.mark.multiproc
 TINY = "random:tiny-llama"
-# one token per entry (--suffix-run 1): the queueing, cancellation and drain tests need a 480-token request
-# to take seconds, and the random model's looping output with suffix runs takes a fraction of one
+# the queueing, stall and drain tests need a 480-token request still running seconds later on any host:
+# one token per entry (--suffix-run 1) and every stage step at least 10 ms long (480 tokens: at least 4.8 s)
 TINY_ARGS = ["--model", TINY, "--stages", "2", "--threads", "1", "--capacity", "512", "--prefill-chunk", "16",
-             "--suffix-run", "1"]
+             "--suffix-run", "1", "--stage-ms", "10"]
 
 
 def post(server: ServerProcess, body: dict, **kw) -> httpx.Response:
@@ -97,7 +97,7 @@ def test_a_stopped_stage_rank_fails_the_request_naming_it_and_nothing_survives()
     ok, the server exited only at its hard exit and left the stopped rank and the resource tracker
     running under PID 1."""
     server = ServerProcess(["--model", TINY, "--stages", "3", "--threads", "1", "--capacity", "512",
-                            "--stall-timeout", "3", "--timeout", "60"])
+                            "--stall-timeout", "3", "--timeout", "60", "--stage-ms", "10"])
     try:
         stream = Stream(server, {"prompt": [4, 5], "max_tokens": 480})
         assert stream.first.wait(60)
