@@ -18,6 +18,18 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
+def _import_world_capturing_modules() -> None:
+    """Import, before the process group exists, the torch modules that capture it at import time.
+
+    `torch.distributed.nn.functional` takes `group=group.WORLD` as default arguments, evaluated on
+    import: imported after `init_process_group` (torch._dynamo imports it, and AdamW imports
+    torch._dynamo when it is built), its functions hold the default group for the life of the
+    process, so `destroy_process_group` leaves gloo's threads running, and tearing them down during
+    interpreter exit aborted a rank now and then ("terminate called without an active exception").
+    Imported first, the defaults are None and the group is freed when it is destroyed."""
+    import torch.distributed.nn.functional  # noqa: F401
+
+
 @dataclass(frozen=True)
 class DataParallel:
     rank: int = 0
@@ -40,6 +52,7 @@ class DataParallel:
             return cls()
         rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
         if not dist.is_initialized():
+            _import_world_capturing_modules()
             backend = "nccl" if device.startswith("cuda") else "gloo"
             if backend == "nccl":
                 torch.cuda.set_device(local)  # before the group: NCCL binds its communicators to it
