@@ -86,10 +86,14 @@ gpu-window-stage: install
 	$(BIN)/spd gpu-check --stage-target "$(GGUF)" --carry "$(CARRY)" --part-mib $(PART_MIB)
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: -d "$(CARRY)" gguf==0.19.0
 
-# The packed corpus the window trains on (tracked): `spd data` with a token limit
+# The packed corpus the window trains on (tracked): `spd data` with a token limit, as a tar.xz
+CORPUS_TOKENS ?= 6000000
 gpu-window-corpus: install
-	$(BIN)/spd data --out data/smollm2-135m-corpus --tokenizer "$$($(BIN)/spd fetch-model smollm2-135m | tail -1)" \
-		--sources evals,chitchat,stdlib --limit-tokens 2000000 --holdout 0.02
+	rm -rf runs/window-corpus
+	$(BIN)/spd data --out runs/window-corpus --tokenizer "$$($(BIN)/spd fetch-model smollm2-135m | tail -1)" \
+		--sources evals,chitchat,stdlib --limit-tokens $(CORPUS_TOKENS) --holdout 0.01
+	XZ_OPT=-9e tar -C runs/window-corpus --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 \
+		-cJf data/smollm2-135m-corpus.tar.xz .
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--length", type=int, default=16, help="tokens per prompt (default 16)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--hf-config", default=None, help="HF directory describing a Megatron checkpoint's model")
+    p.add_argument("--reference", choices=verify.REFERENCES, default="auto",
+                   help="auto: an HF side runs in transformers and a Megatron side in megatron-core where installed "
+                        "(independent of the engine's importers); engine: both sides in the engine's model")
     p = action("head", "a PDM head directory -> the same head with its weights stored as --dtype")
     p.add_argument("src"), p.add_argument("dst")
     p.add_argument("--dtype", required=True, type=_head_dtype, metavar="{int4,int8,float16,bfloat16,float32}",
@@ -121,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--prompts and --length must be >= 1")
         result = verify.verify(args.a, args.b, atol=args.atol, min_agreement=args.min_agreement,
                                hf_config=args.hf_config, prompt_count=args.prompts, prompt_length=args.length,
-                               seed=args.seed)
+                               seed=args.seed, reference=args.reference)
         print(result.summary())
         return 0 if result.passed else 1
     return 0

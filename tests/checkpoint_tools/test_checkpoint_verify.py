@@ -43,7 +43,8 @@ def test_same_weights_agree_across_kinds(three_kinds):
     logits = torch.cat([verify.prompt_logits(model, p) for p in verify.default_prompts(cfg)])
     ties = count_near_ties(logits, SAME_BOUND)
     for a, b in (("hf", "engine"), ("engine", "megatron"), ("megatron", "hf")):
-        result = verify.verify(path / a, path / b, atol=SAME_BOUND, min_agreement=1 - ties / len(logits))
+        result = verify.verify(path / a, path / b, atol=SAME_BOUND, min_agreement=1 - ties / len(logits),
+                               reference="engine")
         assert result.passed and result.max_abs_diff <= SAME_BOUND, result.summary()
         assert result.positions == 3 * 16
 
@@ -53,7 +54,7 @@ def test_a_changed_weight_fails(three_kinds, tmp_path):
     state = tiny_state(cfg)
     state["decoder.layers.2.mlp.linear_fc2.weight"] = state["decoder.layers.2.mlp.linear_fc2.weight"] * 1.5
     megatron_dcp.export_megatron(tmp_path / "changed", cfg, state)
-    result = verify.verify(path / "hf", tmp_path / "changed", atol=1e-4)
+    result = verify.verify(path / "hf", tmp_path / "changed", atol=1e-4, reference="engine")
     assert not result.passed and result.max_abs_diff > 1e-4
     assert "FAIL" in result.summary()
 
@@ -61,12 +62,26 @@ def test_a_changed_weight_fails(three_kinds, tmp_path):
 def test_bf16_copy_is_close_but_not_exact(three_kinds, tmp_path):
     path, _ = three_kinds
     shard.hf2mcore(path / "hf", tmp_path / "bf16", dtype=torch.bfloat16)
-    assert not verify.verify(path / "hf", tmp_path / "bf16", atol=0.0).passed
-    assert verify.verify(path / "hf", tmp_path / "bf16", atol=0.05, min_agreement=0.9).passed
+    assert not verify.verify(path / "hf", tmp_path / "bf16", atol=0.0, reference="engine").passed
+    assert verify.verify(path / "hf", tmp_path / "bf16", atol=0.05, min_agreement=0.9, reference="engine").passed
 
 
 def test_different_models_are_an_error(three_kinds, tmp_path):
     path, _ = three_kinds
     write_tiny_hf(tmp_path / "other", tiny_config("qwen2", num_layers=4))
     with pytest.raises(ValueError, match="different models"):
-        verify.verify(path / "hf", tmp_path / "other")
+        verify.verify(path / "hf", tmp_path / "other", reference="engine")
+
+
+def test_an_hf_side_runs_in_transformers(three_kinds, tmp_path):
+    """The independent reference: the HF directory in transformers, not through the engine's key maps."""
+    pytest.importorskip("transformers")
+    path, cfg = three_kinds
+    result = verify.verify(path / "hf", path / "engine", atol=1e-4)
+    assert result.passed and result.sources == ("transformers", "engine"), result.summary()
+    assert "A by transformers, B by engine" in result.summary()
+    state = tiny_state(cfg)  # a wrong weight in the engine side is caught against transformers
+    state["decoder.layers.1.self_attention.linear_qkv.bias"] = state["decoder.layers.1.self_attention.linear_qkv.bias"] + 0.5
+    shard.write_engine(tmp_path / "wrong", cfg, state)
+    wrong = verify.verify(path / "hf", tmp_path / "wrong", atol=1e-4)
+    assert not wrong.passed and wrong.sources == ("transformers", "engine")

@@ -23,7 +23,8 @@ def test_all_actions_chain(tmp_path, capsys):
     assert main(["convert", "mcore2hf", str(tmp_path / "e2"), str(tmp_path / "hf2")]) == 0
     assert_same_tensors(hf.read_hf_state(tmp_path / "hf2"), source)
     capsys.readouterr()
-    assert main(["convert", "verify", str(tmp_path / "hf"), str(tmp_path / "m"), "--atol", "0"]) == 0
+    assert main(["convert", "verify", str(tmp_path / "hf"), str(tmp_path / "m"), "--atol", "0",
+                 "--reference", "engine"]) == 0
     assert capsys.readouterr().out.startswith("PASS")
 
 

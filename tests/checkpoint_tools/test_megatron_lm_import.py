@@ -135,18 +135,27 @@ def engine_ckpt_state(path: Path):
     return shard.read_engine(path)
 
 
-@pytest.mark.slow
-def test_megatron_core_built_checkpoints(tmp_path, capsys):
+TOKENS = torch.randint(0, 100, (2, 10), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    """MATRIX built and saved by megatron-core (one worker process), with its logits and greedy tokens."""
     pytest.importorskip("megatron.core", reason="megatron-core is a test extra")
-    tokens = torch.randint(0, 100, (2, 10), generator=torch.Generator().manual_seed(3))
-    (tmp_path / "tokens.json").write_text(json.dumps(tokens.tolist()))
-    (tmp_path / "specs.json").write_text(json.dumps(MATRIX))
-    run = subprocess.run([sys.executable, str(WORKER), "save", str(tmp_path / "specs.json"),
-                          str(tmp_path / "tokens.json"), str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
-                         timeout=600)
+    root = tmp_path_factory.mktemp("megatron-built")
+    (root / "tokens.json").write_text(json.dumps(TOKENS.tolist()))
+    (root / "specs.json").write_text(json.dumps(MATRIX))
+    run = subprocess.run([sys.executable, str(WORKER), "save", str(root / "specs.json"), str(root / "tokens.json"),
+                          str(root)], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
+    return root
+
+
+@pytest.mark.slow
+def test_megatron_core_built_checkpoints(built, tmp_path, capsys):
+    tokens = TOKENS
     for name, args in MATRIX.items():
-        argv = ["convert", "import-megatron", str(tmp_path / name), str(tmp_path / f"{name}-engine"), "--stages", "2"]
+        argv = ["convert", "import-megatron", str(built / name), str(tmp_path / f"{name}-engine"), "--stages", "2"]
         code = main(argv)
         err = capsys.readouterr().err
         if name in REFUSED:
@@ -154,7 +163,7 @@ def test_megatron_core_built_checkpoints(tmp_path, capsys):
             continue
         assert code == 0, (name, err)
         assert engine_ckpt.read_index(tmp_path / f"{name}-engine").stage_layers == (1, 1)
-        theirs = torch.load(tmp_path / f"{name}.pt")
+        theirs = torch.load(built / f"{name}.pt")
         cfg, ours, greedy = _engine_logits_and_greedy(tmp_path / f"{name}-engine", tokens, theirs["greedy"].shape[1])
         V = cfg.vocab_size  # Megatron-LM's padding rows (beyond the recorded vocab_size) are not the model's
         torch.testing.assert_close(ours, theirs["logits"][..., :V], rtol=1e-4, atol=1e-4, msg=name)
@@ -168,4 +177,25 @@ def test_megatron_core_built_checkpoints(tmp_path, capsys):
     model.load_state_dict({k: torch.zeros_like(v) if k.endswith("fc2.bias") else v for k, v in state.items()})
     with torch.no_grad():
         dropped = model.logits(model.forward_layers(model.embed(tokens), model.new_cache(*tokens.shape), 0)[0])
-    assert (dropped - torch.load(tmp_path / "linear_bias.pt")["logits"][..., :cfg.vocab_size]).abs().max() > 1e-3
+    assert (dropped - torch.load(built / "linear_bias.pt")["logits"][..., :cfg.vocab_size]).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_verify_does_not_share_the_importer(built, tmp_path, monkeypatch, capsys):
+    """An importer that drops a tensor (as the engine once dropped biases) writes a wrong engine checkpoint;
+    verify against the Megatron checkpoint catches it, because megatron-core computes that side."""
+    real = megatron_dcp.import_megatron
+
+    def drops_fc2_biases(src, cfg=None):
+        cfg, state = real(src, cfg)
+        return cfg, {k: torch.zeros_like(v) if k.endswith("fc2.bias") else v for k, v in state.items()}
+
+    monkeypatch.setattr(megatron_dcp, "import_megatron", drops_fc2_biases)
+    src, dst = str(built / "linear_bias"), str(tmp_path / "e")
+    assert main(["convert", "import-megatron", src, dst]) == 0
+    capsys.readouterr()
+    assert main(["convert", "verify", src, dst, "--reference", "engine", "--prompts", "1"]) == 0  # blind
+    assert "PASS" in capsys.readouterr().out
+    assert main(["convert", "verify", src, dst, "--prompts", "1"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("FAIL") and "A by megatron-core, B by engine" in out, out
