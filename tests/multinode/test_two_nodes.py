@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from nodes import IFNAME, Lines, Nodes, namespaces_unusable
 PORT = "29500"  # each namespace has its own ports: no clash with anything else on the host
 TINY = ["--model", "random:tiny-llama", "--threads", "1", "--timeout", "20"]
 SPD4 = ["--stages", "4", "--colocate"]  # four ranks, two per node
+SPD2_TP2 = ["--stages", "2", "--tp", "2", "--colocate"]  # stage s on ranks 2s, 2s+1: node s
 
 pytestmark = pytest.mark.multiproc
 
@@ -39,10 +41,10 @@ def bare_env(**extra: str) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
-def torchrun(nodes: Nodes, node: int, args: list[str], cwd: Path, **env: str):
-    """`torchrun --nnodes 2 --nproc-per-node 2 ... spd ARGS` on `node`, master on node 0, run from
-    `cwd` (not the repository root, which must not head sys.path)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+def torchrun(nodes: Nodes, node: int, args: list[str], cwd: Path, nproc: int = 2, **env: str):
+    """`torchrun --nnodes 2 --nproc-per-node NPROC ... spd ARGS` on `node`, master on node 0, run
+    from `cwd` (not the repository root, which must not head sys.path)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
            "--node-rank", str(node), "--master-addr", nodes.addrs[0], "--master-port", PORT, spd_script(), *args]
     return nodes.popen(node, cmd, env=bare_env(**env), cwd=cwd)
 
@@ -70,14 +72,17 @@ def test_ranks_join_across_nodes_on_the_interface_routing_to_the_master(nodes, t
 
 
 @pytest.mark.slow
-def test_spd_colocated_across_two_nodes_gives_ar_tokens(nodes, capsys, tmp_path):
+@pytest.mark.parametrize("layout", [SPD4, SPD2_TP2], ids=["spd4", "spd2-tp2"])
+def test_spd_across_two_nodes_gives_ar_tokens(nodes, capsys, tmp_path, layout):
+    """SPD n=4 co-located (stages 0-1 on node 0, 2-3 on node 1), and SPD n=2 x TP 2 (each stage's
+    TP group inside a node, the pipeline's hop across the link)."""
     from spd_engine.tools.cli import main
 
     args = [*TINY, "--prompt", "hello there", "--max-new-tokens", "24", "--ignore-eos"]
     assert main(["generate", *args, "--mode", "ar", "--stages", "1"]) == 0
     want = capsys.readouterr().out.strip()
     assert re.fullmatch(r"\[\d+(, \d+){23}\]", want), want
-    procs = [torchrun(nodes, node, ["generate", *args, *SPD4], tmp_path) for node in (0, 1)]
+    procs = [torchrun(nodes, node, ["generate", *args, *layout], tmp_path) for node in (0, 1)]
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
@@ -167,3 +172,91 @@ def test_an_unknown_iface_is_a_one_line_error(capsys):
     assert main(["generate", *TINY, "--stages", "2", "--prompt", "hi", "--iface", "nosuch0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--iface nosuch0: no such network interface" in err[0], err
+
+
+# ---- `spd serve` under torchrun across the two nodes: rank 0 (node 0) serves HTTP ----
+
+HTTP = "8000"
+PROMPT = [11, 42, 7, 90, 3, 50, 18, 64]
+CLIENT = """
+import json, sys, httpx
+url, max_tokens, stream = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "stream"
+body = {"model": "random:tiny-llama", "prompt": json.loads(sys.argv[4]), "max_tokens": max_tokens,
+        "temperature": 0, "stream": stream}
+if not stream:
+    print(httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"], flush=True)
+else:
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line:
+                print(line, flush=True)
+"""
+
+
+def _server(nodes: Nodes, cwd: Path) -> tuple[list, Lines, str]:
+    """SPD n=4 behind `spd serve` on both nodes; returns once rank 0 listens (procs, its stderr, url)."""
+    args = ["serve", *TINY, *SPD4, "--capacity", "512", "--host", nodes.addrs[0], "--port", HTTP]
+    procs = [torchrun(nodes, node, args, cwd) for node in (0, 1)]
+    err0 = Lines(procs[0].stderr)
+    assert err0.wait_for(r"spd serve: ready on http://", 240), err0.text(1.0)[-3000:]
+    return procs, err0, f"http://{nodes.addrs[0]}:{HTTP}"
+
+
+def _client(nodes: Nodes, node: int, url: str, max_tokens: int, stream: bool, cwd: Path):
+    """A client on `node` (node 1: across the link from the server)."""
+    import json
+
+    cmd = [sys.executable, "-c", CLIENT, url, str(max_tokens), "stream" if stream else "whole", json.dumps(PROMPT)]
+    return nodes.popen(node, cmd, env=bare_env(), cwd=cwd)
+
+
+@pytest.mark.slow
+def test_serve_across_two_nodes_answers_greedy_then_a_killed_node_fails_the_stream(nodes, tmp_path):
+    from helpers import reference
+
+    from spd_engine.engine.protocol.topology import Topology
+    from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
+
+    cfg = PRESETS["tiny-llama"]
+    want = reference(RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, 4),
+                               capacity=512, threads=1), PROMPT, 16, eos=cfg.eos_token_ids)
+    procs, err0, url = _server(nodes, tmp_path)
+    answer = _client(nodes, 1, url, 16, False, tmp_path)
+    out, err = answer.communicate(timeout=120)
+    assert answer.returncode == 0, err[-2000:]
+    assert [int(x) for x in out.split()] == want
+
+    streaming = _client(nodes, 0, url, 480, True, tmp_path)  # beside the server: it outlives node 1
+    events = Lines(streaming.stdout)
+    assert events.wait_for(r"^data: ", 120) and streaming.poll() is None, events.text(1.0)
+    time.sleep(0.5)  # a few tokens in
+    for pid in nodes.pids(1):  # node 1 dies: its torchrun and ranks
+        os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    (ended_s,) = _ended_within(procs[:1], killed, 60)
+    assert procs[0].returncode != 0 and ended_s < 60, (procs[0].returncode, ended_s)
+    streaming.wait(timeout=30)
+    stream = events.text()
+    # an error event naming a rank on the dead node, not a silent end
+    assert re.search(r'^data: \{"error".*lost stage rank [23]: .*"code":"rank_failed"', stream, re.M), stream[-3000:]
+    assert re.search(r"\(rank=[01], peer=[23], tick=-?\d+\)|rank [23]", err0.text()), err0.text()[-3000:]
+    assert nodes.gone(0, 5.0) == [] and nodes.gone(1, 5.0) == []
+
+
+@pytest.mark.slow
+def test_netbench_across_two_nodes(nodes, tmp_path):
+    """`spd netbench` with one rank per node: its point-to-point rows are the link's."""
+    import json
+
+    args = ["netbench", "--backend", "gloo", "--sizes", "4,64K", "--iters", "20", "--warmup", "2",
+            "--allreduce-bytes", "4", "--hidden", "64", "--fanin-rows", "1", "--timeout", "20", "--no-png"]
+    procs = [torchrun(nodes, node, [*args, "--out-dir", str(tmp_path / f"node{node}")], tmp_path, nproc=1)
+             for node in (0, 1)]
+    for p in procs:
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+    report = json.loads((tmp_path / "node0" / "netbench.json").read_text())  # rank 0 writes
+    assert sorted(r["node_rank"] for r in report["ranks"]) == [0, 1]
+    rows = report["p2p"]
+    assert [(r["src"], r["dst"], r["bytes"]) for r in rows] == [(0, 1, 4), (0, 1, 65536)]
+    assert all(0 < r["p50_us"] <= r["p99_us"] for r in rows)
