@@ -15,7 +15,8 @@ Keys and shapes are what `GPTModel.sharded_state_dict()` produces with the local
   - tensors are unsharded (TP-agnostic): qkv grouped per query group, fc1 = [gate; up]; Megatron
     reshards on load for any TP size
 `common.pt` also records the engine model config (`spd_model_config`), so an import needs no other
-input; for a checkpoint written by Megatron itself pass the HF config of the model instead.
+input; a checkpoint Megatron-LM wrote is described by the args it saves there
+(checkpoint_tools/megatron_args.py), one that records neither by an HF config.
 Nothing a checkpoint holds is unpickled: `.metadata` and `common.pt` go through the allowlist
 unpicklers of checkpoint_tools/safe_unpickle.py, tensors through torch's `weights_only` loader. Every
 tensor of the checkpoint is either read into the model or named in an error (optimizer state and
@@ -28,14 +29,14 @@ import io
 import json
 import pickle
 import warnings
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType

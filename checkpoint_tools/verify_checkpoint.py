@@ -101,7 +101,7 @@ def _transformers_side(path: str | Path) -> Side:
     import transformers
 
     cfg = hf.read_hf_config(path)[0]  # refuses what the engine cannot compute, as the other side would
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).float().eval()
 
     def logits(prompts: list[list[int]]) -> list[torch.Tensor]:
         with torch.no_grad():

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spd_engine.checkpoint_tools import megatron_args, megatron_dcp
+from spd_engine.checkpoint_tools import megatron_args, megatron_dcp, shard
 from spd_engine.engine.model import checkpoint as engine_ckpt
 from spd_engine.engine.model.model import StageModel
 from spd_engine.engine.model.model_config import tiny_config
@@ -114,7 +114,7 @@ REFUSED = {"layernorm_gelu": "a LayerNorm model"}
 
 
 def _engine_logits_and_greedy(ckpt_dir: Path, tokens: torch.Tensor, new_tokens: int):
-    cfg, state = engine_ckpt_state(ckpt_dir)
+    cfg, state = shard.read_engine(ckpt_dir)
     model = StageModel.full(cfg)
     model.load_state_dict({k: v.float() for k, v in state.items()})
 
@@ -127,12 +127,6 @@ def _engine_logits_and_greedy(ckpt_dir: Path, tokens: torch.Tensor, new_tokens: 
     for _ in range(new_tokens):
         seq = torch.cat([seq, logits(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
     return cfg, first, seq[:, -new_tokens:]
-
-
-def engine_ckpt_state(path: Path):
-    from spd_engine.checkpoint_tools import shard
-
-    return shard.read_engine(path)
 
 
 TOKENS = torch.randint(0, 100, (2, 10), generator=torch.Generator().manual_seed(3))
@@ -171,7 +165,7 @@ def test_megatron_core_built_checkpoints(built, tmp_path, capsys):
             assert torch.equal(greedy, theirs["greedy"]), name
         assert theirs["logits"][..., :V].std() > 0.1, name  # not a degenerate model
     # Control: the imported linear biases matter (without them the logits are not megatron-core's).
-    cfg, state = engine_ckpt_state(tmp_path / "linear_bias-engine")
+    cfg, state = shard.read_engine(tmp_path / "linear_bias-engine")
     assert cfg.linear_bias
     model = StageModel.full(cfg)
     model.load_state_dict({k: torch.zeros_like(v) if k.endswith("fc2.bias") else v for k, v in state.items()})
@@ -199,3 +193,22 @@ def test_verify_does_not_share_the_importer(built, tmp_path, monkeypatch, capsys
     assert main(["convert", "verify", src, dst, "--prompts", "1"]) == 1
     out = capsys.readouterr().out
     assert out.startswith("FAIL") and "A by megatron-core, B by engine" in out, out
+
+
+@pytest.mark.slow
+def test_spd_on_a_megatron_lm_default_checkpoint_gives_megatron_cores_greedy_tokens(built, tmp_path):
+    """Megatron-LM's defaults (linear biases, untied, GQA, args in common.pt, iter_0000100 + tracker),
+    imported with no config file into 2 stages: SPD across two stage processes generates what
+    megatron-core's own greedy loop generated."""
+    from spd_engine.engine.protocol.topology import Topology
+    from spd_engine.engine.runtime.launch import launch
+    from spd_engine.engine.runtime.run_config import RunConfig
+
+    assert main(["convert", "import-megatron", str(built / "linear_bias"), str(tmp_path / "e"), "--stages", "2"]) == 0
+    cfg = shard.read_engine(tmp_path / "e")[0]
+    want = torch.load(built / "linear_bias.pt")["greedy"]  # [B, 8]
+    ecfg = RunConfig(model=str(tmp_path / "e"), cfg=cfg, topology=Topology.build(cfg.num_layers, 2), mode="spd",
+                     capacity=64, timeout_s=60.0, threads=1)
+    with launch(ecfg) as runtime:
+        got = [runtime.generate(TOKENS[b].tolist(), want.shape[1]).tokens for b in range(TOKENS.shape[0])]
+    assert got == want.tolist()
