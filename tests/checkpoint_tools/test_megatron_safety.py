@@ -118,3 +118,14 @@ def test_damaged_checkpoint_is_one_line_exit_2(tmp_path, capsys, damage):
     err = capsys.readouterr().err
     assert err.startswith("spd convert: error:") and err.count("\n") == 1 and "Traceback" not in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_megatron_cores_own_metadata_passes_the_allowlist():
+    """A .metadata written by megatron-core 0.16.1's dist_checkpointing.save (GPTModel, 2 layers, biases,
+    untied), kept as test data: it also records every rank's save plan, whose classes the allowlist admits."""
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    meta = safe_unpickle.load_dcp_metadata(Path(__file__).parent / "data" / "megatron_core_0.16.1_gpt.metadata")
+    assert meta.all_local_plans and isinstance(meta.all_local_plans[0], SavePlan)
+    assert tuple(meta.state_dict_metadata["decoder.layers.mlp.linear_fc2.bias"].size) == (2, 64)
+    assert "output_layer.weight" in megatron_dcp.unexplained_tensors(meta, set())
