@@ -92,6 +92,13 @@ class Nodes:
         """Bring node `node`'s end of the link up or down (a cut cable)."""
         _ip("-n", self.names[node], "link", "set", IFNAME, "up" if up else "down")
 
+    def shape(self, node: int, rate: str, burst: str = "64kb") -> None:
+        """Limit what node `node` sends over the link to `rate` (tc's token bucket, e.g. 100mbit):
+        a slower link. Latency cannot be added this way (no netem in every kernel)."""
+        subprocess.run(["ip", "netns", "exec", self.names[node], "tc", "qdisc", "replace", "dev", IFNAME, "root",
+                        "tbf", "rate", rate, "burst", burst, "latency", "200ms"],
+                       check=True, capture_output=True, text=True, timeout=30)
+
     def kill_node(self, node: int) -> None:
         """SIGKILL every process inside node `node`, as a machine that loses power."""
         for pid in self.pids(node):

@@ -243,20 +243,38 @@ def test_serve_across_two_nodes_answers_greedy_then_a_killed_node_fails_the_stre
     assert nodes.gone(0, 5.0) == [] and nodes.gone(1, 5.0) == []
 
 
-@pytest.mark.slow
-def test_netbench_across_two_nodes(nodes, tmp_path):
-    """`spd netbench` with one rank per node: its point-to-point rows are the link's."""
+def _netbench(nodes: Nodes, tmp_path: Path, args: list[str]) -> dict:
+    """`spd netbench ARGS` with one rank per node; rank 0's report."""
     import json
 
-    args = ["netbench", "--backend", "gloo", "--sizes", "4,64K", "--iters", "20", "--warmup", "2",
-            "--allreduce-bytes", "4", "--hidden", "64", "--fanin-rows", "1", "--timeout", "20", "--no-png"]
+    args = ["netbench", "--backend", "gloo", "--timeout", "20", "--no-png", *args]
     procs = [torchrun(nodes, node, [*args, "--out-dir", str(tmp_path / f"node{node}")], tmp_path, nproc=1)
              for node in (0, 1)]
     for p in procs:
         _, err = p.communicate(timeout=240)
         assert p.returncode == 0, err[-3000:]
-    report = json.loads((tmp_path / "node0" / "netbench.json").read_text())  # rank 0 writes
+    return json.loads((tmp_path / "node0" / "netbench.json").read_text())  # rank 0 writes
+
+
+@pytest.mark.slow
+def test_netbench_across_two_nodes(nodes, tmp_path):
+    """`spd netbench` with one rank per node: its point-to-point rows are the link's."""
+    report = _netbench(nodes, tmp_path, ["--sizes", "4,64K", "--iters", "20", "--warmup", "2",
+                                         "--allreduce-bytes", "4", "--hidden", "64", "--fanin-rows", "1"])
     assert sorted(r["node_rank"] for r in report["ranks"]) == [0, 1]
     rows = report["p2p"]
     assert [(r["src"], r["dst"], r["bytes"]) for r in rows] == [(0, 1, 4), (0, 1, 65536)]
     assert all(0 < r["p50_us"] <= r["p99_us"] for r in rows)
+
+
+@pytest.mark.slow
+def test_netbench_measures_a_shaped_link_at_its_rate(nodes, tmp_path):
+    """Both ends limited to 100 Mbit/s (tc tbf): a 1 MiB message's one-way time is the link's
+    serialisation time, so netbench's bandwidth is the rate asked for (within 30%, never above
+    it by more than the token bucket's burst)."""
+    for node in (0, 1):
+        nodes.shape(node, "100mbit")
+    report = _netbench(nodes, tmp_path, ["--tests", "p2p", "--sizes", "1M", "--iters", "10", "--warmup", "2"])
+    (row,) = report["p2p"]
+    gbits = row["bw_GBps"] * 8
+    assert 0.07 <= gbits <= 0.107, row
