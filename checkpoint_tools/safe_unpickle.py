@@ -7,13 +7,14 @@ one of these instead:
     metadata classes, sizes, dtypes and layouts may be built (`DCP_METADATA_GLOBALS`).
   - `load_megatron_common`: Megatron-LM's `common.pt` (`torch.save` of its args namespace, the
     iteration, ...). Plain data, `argparse.Namespace`, torch dtypes and tensors; a Megatron-core
-    object (an enum such as `AttnBackend`) becomes an inert `OpaqueObject` that records its name
-    and arguments: Megatron's own code never runs, and the engine reads none of those values.
+    or numpy object (an enum such as `AttnBackend`) becomes an inert `OpaqueObject` that records
+    its name and arguments: their code never runs, and the engine reads none of those values.
 Anything else a file names is an `UnsafePickleError` (a ValueError: the file's fault) naming it;
 a truncated or corrupt file is a ValueError as well.
 """
 from __future__ import annotations
 
+import _compat_pickle
 import pickle
 from pathlib import Path
 from typing import Any
@@ -44,11 +45,16 @@ DCP_METADATA_GLOBALS = frozenset({
 # persistent_load supplies their storage).
 COMMON_GLOBALS = frozenset({
     ("argparse", "Namespace"), ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
-    ("torch.serialization", "_get_layout"),
+    ("torch.serialization", "_get_layout"), ("torch", "device"), ("collections", "defaultdict"),
+    ("datetime", "timedelta"),
+    ("_codecs", "encode"),  # how protocol 2 writes bytes (torch's weights_only loader admits it as well)
+    # plain types a defaultdict names as its factory, or a pickle builds a value with
+    *(("builtins", t) for t in ("list", "dict", "tuple", "int", "float", "str", "bool", "bytes", "bytearray")),
 } | _PLAIN_GLOBALS)
 _DTYPES = frozenset(name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype))
-# Modules whose objects common.pt may hold as inert records (Megatron's enums and dataclasses).
-_OPAQUE_PREFIXES = ("megatron.",)
+# Modules whose objects common.pt may hold as inert records (Megatron's enums and dataclasses, numpy
+# scalars and arrays): the module is never imported, the object is its name and arguments.
+_OPAQUE_PREFIXES = ("megatron.", "numpy.")
 _CORRUPT = (pickle.UnpicklingError, EOFError, AttributeError, TypeError, IndexError, KeyError, ValueError,
             RuntimeError)
 
@@ -83,11 +89,15 @@ class _Allowlist(pickle.Unpickler):
     what = "pickle"
 
     def find_class(self, module: str, name: str) -> Any:
+        # protocol 0-2 pickles (torch.save writes 2) may use Python 2 names (`__builtin__.list`); map them
+        # as pickle's own find_class does, before the allowlist sees them
+        module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         if (module, name) in self.allowed:
             return super().find_class(module, name)  # imports only torch's and the standard library's modules
         if module == "torch" and name in _DTYPES:
             return getattr(torch, name)
-        if self.opaque and module.startswith(_OPAQUE_PREFIXES):
+        if self.opaque and f"{module}.".startswith(_OPAQUE_PREFIXES):
             return type(name, (OpaqueObject,), {"qualname": f"{module}.{name}"})
         raise UnsafePickleError(f"{self.what} names {module}.{name}, which is not on the allowlist of what "
                                 "it may hold; refusing to unpickle it")

@@ -3,6 +3,8 @@ and their payload never runs; truncated or corrupt checkpoints are one clear err
 from __future__ import annotations
 
 import argparse
+import collections
+import datetime
 import os
 import pickle
 import sys
@@ -10,6 +12,7 @@ import types
 from enum import Enum
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 
@@ -91,7 +94,9 @@ def test_common_pt_with_megatron_args_reads_safely(tmp_path, monkeypatch):
     monkeypatch.setattr(AttnBackend, "__module__", module)
     sys.modules[module].AttnBackend = AttnBackend
     args = argparse.Namespace(num_layers=2, params_dtype=torch.bfloat16, attention_backend=AttnBackend.auto,
-                              data_path=["a"], seq_length=64)
+                              data_path=["a"], seq_length=64, groups=collections.defaultdict(list, a=[1]),
+                              device=torch.device("cpu"), timeout=datetime.timedelta(minutes=10),
+                              loss_scale=numpy.float32(1.5), blob=b"xy")
     torch.save({"args": args, "iteration": 100, "t": torch.arange(3)}, tmp_path / "common.pt")
     got = safe_unpickle.load_megatron_common(tmp_path / "common.pt")
     assert got["iteration"] == 100 and torch.equal(got["t"], torch.arange(3))
@@ -99,6 +104,9 @@ def test_common_pt_with_megatron_args_reads_safely(tmp_path, monkeypatch):
     backend = got["args"].attention_backend
     assert isinstance(backend, safe_unpickle.OpaqueObject) and backend.args == (5,)
     assert backend.qualname == "megatron.core.transformer.enums.AttnBackend"
+    assert got["args"].groups == {"a": [1]} and got["args"].device == torch.device("cpu")
+    assert got["args"].timeout.total_seconds() == 600 and got["args"].blob == b"xy"
+    assert isinstance(got["args"].loss_scale, safe_unpickle.OpaqueObject)  # numpy is never imported to read it
 
 
 @pytest.mark.parametrize("damage", ["truncate-metadata", "truncate-data", "truncate-common", "garbage-metadata",
