@@ -36,6 +36,7 @@ from spd_engine.server.exporter import CONTENT_TYPE, ServeMetrics
 from spd_engine.server.openai_api import ApiError, parse_request
 from spd_engine.server.request import ModelInfo, check_model, prepare
 from spd_engine.server.responses import DONE, ReplyBuilder, Summary, sse
+from spd_engine.server.tokenize_api import detokenize, model_card, model_lookup, server_version, tokenize
 from spd_engine.server.tokenizing import PromptEncoder
 
 LOG = logging.getLogger("spd.serve")
@@ -132,8 +133,37 @@ def build_app(engine: EngineLoop, info: ModelInfo, metrics: ServeMetrics, reques
     async def models(request: Request) -> dict:
         check_host(request, api_key, allowed_hosts)
         check_api_key(request, api_key)
-        return {"object": "list", "data": [{"id": info.name, "object": "model", "created": created,
-                                            "owned_by": "spd-engine", "max_model_len": info.capacity}]}
+        return {"object": "list", "data": [model_card(info, created)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> dict:
+        check_host(request, api_key, allowed_hosts)
+        check_api_key(request, api_key)
+        return model_lookup(model_id, info, created)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return server_version()
+
+    async def _json_body(request: Request):
+        check_host(request, api_key, allowed_hosts)
+        check_api_key(request, api_key)
+        check_json_type(request)
+        return parse_json(await read_body(request, max_request_bytes))
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        try:
+            return JSONResponse(await tokenize(await _json_body(request), info, encoder))
+        except ClientDisconnect:
+            return Response(status_code=499)  # nobody reads it
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        try:
+            return JSONResponse(detokenize(await _json_body(request), info))
+        except ClientDisconnect:
+            return Response(status_code=499)  # nobody reads it
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

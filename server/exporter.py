@@ -11,7 +11,8 @@ families are here too: `request_success_total{finished_reason}` (stop, length, a
 `request_prompt_tokens`, `request_generation_tokens`, `request_inference_time_seconds`,
 `request_prefill_time_seconds` and `request_decode_time_seconds`. `request_admitted_total{latency}`
 counts the requests admitted to the queue by latency class (batch, critical); `cancel_tokens_after` and
-`cancel_seconds_after` how promptly a cancelled request in the pipeline ended.
+`cancel_seconds_after` how promptly a cancelled request in the pipeline ended. As vLLM's, the
+exposition has no `_created` series.
 """
 from __future__ import annotations
 
@@ -42,14 +43,18 @@ def without_model_name(text: str) -> str:
 
 
 class ModelNameLabel(Collector):
-    """Every sample of `registry` with the label model_name=NAME added."""
+    """Every sample of `registry` with the label model_name=NAME added (name None: as it is), less the
+    `_created` series: vLLM's exporter has none, and prometheus_client's switch for them is one global
+    of the process (read at each collection), so they are left out here, for this registry alone."""
 
-    def __init__(self, registry: CollectorRegistry, name: str) -> None:
+    def __init__(self, registry: CollectorRegistry, name: str | None) -> None:
         self.registry, self.name = registry, name
 
     def collect(self):
         for family in self.registry.collect():
-            family.samples = [s._replace(labels={"model_name": self.name, **s.labels}) for s in family.samples]
+            created = family.name + "_created"
+            label = {} if self.name is None else {"model_name": self.name}
+            family.samples = [s._replace(labels={**label, **s.labels}) for s in family.samples if s.name != created]
             yield family
 
 
@@ -212,8 +217,6 @@ class ServeMetrics:
             self.slack.observe(slack / 1e3)
 
     def exposition(self) -> bytes:
-        if self.model_name is None:
-            return generate_latest(self.registry)
         labelled = CollectorRegistry()
         labelled.register(ModelNameLabel(self.registry, self.model_name))
         return generate_latest(labelled)

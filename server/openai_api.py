@@ -1,12 +1,14 @@
 """The OpenAI request side of `spd serve`: validate a JSON body into a ParsedRequest. Pure logic.
 
 Every field the engine honours is checked (type and range) and every other field is refused with
-a 400 in OpenAI's error shape naming it, never ignored. Fields OpenAI defines but the engine does
-not implement (n > 1, logprobs, penalties, tools, ...) are accepted only at their neutral value
-(n = 1, logprobs null, penalties 0, ...), which asks for nothing the engine does not do. Two extra
-fields choose how a request is scheduled (docs/design.md 3.12): `latency` ("batch", the default,
-or "critical") and `priority` (an integer, default 0, higher served first: vLLM's field of that
-name orders the other way round, lower first).
+a 400 in OpenAI's error shape naming it, never ignored. Fields OpenAI or vLLM define but the engine
+does not implement (n > 1, logprobs, penalties, tools, response formats, min_tokens, ...) are
+accepted only at their neutral value (n = 1, logprobs false, penalties 0, repetition_penalty 1,
+...), which asks for nothing the engine does not do. `model` may be left out (the served model),
+and the `developer` role is a chat turn as `system` is. Two extra fields choose how a request is
+scheduled (docs/design.md 3.12): `latency` ("batch", the default, or "critical") and `priority`
+(an integer, default 0, lower served first, as vLLM orders it; ParsedRequest holds its negation,
+the engine's order, higher first).
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ class ParsedRequest:
     """A validated completion or chat request (None: the field was not given)."""
 
     chat: bool
-    model: str
+    model: str | None  # None: the served model
     prompt: str | list[int] | None = None  # completions: text or token ids
     messages: tuple[tuple[str, str], ...] = ()  # chat: (role, text) turns
     max_tokens: int | None = None
@@ -61,7 +63,7 @@ class ParsedRequest:
     include_usage: bool = False
     ignore_eos: bool = False  # vLLM's extra field: generate max_tokens tokens, past EOS
     latency: str = BATCH  # batch_policy.CRITICAL: keeps its single-stream schedule, taken first from the queue
-    priority: int = 0  # among requests of one class: higher first (vLLM's `priority`: lower first)
+    priority: int = 0  # among requests of one class, higher first: the request's `priority` negated
 
 
 def _neutral(*values) -> Callable[[Any], bool]:
@@ -72,19 +74,33 @@ def _neutral(*values) -> Callable[[Any], bool]:
 # OpenAI fields the engine does not implement -> the values that leave them off.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "n": _neutral(1), "best_of": _neutral(1), "echo": _neutral(False), "suffix": _neutral(),
-    "logprobs": _neutral(False), "top_logprobs": _neutral(), "logit_bias": _neutral({}),
+    "logprobs": _neutral(False), "top_logprobs": _neutral(0), "logit_bias": _neutral({}),
     "presence_penalty": _neutral(0, 0.0), "frequency_penalty": _neutral(0, 0.0),
     "tools": _neutral([]), "tool_choice": _neutral("none"), "parallel_tool_calls": _neutral(),
     "functions": _neutral([]), "function_call": _neutral("none"),
     "response_format": _neutral({"type": "text"}), "store": _neutral(False), "metadata": _neutral(),
     "modalities": _neutral(["text"]), "audio": _neutral(), "prediction": _neutral(),
     "reasoning_effort": _neutral(), "service_tier": _neutral(), "web_search_options": _neutral(),
+    # vLLM's extra sampling and output fields
+    "repetition_penalty": _neutral(1, 1.0), "min_tokens": _neutral(0), "min_p": _neutral(0, 0.0),
+    "length_penalty": _neutral(1, 1.0), "use_beam_search": _neutral(False), "stop_token_ids": _neutral([]),
+    "bad_words": _neutral([]), "allowed_token_ids": _neutral(), "include_stop_str_in_output": _neutral(False),
+    "skip_special_tokens": _neutral(True), "spaces_between_special_tokens": _neutral(True),
+    "prompt_logprobs": _neutral(), "truncate_prompt_tokens": _neutral(), "return_tokens_as_token_ids":
+    _neutral(False), "guided_json": _neutral(), "guided_regex": _neutral(), "guided_choice": _neutral(),
+    "guided_grammar": _neutral(), "structured_outputs": _neutral(),
 }
+# vLLM's prompt fields, whose neutral value differs between the endpoints (what each does by default)
+CHAT_UNSUPPORTED = {**UNSUPPORTED, "add_special_tokens": _neutral(False), "add_generation_prompt": _neutral(True),
+                    "continue_final_message": _neutral(False), "chat_template": _neutral(),
+                    "chat_template_kwargs": _neutral({}), "documents": _neutral()}
+COMPLETION_UNSUPPORTED = {**UNSUPPORTED, "add_special_tokens": _neutral(True)}
+WHY = {"n": "only n = 1 is supported (send one request per choice)"}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
           "user", "ignore_eos", "latency", "priority"}
 COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant")
 
 
 def _is_int(v) -> bool:
@@ -169,8 +185,8 @@ def _priority(body: dict) -> int:
     if v is None:
         return 0
     if not _is_int(v):  # a bool is not an integer here, as for every other integer field
-        raise bad("priority", f"must be an integer (higher is served first), got {v!r}")
-    return v
+        raise bad("priority", f"must be an integer (lower is served first), got {v!r}")
+    return -v  # the engine's order: higher first
 
 
 def _content(v, where: str) -> str:
@@ -187,7 +203,7 @@ def _content(v, where: str) -> str:
     raise bad(where, f"must be a string or a list of text parts, got {type(v).__name__}")
 
 
-def _messages(body: dict) -> tuple[tuple[str, str], ...]:
+def messages(body: dict) -> tuple[tuple[str, str], ...]:
     v = body.get("messages")
     if not isinstance(v, list) or not v:
         raise bad("messages", "must be a non-empty list of messages")
@@ -227,20 +243,26 @@ def _stream_options(body: dict, stream: bool) -> bool:
     return _bool(v, "include_usage")
 
 
+def model_field(body: dict) -> str | None:
+    """The `model` field: a non-empty string, or None when left out (the served model)."""
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise bad("model", f"must be a non-empty string (see GET /v1/models), got {model!r}")
+    return model
+
+
 def parse_request(body: Any, chat: bool) -> ParsedRequest:
     """A /v1/completions (chat False) or /v1/chat/completions body -> ParsedRequest, or ApiError(400)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    unsupported = CHAT_UNSUPPORTED if chat else COMPLETION_UNSUPPORTED
     for name in sorted(body):
-        if name in UNSUPPORTED:
-            if not UNSUPPORTED[name](body[name]):
-                raise bad(name, f"is not supported by this server (got {body[name]!r})")
+        if name in unsupported:
+            if not unsupported[name](body[name]):
+                raise bad(name, f"{WHY.get(name, 'is not supported by this server')} (got {body[name]!r})")
         elif name not in allowed:
             raise bad(name, "unknown or unsupported field")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("model", "is required (a string; see GET /v1/models)")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise bad("user", "must be a string")
     stream = _bool(body, "stream")
@@ -248,9 +270,9 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     if _is_int(top_k) and top_k == -1:
         top_k = 0  # vLLM's spelling of "off"
     return ParsedRequest(
-        chat=chat, model=model,
+        chat=chat, model=model_field(body),
         prompt=None if chat else _prompt(body),
-        messages=_messages(body) if chat else (),
+        messages=messages(body) if chat else (),
         max_tokens=_max_tokens(body, chat),
         temperature=_number(body, "temperature", 0.0, 2.0),
         top_p=_number(body, "top_p", 0.0, 1.0, lo_open=True),

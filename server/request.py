@@ -50,7 +50,7 @@ class ServeRequest:
 
     @property
     def priority(self) -> int:
-        """Among waiting requests of its class: higher is served first."""
+        """Among waiting requests of its class: higher is served first (the `priority` field negated)."""
         return self.parsed.priority
 
 
@@ -85,10 +85,15 @@ def _sampling(parsed: ParsedRequest, info: ModelInfo) -> SamplingParams:
     return params
 
 
-def check_model(parsed: ParsedRequest, info: ModelInfo) -> None:
-    if parsed.model != info.name:
-        raise ApiError(404, f"The model `{parsed.model}` does not exist; this server serves `{info.name}`",
+def check_model_name(model: str | None, info: ModelInfo) -> None:
+    """404 in OpenAI's shape for a model this server does not serve (None: the served one)."""
+    if model is not None and model != info.name:
+        raise ApiError(404, f"The model `{model}` does not exist; this server serves `{info.name}`",
                        param="model", code="model_not_found")
+
+
+def check_model(parsed: ParsedRequest, info: ModelInfo) -> None:
+    check_model_name(parsed.model, info)
 
 
 def prepare(parsed: ParsedRequest, info: ModelInfo, ids: list[int] | None = None) -> ServeRequest:

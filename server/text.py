@@ -79,12 +79,38 @@ class TextStream:
         return out + ("" if self.stopped else self.stop.flush())
 
 
-def chat_ids(tok: Tokenizer | None, turns: Sequence[tuple[str, str]]) -> list[int]:
+def template_role(tok: Tokenizer, role: str) -> str:
+    """OpenAI's `developer` role reaches a template that does not name it as `system` (as vLLM maps
+    it): most chat templates know only system, user and assistant."""
+    if role == "developer" and "developer" not in (tok.chat_template or ""):
+        return "system"
+    return role
+
+
+def chat_ids(tok: Tokenizer | None, turns: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> list[int]:
     """Prompt ids of chat turns through the model's chat template (one user turn: the same ids as
     `spd generate --chat`)."""
     if tok is None:
         raise ValueError("this model has no tokenizer, hence no chat template; use /v1/completions")
-    return tok.chat_ids_messages([{"role": role, "content": text} for role, text in turns])
+    messages = [{"role": template_role(tok, role), "content": text} for role, text in turns]
+    return tok.chat_ids_messages(messages, add_generation_prompt)
+
+
+def tokenize_ids(tok: Tokenizer | None, payload, chat: bool, vocab_size: int, add_generation_prompt: bool,
+                 add_special_tokens: bool) -> list[int]:
+    """/tokenize: the ids of a prompt (payload: text or token ids) or of chat turns. With
+    add_special_tokens a text prompt gets what a completion's prompt gets (a BOS where the model
+    adds one), and chat turns a BOS before the template's text where the model adds one;
+    without it neither does."""
+    if chat:
+        ids = chat_ids(tok, payload, add_generation_prompt)
+        bos = tok.bos_id if add_special_tokens and tok.add_bos else None
+        return [bos, *ids] if bos is not None and ids[:1] != [bos] else ids
+    ids = completion_ids(tok, payload, vocab_size)
+    if isinstance(payload, str) and not add_special_tokens and tok is not None and tok.add_bos \
+            and ids[:1] == [tok.bos_id]:
+        return ids[1:]
+    return ids
 
 
 def completion_ids(tok: Tokenizer | None, prompt: str | list[int], vocab_size: int) -> list[int]:

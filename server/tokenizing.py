@@ -45,12 +45,16 @@ def _init_worker(tok_dir: str) -> None:
     _TOK = Tokenizer.from_dir(tok_dir)
 
 
-def _encode(chat: bool, payload) -> tuple[bool, list[int] | str]:
-    """(True, ids) or (False, the error's message): exceptions of the template engine stay here."""
-    from spd_engine.server.text import chat_ids, completion_ids
+def _encode(chat: bool, payload, special: tuple[bool, bool] | None = None) -> tuple[bool, list[int] | str]:
+    """(True, ids) or (False, the error's message): exceptions of the template engine stay here.
+    special: /tokenize's (add_generation_prompt, add_special_tokens); None: a request's prompt."""
+    from spd_engine.server.text import chat_ids, completion_ids, tokenize_ids
 
     try:
-        ids = chat_ids(_TOK, payload) if chat else completion_ids(_TOK, payload, _TOK.vocab_size)
+        if special is not None:
+            ids = tokenize_ids(_TOK, payload, chat, _TOK.vocab_size, *special)
+        else:
+            ids = chat_ids(_TOK, payload) if chat else completion_ids(_TOK, payload, _TOK.vocab_size)
     except Exception as err:  # noqa: BLE001 - any refusal of the template or the tokenizer is the request's
         return False, str(err) or type(err).__name__
     return True, ids
@@ -96,14 +100,18 @@ class PromptEncoder:
         self.check_size(parsed)
         if self._pool is None or (not parsed.chat and isinstance(parsed.prompt, list)):
             return None
-        payload = parsed.messages if parsed.chat else parsed.prompt
+        return await self.encode(parsed.chat, parsed.messages if parsed.chat else parsed.prompt)
+
+    async def encode(self, chat: bool, payload, special: tuple[bool, bool] | None = None) -> list[int]:
+        """Ids of a prompt or chat turns, in the worker (started: a model with a tokenizer)."""
+        assert self._pool is not None, "encode needs the worker (a model with a tokenizer)"
         try:
-            ok, out = await asyncio.wrap_future(self._pool.submit(_encode, parsed.chat, payload))
+            ok, out = await asyncio.wrap_future(self._pool.submit(_encode, chat, payload, special))
         except BrokenProcessPool:  # the worker died (out of memory?): a fresh one for the next request
             self._pool = None
             self.start(wait=False)
             raise ApiError(500, "the tokenizer process failed on this request", type="server_error",
                            code="tokenizer_failed") from None
         if not ok:
-            raise bad("messages" if parsed.chat else "prompt", out)
+            raise bad("messages" if chat else "prompt", out)
         return out

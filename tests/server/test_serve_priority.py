@@ -118,14 +118,15 @@ def test_http_fields_reach_the_batch_request_and_bad_values_are_400s(engine_of):
     runtime.gate.set()
     metrics = ServeMetrics(2, engine.waiting, engine.running, INFO.name)
     engine.metrics = metrics
-    client = TestClient(build_app(engine, INFO, metrics, 30.0))
+    client = TestClient(build_app(engine, INFO, metrics, 30.0), base_url="http://127.0.0.1")  # an allowed Host
     bodies = [({"model": "m", "prompt": [5], "max_tokens": 1, "latency": "critical", "priority": 4}, "completions"),
               ({"model": "m", "prompt": [6], "max_tokens": 1}, "completions"),
               ({"model": "m", "prompt": [7], "max_tokens": 1, "priority": -2, "stream": True}, "completions")]
     for body, path in bodies:
         r = client.post(f"/v1/{path}", json=body)
         assert r.status_code == 200, r.text
-    assert [(r.latency, r.priority) for r in runtime.requests] == [("critical", 4), ("batch", 0), ("batch", -2)]
+    # the HTTP field orders as vLLM's (lower first); the engine's priority is its negation (higher first)
+    assert [(r.latency, r.priority) for r in runtime.requests] == [("critical", -4), ("batch", 0), ("batch", 2)]
     for field, value, says in [("priority", True, "must be an integer"), ("priority", 2.0, "must be an integer"),
                                ("latency", "realtime", "'batch' (the default) or 'critical'")]:
         for path in ("completions", "chat/completions"):

@@ -25,7 +25,13 @@ ASKING = {"n": 2, "best_of": 3, "echo": True, "suffix": "x", "logprobs": True, "
           "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
           "response_format": {"type": "json_object"}, "store": True, "metadata": {"a": "b"},
           "modalities": ["text", "audio"], "audio": {"voice": "x"}, "prediction": {"type": "content"},
-          "reasoning_effort": "low", "service_tier": "flex", "web_search_options": {}}
+          "reasoning_effort": "low", "service_tier": "flex", "web_search_options": {},
+          "repetition_penalty": 1.2, "min_tokens": 3, "min_p": 0.05, "length_penalty": 0.5,
+          "use_beam_search": True, "stop_token_ids": [5], "bad_words": ["x"], "allowed_token_ids": [5, 6],
+          "include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False,
+          "prompt_logprobs": 1, "truncate_prompt_tokens": 8, "return_tokens_as_token_ids": True,
+          "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"],
+          "guided_grammar": "root ::= \"a\"", "structured_outputs": {"regex": "a+"}}
 
 BAD_VALUES = [  # (field, value) that must be refused, naming the field
     ("temperature", -0.1), ("temperature", 2.5), ("temperature", "hot"), ("temperature", True),
@@ -116,13 +122,14 @@ def test_latency_class_and_priority_are_parsed_and_default_to_batch_and_0(chat):
     body = CHAT if chat else {**COMPLETION, "prompt": [7, 8]}
     parsed = parse_request(body, chat)
     assert (parsed.latency, parsed.priority) == ("batch", 0)
+    # the field orders as vLLM's (lower first); the parsed value is the engine's order (higher first)
     parsed = parse_request({**body, "latency": "critical", "priority": -3}, chat)
-    assert (parsed.latency, parsed.priority) == ("critical", -3)
+    assert (parsed.latency, parsed.priority) == ("critical", 3)
     parsed = parse_request({**body, "latency": None, "priority": None}, chat)
     assert (parsed.latency, parsed.priority) == ("batch", 0)
     if not chat:  # INFO has no chat template
         req = prepare(parse_request({**body, "latency": "batch", "priority": 7}, chat), INFO)
-        assert (req.latency, req.priority) == ("batch", 7)
+        assert (req.latency, req.priority) == ("batch", -7)
 
 
 def test_bad_latency_or_priority_says_what_is_allowed():

@@ -1,0 +1,146 @@
+"""What a client written for OpenAI or vLLM meets at `spd serve`, driven by the official `openai`
+client (and raw HTTP where the client has no call) against real server processes: /tokenize and
+/detokenize in vLLM's shapes, /version, GET /v1/models/{id}, a request without `model`, vLLM's
+extra fields at their neutral values accepted and otherwise refused naming the field, `n` > 1
+refused naming it, `priority` ordered as vLLM orders it, no `_created` series in /metrics, and
+(on the real model) the `developer` role and a tokenize / detokenize round trip of text."""
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+import pytest
+
+from spd_engine.server.process import ServerProcess
+from spd_engine.tools.cli import version
+
+pytestmark = pytest.mark.multiproc
+TINY = "random:tiny-llama"
+TINY_ARGS = ["--model", TINY, "--stages", "2", "--threads", "1", "--capacity", "512", "--prefill-chunk", "16",
+             "--suffix-run", "1"]
+SMOL = "smollm2-135m"
+SMOL_ARGS = ["--model", SMOL, "--stages", "2", "--threads", "1", "--capacity", "512"]
+
+
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120.0)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    server = ServerProcess(TINY_ARGS)
+    yield server
+    assert server.close() == 0, server.stderr()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    server = ServerProcess(SMOL_ARGS)
+    yield server
+    assert server.close() == 0, server.stderr()[-3000:]
+
+
+# ---- endpoints ----
+
+def test_tokenize_counts_what_a_completion_prefills_and_detokenize_writes_the_ids(tiny):
+    r = httpx.post(f"{tiny.url}/tokenize", json={"model": TINY, "prompt": "hello there"})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert set(got) == {"count", "max_model_len", "tokens", "token_strs"}
+    assert got["count"] == len(got["tokens"]) == len("hello there") and got["max_model_len"] == 512
+    assert got["token_strs"] is None
+    usage = client(tiny).completions.create(model=TINY, prompt="hello there", max_tokens=1).usage
+    assert usage.prompt_tokens == got["count"]
+    strs = httpx.post(f"{tiny.url}/tokenize", json={"prompt": "hi", "return_token_strs": True}).json()["token_strs"]
+    assert len(strs) == 2
+    back = httpx.post(f"{tiny.url}/detokenize", json={"model": TINY, "tokens": got["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": "".join(f"{t} " for t in got["tokens"])}
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("tokenize", {"prompt": ""}, "prompt"), ("tokenize", {"prompt": "x", "colour": 1}, "colour"),
+    ("tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+    ("tokenize", {"messages": [{"role": "user", "content": "x"}]}, "messages"),  # no chat template
+    ("detokenize", {"tokens": "1 2"}, "tokens"), ("detokenize", {"tokens": [1, True]}, "tokens"),
+    ("detokenize", {"tokens": [10 ** 9]}, "tokens"), ("detokenize", {"tokens": [1] * 513}, "tokens"),
+])
+def test_bad_tokenize_or_detokenize_is_a_400_naming_the_field(tiny, path, body, param):
+    r = httpx.post(f"{tiny.url}/{path}", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_version_and_model_lookup(tiny):
+    assert httpx.get(f"{tiny.url}/version").json() == {"version": version()}
+    card = client(tiny).models.retrieve(TINY)
+    assert (card.id, card.object, card.owned_by) == (TINY, "model", "spd-engine")
+    assert card.model_dump() == client(tiny).models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as info:
+        client(tiny).models.retrieve("gpt-4")
+    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+    r = httpx.post(f"{tiny.url}/tokenize", json={"model": "gpt-4", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_metrics_have_no_created_series(tiny):
+    client(tiny).completions.create(model=TINY, prompt=[5, 6], max_tokens=2)
+    text = httpx.get(f"{tiny.url}/metrics").text
+    assert re.search(r"^spd:request_total\{", text, re.M) and "spd:e2e_request_latency_seconds_count" in text
+    assert "_created" not in text
+
+
+# ---- request fields ----
+
+def test_a_request_without_model_is_served_by_the_served_model(tiny):
+    r = httpx.post(f"{tiny.base_url}/completions", json={"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == TINY and body["usage"]["completion_tokens"] == 3
+    same = client(tiny).completions.create(model=TINY, prompt=[5, 6, 7], max_tokens=3, temperature=0)
+    assert body["choices"][0]["text"] == same.choices[0].text
+
+
+NEUTRAL = {"repetition_penalty": 1.0, "min_tokens": 0, "min_p": 0.0, "skip_special_tokens": True,
+           "spaces_between_special_tokens": True, "include_stop_str_in_output": False, "stop_token_ids": [],
+           "length_penalty": 1, "use_beam_search": False, "add_special_tokens": True, "truncate_prompt_tokens": None,
+           "top_k": -1}
+
+
+def test_vllm_extras_at_their_neutral_values_change_nothing(tiny):
+    c = client(tiny)
+    plain = c.completions.create(model=TINY, prompt=[9, 8, 7], max_tokens=4, temperature=0)
+    extra = c.completions.create(model=TINY, prompt=[9, 8, 7], max_tokens=4, temperature=0, n=1,
+                                 presence_penalty=0, frequency_penalty=0.0, logit_bias={}, extra_body=NEUTRAL)
+    assert extra.choices[0].text == plain.choices[0].text
+
+
+ASKING = [(dict(n=2), "n"), (dict(extra_body={"repetition_penalty": 1.1}), "repetition_penalty"),
+          (dict(extra_body={"min_tokens": 4}), "min_tokens"), (dict(presence_penalty=0.5), "presence_penalty"),
+          (dict(logit_bias={"5": 3}), "logit_bias"), (dict(extra_body={"stop_token_ids": [4]}), "stop_token_ids"),
+          (dict(extra_body={"skip_special_tokens": False}), "skip_special_tokens"),
+          (dict(extra_body={"guided_regex": "a+"}), "guided_regex"), (dict(logprobs=2), "logprobs"),
+          (dict(extra_body={"add_special_tokens": False}), "add_special_tokens")]
+
+
+@pytest.mark.parametrize("kwargs,param", ASKING, ids=[p for _, p in ASKING])
+def test_what_the_engine_cannot_honour_is_a_400_naming_it(tiny, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client(tiny).completions.create(**{"model": TINY, "prompt": [5, 6], "max_tokens": 2, **kwargs})
+    assert info.value.param == param, info.value.message
+    if param == "n":
+        assert "only n = 1" in info.value.message
+
+
+CHAT_ASKING = [(dict(n=2), "n"), (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+               (dict(tool_choice="auto"), "tool_choice"), (dict(response_format={"type": "json_object"}),
+                                                            "response_format"),
+               (dict(extra_body={"add_generation_prompt": False}), "add_generation_prompt"),
+               (dict(extra_body={"chat_template": "{{ messages }}"}), "chat_template")]
+
+
+@pytest.mark.parametrize("kwargs,param", CHAT_ASKING, ids=[p for _, p in CHAT_ASKING])
+def test_chat_fields_the_engine_cannot_honour_are_a_400_naming_them(tiny, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client(tiny).chat.completions.create(**{"model": TINY, "messages": [{"role": "developer", "content": "x"}],
+                                                "max_tokens": 2, **kwargs})
+    assert info.value.param == param, info.value.message
