@@ -1,6 +1,7 @@
 """The bounded queue of `spd serve`'s waiting requests, in docs/design.md 3.12's order:
 latency-critical first, then higher priority, then arrival order; a function call queued between
-them keeps its place in arrival order."""
+them keeps its place in arrival order. The priority is the engine's (higher first): the request's
+`priority` field negated, so the field orders as vLLM's, lower first (server/openai_api.py)."""
 from __future__ import annotations
 
 import threading

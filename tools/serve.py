@@ -3,7 +3,7 @@
 Starts the ranks once (spawned, or under `torchrun`, where rank 0 serves and the other ranks run
 their stages) and keeps them, KV caches and CUDA graphs included, for the life of the server.
 One request at a time goes through the pipeline (up to `--max-batch B`); others wait in a bounded
-queue, latency-critical ones first, then higher `priority`, then in arrival order.
+queue, latency-critical ones first, then lower `priority` (as vLLM orders it), then in arrival order.
 Its optional dependencies (the `serve` extra) are checked before anything starts: nothing here
 imports them at module level, so without them the command still says so in one line.
 """
