@@ -162,6 +162,8 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used:
     --seed for something else too, so it is never an ignored flag; `eagle_used`: the command runs
     the eagle baseline beside the mode's run (its flags are not ignored)."""
     mode = getattr(args, "mode", "spd")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     use_iface(getattr(args, "iface", None))  # checked here, read when the ranks join (engine/comm/dist.py)
     engine_spec, tok_dir = resolve_model(args.model)
     cfg = model_config(engine_spec)

@@ -158,7 +158,13 @@ def run(args: argparse.Namespace) -> int:
     engine.metrics = metrics
     try:
         encoder.start()
-        engine.start(timeout=args.startup_timeout)
+        try:
+            engine.start(timeout=args.startup_timeout)
+        except RuntimeError as err:
+            if engine.state != "starting":  # the start failed (its own error says why)
+                raise
+            print(f"spd serve: {err} (--startup-timeout); exiting", file=sys.stderr)  # a fault after start: exit 1
+            return 1
         app = build_app(engine, info, metrics, args.request_timeout, encoder, args.api_key, args.max_request_bytes,
                         frozenset(h.lower() for h in args.allowed_host))
         app = InFlightCap(app, args.max_in_flight, lambda path: metrics.outcome("unavailable")

@@ -5,8 +5,8 @@ body gets its 413 at once; half-sent heads and bodies are closed at their deadli
 body); a client leaving mid-upload is cancelled, not an error; past the connection cap a good
 request is still served; past the in-flight cap a request gets 503 with Retry-After; without a
 key a Host that names another site and a body that does not say it is JSON are refused. Then the
-flags (non-finite floats, the key from a file or the environment, the missing `serve` extra) and
-the pure rules. A slow case holds 1,100 idle half-sent requests against a server with an
+flags and failures at start (non-finite floats, `--threads 0`, a startup timeout, the key from a
+file or the environment, the missing `serve` extra) and the pure rules. A slow case holds 1,100 idle half-sent requests against a server with an
 open-file limit of 1024.
 """
 from __future__ import annotations
@@ -186,6 +186,30 @@ def test_non_finite_float_flags_exit_2(flag, value, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--model", TINY, f"{flag}={value}"])
     assert exit_.value.code == 2 and "must be a finite number" in capsys.readouterr().err
+
+
+def test_threads_0_is_one_line_and_exit_2(capsys):
+    from spd_engine.tools.cli import main
+
+    assert main(["serve", "--model", TINY, "--stages", "2", "--threads", "0"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "spd serve: error: --threads must be >= 1, got 0"
+
+
+@pytest.mark.multiproc
+def test_a_startup_timeout_is_one_line_exit_1_and_nothing_left():
+    from spd_engine.engine.runtime.launch import spd_command
+    from spd_engine.server.process import group_members
+
+    proc = subprocess.Popen([*spd_command(), "serve", *TINY_ARGS, "--startup-timeout", "0.05", "--port", "0"],
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == ("spd serve: the ranks did not come up within 0.05 s (--startup-timeout); "
+                                            "exiting"), err
+    deadline = time.monotonic() + 10
+    while group_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert group_members(proc.pid) == []
 
 
 def key_args(**kw) -> argparse.Namespace:
