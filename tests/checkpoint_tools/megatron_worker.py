@@ -11,6 +11,9 @@ holds the CUDA shims, `cpu_shims`).
       Megatron-LM does (`dist_checkpointing.save` of {"args": Namespace, "iteration",
       "checkpoint_version", "model": sharded state} into OUT_ROOT/name/iter_0000100 + the tracker
       file), and save its logits and greedy continuation (args "new_tokens", default 8) as OUT_ROOT/name.pt
+  python megatron_worker.py resave-tp2 SRC DST
+      two ranks (tensor parallel 2) load SRC, a checkpoint `save` wrote, into their GPTModel shards and
+      save it again into DST/iter_0000100: Megatron's TP-sharded chunks of the same weights
 """
 from __future__ import annotations
 
@@ -91,7 +94,39 @@ def load_exports(tokens_json: str, pairs: list[str]) -> None:
         torch.save({"logits": ref.forward_logits(model.eval(), tokens), "loaded_keys": sorted(loaded)}, out)
 
 
-if __name__ == "__main__":
+def _resave_rank(rank: int, src: str, dst: str, rendezvous: str) -> None:
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from spd_engine.checkpoint_tools.megatron_dcp import checkpoint_dir, read_common
+
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2)
+    ref.cpu_shims()
+    parallel_state.initialize_model_parallel(2, 1)
+    ckpt = checkpoint_dir(src)
+    a = vars(read_common(ckpt)["args"])
+    model = ref.build_gpt({**ref.ARG_DEFAULTS, **a}, a["padded_vocab_size"])
+    ref.load_weights(model, str(ckpt))
+    out = Path(dst) / "iter_0000100"
+    if rank == 0:
+        out.mkdir(parents=True)
+        (Path(dst) / "latest_checkpointed_iteration.txt").write_text("100")
+    dist.barrier()
+    dist_checkpointing.save({"args": argparse.Namespace(**a), "model": model.sharded_state_dict()}, str(out))
+    dist.destroy_process_group()
+
+
+def resave_tp2(src: str, dst: str) -> None:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_resave_rank, args=(src, dst, str(Path(tmp) / "rendezvous")), nprocs=2)
+
+
+if __name__ == "__main__" and sys.argv[1] == "resave-tp2":
+    resave_tp2(*sys.argv[2:4])
+elif __name__ == "__main__":
     warnings.filterwarnings("ignore")
     with tempfile.TemporaryDirectory() as tmp:
         ref.init_single_rank(str(Path(tmp) / "rendezvous"))

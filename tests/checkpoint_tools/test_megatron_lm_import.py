@@ -212,3 +212,18 @@ def test_spd_on_a_megatron_lm_default_checkpoint_gives_megatron_cores_greedy_tok
     with launch(ecfg) as runtime:
         got = [runtime.generate(TOKENS[b].tolist(), want.shape[1]).tokens for b in range(TOKENS.shape[0])]
     assert got == want.tolist()
+
+
+@pytest.mark.slow
+def test_a_tp2_resave_by_megatron_core_imports_to_the_same_weights(built, tmp_path):
+    """megatron-core at tensor parallel 2 loads the biased checkpoint and saves it again (TP-sharded
+    chunks: fc1's gate and up halves per rank); the import reads the same tensors as from TP=1."""
+    run = subprocess.run([sys.executable, str(WORKER), "resave-tp2", str(built / "linear_bias"), str(tmp_path / "tp2")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    meta = megatron_dcp.SafeReader(tmp_path / "tp2" / "iter_0000100").read_metadata().state_dict_metadata
+    assert len(meta["decoder.layers.mlp.linear_fc1.weight"].chunks) == 4 * LM_ARGS["num_layers"]  # 2 ranks x 2 halves
+    cfg1, one = megatron_dcp.import_megatron(built / "linear_bias")
+    cfg2, two = megatron_dcp.import_megatron(tmp_path / "tp2")
+    assert cfg1 == cfg2 and cfg1.linear_bias
+    assert_same_tensors(two, one)
