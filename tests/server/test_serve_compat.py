@@ -7,6 +7,8 @@ refused naming it, `priority` ordered as vLLM orders it, no `_created` series in
 from __future__ import annotations
 
 import re
+import threading
+import time
 
 import httpx
 import openai
@@ -17,14 +19,27 @@ from spd_engine.tools.cli import version
 
 pytestmark = pytest.mark.multiproc
 TINY = "random:tiny-llama"
+# every stage step lasts at least 20 ms: a 480-token request keeps the pipeline busy for seconds
 TINY_ARGS = ["--model", TINY, "--stages", "2", "--threads", "1", "--capacity", "512", "--prefill-chunk", "16",
-             "--suffix-run", "1"]
+             "--suffix-run", "1", "--stage-ms", "20"]
 SMOL = "smollm2-135m"
 SMOL_ARGS = ["--model", SMOL, "--stages", "2", "--threads", "1", "--capacity", "512"]
 
 
 def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120.0)
+
+
+def waiting(server: ServerProcess) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    return float(re.search(r"^spd:num_requests_waiting\{[^}]*\} (\S+)$", text, re.M)[1])
+
+
+def wait_until(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +159,68 @@ def test_chat_fields_the_engine_cannot_honour_are_a_400_naming_them(tiny, kwargs
         client(tiny).chat.completions.create(**{"model": TINY, "messages": [{"role": "developer", "content": "x"}],
                                                 "max_tokens": 2, **kwargs})
     assert info.value.param == param, info.value.message
+
+
+def test_lower_priority_is_served_first_as_vllm_orders_it(tiny):
+    """A long request holds the pipeline; `priority` 5 queues, then `priority` -5: when the pipeline
+    frees, -5 goes first although it arrived second."""
+    c, done, first_token, release = client(tiny), [], threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with httpx.stream("POST", f"{tiny.base_url}/completions", timeout=120,
+                          json={"prompt": [4, 5], "max_tokens": 480, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    first_token.set()
+                    release.wait(60)
+                    return  # the client goes away: the request ends at its next token
+
+    def ask(name: str, priority: int) -> None:
+        c.completions.create(model=TINY, prompt=[7, 8], max_tokens=1, extra_body={"priority": priority})
+        done.append(name)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert first_token.wait(60)
+    late, early = threading.Thread(target=ask, args=("5", 5)), threading.Thread(target=ask, args=("-5", -5))
+    base = waiting(tiny)
+    late.start()
+    wait_until(lambda: waiting(tiny) >= base + 1)
+    early.start()
+    wait_until(lambda: waiting(tiny) >= base + 2)
+    release.set()
+    for t in (holder, late, early):
+        t.join(60)
+    assert done == ["-5", "5"]
+
+
+# ---- the real model (a tokenizer and a chat template) ----
+
+def test_developer_message_is_a_system_turn_for_a_template_without_that_role(smol):
+    c = client(smol)
+    question = {"role": "user", "content": "Name a colour."}
+    as_developer = c.chat.completions.create(model=SMOL, max_tokens=8, temperature=0,
+                                             messages=[{"role": "developer", "content": "Answer in one word."},
+                                                       question])
+    as_system = c.chat.completions.create(model=SMOL, max_tokens=8, temperature=0,
+                                          messages=[{"role": "system", "content": "Answer in one word."}, question])
+    assert as_developer.choices[0].message.content == as_system.choices[0].message.content
+    assert as_developer.usage.prompt_tokens == as_system.usage.prompt_tokens
+    plain = c.chat.completions.create(model=SMOL, max_tokens=8, temperature=0, messages=[question])
+    assert plain.usage.prompt_tokens != as_system.usage.prompt_tokens  # the turn did reach the template
+
+
+def test_tokenize_then_detokenize_gives_the_text_back_and_counts_the_chat_prompt(smol):
+    text = "Café ☕, naïve 日本語 text."
+    got = httpx.post(f"{smol.url}/tokenize", json={"model": SMOL, "prompt": text, "return_token_strs": True}).json()
+    assert got["count"] == len(got["tokens"]) == len(got["token_strs"]) and got["max_model_len"] == 512
+    assert httpx.post(f"{smol.url}/detokenize", json={"tokens": got["tokens"]}).json() == {"prompt": text}
+    assert client(smol).completions.create(model=SMOL, prompt=text, max_tokens=1).usage.prompt_tokens == got["count"]
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    chat = httpx.post(f"{smol.url}/tokenize", json={"messages": messages}).json()
+    usage = client(smol).chat.completions.create(model=SMOL, messages=messages, max_tokens=1).usage
+    assert chat["count"] == usage.prompt_tokens
+    bare = httpx.post(f"{smol.url}/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert chat["tokens"][:bare["count"]] == bare["tokens"] and bare["count"] < chat["count"]
+    rendered = httpx.post(f"{smol.url}/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
+    assert "<|im_start|>system\nBe brief.<|im_end|>" in rendered and rendered.endswith("<|im_start|>assistant\n")
