@@ -24,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", action="store_true",
                    help="the whole GPU window: the check, then heads trained to the time budget, then evaluated")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="--window: seconds for the whole command, a safety margin included (default 540; dry 90)")
+                   help="seconds for the check's time guard (default 240; dry 50); --window: for the whole "
+                        "command, a safety margin included (default 540; dry 90)")
     p.add_argument("--no-check", action="store_true", help="--window: skip the GPU check, train at once")
     p.add_argument("--work", default=None, help="--window: scratch directory (default: a new temporary one)")
     p.add_argument("--carry", default=str(DEFAULT_CARRY),
@@ -49,25 +50,25 @@ def run(args: argparse.Namespace) -> int:
               f"(CUDA build: {torch.version.cuda or 'none'}); run `make gpu-check-dry` for the CPU dry run",
               file=sys.stderr)
         return 2
+    if args.budget_s is not None and args.budget_s <= 0:
+        raise ValueError(f"--budget-s must be positive, got {args.budget_s}")
+    if args.window:
+        return _window(args)
+    from spd_engine.bench.device_check.check_run import run_check
     from spd_engine.tools.cli import main as spd_main
 
-    if args.window:
-        return _window(args, spd_main)
-    from spd_engine.bench.device_check.check_run import run_check
-
-    report = run_check(args.out, args.dry, lambda m: print(m, flush=True), device=args.device, spd_main=spd_main)
+    report = run_check(args.out, args.dry, lambda m: print(m, flush=True), device=args.device, spd_main=spd_main,
+                       budget_s=args.budget_s)
     return 0 if report["summary"]["ok"] else 1
 
 
-def _window(args: argparse.Namespace, spd_main) -> int:
+def _window(args: argparse.Namespace) -> int:
     import dataclasses
 
     from spd_engine.bench.device_check.window_plan import dry_window_plan, gpu_window_plan
     from spd_engine.bench.device_check.window_run import run_window
     from spd_engine.tools.train import batches
 
-    if args.budget_s is not None and args.budget_s <= 0:
-        raise ValueError(f"--budget-s must be positive, got {args.budget_s}")
     check = not args.no_check
     plan = dry_window_plan(check=check) if args.dry else gpu_window_plan(device=args.device, check=check)
     if args.budget_s is not None:
@@ -76,7 +77,7 @@ def _window(args: argparse.Namespace, spd_main) -> int:
         plan = dataclasses.replace(plan, self_distill=max(0, args.self_distill))
     work = args.work or tempfile.mkdtemp(prefix="spd-gpu-window-")
     try:
-        report = run_window(args.out, work, plan, args.carry, batches, lambda m: print(m, flush=True), spd_main, T0)
+        report = run_window(args.out, work, plan, args.carry, batches, lambda m: print(m, flush=True), T0)
     finally:
         if args.work is None:  # the training states and the converted target: nothing of them comes back
             shutil.rmtree(work, ignore_errors=True)

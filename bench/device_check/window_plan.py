@@ -39,6 +39,7 @@ class WindowPlan:
     margin_s: float  # kept free at the end: the last save, the evaluation's overrun, the report, exit
     check: bool  # run the GPU check first (`spd gpu-check`)
     check_budget_s: float  # its time guard's budget (its own plan orders the items so a cut keeps every shape)
+    check_overrun_s: float  # past its budget the check is killed (imports, compilations, one item's overrun)
     eval_s: float  # reserved after training for the evaluation on the device
     runs: tuple[HeadRun, ...]
     seq_len: int
@@ -68,7 +69,7 @@ def gpu_window_plan(budget_s: float = 540.0, device: str = "cuda", check: bool =
         HeadRun("n8-k2", (4, 4, 4, 4, 4, 4, 3, 3), (0, 4, 12, 24, 29), 2, 0.125, 3e-4, SHIPPED_N4),
     )
     return WindowPlan(device=device, model="staged", budget_s=budget_s, margin_s=45.0, check=check,
-                      check_budget_s=150.0, eval_s=30.0,
+                      check_budget_s=150.0, check_overrun_s=90.0, eval_s=30.0,
                       runs=runs, seq_len=256, batch=64, max_steps=100_000, calib_steps=12, warm_steps=4,
                       min_run_s=20.0, eval_seqs=64, self_distill=0, gen_tokens=192, gen_batch=128,
                       dtype="bfloat16", corpus="data/smollm2-135m-corpus.tar.xz")
@@ -83,7 +84,7 @@ def dry_window_plan(budget_s: float = 90.0, check: bool = True) -> WindowPlan:
         HeadRun("n4-k2", (2, 2, 1, 1), None, 2, 0.3, 3e-3, None, (4.0, 2.0, 1.0, 1.0)),
     )
     return WindowPlan(device="cpu", model="random:tiny-llama", budget_s=budget_s, margin_s=5.0, check=check,
-                      check_budget_s=50.0, eval_s=3.0, runs=runs, seq_len=16, batch=2, max_steps=12, calib_steps=4,
+                      check_budget_s=50.0, check_overrun_s=60.0, eval_s=3.0, runs=runs, seq_len=16, batch=2, max_steps=12, calib_steps=4,
                       warm_steps=1, min_run_s=0.5, eval_seqs=4, self_distill=4, gen_tokens=6, gen_batch=4,
                       dtype="float32", corpus="synthetic")
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import subprocess
+import sys
 import tarfile
 import time
 from collections.abc import Callable, Iterator
@@ -22,18 +25,29 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout: the shipped heads an
 BatchesFn = Callable[..., Iterator[torch.Tensor]]  # tools/train.py `batches(corpus, seq_len, batch, seed)`
 
 
-def _check(plan: WindowPlan, work: Path, log, spd_main) -> dict:
-    from spd_engine.bench.device_check.check_run import run_check
+def _check(plan: WindowPlan, work: Path, log) -> dict:
+    """`spd gpu-check` in a child process under a hard timeout: a check that hangs (its CUDA paths
+    have their first run in a window) cannot take the training's time, and its device memory is
+    freed when it exits."""
+    from spd_engine.engine.runtime.launch import spd_command
 
     if not plan.check:
         return {"status": "not run (--no-check)"}
+    out = work / "check"
+    argv = [*spd_command(), "gpu-check", "--out", str(out), "--budget-s", str(plan.check_budget_s),
+            "--device", plan.device, *(["--dry"] if plan.device == "cpu" else [])]
+    # the child imports spd_engine as this process does ("" on sys.path: the working directory)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(os.getcwd() if p == "" else p for p in sys.path))
     t0 = time.perf_counter()
     try:
-        rep = run_check(work / "check", plan.device == "cpu", log, device=plan.device, spd_main=spd_main,
-                        budget_s=plan.check_budget_s)
-        status = "pass" if rep["summary"]["ok"] else "fail"
-        return {"status": status, "summary": rep["summary"], "seconds": round(time.perf_counter() - t0, 1)}
-    except Exception as err:  # the window goes on to training
+        rc = subprocess.run(argv, env=env, timeout=plan.check_budget_s + plan.check_overrun_s).returncode
+        rep = json.loads((out / "gpu-check.json").read_text())
+        status = "pass" if rc == 0 and rep["summary"]["ok"] else "fail"
+        return {"status": status, "rc": rc, "summary": rep["summary"], "seconds": round(time.perf_counter() - t0, 1)}
+    except subprocess.TimeoutExpired:
+        return {"status": "error", "error": f"killed after {plan.check_budget_s + plan.check_overrun_s:.0f} s",
+                "seconds": round(time.perf_counter() - t0, 1)}
+    except (OSError, ValueError, KeyError) as err:  # no report written: the window goes on to training
         return {"status": "error", "error": error_line(err), "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -127,8 +141,7 @@ def _eval_entries(plan: WindowPlan, training: dict, work: Path, target, cfg, res
 
 
 def run_window(out_dir: str | Path, work_dir: str | Path, plan: WindowPlan, carry: str | Path, batches: BatchesFn,
-               log: Callable[[str], None] = print, spd_main: Callable[[list[str]], int] | None = None,
-               t0: float | None = None) -> dict:
+               log: Callable[[str], None] = print, t0: float | None = None) -> dict:
     """The whole window; writes OUT/gpu-window.json, .md and the packed files; returns the report.
     `t0`: perf_counter time the window's budget counts from (default: now)."""
     from spd_engine.bench.device_check.window_eval import evaluate_heads
@@ -145,7 +158,7 @@ def run_window(out_dir: str | Path, work_dir: str | Path, plan: WindowPlan, carr
     log(f"# spd gpu-check --window ({plan.device}): {label(env)}; budget {plan.budget_s:.0f} s")
     report: dict = {"schema": WINDOW_SCHEMA, "mode": "dry (cpu, tiny shapes)" if plan.device == "cpu" else "gpu",
                     "environment": env, "plan": dataclasses.asdict(plan)}
-    report["check"] = _check(plan, work, log, spd_main)
+    report["check"] = _check(plan, work, log)
     t = time.perf_counter()
     report["target"], spec, cfg = _target(plan, Path(carry), work)
     report["corpus"], report["training"], report["evaluation"] = {}, {}, {}

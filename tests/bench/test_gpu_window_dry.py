@@ -160,3 +160,13 @@ def test_window_plan_on_the_real_staged_target_on_the_cpu(tmp_path: Path, smollm
     # warm-started heads start where the shipped head is: well above an untrained head
     assert heads["n4-k2"]["agree_start"] > 0.2 and heads["n4-k4"]["agree_start"] is None
     assert not report["outputs"]["left_out"] and len(report["outputs"]["files"]) <= OUT_MAX_FILES - 2
+
+
+def test_a_check_that_overruns_is_killed_and_the_window_goes_on(tmp_path: Path) -> None:
+    from spd_engine.bench.device_check.window_run import _check
+
+    plan = dataclasses.replace(dry_window_plan(), check_budget_s=0.1, check_overrun_s=0.5)
+    t0 = time.perf_counter()
+    entry = _check(plan, tmp_path, lambda m: None)
+    assert entry["status"] == "error" and entry["error"].startswith("killed after")
+    assert time.perf_counter() - t0 < 5
