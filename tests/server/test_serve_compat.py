@@ -79,6 +79,7 @@ def test_tokenize_counts_what_a_completion_prefills_and_detokenize_writes_the_id
     ("tokenize", {"messages": [{"role": "user", "content": "x"}]}, "messages"),  # no chat template
     ("detokenize", {"tokens": "1 2"}, "tokens"), ("detokenize", {"tokens": [1, True]}, "tokens"),
     ("detokenize", {"tokens": [10 ** 9]}, "tokens"), ("detokenize", {"tokens": [1] * 513}, "tokens"),
+    ("tokenize", {"prompt": "x" * 600}, "prompt"),  # more bytes than the KV capacity holds tokens
 ])
 def test_bad_tokenize_or_detokenize_is_a_400_naming_the_field(tiny, path, body, param):
     r = httpx.post(f"{tiny.url}/{path}", json=body)
@@ -102,6 +103,38 @@ def test_metrics_have_no_created_series(tiny):
     text = httpx.get(f"{tiny.url}/metrics").text
     assert re.search(r"^spd:request_total\{", text, re.M) and "spd:e2e_request_latency_seconds_count" in text
     assert "_created" not in text
+
+
+def test_the_new_endpoints_need_the_api_key_but_version_does_not():
+    """In process (no engine needed): with --api-key, /tokenize, /detokenize and /v1/models/{id}
+    answer 401 without the key and serve with it; /version, as /health, needs none."""
+    from fastapi.testclient import TestClient
+
+    from spd_engine.server.app import build_app
+    from spd_engine.server.exporter import ServeMetrics
+    from spd_engine.server.request import ModelInfo
+
+    info = ModelInfo(name="m", tok=None, tok_dir=None, vocab_size=100, capacity=32, eos_ids=(2,))
+    app = build_app(None, info, ServeMetrics(2, lambda: 0, lambda: 0, "m"), 30.0, api_key="k")
+    anonymous, keyed = TestClient(app), TestClient(app, headers={"Authorization": "Bearer k"})
+    calls = [("post", "/tokenize", {"prompt": "ab"}), ("post", "/detokenize", {"tokens": [3]}),
+             ("get", "/v1/models/m", None)]
+    for method, path, body in calls:
+        assert getattr(anonymous, method)(path, **({"json": body} if body else {})).status_code == 401, path
+        assert getattr(keyed, method)(path, **({"json": body} if body else {})).status_code == 200, path
+    assert anonymous.get("/version").json() == {"version": version()}
+    assert keyed.post("/tokenize", json={"prompt": "ab"}).json()["tokens"] == [3 + ord("a") % 97, 3 + ord("b") % 97]
+
+
+def test_developer_stays_developer_for_a_template_that_names_it():
+    from spd_engine.server.text import template_role
+
+    class Tok:
+        chat_template = "{% for m in messages %}{% if m.role == 'developer' %}D{% endif %}{% endfor %}"
+
+    assert template_role(Tok(), "developer") == "developer"
+    Tok.chat_template = "{% for m in messages %}{{ m.role }}{% endfor %}"
+    assert template_role(Tok(), "developer") == "system" and template_role(Tok(), "user") == "user"
 
 
 # ---- request fields ----
