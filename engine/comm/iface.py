@@ -8,7 +8,8 @@ applies:
 2. GLOO_SOCKET_IFNAME set by the user: honoured as given (and NCCL_SOCKET_IFNAME for NCCL:
    where the user set it, NCCL keeps it, else it gets the same interface as gloo);
 3. the interface whose route reaches the rendezvous (master) address: the local address a
-   socket connected to it would use, mapped to the interface holding that address.
+   socket connected to it would use, mapped to the interface holding that address; where that
+   is loopback (every rank on one host), nothing is set and the backend picks as before.
 The lookups touching the host are small functions; `choose_iface` itself is pure.
 """
 from __future__ import annotations
@@ -133,8 +134,11 @@ def choose_iface(env: Mapping[str, str], host: str | None, table: Mapping[str, l
         local = route(host)
     except OSError as err:  # unresolvable or unroutable: the rendezvous will say so itself
         return IfaceChoice(None, None, f"no route to {host}: {err.strerror or err}")
-    name = iface_of(local, table)
-    return IfaceChoice(name, local, f"the route to {host}")
+    if ipaddress.ip_address(local.split("%")[0]).is_loopback:
+        # every rank on this host: whatever the backend picks for itself is reachable, and a
+        # launcher's own process (rank 0 of a local run) keeps its environment as it was
+        return IfaceChoice(None, None, f"all ranks on this host ({host})")
+    return IfaceChoice(iface_of(local, table), local, f"the route to {host}")
 
 
 def use_iface(name: str | None, env: MutableMapping[str, str] = os.environ) -> None:

@@ -48,7 +48,11 @@ def test_route_to_the_master_picks_the_interface_that_reaches_it():
     choice = choose_iface({}, "10.0.0.1", TABLE, route)
     assert (choice.name, choice.address) == ("ib0", "10.0.0.7")
     assert "route to 10.0.0.1" in choice.source
-    assert choose_iface({}, "127.0.0.1", TABLE, route).name == "lo"  # one host: loopback is right
+    one_host = choose_iface({}, "127.0.0.1", TABLE, route)  # one host: the backend's own pick reaches
+    assert one_host.name is None and "all ranks on this host" in one_host.source
+    env: dict[str, str] = {}
+    apply_iface(one_host, "gloo", env)
+    assert env == {}  # a local launcher's environment stays as it was
 
 
 def test_flag_beats_environment_beats_route():
