@@ -11,6 +11,7 @@ Both take an optional `model` (the served one) and refuse any other field, namin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any
 
 import jinja2
@@ -19,7 +20,6 @@ from spd_engine.server.openai_api import ApiError, ParsedRequest, bad, messages,
 from spd_engine.server.request import ModelInfo, check_model_name
 from spd_engine.server.text import IdText, tokenize_ids
 from spd_engine.server.tokenizing import PromptEncoder
-from spd_engine.tools.cli import version
 
 CHAT_FIELDS = {"model", "messages", "add_generation_prompt", "add_special_tokens", "return_token_strs"}
 PROMPT_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
@@ -119,4 +119,7 @@ def model_lookup(model_id: str, info: ModelInfo, created: int) -> dict:
 
 
 def server_version() -> dict:
-    return {"version": version()}
+    try:
+        return {"version": metadata.version("spd-engine")}
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return {"version": "unknown (not installed)"}
