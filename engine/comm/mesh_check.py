@@ -61,9 +61,9 @@ def _wait(store: dist.Store, keys: list[str], deadline: float, what: str) -> Non
         store.wait(keys, datetime.timedelta(seconds=max(0.1, left)))
     except RuntimeError as err:  # the store's timeout (DistStoreError and kin)
         missing = [k.rsplit("/", 1)[-1] for k in keys if not store.check([k])]
-        raise JoinError(f"could not join the process group: {what}: rank(s) {', '.join(missing) or '?'} did not report within the join deadline "
-                        f"({err.__class__.__name__}); is every node started with the same --nnodes, "
-                        f"--master-addr and --master-port?") from err
+        raise JoinError(f"could not join the process group: {what}: rank(s) {', '.join(missing) or '?'} did not "
+                        f"report within the join deadline ({err.__class__.__name__}); is every node started with "
+                        f"the same --nnodes, --master-addr and --master-port?") from err
 
 
 def _probe(advert: Advert) -> str | None:
