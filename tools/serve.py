@@ -131,9 +131,13 @@ def run(args: argparse.Namespace) -> int:
     from spd_engine.server.request import ModelInfo
     from spd_engine.server.request_log import configure
     from spd_engine.server.runner import bind, run_server
+    from spd_engine.server.shm_sweep import sweep_semaphores
     from spd_engine.server.tokenizing import PromptEncoder
 
     configure(args.log_level)
+    swept = sweep_semaphores()
+    if swept:
+        print(f"spd serve: removed {swept} semaphore(s) in /dev/shm that killed processes left", file=sys.stderr)
     ecfg, tok_dir = engine_config(args)
     if args.max_batch > 1 and ecfg.mode != "spd":
         raise ValueError(f"--max-batch > 1 needs --mode spd, got --mode {ecfg.mode}")

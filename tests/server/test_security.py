@@ -248,6 +248,33 @@ def test_without_the_serve_extra_serve_says_so_in_one_line_and_exits_2():
                                                 "prometheus_client: pip install 'spd-engine[serve]'"], proc.stderr
 
 
+def test_semaphores_left_by_killed_processes_are_swept_and_held_ones_kept():
+    import multiprocessing
+    import os
+    import uuid
+    from pathlib import Path
+
+    from spd_engine.server.shm_sweep import SHM, sweep_semaphores
+
+    if not SHM.is_dir() or not Path("/proc/self/maps").exists():
+        pytest.skip("needs /dev/shm and /proc")
+    held = multiprocessing.get_context("spawn").Lock()  # a named semaphore this process maps
+    held_files = [SHM / f"sem.{held._semlock.name.lstrip('/')}"]
+    orphan = SHM / f"sem.mp-{uuid.uuid4().hex[:8]}"
+    orphan.write_bytes(b"\0" * 32)  # what a killed group leaves: a file nobody maps
+    young = SHM / f"sem.mp-{uuid.uuid4().hex[:8]}"
+    young.write_bytes(b"\0" * 32)
+    try:
+        for path in [orphan, *held_files]:
+            os.utime(path, (time.time() - 60, time.time() - 60))
+        assert sweep_semaphores() >= 1
+        assert not orphan.exists() and young.exists() and all(p.exists() for p in held_files)
+    finally:
+        young.unlink(missing_ok=True)
+        orphan.unlink(missing_ok=True)
+        del held
+
+
 # ---- pure rules ----
 
 @pytest.mark.pure
