@@ -84,9 +84,9 @@ def dry_window_plan(budget_s: float = 90.0, check: bool = True) -> WindowPlan:
         HeadRun("n4-k2", (2, 2, 1, 1), None, 2, 0.3, 3e-3, None, (4.0, 2.0, 1.0, 1.0)),
     )
     return WindowPlan(device="cpu", model="random:tiny-llama", budget_s=budget_s, margin_s=5.0, check=check,
-                      check_budget_s=50.0, check_overrun_s=60.0, eval_s=3.0, runs=runs, seq_len=16, batch=2, max_steps=12, calib_steps=4,
-                      warm_steps=1, min_run_s=0.5, eval_seqs=4, self_distill=4, gen_tokens=6, gen_batch=4,
-                      dtype="float32", corpus="synthetic")
+                      check_budget_s=50.0, check_overrun_s=60.0, eval_s=3.0, runs=runs, seq_len=16, batch=2,
+                      max_steps=12, calib_steps=4, warm_steps=1, min_run_s=0.5, eval_seqs=4, self_distill=4,
+                      gen_tokens=6, gen_batch=4, dtype="float32", corpus="synthetic")
 
 
 def run_budget(share: float, later_shares: float, left_s: float) -> float:

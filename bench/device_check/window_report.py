@@ -62,7 +62,8 @@ def window_markdown(report: dict) -> str:
                          f"{r.get('error', '') if isinstance(r, dict) else ''} |||||||||")
             continue
         lines.append(f"| {name} | {len(r['stage_layers'])} | {r['pdm_layers']} | {r['init_head'] or 'target layers'} | "
-                     f"{r['steps']} | {r['stopped_by']} | {r['tokens']:,} | {r['seconds']} | {_f(r['tokens_per_s'], '.0f')} | "
+                     f"{r['steps']} | {r['stopped_by']} | {r['tokens']:,} | {r['seconds']} | "
+                     f"{_f(r['tokens_per_s'], '.0f')} | "
                      f"{_f(r['loss_first'])} -> {_f(r['loss_last'])} |")
     ev = report["evaluation"]
     lines += ["", f"## Evaluation on the device ({ev.get('sequences', 0)} held-out sequences; top-1 agreement "
@@ -71,6 +72,7 @@ def window_markdown(report: dict) -> str:
         lines.append(f"| {name} | {_f(r.get('agree_start'), '.4f')} | {_f(r.get('agree_trained'), '.4f')} | "
                      f"{_f(r.get('better_than_start'))} {r.get('error', '') if r['status'] != 'measured' else ''} |")
     o = report["outputs"]
+    left = f"; left out: {', '.join(o['left_out'])}" if o["left_out"] else ""
     lines += ["", f"Files: {', '.join(o['files'])} ({o['bytes'] / 2**20:.1f} MiB; rejoin with "
-              f"`cat gpu-window-files.tar.* | tar x`){'; left out: ' + ', '.join(o['left_out']) if o['left_out'] else ''}."]
+              f"`cat gpu-window-files.tar.* | tar x`){left}."]
     return "\n".join(lines) + "\n"

@@ -83,7 +83,8 @@ def _corpus(plan: WindowPlan, work: Path, vocab_size: int):
         shutil.copytree(ROOT / plan.corpus, dest)
     corpus = Corpus(dest)
     if corpus.vocab_size != vocab_size:
-        raise ValueError(f"{plan.corpus} was tokenized for a vocabulary of {corpus.vocab_size}, the target has {vocab_size}")
+        raise ValueError(f"{plan.corpus} was tokenized for a vocabulary of {corpus.vocab_size}, "
+                         f"the target has {vocab_size}")
     return {"path": plan.corpus, "train_tokens": corpus.token_count("train"),
             "holdout_tokens": corpus.token_count("holdout"),
             "decontamination": corpus.manifest.get("decontamination", {}).get("ngram")}, corpus
@@ -133,8 +134,8 @@ def _eval_entries(plan: WindowPlan, training: dict, work: Path, target, cfg, res
         if training.get(run.name, {}).get("status") != "pass":
             continue
         init = resolve_init(run.init_head)
-        start = (lambda run=run, init=init: new_pdm(target, train_config(plan, run, work / "tmp", init), _draft_vocab(plan))
-                 .to(dev)) if init else (lambda: None)
+        start = (lambda run=run, init=init: new_pdm(target, train_config(plan, run, work / "tmp", init),
+                                                    _draft_vocab(plan)).to(dev)) if init else (lambda: None)
         entries.append({"name": run.name, "weights": run.fill_weights, "start": start,
                         "load": lambda run=run: load_pdm(work / "heads" / run.name, cfg, run.stage_layers, device=dev)})
     return entries

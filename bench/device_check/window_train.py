@@ -23,21 +23,29 @@ from spd_engine.train.distill import TrainConfig, Trainer
 
 
 class GuardedTrainer(Trainer):
-    """The PDM trainer whose step count is calibrated to a deadline and cut short by it."""
+    """The PDM trainer whose step count is calibrated to a deadline and cut short by it.
+
+    The step count is fixed at step `calib` from the steps timed after `warm`, and refitted at
+    twice that step, four times, ...: steps differ by fill, so early timings are refined, each
+    refit moving the schedule's end a little rather than leaving time unused or overrunning."""
 
     def __init__(self, *args, deadline: float, calib: tuple[int, int], **kwargs) -> None:
+        assert calib[1] > calib[0] >= 1, calib
         self.deadline, (self.warm_steps, self.calib_steps) = deadline, calib
         self.stopped_by, self.calibrated_steps, self._t_warm = "plan", None, time.perf_counter()
+        self._next_fit = calib[1]
         super().__init__(*args, **kwargs)
+        self.max_steps = self.cfg.steps
 
     def _save_due(self) -> bool:
         now = time.perf_counter()
         if self.step == self.warm_steps:
             self._t_warm = now  # the first steps (allocation, autotuning) are not timed
-        elif self.step == self.calib_steps and self.step < self.cfg.steps:
-            per_step = (now - self._t_warm) / (self.calib_steps - self.warm_steps)
+        elif self.step == self._next_fit and self.step < self.cfg.steps:
+            per_step = (now - self._t_warm) / (self.step - self.warm_steps)
             fit = int(max(0.0, self.deadline - now) / per_step)
-            self.cfg.steps = self.calibrated_steps = max(self.step, min(self.cfg.steps, self.step + fit))
+            self.cfg.steps = self.calibrated_steps = max(self.step, min(self.max_steps, self.step + fit))
+            self._next_fit *= 2
         if now >= self.deadline and self.step < self.cfg.steps:
             self.cfg.steps, self.stopped_by = self.step, "guard"  # the loop ends here, after this save
         return super()._save_due()
@@ -114,5 +122,6 @@ def run_training(plan: WindowPlan, target, draft_vocab: tuple[int, ...] | None, 
                                            min(train_end, time.perf_counter() + budget), init, log)
         except Exception as err:  # reported; the next run still gets its time
             results[run.name] = {"status": "error", "error": error_line(err)}
-        log(f"  {run.name}: {json.dumps({k: results[run.name].get(k) for k in ('status', 'steps', 'tokens', 'seconds')})}")
+        shown = {k: results[run.name].get(k) for k in ("status", "steps", "tokens", "seconds", "stopped_by")}
+        log(f"  {run.name}: {json.dumps(shown)}")
     return results

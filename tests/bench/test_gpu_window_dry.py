@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from spd_engine.bench.device_check.window_plan import (OUT_MAX_FILE_BYTES, OUT_MAX_FILES, WINDOW_KEYS,
                                                        dry_window_plan)
@@ -170,3 +171,57 @@ def test_a_check_that_overruns_is_killed_and_the_window_goes_on(tmp_path: Path) 
     entry = _check(plan, tmp_path, lambda m: None)
     assert entry["status"] == "error" and entry["error"].startswith("killed after")
     assert time.perf_counter() - t0 < 5
+
+
+def test_runs_fit_their_step_counts_to_their_share(tmp_path: Path, one_thread) -> None:
+    from spd_engine.bench.device_check.window_run import run_window
+    from spd_engine.tools.train import batches
+
+    # no step cap: each run's step count comes from its own timing
+    plan = dataclasses.replace(dry_window_plan(check=False), budget_s=16.0, max_steps=10**6, calib_steps=4,
+                               self_distill=0, min_run_s=0.2)
+    t0 = time.perf_counter()
+    report = run_window(tmp_path / "out", tmp_path / "work", plan, tmp_path / "no-carry", batches, lambda m: None,
+                        t0=t0)
+    assert report["summary"]["ok"] and time.perf_counter() - t0 < plan.budget_s
+    ran = {n: r for n, r in report["training"].items() if r["status"] == "pass"}
+    assert ran
+    for r in ran.values():
+        assert r["calibrated_steps"] is not None and plan.calib_steps <= r["calibrated_steps"] < 10**6
+        assert r["steps"] == r["calibrated_steps"] if r["stopped_by"] == "plan" else r["stopped_by"] == "guard"
+
+
+def test_outputs_leave_out_whole_heads_past_the_size_limit(tmp_path: Path, monkeypatch) -> None:
+    from spd_engine.bench.device_check import window_outputs
+
+    plan = dry_window_plan()
+    work, out = tmp_path / "work", tmp_path / "out"
+    out.mkdir()
+    for i, run in enumerate(plan.runs):  # heads of 1, 2, 3 MiB
+        head = work / "heads" / run.name
+        head.mkdir(parents=True)
+        (head / "pdm.json").write_text("{}")
+        (head / "pdm.safetensors.zlib").write_bytes(b"\1" * ((i + 1) << 20))
+    report = {"training": {r.name: {"status": "pass"} for r in plan.runs}}
+    monkeypatch.setattr(window_outputs, "OUT_MAX_FILE_BYTES", 2 << 20)
+    monkeypatch.setattr(window_outputs, "OUT_MAX_BYTES", 6 << 20)
+    monkeypatch.setattr(window_outputs, "REPORT_ROOM", 1 << 20)
+    got = window_outputs.pack_outputs(plan, report, work, out)
+    # 5 MiB of room: the first two heads (3 MiB) go in, the third (3 MiB more) is left out whole
+    assert got["left_out"] == [plan.runs[2].name]
+    assert all(not m.startswith(f"heads/{plan.runs[2].name}/") for m in got["members"])
+    assert got["files"] == ["gpu-window-files.tar.00", "gpu-window-files.tar.01"]
+    assert all((out / f).stat().st_size <= 2 << 20 for f in got["files"])
+    names = _archive(out).getnames()
+    assert f"heads/{plan.runs[1].name}/pdm.safetensors.zlib" in names
+
+
+def test_make_gpu_window_refuses_without_cuda(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    if shutil.which("make") is None:
+        pytest.skip("needs make")
+    proc = subprocess.run(["make", "-s", "-C", str(ROOT), "gpu-window", f"OUT={tmp_path}", f"GPU_PY={sys.executable}"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "no CUDA device is available" in proc.stderr
+    assert not (tmp_path / "gpu-window.json").exists()
