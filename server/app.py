@@ -122,7 +122,10 @@ def build_app(engine: EngineLoop, info: ModelInfo, metrics: ServeMetrics, reques
     @app.get("/health")
     async def health() -> JSONResponse:
         if engine.state == "ready":
-            return JSONResponse({"status": "ok"})
+            if encoder is not None:
+                encoder.revive()  # a tokenizer process that died is replaced now, not at the next request
+            return JSONResponse({"status": "ok", **({"tokenizer_restarts": encoder.restarts}
+                                                    if encoder is not None and encoder.restarts else {})})
         return JSONResponse({"status": engine.state, "reason": engine.failure}, status_code=503)
 
     @app.get("/metrics")

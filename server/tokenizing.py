@@ -5,12 +5,19 @@ not free the event loop: one large prompt would freeze every stream. Prompts are
 template included) in one worker process instead, which loads the tokenizer once. Before that, a
 prompt that cannot fit in the KV capacity is refused without being encoded: a token never covers
 more than `max_token_bytes` bytes of text (the longest token of the vocabulary), so text longer
-than capacity x that (x 2, for normalizers that drop characters) needs more tokens than fit.
+than capacity x that (x 2, for normalizers that drop characters) needs more tokens than fit, and
+a chat of more turns than the capacity too (every turn takes a token at least).
+
+The worker's work is bounded: at most MAX_PENDING encodes wait for it (one more gets a 503
+`tokenizer_busy` with Retry-After). A worker that died (out of memory, killed) is replaced before
+the next encode and whenever /health asks (`revive`), which reports the restarts; an encode that
+was running when it died gets a 500, since its prompt may be what killed it.
 """
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import logging
 import multiprocessing
 import signal
 import sys
@@ -22,6 +29,8 @@ from spd_engine.engine.model.tokenizer import Tokenizer
 from spd_engine.server.openai_api import ApiError, ParsedRequest, bad
 
 SAFETY = 2  # text bytes per (longest token x capacity) refused outright
+MAX_PENDING = 16  # encodes submitted to the worker and not yet done
+LOG = logging.getLogger("spd.serve")
 _TOK: Tokenizer | None = None  # the worker process's tokenizer
 
 
@@ -41,7 +50,9 @@ def _init_worker(tok_dir: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        libc = ctypes.CDLL(None)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        libc.prctl(15, b"spd-tokenizer", 0, 0, 0)  # PR_SET_NAME: how ps, top and /proc/PID/comm name it
     _TOK = Tokenizer.from_dir(tok_dir)
 
 
@@ -67,6 +78,8 @@ class PromptEncoder:
         self.tok, self.tok_dir, self.capacity = tok, tok_dir, capacity
         self.byte_limit = SAFETY * capacity * max_token_bytes(tok) if tok is not None else capacity
         self._pool: ProcessPoolExecutor | None = None
+        self.pending = 0
+        self.restarts = 0
 
     def start(self, wait: bool = True) -> None:
         """Start the worker (waiting for it before the server listens, so the first request does not)."""
@@ -91,6 +104,9 @@ class PromptEncoder:
             texts = [text for _, text in parsed.messages] if parsed.chat else [parsed.prompt]
             size, unit = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts), "bytes of text"
         limit = self.capacity if unit == "token ids" else self.byte_limit
+        if parsed.chat and len(parsed.messages) > self.capacity:
+            raise bad(field, f"{len(parsed.messages)} messages cannot fit in the KV capacity of {self.capacity} "
+                             "positions (every turn takes a token at least)")
         if size > limit:
             raise bad(field, f"the prompt has {size} {unit}, more than can fit in the KV capacity of "
                              f"{self.capacity} positions")
@@ -102,16 +118,39 @@ class PromptEncoder:
             return None
         return await self.encode(parsed.chat, parsed.messages if parsed.chat else parsed.prompt)
 
+    def revive(self) -> None:
+        """Replace a worker that died since its last encode (a broken pool refuses new work at once)."""
+        if self._pool is None:
+            return
+        try:
+            self._pool.submit(int).cancel()
+        except BrokenProcessPool:
+            self._restart()
+
+    def _restart(self) -> None:
+        self.restarts += 1
+        LOG.warning("the tokenizer process died; started a new one (%d restart(s) so far)", self.restarts)
+        self._pool = None
+        self.start(wait=False)
+
     async def encode(self, chat: bool, payload, special: tuple[bool, bool] | None = None) -> list[int]:
         """Ids of a prompt or chat turns, in the worker (started: a model with a tokenizer)."""
         assert self._pool is not None, "encode needs the worker (a model with a tokenizer)"
+        if self.pending >= MAX_PENDING:
+            raise ApiError(503, f"the tokenizer is busy ({MAX_PENDING} prompts wait for it); retry shortly",
+                           type="server_error", code="tokenizer_busy", headers={"Retry-After": "1"})
+        self.revive()
+        pool = self._pool
+        self.pending += 1
         try:
-            ok, out = await asyncio.wrap_future(self._pool.submit(_encode, chat, payload, special))
-        except BrokenProcessPool:  # the worker died (out of memory?): a fresh one for the next request
-            self._pool = None
-            self.start(wait=False)
+            ok, out = await asyncio.wrap_future(pool.submit(_encode, chat, payload, special))
+        except BrokenProcessPool:  # the worker died on this prompt (out of memory?): a fresh one for the next
+            if self._pool is pool:  # not replaced yet (by another request that waited on it)
+                self._restart()
             raise ApiError(500, "the tokenizer process failed on this request", type="server_error",
                            code="tokenizer_failed") from None
+        finally:
+            self.pending -= 1
         if not ok:
             raise bad("messages" if chat else "prompt", out)
         return out

@@ -357,3 +357,37 @@ def test_1100_idle_half_sent_requests_under_an_open_file_limit_of_1024():
         for sock in idle:
             sock.close()
         server.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_huge_chats_are_refused_unencoded_and_a_dead_tokenizer_is_replaced(smollm2_dir):
+    """60,000 one-character turns (2 MB, under the size limit) are refused before the tokenizer
+    sees them; the tokenizer process killed, /health replaces it and says so, and the next chat
+    is served (before: a 500 while /health said ok)."""
+    import os
+    import signal
+    from pathlib import Path
+
+    server = ServerProcess(["--model", "smollm2-135m", "--stages", "2", "--threads", "1", "--capacity", "256"])
+    try:
+        url = f"{server.base_url}/chat/completions"
+        chat = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        assert httpx.post(url, json=chat, timeout=60).status_code == 200
+        t0 = time.monotonic()
+        r = httpx.post(url, json={**chat, "messages": [{"role": "user", "content": "x"}] * 60_000}, timeout=60)
+        assert r.status_code == 400 and "60000 messages cannot fit" in r.json()["error"]["message"], r.text
+        assert time.monotonic() - t0 < 2.0
+        worker = [p for p in server.spawned() if Path(f"/proc/{p}/comm").read_text().strip() == "spd-tokenizer"]
+        assert len(worker) == 1, server.spawned()
+        os.kill(worker[0], signal.SIGKILL)
+        deadline, health = time.monotonic() + 10, {}
+        while health.get("tokenizer_restarts") != 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            health = httpx.get(f"{server.url}/health").json()
+        assert health == {"status": "ok", "tokenizer_restarts": 1}, health
+        assert httpx.post(url, json=chat, timeout=60).status_code == 200
+        assert "the tokenizer process died" in server.stderr()
+        assert server.close() == 0, server.stderr()[-3000:]
+    finally:
+        server.kill()
