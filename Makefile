@@ -62,7 +62,8 @@ gpu-check-dry:
 # The GPU window (docs/gpu-check.md, "The GPU window"): the check, then heads trained for the time
 # left of BUDGET_S (the whole command, a safety margin included; default 540 s, dry 90 s), then
 # evaluated on the device. OUT (default runs/gpu-window) gets gpu-window.{json,md} and
-# gpu-window-files.tar.NN; WINDOW_ARGS adds flags (e.g. --no-check). The target travels as the parts `make gpu-window-stage` cut into CARRY.
+# gpu-window-files.tar.NN; WINDOW_ARGS adds flags (e.g. --no-check). The target travels as the
+# parts `make gpu-window-stage` cut into CARRY.
 CARRY ?= runs/gpu-carry
 BUDGET_S ?=
 WINDOW_ARGS ?=
