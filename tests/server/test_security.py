@@ -391,3 +391,48 @@ def test_huge_chats_are_refused_unencoded_and_a_dead_tokenizer_is_replaced(smoll
         assert server.close() == 0, server.stderr()[-3000:]
     finally:
         server.kill()
+
+
+def rss_mb(pid: int) -> float:
+    from pathlib import Path
+
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_300_half_sent_2_mb_bodies_are_bounded_and_closed():
+    """300 clients each send 1.9 MB of a declared 2 MB body and stop: past --max-in-flight (128)
+    they get 503 at once, the server's memory grows by at most the cap's bodies, and every
+    connection is closed at the body deadline."""
+    server = ServerProcess([*TINY_ARGS, "--body-timeout", "5", "--log-level", "info"])
+    socks: list[socket.socket] = []
+    try:
+        before = rss_mb(server.proc.pid)
+        chunk = b" " * (1900 << 10)
+        t0 = time.monotonic()
+        for _ in range(300):
+            sock = connect(server, HEAD + b"Content-Length: 2000000\r\n\r\n")
+            sock.setblocking(False)
+            try:
+                sock.send(chunk)  # as much as the socket buffers take; the rest is not sent
+            except BlockingIOError:
+                pass
+            socks.append(sock)
+        time.sleep(1.0)
+        peak = rss_mb(server.proc.pid)
+        refused = 0
+        for sock in socks:
+            data, _ = read_all(sock, max(0.1, t0 + 20 - time.monotonic()))
+            refused += data.startswith(b"HTTP/1.1 503")
+            assert data.startswith((b"HTTP/1.1 503", b"HTTP/1.1 408")), data[:100]
+        print(f"RSS {before:.0f} MB before, {peak:.0f} MB with 300 half-sent bodies, {rss_mb(server.proc.pid):.0f} "
+              f"MB after; {refused} refused with 503; all closed by {time.monotonic() - t0:.1f} s")
+        assert peak - before < 128 * 2 + 100 and time.monotonic() - t0 < 20
+        assert good_request(server).status_code == 200
+        assert server.close() == 0, server.stderr()[-3000:]
+    finally:
+        for sock in socks:
+            sock.close()
+        server.kill()
