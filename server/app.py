@@ -107,7 +107,8 @@ class RequestLog:
 
 def build_app(engine: EngineLoop, info: ModelInfo, metrics: ServeMetrics, request_timeout_s: float,
               encoder: PromptEncoder | None = None, api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, allowed_hosts: frozenset[str] = frozenset()) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              allowed_hosts: frozenset[str] = frozenset()) -> FastAPI:
     app = FastAPI(title="spd serve", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
 

@@ -6,8 +6,9 @@ body); a client leaving mid-upload is cancelled, not an error; past the connecti
 request is still served; past the in-flight cap a request gets 503 with Retry-After; without a
 key a Host that names another site and a body that does not say it is JSON are refused. Then the
 flags and failures at start (non-finite floats, `--threads 0`, a startup timeout, the key from a
-file or the environment, the missing `serve` extra) and the pure rules. A slow case holds 1,100 idle half-sent requests against a server with an
-open-file limit of 1024.
+file or the environment, the missing `serve` extra) and the pure rules. Slow cases: 1,100 idle
+half-sent requests against a server with an open-file limit of 1024; 300 half-sent 2 MB bodies;
+60,000 one-character chat turns and a killed tokenizer process (SmolLM2).
 """
 from __future__ import annotations
 
