@@ -8,6 +8,7 @@ still inside it (they were all started through `Nodes.popen`).
 """
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 # RFC 2544's benchmarking range: never routed, so it cannot clash with a real network
 SUBNET = "198.18.0"
 IFNAME = "spd0"  # the veth end's name inside each namespace
+_made = itertools.count()
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -46,7 +48,7 @@ class Nodes:
 
     def __init__(self, count: int = 2) -> None:
         assert count == 2, "one veth pair joins two nodes"
-        tag = f"{os.getpid()}x{time.monotonic_ns() % 100000}"
+        tag = f"{os.getpid() % 100000}x{next(_made)}"  # unique among this host's processes
         self.names = [f"spdn{tag}n{i}" for i in range(count)]
         self.addrs = [f"{SUBNET}.{i + 1}" for i in range(count)]
         self.procs: list[subprocess.Popen] = []
@@ -60,7 +62,7 @@ class Nodes:
         for ns in self.names:
             _ip("netns", "add", ns)
             _ip("-n", ns, "link", "set", "lo", "up")
-        ends = [f"spv{tag[-6:]}{i}" for i in range(2)]  # interface names: at most 15 characters
+        ends = [f"spv{tag}y{i}" for i in range(2)]  # interface names: at most 15 characters
         _ip("link", "add", ends[0], "type", "veth", "peer", "name", ends[1])
         for end, ns, addr in zip(ends, self.names, self.addrs):
             _ip("link", "set", end, "netns", ns)
