@@ -54,7 +54,7 @@ def args_of_config(cfg: ModelConfig) -> dict | None:
     rs = cfg.rope_scaling
     if rs is not None and any(float(rs[k]) != v for k, v in _MEGATRON_LLAMA3.items()):
         return None
-    return {"num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "ffn_hidden_size": cfg.intermediate_size,
+    return {**ARG_DEFAULTS, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "ffn_hidden_size": cfg.intermediate_size,
             "num_attention_heads": cfg.num_heads, "group_query_attention": True, "num_query_groups": cfg.num_kv_heads,
             "kv_channels": cfg.head_dim, "normalization": "RMSNorm", "norm_epsilon": cfg.rms_eps, "swiglu": True,
             "add_bias_linear": cfg.linear_bias, "add_qkv_bias": cfg.qkv_bias, "qk_layernorm": cfg.qk_norm,
@@ -179,7 +179,8 @@ def megatron_logits(ckpt: Path, args: dict, vocab_rows: int, prompts: list[list[
                                        "rendezvous": str(Path(tmp) / "rendezvous")}))
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
         run = subprocess.run([sys.executable, "-m", "spd_engine.checkpoint_tools.megatron_reference", str(ckpt),
-                              str(request), str(out)], capture_output=True, text=True, timeout=timeout_s, env=env)
+                              str(request), str(out)], capture_output=True, text=True, timeout=timeout_s, env=env,
+                             cwd=tmp)  # not the caller's directory: python -m puts it on sys.path
         if run.returncode != 0:
             last = (run.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise ValueError(f"megatron-core could not run {ckpt}: {last}")

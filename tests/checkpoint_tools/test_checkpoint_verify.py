@@ -85,3 +85,13 @@ def test_an_hf_side_runs_in_transformers(three_kinds, tmp_path):
     shard.write_engine(tmp_path / "wrong", cfg, state)
     wrong = verify.verify(path / "hf", tmp_path / "wrong", atol=1e-4)
     assert not wrong.passed and wrong.sources == ("transformers", "engine")
+
+
+@pytest.mark.slow
+def test_our_megatron_export_runs_in_megatron_core(three_kinds):
+    """HF in transformers against our Megatron export in megatron-core: no engine code on either side."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("megatron.core", reason="megatron-core is a test extra")
+    path, _ = three_kinds
+    result = verify.verify(path / "hf", path / "megatron", atol=1e-4, prompt_count=1)
+    assert result.passed and result.sources == ("transformers", "megatron-core"), result.summary()
