@@ -14,6 +14,7 @@ from pathlib import Path
 
 T0 = time.perf_counter()  # a window's budget counts from the command's start
 DEFAULT_CARRY = Path(__file__).resolve().parents[1] / "runs" / "gpu-carry"
+CHECK_SHARE = 0.3  # --window --budget-s S: the check's guard gets at most this share of S
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,8 +72,9 @@ def _window(args: argparse.Namespace) -> int:
 
     check = not args.no_check
     plan = dry_window_plan(check=check) if args.dry else gpu_window_plan(device=args.device, check=check)
-    if args.budget_s is not None:
-        plan = dataclasses.replace(plan, budget_s=args.budget_s)
+    if args.budget_s is not None:  # a shorter window shortens the check too: training keeps most of it
+        plan = dataclasses.replace(plan, budget_s=args.budget_s,
+                                   check_budget_s=min(plan.check_budget_s, CHECK_SHARE * args.budget_s))
     if args.self_distill is not None:
         plan = dataclasses.replace(plan, self_distill=max(0, args.self_distill))
     work = args.work or tempfile.mkdtemp(prefix="spd-gpu-window-")
