@@ -48,8 +48,8 @@ COMMON_GLOBALS = frozenset({
     ("torch.serialization", "_get_layout"), ("torch", "device"), ("collections", "defaultdict"),
     ("datetime", "timedelta"),
     ("_codecs", "encode"),  # how protocol 2 writes bytes (torch's weights_only loader admits it as well)
-    # plain types a defaultdict names as its factory, or a pickle builds a value with
-    *(("builtins", t) for t in ("list", "dict", "tuple", "int", "float", "str", "bool", "bytes", "bytearray")),
+    # plain types a defaultdict names as its factory
+    *(("builtins", t) for t in ("list", "dict", "tuple", "int", "float", "str", "bool")),
 } | _PLAIN_GLOBALS)
 _DTYPES = frozenset(name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype))
 # Modules whose objects common.pt may hold as inert records (Megatron's enums and dataclasses, numpy
