@@ -212,7 +212,11 @@ def _connect(rank: int, world: int, backend: str, init_method: str, timeout_s: f
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         check_mesh(dist.PrefixStore(f"spd-join-{restart}", store), rank, world, choice, deadline)
         watch.stage = f"connecting the {backend} mesh"
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        try:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        except RuntimeError as err:  # the backend's own failure after the check passed: still one line
+            raise JoinError(f"could not join the process group: the {backend} mesh failed ({_first_line(err)}); "
+                            f"this rank advertises {choice.describe()}; {FIX}") from err
     finally:
         watch.done()
 

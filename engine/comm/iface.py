@@ -117,8 +117,8 @@ def _first_address(name: str, table: Mapping[str, list[str]]) -> str | None:
 
 def choose_iface(env: Mapping[str, str], host: str | None, table: Mapping[str, list[str]],
                  route: Callable[[str], str] = route_source) -> IfaceChoice:
-    """This rank's interface (the module's docstring gives the order). ValueError: --iface names
-    an interface this host does not have."""
+    """This rank's interface (the module's docstring gives the order). ValueError: --iface or
+    GLOO_SOCKET_IFNAME names an interface this host does not have."""
     flag = env.get(IFACE_ENV)
     if flag:
         if flag not in table:
@@ -127,6 +127,10 @@ def choose_iface(env: Mapping[str, str], host: str | None, table: Mapping[str, l
         return IfaceChoice(flag, _first_address(flag, table), "--iface")
     user = env.get(GLOO_ENV)  # NCCL_SOCKET_IFNAME may be a pattern (^docker, eth): apply_iface keeps it as set
     if user:
+        missing = [name for name in user.split(",") if name not in table]
+        if missing:
+            raise ValueError(f"{GLOO_ENV}={user}: no network interface {', '.join(missing)} on this host "
+                             f"(it has {', '.join(sorted(table)) or 'none'})")
         return IfaceChoice(user, _first_address(user, table), f"{GLOO_ENV} as set")
     if host is None:
         return IfaceChoice(None, None, "no rendezvous host to route to")

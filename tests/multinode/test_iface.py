@@ -72,6 +72,8 @@ def test_unknown_flag_interface_is_a_user_error():
         choose_iface({IFACE_ENV: "eth9"}, "10.0.0.1", TABLE, route_to({}))
     with pytest.raises(ValueError, match="--iface eth9"):
         use_iface("eth9", {})
+    with pytest.raises(ValueError, match=f"{GLOO_ENV}=eth0,eth9: no network interface eth9 on this host"):
+        choose_iface({GLOO_ENV: "eth0,eth9"}, "10.0.0.1", TABLE, route_to({}))
 
 
 def test_no_route_or_no_host_leaves_the_backend_its_own_choice():
