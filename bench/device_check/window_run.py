@@ -157,7 +157,9 @@ def run_window(out_dir: str | Path, work_dir: str | Path, plan: WindowPlan, carr
     work.mkdir(parents=True, exist_ok=True)
     env = environment(plan.device)
     log(f"# spd gpu-check --window ({plan.device}): {label(env)}; budget {plan.budget_s:.0f} s")
-    report: dict = {"schema": WINDOW_SCHEMA, "mode": "dry (cpu, tiny shapes)" if plan.device == "cpu" else "gpu",
+    mode = "gpu" if plan.device != "cpu" else "cpu (the GPU plan, real target)" if plan.model == "staged" \
+        else "dry (cpu, tiny shapes)"
+    report: dict = {"schema": WINDOW_SCHEMA, "mode": mode,
                     "environment": env, "plan": dataclasses.asdict(plan)}
     report["check"] = _check(plan, work, log)
     t = time.perf_counter()
