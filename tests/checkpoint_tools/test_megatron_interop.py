@@ -42,6 +42,8 @@ def test_megatron_gpt_model_loads_our_export(tmp_path):
         "llama": tiny_config("llama", rope_scaling=LLAMA3_ROPE),
         "qwen2": tiny_config("qwen2"),
         "qwen3": tiny_config("qwen3"),
+        # Megatron-LM's default add_bias_linear: biases on qkv, proj, fc1, fc2
+        "biased": tiny_config("llama", rope_scaling=LLAMA3_ROPE, qkv_bias=True, linear_bias=True),
     }
     states = {name: tiny_state(cfg) for name, cfg in cases.items()}
     # Negative control: gate and up exchanged in every fc1 must NOT reproduce our logits.
