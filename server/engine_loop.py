@@ -249,9 +249,15 @@ class EngineLoop:
         job.started = time.monotonic()
         req = job.req
         eos = set() if req.parsed.ignore_eos else self.eos
+        asked = {} if req.parsed.logprobs is None else {"top_logprobs": req.parsed.logprobs}
+        if asked and not getattr(runtime, "gives_logprobs", False):
+            job.fail(ApiError(400, "logprobs: this server's mode does not give log-probabilities (SPD does)",
+                              param="logprobs"))
+            self._count("bad_request")
+            return
         try:
             res = runtime.generate(req.prompt_ids, req.max_tokens, tuple(eos), on_token=job.on_token,
-                                   sampling=req.sampling)
+                                   sampling=req.sampling, **asked)
         except ValueError as err:  # refused before any work: the pipeline is untouched
             job.fail(ApiError(400, str(err)))
             self._count("bad_request")
@@ -272,6 +278,10 @@ class EngineLoop:
                 self._count(job.cancel_reason)
             return None
         req = job.req
+        if req.parsed.logprobs is not None:  # the batch driver does not record them
+            if job.fail(ApiError(400, "logprobs: not given with --max-batch > 1", param="logprobs")):
+                self._count("bad_request")
+            return None
         eos = set() if req.parsed.ignore_eos else self.eos
         job.eos = eos
         return BatchRequest(req.prompt_ids, req.max_tokens, tuple(eos), req.sampling, on_token=job.on_token,

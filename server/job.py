@@ -14,7 +14,7 @@ from spd_engine.engine.protocol.batch_policy import CRITICAL
 from spd_engine.engine.protocol.metrics import GenerationResult
 from spd_engine.server.openai_api import ApiError
 from spd_engine.server.request import ServeRequest
-from spd_engine.server.responses import Summary
+from spd_engine.server.responses import Summary, completion_logprobs
 from spd_engine.server.text import TextStream
 
 
@@ -28,7 +28,7 @@ class Job:
     ("piece", text), then ("done", Summary) or ("error", ApiError)."""
 
     def __init__(self, req: ServeRequest, tok: Tokenizer | None, loop: asyncio.AbstractEventLoop) -> None:
-        self.req, self.loop = req, loop
+        self.req, self.loop, self.tok = req, loop, tok
         self.text = TextStream(tok, req.stops)
         self.events: asyncio.Queue = asyncio.Queue()
         self.arrival = time.monotonic()
@@ -113,7 +113,10 @@ class Job:
             else:
                 self.finish_reason = "length"
         spd = {k: getattr(res, k) for k in SPD_FIELDS}
-        self._emit(("done", Summary(self.finish_reason, len(self.req.prompt_ids), len(self.token_times), spd)))
+        summary = Summary(self.finish_reason, len(self.req.prompt_ids), len(self.token_times), spd)
+        if self.req.parsed.logprobs is not None:
+            summary.logprobs = completion_logprobs(res.logprobs[:len(self.token_times)], self.tok)
+        self._emit(("done", summary))
 
     def fail(self, err: ApiError) -> bool:
         """Fail the request (once); False if it had ended already."""

@@ -2,9 +2,10 @@
 
 Every field the engine honours is checked (type and range) and every other field is refused with
 a 400 in OpenAI's error shape naming it, never ignored. Fields OpenAI or vLLM define but the engine
-does not implement (n > 1, logprobs, penalties, tools, response formats, min_tokens, ...) are
+does not implement (n > 1, chat logprobs, penalties, tools, response formats, min_tokens, ...) are
 accepted only at their neutral value (n = 1, logprobs false, penalties 0, repetition_penalty 1,
-...), which asks for nothing the engine does not do. `model` may be left out (the served model),
+...), which asks for nothing the engine does not do. A completion's `logprobs` (0-5) asks for each
+token's log-probability and that many alternatives (at T = 0, not streamed). `model` may be left out (the served model),
 and the `developer` role is a chat turn as `system` is. Two extra fields choose how a request is
 scheduled (docs/design.md 3.12): `latency` ("batch", the default, or "critical") and `priority`
 (an integer, default 0, lower served first, as vLLM orders it; ParsedRequest holds its negation,
@@ -64,6 +65,7 @@ class ParsedRequest:
     ignore_eos: bool = False  # vLLM's extra field: generate max_tokens tokens, past EOS
     latency: str = BATCH  # batch_policy.CRITICAL: keeps its single-stream schedule, taken first from the queue
     priority: int = 0  # among requests of one class, higher first: the request's `priority` negated
+    logprobs: int | None = None  # completions: each token's log-probability and this many alternatives
 
 
 def _neutral(*values) -> Callable[[Any], bool]:
@@ -94,11 +96,13 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 CHAT_UNSUPPORTED = {**UNSUPPORTED, "add_special_tokens": _neutral(False), "add_generation_prompt": _neutral(True),
                     "continue_final_message": _neutral(False), "chat_template": _neutral(),
                     "chat_template_kwargs": _neutral({}), "documents": _neutral()}
-COMPLETION_UNSUPPORTED = {**UNSUPPORTED, "add_special_tokens": _neutral(True)}
+COMPLETION_UNSUPPORTED = {**{k: v for k, v in UNSUPPORTED.items() if k != "logprobs"},
+                          "add_special_tokens": _neutral(True)}
+MAX_LOGPROBS = 5  # OpenAI's bound for /v1/completions
 WHY = {"n": "only n = 1 is supported (send one request per choice)"}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
           "user", "ignore_eos", "latency", "priority"}
-COMPLETION_FIELDS = COMMON | {"prompt"}
+COMPLETION_FIELDS = COMMON | {"prompt", "logprobs"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -169,6 +173,14 @@ def _prompt(body: dict) -> str | list[int]:
     if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
         raise bad("prompt", f"batches of prompts are not supported (got {len(v)}); send one request per prompt")
     raise bad("prompt", "must be a non-empty string or a non-empty list of token ids")
+
+
+def _logprobs(body: dict, stream: bool) -> int | None:
+    """/v1/completions' `logprobs`: null, or how many alternatives (0..5) besides each token's own."""
+    v = _int(body, "logprobs", 0, MAX_LOGPROBS + 1)
+    if v is not None and stream:
+        raise bad("logprobs", "is not supported with stream: true by this server; ask without streaming")
+    return v
 
 
 def _latency(body: dict) -> str:
@@ -279,4 +291,5 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         top_k=_int({"top_k": top_k}, "top_k", 0),
         seed=_int(body, "seed", 0, MAX_SEED),
         stop=_stop(body), stream=stream, include_usage=_stream_options(body, stream),
-        ignore_eos=_bool(body, "ignore_eos"), latency=_latency(body), priority=_priority(body))
+        ignore_eos=_bool(body, "ignore_eos"), latency=_latency(body), priority=_priority(body),
+        logprobs=None if chat else _logprobs(body, stream))

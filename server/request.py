@@ -109,4 +109,7 @@ def prepare(parsed: ParsedRequest, info: ModelInfo, ids: list[int] | None = None
     if max_tokens > room:
         raise bad("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the KV "
                                 f"capacity of {info.capacity} positions")
-    return ServeRequest(ids, max_tokens, _sampling(parsed, info), parsed.stop, parsed)
+    sampling = _sampling(parsed, info)
+    if parsed.logprobs is not None and not sampling.greedy:
+        raise bad("logprobs", "log-probabilities are given at temperature 0 (greedy) only by this server")
+    return ServeRequest(ids, max_tokens, sampling, parsed.stop, parsed)

@@ -85,6 +85,9 @@ class GenerationResult(Counters):
     # draft source (engine/protocol/drafting.py) -> [drafted, verified, accepted]: how often each source drafted,
     # and alpha per source over the verified drafts
     by_source: dict[str, list[int]] = field(default_factory=dict)
+    # per committed token, when asked (RequestState.top_logprobs): (token, its log-probability under the
+    # target, the `top_logprobs` most likely (token, log-probability) pairs), at T = 0
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
 
     @property
     def decode_tokens(self) -> int:

@@ -49,6 +49,7 @@ GREEDY = SamplingParams()
 
 
 class Driver:
+    gives_logprobs = True  # generate(top_logprobs=k): the verification's log-probabilities (T = 0)
     def __init__(self, topo: Topology, plan: AnchorPlan, head: StageModel, pdm: PDM, transport: Transport,
                  opts: RankOptions, local_stage0: StageWorker | None = None) -> None:
         assert head.has_embedding and head.has_head
@@ -137,13 +138,18 @@ class Driver:
     @torch.no_grad()
     def generate(self, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int] = (),
                  draft_policy: DraftPolicy | None = None, on_token: OnToken | None = None,
-                 sampling: SamplingParams = GREEDY) -> GenerationResult:
+                 sampling: SamplingParams = GREEDY, top_logprobs: int = -1) -> GenerationResult:
+        """top_logprobs >= 0 (T = 0 only): res.logprobs holds each committed token's log-probability
+        under the target and that many alternatives, from the logits its verification used."""
         check_request(prompt, max_new_tokens, self.capacity, self.head.cfg.vocab_size)
+        if top_logprobs >= 0 and not sampling.greedy:
+            raise ValueError("log-probabilities are given at temperature 0 only")
         self.epoch += 1  # fresh epoch per request
         if self.trace is not None:
             self.trace.clear()
         self.req = req = RequestState(self.n, max_new_tokens, frozenset(eos_ids), sampling, self.epoch, draft_policy,
                                       on_token, self.drafter.chooser.new_index(prompt), self.trace, self.max_run)
+        req.top_logprobs = top_logprobs
         self.links.begin()
         res = req.res
         try:
@@ -152,10 +158,12 @@ class Driver:
                 self.stage0.send(Header(Kind.CONFIG), [sampling_payload(sampling.temperature, sampling.top_k,
                                                                         sampling.top_p, 0)], req=req)
             t0 = time.perf_counter()
-            first = self.verifier.sample_target(self._prefill(prompt), len(prompt), sampling)
+            logits = self._prefill(prompt)
+            first = self.verifier.sample_target(logits, len(prompt), sampling)
             res.prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             req.start_decode(len(prompt), first, self.anchor_stages)
+            req.score(len(prompt), first, logits)
             if req.commit(first):
                 self._decode(req)
             res.decode_s = time.perf_counter() - t1

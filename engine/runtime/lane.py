@@ -68,6 +68,8 @@ class Lane:
                 accepted, target = greedy[i] == tok, greedy[i]
             else:
                 accepted, target = self.verifier.verify(pos, tok, rec.qs[0], req.sampling, i)
+            if req.top_logprobs >= 0 and not (i > 0 and ex.run[i - 1] in req.eos):
+                req.score(pos, target, self.verifier.logits(i))
             req.count_verified(rec.sources[0], accepted)
             if not accepted:
                 return Verdict(False, target, run=i), -1
@@ -90,4 +92,6 @@ class Lane:
         else:
             index, target = self.verifier.verify_branch(pos, tokens, rec.cands, req.sampling, row, reply)
             accepted, chain = index is not None, index or 0
+        if req.top_logprobs >= 0:
+            req.score(pos, target, self.verifier.logits(row))
         return Verdict(accepted, target, chain)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import torch
+
 from spd_engine.engine.protocol.metrics import GenerationResult
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.protocol.suffix import SuffixIndex
@@ -43,16 +45,34 @@ class RequestState:
         self.max_run = max_run  # tokens a suffix draft may carry as one entry (docs/design.md 3.13)
         self.timers = dict.fromkeys(TIMERS, 0.0)  # seconds per part of the tick
         self.trace = trace  # (tick, what, t0, t1), when tracing
+        self.top_logprobs = -1  # >= 0: each committed token's log-probability and this many alternatives
+        self.first_pos = 0  # the position of the first generated token
+        self._scored: dict[int, tuple[int, float, list[tuple[int, float]]]] = {}
 
     def start_decode(self, first_pos: int, first_token: int, anchor_stages: list[int]) -> TickState:
         """The tick protocol from the first generated token on, counting into the result."""
         self.timers = dict.fromkeys(TIMERS, 0.0)  # the per-tick breakdown is the decode's
         self.last_pos = first_pos + self.max_new - 1
+        self.first_pos = first_pos
         self.state = TickState(self.n, first_pos, first_token, anchor_stages, epoch=self.epoch, counters=self.res)
         return self.state
 
+    def score(self, pos: int, token: int, logits: torch.Tensor) -> None:
+        """When log-probabilities are asked: the target's logits [V] that chose `token` at `pos`
+        (T = 0: its argmax), kept until the token is committed."""
+        if self.top_logprobs < 0:
+            return
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        top = logp.topk(self.top_logprobs) if self.top_logprobs else None
+        alternatives = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+        self._scored[pos] = (token, float(logp[token]), alternatives)
+
     def commit(self, token: int) -> bool:
         """Commit a token; False when the request ends here (EOS, max tokens, or on_token said stop)."""
+        if self.top_logprobs >= 0:
+            scored = self._scored.pop(self.first_pos + len(self.res.tokens), None)
+            assert scored is not None and scored[0] == token, "a committed token was verified first"
+            self.res.logprobs.append(scored)
         self.res.tokens.append(token)
         if self.suffix is not None:
             self.suffix.extend((token,))

@@ -40,6 +40,11 @@ class Verifier:
             return int(self.verify_step.run(self.exit_buf[row]))  # host sync: verification decides control flow
         return None
 
+    def logits(self, row: int) -> torch.Tensor:
+        """The target's logits [V] behind exit_buf[row] (for log-probabilities: the exit hidden state
+        reaches the driver whoever computed the argmax)."""
+        return self.head.logits(self.exit_buf[row])
+
     def greedy_rows(self, rows: int, replied: bool = False) -> list[int]:
         """T=0: the target's argmax behind each of exit_buf[:rows] (a suffix run's exit rows), at once:
         as the last stage computed them (`replied`), else from the head here."""

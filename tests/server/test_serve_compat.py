@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import torch
 import openai
 import pytest
 
@@ -166,7 +167,9 @@ ASKING = [(dict(n=2), "n"), (dict(extra_body={"repetition_penalty": 1.1}), "repe
           (dict(extra_body={"min_tokens": 4}), "min_tokens"), (dict(presence_penalty=0.5), "presence_penalty"),
           (dict(logit_bias={"5": 3}), "logit_bias"), (dict(extra_body={"stop_token_ids": [4]}), "stop_token_ids"),
           (dict(extra_body={"skip_special_tokens": False}), "skip_special_tokens"),
-          (dict(extra_body={"guided_regex": "a+"}), "guided_regex"), (dict(logprobs=2), "logprobs"),
+          (dict(extra_body={"guided_regex": "a+"}), "guided_regex"), (dict(logprobs=6), "logprobs"),
+          (dict(logprobs=1.5), "logprobs"), (dict(logprobs=2, temperature=0.5), "logprobs"),
+          (dict(logprobs=2, stream=True), "logprobs"),
           (dict(extra_body={"add_special_tokens": False}), "add_special_tokens")]
 
 
@@ -257,3 +260,56 @@ def test_tokenize_then_detokenize_gives_the_text_back_and_counts_the_chat_prompt
     assert chat["tokens"][:bare["count"]] == bare["tokens"] and bare["count"] < chat["count"]
     rendered = httpx.post(f"{smol.url}/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
     assert "<|im_start|>system\nBe brief.<|im_end|>" in rendered and rendered.endswith("<|im_start|>assistant\n")
+
+
+# ---- log-probabilities (legacy completions, T = 0) ----
+
+def tiny_log_probs(prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """log p [len(tokens), V] of a plain forward pass of the server's model over prompt + tokens."""
+    from spd_engine.engine.protocol.topology import Topology
+    from spd_engine.engine.runtime.build import build_stage_model
+    from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
+
+    cfg = PRESETS["tiny-llama"]
+    ecfg = RunConfig(model=TINY, cfg=cfg, topology=Topology.build(cfg.num_layers, 2), capacity=512, prefill_chunk=16)
+    model = build_stage_model(ecfg, range(cfg.num_layers), embedding=True, head=True)
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        h, _ = model.forward_layers(model.embed(ids), model.new_cache(1, ids.shape[1]), 0)
+        logits = model.logits(h)[0]  # [T, V]
+    return torch.log_softmax(logits.double(), dim=-1)[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
+
+
+def check_logprobs(server: ServerProcess, prompt: list[int], max_tokens: int) -> dict:
+    """A completion's logprobs against a plain forward pass (within 1e-4); its `spd` counters."""
+    got = client(server).completions.create(model=TINY, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                            logprobs=3)
+    lp = got.choices[0].logprobs
+    tokens = [int(t) for t in lp.tokens]
+    assert len(tokens) == got.usage.completion_tokens == len(lp.token_logprobs) == len(lp.top_logprobs)
+    assert "".join(lp.tokens) == got.choices[0].text and lp.text_offset[0] == 0
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(tokens))]
+    want = tiny_log_probs(prompt, tokens)
+    for k, token in enumerate(tokens):
+        assert abs(lp.token_logprobs[k] - float(want[k, token])) < 1e-4, k
+        top = want[k].topk(3)
+        assert list(lp.top_logprobs[k]) == [f"{i} " for i in top.indices.tolist()]
+        assert max(abs(a - float(b)) for a, b in zip(lp.top_logprobs[k].values(), top.values)) < 1e-4
+        assert lp.token_logprobs[k] == max(lp.top_logprobs[k].values())  # T = 0: the chosen one is the likeliest
+    return got.model_extra["spd"]
+
+
+def test_completion_logprobs_equal_a_plain_forward_pass(tiny):
+    check_logprobs(tiny, [11, 42, 7, 90, 3, 50, 18, 64, 77, 20, 5, 31, 80, 9, 14, 61, 33, 2], 12)
+
+
+def test_logprobs_at_n_4_with_suffix_runs_and_the_last_stage_verifying():
+    """4 stages, suffix runs on (their tokens verified together) and the last stage computing the
+    argmax: the log-probabilities still come from the exit hidden states, row by row."""
+    server = ServerProcess(["--model", TINY, "--stages", "4", "--threads", "1", "--capacity", "512",
+                            "--prefill-chunk", "16", "--verify-at", "last"])
+    try:
+        spd = check_logprobs(server, [21, 22, 23, 24, 25, 26] * 8, 40)
+        assert spd["ticks"] > 0
+    finally:
+        assert server.close() == 0, server.stderr()[-3000:]

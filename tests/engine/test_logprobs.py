@@ -1,0 +1,72 @@
+"""Log-probabilities of the committed tokens (Driver.generate(top_logprobs=k), T = 0): taken from the
+logits each token's verification used, they equal a plain forward pass of the target over the prompt
+and the output within 1e-4, at n = 2 and n = 4, with suffix runs (their rows verified together),
+with the last stage computing the argmax, with branch chains and with forced rejections."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spd_engine.engine.protocol.drafting import SUFFIX_RUN
+from spd_engine.engine.protocol.sampling import SamplingParams
+from spd_engine.engine.runtime.reference import ReferenceExecutor
+from helpers import Policy, full_model, random_prompts, reference, tiny_engine_config
+
+NEW = 40
+TOP = 3
+
+
+def plain_log_probs(ecfg, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """log p [len(tokens), V]: one forward of the whole target over prompt + tokens."""
+    model = full_model(ecfg)
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        h, _ = model.forward_layers(model.embed(ids), model.new_cache(1, ids.shape[1]), 0)
+        logits = model.logits(h)[0]
+    return torch.log_softmax(logits.double(), dim=-1)[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
+
+
+def check(ecfg, res, prompt: list[int]) -> None:
+    assert len(res.logprobs) == len(res.tokens)
+    want = plain_log_probs(ecfg, prompt, res.tokens)
+    for k, (token, logprob, top) in enumerate(res.logprobs):
+        assert token == res.tokens[k]
+        assert abs(logprob - float(want[k, token])) < 1e-4, k
+        best = want[k].topk(TOP)
+        assert [i for i, _ in top] == best.indices.tolist(), k
+        assert max(abs(lp - float(w)) for (_, lp), w in zip(top, best.values)) < 1e-4, k
+        assert top[0] == (token, logprob)  # T = 0: the committed token is the likeliest
+
+
+@pytest.mark.parametrize("n,verify_at", [(2, "driver"), (2, "last"), (4, "driver"), (4, "last")])
+def test_logprobs_equal_a_plain_forward_pass_with_suffix_runs(n, verify_at, one_thread):
+    ecfg = tiny_engine_config("llama", n, n == 2, verify_at=verify_at, suffix_run=4, suffix_min_match=1)
+    prompt = random_prompts(ecfg.cfg, [12], seed=1)[0] * 3  # a repeated prompt: long suffix matches
+    with ReferenceExecutor(ecfg) as ex:
+        res = ex.generate(prompt, NEW, top_logprobs=TOP)
+        plain = ex.generate(prompt, NEW)
+    assert res.tokens == plain.tokens == reference(ecfg, prompt, NEW) and plain.logprobs == []
+    assert res.by_source.get(SUFFIX_RUN, [0, 0, 0])[1] > 5  # run tokens travelled and were verified
+    check(ecfg, res, prompt)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_logprobs_with_forced_rejections_and_branch_chains(n, one_thread):
+    for branches in (1, 2):
+        ecfg = tiny_engine_config("llama", n, branches=branches)
+        prompt = random_prompts(ecfg.cfg, [19], seed=3)[0]
+        want = reference(ecfg, prompt, NEW)
+        policy = Policy(want, len(prompt), ecfg.cfg.vocab_size, wrong=frozenset({1, 9, 10, NEW - 1}))
+        with ReferenceExecutor(ecfg) as ex:
+            res = ex.generate(prompt, NEW, (), draft_policy=policy if branches == 1 else None, top_logprobs=TOP)
+        assert res.tokens == want and res.rejections > 0
+        assert (res.branch_points > 0) == (branches == 2)  # branch points verified their candidates
+        check(ecfg, res, prompt)
+
+
+def test_logprobs_need_temperature_0():
+    ecfg = tiny_engine_config("llama", 2)
+    with ReferenceExecutor(ecfg) as ex:
+        with pytest.raises(ValueError, match="temperature 0"):
+            ex.generate([5, 6, 7], 4, sampling=SamplingParams(temperature=0.7, seed=1), top_logprobs=2)
+        assert ex.generate([5, 6, 7], 4).tokens == reference(ecfg, [5, 6, 7], 4)  # the pipeline is untouched
