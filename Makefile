@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_INDEX_URL ?=
 TORCH_PIP_ARGS := $(if $(strip $(TORCH_INDEX_URL)),--index-url $(strip $(TORCH_INDEX_URL)))
 
-.PHONY: install demo test test-fast test-slow clean gpu-check gpu-check-dry gpu-window gpu-window-dry \
+.PHONY: install demo test test-fast test-slow flake-check stress-train clean gpu-check gpu-check-dry gpu-window gpu-window-dry \
 	gpu-window-stage gpu-window-corpus
 
 install: $(STAMP)
@@ -43,6 +43,19 @@ test-fast: install
 
 test-slow: install
 	$(BIN)/pytest -q -m slow
+
+# the flake detector (docs/testing.md): the default run RUNS times (without -x), NEIGHBOUR busy
+# processes beside each, and every test that failed in any run; FLAKE_OUT holds the reports
+RUNS ?= 3
+NEIGHBOUR ?= 0
+FLAKE_OUT ?= runs/flakes
+flake-check: install
+	$(BIN)/python tests/flake_check.py --runs $(RUNS) --neighbour $(NEIGHBOUR) --out $(FLAKE_OUT)
+
+# the two-rank training command STRESS_RUNS times beside one busy process: no run may abort
+STRESS_RUNS ?= 50
+stress-train: install
+	$(BIN)/python tests/train_teardown_stress.py --runs $(STRESS_RUNS) --neighbour 1
 
 # The GPU check (docs/gpu-check.md): on the GPU host's own python and torch, nothing installed and
 # no network. setup.cfg maps the repository root to the package spd_engine; a link of that name in
