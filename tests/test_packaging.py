@@ -27,7 +27,7 @@ pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model
 ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = "spd_engine"
 LAYERS = ("kernels", "engine.protocol", "engine.comm", "engine.model", "engine.runtime", "checkpoint_tools", "train",
-          "costmodel", "bench", "server", "tools")
+          "costmodel", "bench", "server", "tools", "api")
 PACKAGES = sorted({layer.split(".")[0] for layer in LAYERS})
 
 

@@ -18,6 +18,7 @@ There is no elastic agent: nothing kills a survivor from outside, every rank not
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import multiprocessing as mp
@@ -28,7 +29,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -280,6 +281,28 @@ def run_rank(entry: Callable[..., Any], rank: int, args: tuple, out_dir: str) ->
     os._exit(0)
 
 
+@contextlib.contextmanager
+def _main_not_rerun() -> Iterator[None]:
+    """Start children without re-running the parent's main script in them.
+
+    A spawned child imports the parent's `__main__` file (multiprocessing's preparation data) before
+    it runs its target; a user's script that builds an `LLM` at top level, with no
+    `if __name__ == "__main__":` guard, would then build one again in every rank and never join.
+    The ranks' entry points live in this package, so the children need nothing of `__main__`:
+    hide its file and module name while they are started (a notebook or `python -c` has neither)."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__spec__ = None  # `python -m x`: the child would run module x again
+    main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
+
+
 class LocalRanks:
     """Ranks as child processes on this host, each running `run_rank(entry, rank, args)`.
 
@@ -297,8 +320,9 @@ class LocalRanks:
         self.hung: list[int] = []
 
     def __enter__(self) -> "LocalRanks":
-        for p in self.procs.values():
-            p.start()
+        with _main_not_rerun():
+            for p in self.procs.values():
+                p.start()
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,0 +1,1 @@
+"""The Python API: `LLM(...).generate(prompts, SamplingParams(...))`, shaped after vLLM's offline API."""
