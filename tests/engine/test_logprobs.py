@@ -70,3 +70,38 @@ def test_logprobs_need_temperature_0():
         with pytest.raises(ValueError, match="temperature 0"):
             ex.generate([5, 6, 7], 4, sampling=SamplingParams(temperature=0.7, seed=1), top_logprobs=2)
         assert ex.generate([5, 6, 7], 4).tokens == reference(ecfg, [5, 6, 7], 4)  # the pipeline is untouched
+
+
+# ---- the real model ----
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir):
+    """(engine checkpoint dir, model config, full model, tokenizer) of SmolLM2-135M-Instruct."""
+    from spd_engine.engine.model.checkpoint import load_stage_model, read_index
+    from spd_engine.engine.model.tokenizer import Tokenizer
+    from spd_engine.tools.model_args import resolve_model
+
+    engine_dir, tok_dir = resolve_model("smollm2-135m")
+    cfg = read_index(engine_dir).cfg
+    return engine_dir, cfg, load_stage_model(engine_dir, range(0, cfg.num_layers)).eval(), Tokenizer.from_dir(tok_dir)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_logprobs_equal_a_plain_forward_pass_on_smollm2(n, smollm2, one_thread):
+    from spd_engine.engine.protocol.topology import Topology
+    from spd_engine.engine.runtime.run_config import RunConfig
+
+    engine_dir, cfg, full, tok = smollm2
+    ecfg = RunConfig(model=str(engine_dir), cfg=cfg, topology=Topology.build(cfg.num_layers, n), capacity=160,
+                     prefill_chunk=16, timeout_s=120.0, threads=1)
+    prompt = tok.chat_ids("List the days of the week, then list them again.")
+    with ReferenceExecutor(ecfg) as ex:
+        res = ex.generate(prompt, 24, cfg.eos_token_ids, top_logprobs=TOP)
+    ids = torch.tensor([prompt + res.tokens])
+    with torch.no_grad():
+        h, _ = full.forward_layers(full.embed(ids), full.new_cache(1, ids.shape[1]), 0)
+        want = torch.log_softmax(full.logits(h)[0].double(), dim=-1)[len(prompt) - 1:]
+    assert len(res.logprobs) == len(res.tokens) > 0
+    for k, (token, logprob, top) in enumerate(res.logprobs):
+        assert abs(logprob - float(want[k, token])) < 1e-4, (k, logprob, float(want[k, token]))
+        assert [i for i, _ in top] == want[k].topk(TOP).indices.tolist() and top[0][0] == token
