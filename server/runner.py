@@ -41,16 +41,21 @@ class DrainingServer(uvicorn.Server):
         self.drain.on_signal(sig)
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
-        loop_errors = Throttled()
-
-        def on_loop_error(loop: asyncio.AbstractEventLoop, context: dict) -> None:
-            err = context.get("exception")
-            loop_errors.event(context.get("message", "event loop error"), "event loop: %d x %s%s",
-                              context.get("message", "error"), f" ({type(err).__name__}: {err})" if err else "",
-                              level=logging.ERROR)
-
-        asyncio.get_running_loop().set_exception_handler(on_loop_error)
+        asyncio.get_running_loop().set_exception_handler(throttled_loop_errors())
         await super().serve(sockets)
+
+
+def throttled_loop_errors(log: Throttled | None = None):
+    """An event-loop exception handler that logs each kind of error once per interval with a count
+    (asyncio's own logs accept() out of descriptors once per attempt: a million lines a minute)."""
+    log = log or Throttled()
+
+    def on_loop_error(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        err = context.get("exception")
+        message = context.get("message", "event loop error")
+        log.event(message, "event loop: %d x %s%s", message, f" ({type(err).__name__}: {err})" if err else "",
+                  level=logging.ERROR)
+    return on_loop_error
 
 
 def bind(host: str, port: int) -> socket.socket:

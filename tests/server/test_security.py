@@ -302,6 +302,22 @@ def test_repeated_events_are_logged_once_per_interval_with_a_count(caplog):
 
 
 @pytest.mark.pure
+def test_event_loop_errors_are_logged_once_per_interval(caplog):
+    """What asyncio reports when accept() runs out of descriptors, 10,000 times: one line."""
+    import errno
+
+    from spd_engine.server.runner import throttled_loop_errors
+
+    handler = throttled_loop_errors()
+    with caplog.at_level("ERROR", logger="spd.serve"):
+        for _ in range(10_000):
+            handler(None, {"message": "socket.accept() out of system resource",
+                           "exception": OSError(errno.EMFILE, "Too many open files")})
+    assert [r.getMessage() for r in caplog.records] == [
+        "event loop: 1 x socket.accept() out of system resource (OSError: [Errno 24] Too many open files)"]
+
+
+@pytest.mark.pure
 def test_the_connection_cap_fits_the_open_file_limit():
     assert connection_cap(1000, 1024, 40) == 1024 - 40 - BACKLOG - FD_MARGIN
     assert connection_cap(1000, 1 << 20, 40) == 1000
