@@ -4,7 +4,8 @@ A request is in flight from its complete head to the end of its answer (reading 
 tokenizing, queued, streaming). Past `--max-in-flight` a new one is answered at once with a 503
 in OpenAI's shape and `Retry-After: 1`, before its body is read: the bodies held at once, and so
 the memory they take, stay bounded by the cap times `--max-request-bytes`. Refusals are logged
-once per interval with a count.
+once per interval with a count. Probes (`GET /health`, `GET /metrics`: no body, answered at once)
+are neither counted nor refused, so a server at its cap is not restarted by its liveness probe.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import json
 from collections.abc import Callable
 
 from spd_engine.server.request_log import Throttled
+
+PROBES = ("/health", "/metrics")
 
 
 class InFlightCap:
@@ -23,7 +26,7 @@ class InFlightCap:
         self.log = Throttled()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or (scope.get("method") == "GET" and scope.get("path") in PROBES):
             await self.app(scope, receive, send)
             return
         if self.in_flight >= self.limit:

@@ -149,6 +149,7 @@ def test_past_the_in_flight_cap_a_request_gets_503_with_retry_after(guarded):
         r = good_request(guarded)
         assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
         assert r.json()["error"]["code"] == "too_many_requests"
+        assert httpx.get(f"{guarded.url}/health").status_code == 200  # probes pass the cap
     finally:
         for sock in held:
             sock.close()
