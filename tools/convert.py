@@ -39,6 +39,11 @@ def _force_arg(p: argparse.ArgumentParser) -> None:
                    help="replace a previous checkpoint at DST (a directory of anything else is still refused)")
 
 
+def _paths(p: argparse.ArgumentParser, src: str, dst: str) -> None:
+    p.add_argument("src", help=src)
+    p.add_argument("dst", help=dst)
+
+
 def _head_dtype(text: str) -> str:
     """int4, int8, or a float dtype under any of its spellings (tools/cli_conventions.py dtype_name)."""
     return text if text in ("int4", "int8") else dtype_name(text)
@@ -51,24 +56,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         return sub.add_parser(name, help=help_text, formatter_class=parser.formatter_class, allow_abbrev=False)
 
     p = action("hf2mcore", "HF directory -> engine checkpoint split by stage and TP rank")
-    p.add_argument("src"), p.add_argument("dst")
+    _paths(p, "HF model directory", "engine checkpoint directory to write")
     _split_args(p), _dtype_arg(p), _force_arg(p)
     p = action("mcore2hf", "engine checkpoint -> HF directory (stages and TP ranks merged)")
-    p.add_argument("src"), p.add_argument("dst")
+    _paths(p, "engine checkpoint directory", "HF directory to write")
     _dtype_arg(p), _force_arg(p)
     p.add_argument("--max-shard-size", type=float, default=5.0, help="max GB per safetensors file (default 5)")
     p = action("export-megatron", "engine or HF checkpoint -> Megatron-core torch_dist")
-    p.add_argument("src"), p.add_argument("dst")
+    _paths(p, "engine checkpoint or HF directory", "Megatron-core torch_dist directory to write")
     p.add_argument("--release-layout", action="store_true",
                    help="write Megatron-LM's --load layout (DST/release + latest_checkpointed_iteration.txt)")
     _force_arg(p)
     p = action("import-megatron", "Megatron-core torch_dist -> engine checkpoint")
-    p.add_argument("src"), p.add_argument("dst")
+    _paths(p, "Megatron-core torch_dist directory", "engine checkpoint directory to write")
     _split_args(p), _dtype_arg(p), _force_arg(p)
     p.add_argument("--hf-config", default=None,
                    help="HF directory whose config.json describes the model (for checkpoints that record none)")
     p = action("verify", "compare the logits of two checkpoints (HF, engine or Megatron)")
-    p.add_argument("a"), p.add_argument("b")
+    p.add_argument("a", help="first checkpoint (HF, engine or Megatron directory)")
+    p.add_argument("b", help="second checkpoint, compared with A")
     p.add_argument("--atol", type=float, default=1e-4, help="max allowed |logit difference| (default 1e-4)")
     p.add_argument("--min-agreement", type=float, default=1.0, help="min argmax agreement (default 1.0)")
     p.add_argument("--prompts", type=int, default=3, help="number of random prompts (default 3)")
@@ -79,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="auto: an HF side runs in transformers and a Megatron side in megatron-core where installed "
                         "(independent of the engine's importers); engine: both sides in the engine's model")
     p = action("head", "a PDM head directory -> the same head with its weights stored as --dtype")
-    p.add_argument("src"), p.add_argument("dst")
+    _paths(p, "PDM head directory", "head directory to write")
     p.add_argument("--dtype", required=True, type=_head_dtype, metavar="{int4,int8,float16,bfloat16,float32}",
                    help="int8: per-row int8 matrices with fp16 scales; int4: groups of 32 weights with one fp16 scale "
                         "(engine/model/head_int4.py); both dequantized when loaded (aliases fp32, bf16, fp16)")

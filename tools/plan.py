@@ -71,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with --validate-runtime also where its SPD runs verify")
     p.add_argument("--n", default="2-16", help="stage counts, e.g. 2-16 or 2,4,8")
     p.add_argument("--sim-tokens", type=int, default=1000, help="decode tokens simulated per configuration")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the simulated accept/reject draws and replays")
     p.add_argument("--details", action="store_true", help="print every configuration, not just the best per n")
     p.add_argument("--json", help="write the full result here")
     val = p.add_argument_group("validation (--validate)")
