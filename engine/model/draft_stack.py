@@ -16,7 +16,7 @@ from torch import nn
 
 from spd_engine.engine.model.kv_cache import KVCache
 from spd_engine.kernels.int8_linear import Int8Linear, to_int8_linears_
-from spd_engine.engine.model.model import RMSNorm, StageModel
+from spd_engine.engine.model.model import RMSNorm, StageModel, make_norm
 from spd_engine.engine.model.model_config import ModelConfig
 
 
@@ -38,7 +38,7 @@ class DraftStack(nn.Module):
 
     target_cfg: ModelConfig
     stack: StageModel
-    final_norm: RMSNorm
+    final_norm: RMSNorm  # the target's kind (a LayerNorm subclasses RMSNorm)
     head: nn.Linear  # an Int8Linear after use_int8_matmuls
     draft_ids: torch.Tensor
 
@@ -47,8 +47,8 @@ class DraftStack(nn.Module):
         H = target.hidden_size
         stack_cfg = dataclasses.replace(target, num_layers=num_layers)
         self.stack = StageModel(stack_cfg, range(num_layers), device=device, dtype=dtype)
-        self.final_norm = RMSNorm(H, target.rms_eps, device, dtype)
-        self.final_norm.weight.requires_grad_(False)  # the target's, frozen
+        self.final_norm = make_norm(target, H, device, dtype)
+        self.final_norm.requires_grad_(False)  # the target's, frozen
         ids = torch.arange(target.vocab_size) if draft_vocab is None else torch.tensor(draft_vocab)
         if int(ids.max()) >= target.vocab_size:
             raise ValueError(f"draft vocabulary has ids >= the target vocabulary size {target.vocab_size}")
@@ -87,9 +87,13 @@ class DraftStack(nn.Module):
         return self.head(self.final_norm(h.to(self.compute_dtype))).float()
 
     @torch.no_grad()
-    def copy_target_head(self, final_norm: torch.Tensor, output_weight: torch.Tensor) -> None:
-        """The target's final norm [H] and its output rows [V, H] of the draft vocabulary."""
+    def copy_target_head(self, final_norm: torch.Tensor, output_weight: torch.Tensor,
+                         final_norm_bias: torch.Tensor | None = None) -> None:
+        """The target's final norm [H] (and its bias, a LayerNorm target's) and its output rows [V, H] of
+        the draft vocabulary."""
         self.final_norm.weight.copy_(final_norm)
+        if final_norm_bias is not None:
+            self.final_norm.bias.copy_(final_norm_bias)
         self.head.weight.copy_(output_weight[self.draft_ids.to(output_weight.device)])
 
     @torch.no_grad()

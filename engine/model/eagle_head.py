@@ -103,7 +103,8 @@ class EagleHead(DraftStack):
         self.inp.weight.copy_(torch.cat([torch.eye(H), torch.eye(H)], dim=1))
         src = target.decoder.layers[str(layer % target.cfg.num_layers)]
         self.stack.decoder.layers["0"].load_state_dict(src.state_dict())
-        self.copy_target_head(target.decoder.final_layernorm.weight, target.output_weight())
+        norm = target.decoder.final_layernorm
+        self.copy_target_head(norm.weight, target.output_weight(), getattr(norm, "bias", None))
         return self
 
 

@@ -8,11 +8,14 @@ Parameter names are the checkpoint keys (`StageModel.state_dict()` == engine che
   decoder.layers.{i}.self_attention.q_layernorm.weight / k_layernorm.weight   [hd] (Qwen3)
   decoder.layers.{i}.self_attention.linear_proj.weight          [H, nh hd]
   decoder.layers.{i}.pre_mlp_layernorm.weight                   [H]
-  decoder.layers.{i}.mlp.linear_fc1.weight                      [2 I, H] gate stacked on up
+  decoder.layers.{i}.mlp.linear_fc1.weight                      [2 I, H] gate stacked on up (SwiGLU);
+                                                                [I, H] for a GeLU MLP
   decoder.layers.{i}.mlp.linear_fc2.weight                      [H, I]
   with `linear_bias` (Megatron's add_bias_linear) also linear_proj / linear_fc1 / linear_fc2 .bias
-      [H], [2 I] (gate on up), [H]
+      [H], [2 I] (gate on up) or [I], [H]
   decoder.final_layernorm.weight, output_layer.weight           [H], [V, H]
+  with norm="layernorm" every norm (...layernorm) has a .bias as well; with norm_1p its weight is
+      stored as gamma - 1 (Megatron's apply_layernorm_1p)
 Layer indices are global. A `StageModel` builds only the layers it owns (plus the embedding
 and/or final norm + head where asked), so no process materialises layers it does not run.
 Every code path (reference decoder, stages, baselines, PDM) runs the same `DecoderLayer`
@@ -35,8 +38,9 @@ from spd_engine.kernels.screened_argmax import ScreenedHead
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies [hd/2], with llama3 frequency scaling when configured."""
-    hd = cfg.head_dim
+    """Inverse RoPE frequencies [rd/2] of the rotated dims rd (the head's, or its first part with
+    rotary_percent < 1, as megatron-core's RotaryEmbedding), with llama3 frequency scaling when configured."""
+    hd = cfg.rotary_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     rs = cfg.rope_scaling
     if rs is None:
@@ -52,7 +56,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rope_tables(cfg: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables [max_position, hd] in fp32 (HF convention: halves, rotate_half)."""
+    """cos, sin tables [max_position, rd] in fp32 (HF convention: halves, rotate_half); rd = cfg.rotary_dim."""
     inv_freq = rope_inv_freq(cfg).to(device)
     pos = torch.arange(cfg.max_position, dtype=torch.float32, device=device)
     freqs = torch.outer(pos, inv_freq)
@@ -61,7 +65,11 @@ def rope_tables(cfg: ModelConfig, device: torch.device) -> tuple[torch.Tensor, t
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, heads, hd]; cos/sin [B, T, hd] gathered at the token positions."""
+    """x [B, T, heads, hd]; cos/sin [B, T, rd] gathered at the token positions. With rd < hd (partial
+    RoPE) the first rd dims are rotated (over their own halves) and the rest pass unchanged."""
+    rd = cos.shape[-1]
+    if rd < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
@@ -69,13 +77,35 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, device=None, dtype=None) -> None:
+    """RMSNorm; `one_p`: the weight is stored as gamma - 1 (Megatron's apply_layernorm_1p)."""
+
+    def __init__(self, dim: int, eps: float, device=None, dtype=None, one_p: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.full((dim,), 0.0 if one_p else 1.0, device=device, dtype=dtype))
+        self.eps, self.one_p = eps, one_p
+
+    def gamma(self) -> torch.Tensor:
+        return self.weight + 1 if self.one_p else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return F.rms_norm(x, (x.shape[-1],), self.gamma(), self.eps)
+
+
+class LayerNorm(RMSNorm):
+    """LayerNorm with a bias (Megatron's normalization=LayerNorm); `one_p` as RMSNorm's."""
+
+    def __init__(self, dim: int, eps: float, device=None, dtype=None, one_p: bool = False) -> None:
+        super().__init__(dim, eps, device, dtype, one_p)
+        self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.gamma(), self.bias, self.eps)
+
+
+def make_norm(cfg: ModelConfig, dim: int, device=None, dtype=None) -> RMSNorm:
+    """The norm every place of this model uses (layers, final, q/k): cfg.norm, cfg.norm_1p, eps cfg.rms_eps."""
+    cls = LayerNorm if cfg.norm == "layernorm" else RMSNorm
+    return cls(dim, cfg.rms_eps, device, dtype, one_p=cfg.norm_1p)
 
 
 class SelfAttention(nn.Module):
@@ -86,8 +116,8 @@ class SelfAttention(nn.Module):
         self.linear_qkv = nn.Linear(cfg.hidden_size, cfg.qkv_rows, bias=cfg.qkv_bias, **kw)
         self.linear_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.linear_bias, **kw)
         if cfg.qk_norm:
-            self.q_layernorm = RMSNorm(cfg.head_dim, cfg.rms_eps, **kw)
-            self.k_layernorm = RMSNorm(cfg.head_dim, cfg.rms_eps, **kw)
+            self.q_layernorm = make_norm(cfg, cfg.head_dim, **kw)
+            self.k_layernorm = make_norm(cfg, cfg.head_dim, **kw)
 
     def forward(self, x: torch.Tensor, layer: int, cache: KVCache, slot0: int, cos: torch.Tensor,
                 sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -111,23 +141,30 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU (fc1 = gate stacked on up) or a plain GeLU MLP (fc1 -> gelu -> fc2; erf or tanh form)."""
+
     def __init__(self, cfg: ModelConfig, device=None, dtype=None) -> None:
         super().__init__()
         kw = dict(device=device, dtype=dtype)
-        self.linear_fc1 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.linear_bias, **kw)
+        rows = (2 if cfg.gated else 1) * cfg.intermediate_size
+        self.linear_fc1 = nn.Linear(cfg.hidden_size, rows, bias=cfg.linear_bias, **kw)
         self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.linear_bias, **kw)
+        self.activation = cfg.activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.linear_fc1(x).chunk(2, dim=-1)
-        return self.linear_fc2(F.silu(gate) * up)
+        if self.activation == "swiglu":
+            gate, up = self.linear_fc1(x).chunk(2, dim=-1)
+            return self.linear_fc2(F.silu(gate) * up)
+        approximate = "tanh" if self.activation == "gelu_tanh" else "none"
+        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate=approximate))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, device=None, dtype=None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, device, dtype)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size, device, dtype)
         self.self_attention = SelfAttention(cfg, device, dtype)
-        self.pre_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, device, dtype)
+        self.pre_mlp_layernorm = make_norm(cfg, cfg.hidden_size, device, dtype)
         self.mlp = MLP(cfg, device, dtype)
 
     def forward(self, x, layer, cache, slot0, cos, sin, mask, out: torch.Tensor | None = None):
@@ -154,7 +191,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, device, dtype) for i in layers})
         if head:
-            self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, device, dtype)
+            self.final_layernorm = make_norm(cfg, cfg.hidden_size, device, dtype)
 
 
 def causal_mask(slot0: int, T: int, device: torch.device) -> torch.Tensor | None:
@@ -287,10 +324,13 @@ def init_random_(model: StageModel, seed: int = 0, std: float = 0.02) -> StageMo
 
 
 def random_tensor(name: str, shape, cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> torch.Tensor:
-    """The fp32 random weight `init_random_` gives parameter `name` of the full model's `shape`."""
+    """The fp32 random weight `init_random_` gives parameter `name` of the full model's `shape` (a norm's
+    gamma near 1, so a 1p weight near 0; a norm's bias small)."""
     key = name
     if name == "output_layer.weight" and cfg.tie_embeddings:
         key = "embedding.word_embeddings.weight"
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
     noise = torch.randn(tuple(shape), generator=gen)
-    return 1.0 + 0.1 * noise if "layernorm" in name else std * noise
+    if "layernorm" in name and name.endswith("weight"):
+        return (0.0 if cfg.norm_1p else 1.0) + 0.1 * noise
+    return std * noise

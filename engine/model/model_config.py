@@ -2,7 +2,9 @@
 
 One object describes Llama (incl. llama3 RoPE scaling), Mistral (Llama-shaped), Qwen2 (QKV bias)
 and Qwen3 (q/k norm), and the Megatron-LM GPT models shaped like them (`linear_bias`: Megatron's
-default biases on every linear layer). It is built from an HF `config.json` dict (read exactly or refused:
+default biases on every linear layer; `norm`: LayerNorm with a bias as well as RMSNorm; `norm_1p`:
+Megatron's apply_layernorm_1p; `activation`: a GeLU MLP as well as SwiGLU; `rotary_percent`: RoPE on
+the first part of each head only). It is built from an HF `config.json` dict (read exactly or refused:
 engine/model/hf_config.py) and written back to one, and it is what every
 checkpoint index records, so a stage, a PDM head and a converted checkpoint can be checked
 against the model they were made for.
@@ -22,6 +24,13 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+
+NORMS = ("rmsnorm", "layernorm")
+ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
+# Megatron-LM variants no HF family of the engine describes, with the value that means "not used"
+MEGATRON_ONLY = {"norm": "rmsnorm", "norm_1p": False, "activation": "swiglu", "rotary_percent": 1.0}
+# fields to_dict leaves out at their default (configs written before they existed hash the same)
+LATER_FIELDS = {"linear_bias": False, **MEGATRON_ONLY}
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,11 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3
     # Megatron's add_bias_linear: biases on linear_proj, linear_fc1 and linear_fc2 as well (with qkv_bias)
     linear_bias: bool = False
+    # Megatron-LM GPT variants (no HF family of the engine describes them; to_hf refuses them):
+    norm: str = "rmsnorm"  # every norm (layers, final, q/k): "rmsnorm" or "layernorm" (with a bias); eps = rms_eps
+    norm_1p: bool = False  # apply_layernorm_1p: norm weights stored as gamma - 1, the norm scales by 1 + w
+    activation: str = "swiglu"  # "swiglu" (fc1 = gate on up), "gelu" (erf) or "gelu_tanh": fc1 -> act -> fc2
+    rotary_percent: float = 1.0  # RoPE on the first int(head_dim * rotary_percent) dims of each head
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -62,6 +76,15 @@ class ModelConfig:
         if self.linear_bias and not self.qkv_bias:
             raise ValueError("model config: linear_bias (Megatron's add_bias_linear) biases every linear layer, "
                              "linear_qkv included: it needs qkv_bias")
+        if self.norm not in NORMS:
+            raise ValueError(f"model config: norm must be one of {NORMS}, got {self.norm!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"model config: activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if not (isinstance(self.rotary_percent, (int, float)) and 0 < self.rotary_percent <= 1):
+            raise ValueError(f"model config: rotary_percent must be in (0, 1], got {self.rotary_percent!r}")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(f"model config: rotary_percent={self.rotary_percent} rotates {self.rotary_dim} of "
+                             f"head_dim={self.head_dim} dims; RoPE needs an even, positive number")
         if self.rope_scaling is not None and self.rope_scaling.get("rope_type", "llama3") != "llama3":
             raise ValueError(f"model config: unsupported rope_scaling {self.rope_scaling!r} (only llama3)")
 
@@ -69,6 +92,16 @@ class ModelConfig:
     def q_per_group(self) -> int:
         """Query heads per KV head (query group)."""
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head RoPE rotates (the first ones; megatron-core's int(kv_channels * rotary_percent))."""
+        return int(self.head_dim * self.rotary_percent)
+
+    @property
+    def gated(self) -> bool:
+        """Whether linear_fc1 holds a gate and an up projection ([2 I, H]) rather than one ([I, H])."""
+        return self.activation == "swiglu"
 
     @property
     def qkv_rows(self) -> int:
@@ -85,6 +118,10 @@ class ModelConfig:
         """An HF config.json dict. rope_form "legacy" writes top-level rope_theta / rope_scaling (read by
         transformers 4 and 5), "parameters" the 5.x `rope_parameters` dict."""
         assert rope_form in ("legacy", "parameters"), rope_form
+        beyond = [f"{f}={getattr(self, f)!r}" for f, d in MEGATRON_ONLY.items() if getattr(self, f) != d]
+        if beyond:
+            raise ValueError(f"no HF family the engine writes describes {', '.join(beyond)} (a Megatron-LM GPT "
+                             "variant); export it with export-megatron")
         cfg = {
             "architectures": [ARCHITECTURES[self.arch]],
             "model_type": self.arch,
@@ -126,10 +163,11 @@ class ModelConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
-        if not self.linear_bias:
-            # written only when set, so the fingerprints and content hashes of configs written before
-            # the field existed stay what they were
-            del d["linear_bias"]
+        # fields added later are written only when they differ from their default, so the fingerprints
+        # and content hashes of configs written before they existed stay what they were
+        for name, default in LATER_FIELDS.items():
+            if d[name] == default:
+                del d[name]
         return d
 
     @classmethod

@@ -5,11 +5,12 @@ Which part of each weight TP rank `r` of `tp` owns (docs/design.md 3.9):
   column-parallel linear_qkv: whole query groups (its q heads with their k and v), groups
       [r nkv/tp, (r+1) nkv/tp); tp must divide num_kv_heads and num_heads
   column-parallel linear_fc1: its gate shard stacked on its up shard (splitting the fused tensor
-      in tp equal pieces would hand rank 0 only gate rows)
+      in tp equal pieces would hand rank 0 only gate rows); a GeLU MLP's fc1 (one projection)
+      split on dim 0 like any column-parallel layer
+  norms (their LayerNorm biases too): replicated
   row-parallel linear_proj, linear_fc2: split on dim 1 (their outputs are partial sums)
   vocab-parallel embedding / output layer: rows [r V/tp, (r+1) V/tp); the vocabulary must be
       divisible by tp (no padding, so a round trip stays bit-identical)
-  norms: replicated
   biases (Megatron's add_bias_linear): qkv's and fc1's split with their rows; a row-parallel
       layer's (linear_proj, linear_fc2) is added once to the reduced sum, so rank 0 holds it and
       the other ranks hold zeros (their partial sums then add nothing)
@@ -76,11 +77,12 @@ def vocab_range(cfg: ModelConfig, tp: int, rank: int) -> range:
     return range(rank * per, (rank + 1) * per)
 
 
-def tensor_kind(name: str) -> str:
-    """qkv, fc1, rowbias, replicated, or dim<d> (split on dim d)."""
+def tensor_kind(name: str, cfg: ModelConfig | None = None) -> str:
+    """qkv, fc1 (gate on up), rowbias, replicated, or dim<d> (split on dim d). `cfg` None: a SwiGLU
+    model's fc1 (callers that may see a GeLU MLP pass the config)."""
     if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
         return "qkv"
-    if name.endswith("linear_fc1.weight") or name.endswith("linear_fc1.bias"):
+    if (name.endswith("linear_fc1.weight") or name.endswith("linear_fc1.bias")) and (cfg is None or cfg.gated):
         return "fc1"
     if name.endswith(_ROW_PARALLEL_BIASES):
         return "rowbias"
@@ -91,7 +93,7 @@ def tensor_kind(name: str) -> str:
 def shard_tensor(name: str, t: Tensor, cfg: ModelConfig, tp: int) -> list[Tensor]:
     """One tensor -> its `tp` per-rank pieces (contiguous copies; replicated tensors are shared).
     `cfg` is the shape `t` belongs to (a TP piece is resharded with its own `shard_config`)."""
-    kind = tensor_kind(name)
+    kind = tensor_kind(name, cfg)
     if tp == 1:
         return [t]
     if kind == "qkv":
@@ -113,8 +115,8 @@ def shard_tensor(name: str, t: Tensor, cfg: ModelConfig, tp: int) -> list[Tensor
 
 def merge_tensor(name: str, pieces: list[Tensor], cfg: ModelConfig | None = None) -> Tensor:
     """Inverse of `shard_tensor` (also for a consecutive run of pieces: it gives their union's
-    piece). Replicated pieces must agree bit for bit."""
-    tp, kind = len(pieces), tensor_kind(name)
+    piece). Replicated pieces must agree bit for bit. `cfg` as for `tensor_kind`."""
+    tp, kind = len(pieces), tensor_kind(name, cfg)
     if tp == 1:
         return pieces[0]
     if kind == "qkv":
@@ -137,15 +139,15 @@ def reshard_piece(name: str, read, cfg: ModelConfig, src_tp: int, tp: int, rank:
     """TP rank `rank` of `tp`'s piece of tensor `name`, from a split into `src_tp` pieces that
     `read(r)` returns one at a time. Reads only the pieces it needs: a run of src pieces when
     tp divides src_tp, one piece when src_tp divides tp, else all of them (merge, re-shard)."""
-    if tensor_kind(name) == "replicated":
+    if tensor_kind(name, cfg) == "replicated":
         return read(0)
     if src_tp % tp == 0:
         k = src_tp // tp
-        return merge_tensor(name, [read(r) for r in range(rank * k, (rank + 1) * k)])
+        return merge_tensor(name, [read(r) for r in range(rank * k, (rank + 1) * k)], cfg)
     if tp % src_tp == 0:
         k = tp // src_tp
         return shard_tensor(name, read(rank // k), shard_config(cfg, src_tp), k)[rank % k]
-    full = merge_tensor(name, [read(r) for r in range(src_tp)])
+    full = merge_tensor(name, [read(r) for r in range(src_tp)], cfg)
     return shard_tensor(name, full, cfg, tp)[rank]
 
 
@@ -161,4 +163,4 @@ def shard_state(state: dict[str, Tensor], cfg: ModelConfig, tp: int) -> list[dic
 
 def merge_state(ranks: list[dict[str, Tensor]], cfg: ModelConfig | None = None) -> dict[str, Tensor]:
     assert ranks and all(set(r) == set(ranks[0]) for r in ranks), "TP ranks hold different tensors"
-    return {name: merge_tensor(name, [r[name] for r in ranks]) for name in ranks[0]}
+    return {name: merge_tensor(name, [r[name] for r in ranks], cfg) for name in ranks[0]}
