@@ -19,3 +19,15 @@ def __getattr__(name: str):
 
         return getattr(params, name)
     raise AttributeError(f"module 'spd_engine' has no attribute {name!r}")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("spd-engine")
+    except PackageNotFoundError:  # a source tree that was not installed
+        return "0+unknown"
+
+
+__version__ = _version()

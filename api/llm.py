@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from collections.abc import Sequence
+import queue
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from spd_engine.api.params import CompletionOutput, RequestOutput, SamplingParams
 from spd_engine.engine.runtime.request_inputs import encode_prompt, sampling_params
+from spd_engine.engine.runtime.run_config import Mode
 from spd_engine.server.text import TextStream
 from spd_engine.tools.cli_conventions import add_batch_arguments, check_batch_arguments
 from spd_engine.tools.engine_args import add_engine_arguments, engine_config
@@ -78,7 +81,7 @@ class LLM:
         check_batch_arguments(args)
         self.max_batch, self.max_rows = args.max_batch, args.max_rows
         self.config, self.tokenizer_dir = engine_config(args)
-        if self.max_batch > 1 and self.config.mode != "spd":
+        if self.max_batch > 1 and self.config.mode is not Mode.SPD:
             raise ValueError(f"LLM(): max_batch > 1 needs mode spd, got {self.config.mode}")
         self.tokenizer = Tokenizer.from_dir(self.tokenizer_dir) if self.tokenizer_dir is not None else None
         if _OPEN:
@@ -121,6 +124,53 @@ class LLM:
         return self._run_requests([(None, self.tokenizer.chat_ids_messages(list(c))) for c in chats],
                                   sampling_params)
 
+    def stream(self, prompt: Any, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """The reply to one prompt as text pieces, each as soon as its tokens commit. Leaving the
+        loop early (or closing the iterator) ends the request at its next token."""
+        (text, ids), = _prompt_list(prompt) if not _is_many(prompt) else _one_prompt_only()
+        ids = self._encode(text, ids)
+        params = _params_list(sampling_params, 1)[0]
+        eos = () if params.ignore_eos else tuple(self._eos_ids())
+        sampling = sampling_params_of(params, self.tokenizer_dir)
+        self._live_runtime().check_request(ids, params.max_tokens)
+        text_stream, pieces, gone = TextStream(self.tokenizer, params.stop), queue.Queue(), threading.Event()
+        done = object()
+
+        def on_token(token: int) -> bool:
+            if gone.is_set() or text_stream.stopped:
+                return False
+            pieces.put(text_stream.push(token))
+            return not text_stream.stopped
+
+        def work() -> None:
+            try:
+                self.runtime.generate(ids, params.max_tokens, eos, on_token=on_token, sampling=sampling)
+                pieces.put(done)
+            except BaseException as err:  # handed to the caller's thread, raised there
+                pieces.put(err)
+
+        worker = threading.Thread(target=work, name="spd-stream", daemon=True)
+        worker.start()
+        try:
+            while (item := pieces.get()) is not done:
+                if isinstance(item, BaseException):
+                    raise item
+                if item:
+                    yield item
+            if tail := text_stream.finish():
+                yield tail
+        finally:
+            gone.set()  # the caller left early: the request ends at its next token
+            worker.join()
+
+    def _live_runtime(self):
+        if self._run is None:
+            raise ValueError("this LLM was closed")
+        return self.runtime
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        return tuple(self.tokenizer.eos_ids if self.tokenizer is not None else self.config.cfg.eos_token_ids)
+
     def _encode(self, text: str | None, ids: list[int] | None) -> list[int]:
         if ids is not None:
             return ids
@@ -132,14 +182,13 @@ class LLM:
     def _run_requests(self, prompts: list[tuple[str | None, list[int]]], params) -> list[RequestOutput]:
         from spd_engine.engine.runtime.batch_driver import BatchRequest
 
-        if self._run is None:
-            raise ValueError("this LLM was closed")
+        self._live_runtime()
         params = _params_list(params, len(prompts))
-        eos_ids = self.tokenizer.eos_ids if self.tokenizer is not None else self.config.cfg.eos_token_ids
+        eos_ids = self._eos_ids()
         streams = [TextStream(self.tokenizer, p.stop) for p in params]
         pieces: list[list[str]] = [[] for _ in prompts]
         requests = [BatchRequest(ids, p.max_tokens, () if p.ignore_eos else tuple(eos_ids),
-                                 sampling_params(p.overrides(), self.tokenizer_dir),
+                                 sampling_params_of(p, self.tokenizer_dir),
                                  on_token=_collector(streams[i], pieces[i]))
                     for i, ((_, ids), p) in enumerate(zip(prompts, params))]
         for r in requests:
@@ -151,6 +200,19 @@ class LLM:
                                              sampling=r.sampling) for r in requests]
         return [_output(text, ids, res, streams[i], pieces[i], requests[i].eos_ids)
                 for i, ((text, ids), res) in enumerate(zip(prompts, results))]
+
+
+def sampling_params_of(params: SamplingParams, tokenizer_dir):
+    """The engine's sampling rule of a request: the model's generation_config.json, then the fields given."""
+    return sampling_params(params.overrides(), tokenizer_dir)
+
+
+def _is_many(prompts: Any) -> bool:
+    return isinstance(prompts, list) and bool(prompts) and not all(isinstance(t, int) for t in prompts)
+
+
+def _one_prompt_only():
+    raise ValueError("stream() takes one prompt (text, token ids or a prompt dict)")
 
 
 def _collector(stream: TextStream, pieces: list[str]):

@@ -26,7 +26,7 @@ from spd_engine.bench.hf_peer import HFPeer
 from spd_engine.bench.profiling import residual_per_tick_ms
 from spd_engine.bench.speedups import add_speedups
 from spd_engine.costmodel.cost_partitions import rebalanced_split
-from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.runtime.run_config import Mode, RunConfig
 from spd_engine.engine.runtime.launch import launch
 from spd_engine.engine.protocol.metrics import GenerationResult
 
@@ -159,7 +159,7 @@ def run_case(case: BenchCase, prompts: Sequence[list[int]], max_new: int, eos: S
              progress: Progress) -> tuple[dict, list[list[int]], list[dict] | None]:
     """(summary, tokens per prompt, the traces of the last repeat's requests or None) for one configuration."""
     policies = [None] * len(prompts)
-    if synthetic_alpha is not None and case.ecfg.mode in ("spd", "eagle"):
+    if synthetic_alpha is not None and case.ecfg.mode in (Mode.SPD, Mode.EAGLE):
         assert reference is not None, "synthetic acceptance needs the reference tokens"
         policies = [synthetic_policy(ref, len(p), synthetic_alpha, seed) for ref, p in zip(reference, prompts)]
     runs: list[list[GenerationResult]] = []
@@ -180,12 +180,12 @@ def run_case(case: BenchCase, prompts: Sequence[list[int]], max_new: int, eos: S
     summary.update(latency_summary(clocks))
     if case.name in ("spd-colocate", "spd-colocate-vd"):
         summary.update(colocated_residual(runs, trace))
-    if case.ecfg.mode == "spd" and case.ecfg.topology.n > 1 and summary["breakdown_ms_per_tick"]:
+    if case.ecfg.mode is Mode.SPD and case.ecfg.topology.n > 1 and summary["breakdown_ms_per_tick"]:
         summary["split"] = split_advice(summary["breakdown_ms_per_tick"], case.ecfg.topology.stage_layers,
                                         case.ecfg.topology.colocate)
-    if case.ecfg.mode == "eagle" or (case.peer is not None and (case.peer.lookup_tokens or case.peer.assistant_dir)):
+    if case.ecfg.mode is Mode.EAGLE or (case.peer is not None and (case.peer.lookup_tokens or case.peer.assistant_dir)):
         summary["acceptance_length"] = summary["eal"]  # ticks are target passes and n = 1: tokens per pass
-    if case.ecfg.mode != "spd":
+    if case.ecfg.mode is not Mode.SPD:
         summary["eal"] = None  # EAL is SPD's; pp and ar commit one token per pass
     summary.update(name=case.name, mode=case.mode, n=case.ecfg.topology.n, tp=case.ecfg.topology.tp,
                    colocate=case.ecfg.topology.colocate, world_size=case.ecfg.world_size,
@@ -198,7 +198,7 @@ def bench(cases: list[BenchCase], prompts: Sequence[list[int]], max_new: int, eo
     """Run every case (the first must be `ar`); speedups are against ar, pp, hf and hf-lookup of this
     run, each with its spread over repeats and a noisy mark (bench/speedups.py).
     `eos` empty: every request runs to max_new tokens (--ignore-eos)."""
-    assert cases and cases[0].ecfg.mode == "ar", "the ar baseline runs first: it is the reference"
+    assert cases and cases[0].ecfg.mode is Mode.AR, "the ar baseline runs first: it is the reference"
     rows, traces, request_traces, mismatches, peer_mismatches = [], {}, {}, [], []
     references: dict[int, list[list[int]]] = {}  # TP split -> its greedy output: ar for 1, the first tp row for T
     for case in cases:

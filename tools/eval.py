@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from spd_engine.train.evaluate import DATASETS, EXECUTORS, EvalSettings, check_settings, default_data_dir, default_executor
+from spd_engine.engine.runtime.run_config import Mode
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,11 +75,11 @@ def run(args: argparse.Namespace) -> int:
     from spd_engine.tools.engine_args import engine_config
     from spd_engine.train.evaluate import encode_prompt, evaluate, format_table, load_dataset, open_runner
 
-    if args.mode == "eagle":
+    if args.mode == Mode.EAGLE:
         from spd_engine.tools.cli_conventions import refuse_ignored
 
         refuse_ignored(args, ["executor"], "with --mode eagle (its runtime runs in this process)")
-    executor = "reference" if args.mode == "eagle" else args.executor or default_executor(args.temperature)
+    executor = "reference" if args.mode == Mode.EAGLE else args.executor or default_executor(args.temperature)
     settings = EvalSettings(args.max_new_tokens, args.temperature, executor, args.limit, args.top_k, args.top_p,
                             args.sampling_seed)
     check_settings(settings)  # before any model is loaded
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     n = ecfg.topology.n
-    head = f"eagle head {ecfg.eagle_head}, k={ecfg.eagle_k}" if ecfg.mode == "eagle" else f"head {ecfg.pdm}"
+    head = f"eagle head {ecfg.eagle_head}, k={ecfg.eagle_k}" if ecfg.mode is Mode.EAGLE else f"head {ecfg.pdm}"
     log(f"spd eval: {len(encoded)} prompts from {data_dir}, n={n} {list(ecfg.topology.stage_layers)}, "
         f"{head}, executor {executor}")
     t0 = time.perf_counter()
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
             Progress(len(encoded), "spd eval", log, unit="prompt") as bar:
         report = evaluate(runner, encoded, n, settings, eos, progress=log, bar=bar)
     wall = time.perf_counter() - t0
-    if ecfg.mode == "eagle":
+    if ecfg.mode is Mode.EAGLE:
         from spd_engine.train.eagle_eval import format_eagle_table
 
         print(format_eagle_table(report))
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     if settings.temperature > 0:  # samples: reproducible from the seeds, not comparable token by token
         footer += (f", sampling T={settings.temperature} top-k {settings.top_k} top-p {settings.top_p} "
                    f"seeds {settings.seed}+k (not checked against greedy)")
-    if ecfg.mode == "eagle":
+    if ecfg.mode is Mode.EAGLE:
         footer = f"eagle k={ecfg.eagle_k}, " + footer
     if ecfg.max_run > 1:
         footer += f", suffix runs of up to {ecfg.max_run} tokens"
@@ -131,8 +132,8 @@ def run(args: argparse.Namespace) -> int:
         footer += (f", {total.near_ties} consulted drafts within 1e-4 of a tie, {total.outside_vocab} of "
                    f"{total.verified} verified tokens outside the draft vocabulary")
     print(footer)
-    meta = {"model": args.model, "mode": ecfg.mode, "spec": ecfg.eagle_head if ecfg.mode == "eagle" else ecfg.pdm,
-            "eagle_k": ecfg.eagle_k if ecfg.mode == "eagle" else None, "n": n,
+    meta = {"model": args.model, "mode": ecfg.mode, "spec": ecfg.eagle_head if ecfg.mode is Mode.EAGLE else ecfg.pdm,
+            "eagle_k": ecfg.eagle_k if ecfg.mode is Mode.EAGLE else None, "n": n,
             "stage_layers": list(ecfg.topology.stage_layers), "executor": executor,
             "max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
             "top_k": settings.top_k, "top_p": settings.top_p, "seed": settings.seed, "data_dir": str(data_dir), "wall_s": wall,

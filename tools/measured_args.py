@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from spd_engine.engine.model.model_config import ModelConfig
-from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.runtime.run_config import Mode, RunConfig
 
 
 def split_store():
@@ -82,7 +82,7 @@ def balanced_split(ecfg: RunConfig, colocate: bool) -> tuple[RunConfig, str]:
     ecfg = ecfg.replace(topology=dataclasses.replace(topo, stage_layers=tuple(even)))
 
     def head_serves(split: list[int]) -> str | None:
-        if ecfg.mode != "spd" or ecfg.pdm == "random":
+        if ecfg.mode is not Mode.SPD or ecfg.pdm == "random":
             return None
         try:
             check_pdm_matches(read_pdm_config(ecfg.pdm)[0], ecfg.cfg, tuple(split))

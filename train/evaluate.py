@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from spd_engine.engine.runtime.build import build_driver_head, build_pdm, build_stage_model, build_tp_stage_model
-from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.runtime.run_config import Mode, RunConfig
 from spd_engine.engine.runtime.progress import Progress
 from spd_engine.engine.model.greedy import greedy_generate
 from spd_engine.engine.protocol.sampling import SamplingParams
@@ -197,10 +197,10 @@ def open_runner(ecfg: RunConfig, settings: EvalSettings, reference_cache: str | 
                 ) -> Iterator[FastRunner | RuntimeRunner]:
     """`reference_cache` (fast executor only): a directory of greedy outputs reused across heads."""
     check_settings(settings)
-    if ecfg.mode == "eagle":  # the serial baseline: its own runtime in this process (train/eagle_eval.py)
+    if ecfg.mode is Mode.EAGLE:  # the serial baseline: its own runtime in this process (train/eagle_eval.py)
         yield EagleRunner(ecfg, settings, ReferenceCache(reference_cache, ecfg) if reference_cache is not None else None)
         return
-    if ecfg.mode != "spd":
+    if ecfg.mode is not Mode.SPD:
         raise ValueError(f"evaluation measures SPD or eagle acceptance: mode must be spd or eagle, got {ecfg.mode!r}")
     if settings.executor == "fast" and ecfg.topology.tp > 1:
         raise ValueError("the fast executor replays the unsharded model: with --tp use --executor reference or dist")

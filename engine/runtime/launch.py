@@ -33,7 +33,7 @@ from spd_engine.engine.comm.mesh_check import JoinError
 from spd_engine.engine.comm.dist import free_port  # noqa: F401  (re-exported: test harnesses import it from here)
 from spd_engine.engine.runtime.roles import build_rank, rank_topology
 from spd_engine.engine.comm.tp_group import TPGroup, dist_tp_groups
-from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.runtime.run_config import Mode, RunConfig
 from spd_engine.engine.comm.shm_transport import ShmTransport, shm_usable
 from spd_engine.engine.comm.transport import DistTransport, Transport
 
@@ -105,12 +105,12 @@ def _stage_rank(rank: int, world: int, ecfg: RunConfig, init_method: str) -> Non
 
 def check_head(ecfg: RunConfig) -> None:
     """A PDM or EAGLE head made for another model (or another stage split) is a user error: say so up front."""
-    if ecfg.mode == "spd" and ecfg.pdm != "random":
+    if ecfg.mode is Mode.SPD and ecfg.pdm != "random":
         from spd_engine.engine.model.pdm import check_pdm_matches, read_pdm_config
 
         pcfg, _ = read_pdm_config(ecfg.pdm)
         check_pdm_matches(pcfg, ecfg.cfg, tuple(ecfg.topology.stage_layers))
-    if ecfg.mode == "eagle" and ecfg.eagle_head != "random":
+    if ecfg.mode is Mode.EAGLE and ecfg.eagle_head != "random":
         from spd_engine.engine.model.eagle_head import check_eagle_matches, read_eagle_config
 
         check_eagle_matches(read_eagle_config(ecfg.eagle_head)[0], ecfg.cfg)

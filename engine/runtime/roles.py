@@ -11,7 +11,7 @@ from spd_engine.engine.runtime.baselines import PipelineDriver
 from spd_engine.engine.runtime.build import build_driver_head, build_pdm, build_stage_model, build_tp_stage_model
 from spd_engine.engine.runtime.driver import Driver
 from spd_engine.engine.runtime.eagle_driver import EagleDriver, build_eagle_driver
-from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.runtime.run_config import Mode, RunConfig
 from spd_engine.engine.protocol.messages import link_frames
 from spd_engine.engine.runtime.stage_worker import StageWorker, wire_format
 from spd_engine.engine.protocol.topology import Topology
@@ -21,7 +21,7 @@ from spd_engine.engine.comm.transport import Transport, loopback_pair
 
 def rank_topology(ecfg: RunConfig) -> Topology:
     """SPD uses the configured placement; pp, tp and ar always run stage 0 (TP rank 0) on rank 0."""
-    if ecfg.mode == "spd":
+    if ecfg.mode is Mode.SPD:
         return ecfg.topology
     return dataclasses.replace(ecfg.topology, colocate=True)
 
@@ -30,11 +30,11 @@ def build_rank(ecfg: RunConfig, rank: int, transport: Transport, pdm=None, tp_gr
                ) -> tuple[Driver | PipelineDriver | EagleDriver | None, StageWorker | None]:
     """(driver-side runtime or None, stage worker to serve or None) for this rank. tp_group: the
     rank's stage TP group (needed with --tp > 1: engine/comm/tp_group.py)."""
-    if ecfg.mode == "eagle":  # one rank, no stages and no messages (engine/runtime/eagle_driver.py)
+    if ecfg.mode is Mode.EAGLE:  # one rank, no stages and no messages (engine/runtime/eagle_driver.py)
         assert rank == 0 and ecfg.world_size == 1
         return build_eagle_driver(ecfg, head=pdm), None
     topo = rank_topology(ecfg)
-    spd = ecfg.mode == "spd"
+    spd = ecfg.mode is Mode.SPD
     plan = ecfg.plan() if spd else None
     wire = wire_format(topo, plan, ecfg.cfg.hidden_size, ecfg.verifies_on_last)
     transport.set_frames(link_frames(topo, wire, ecfg.torch_dtype.itemsize, ecfg.branches))

@@ -27,7 +27,38 @@ from spd_engine.engine.model.model_config import ModelConfig, tiny_config
 from spd_engine.engine.protocol.topology import VERIFY_AT, Topology, verifies_on_last  # noqa: F401 (VERIFY_AT: re-exported)
 from spd_engine.engine.model.tp_shard import check_tp
 
-MODES = ("spd", "pp", "ar", "tp", "eagle")
+
+class Mode(str, enum.Enum):
+    """What a run decodes with: SPD or one of its baselines. A str, so `mode == "spd"` still holds."""
+
+    SPD = "spd"  # speculative pipeline decoding
+    PP = "pp"  # pipeline-parallel autoregressive
+    AR = "ar"  # autoregressive on one rank
+    TP = "tp"  # one stage over the TP ranks, autoregressive
+    EAGLE = "eagle"  # serial draft-then-verify with an EAGLE-3-style head, one rank
+
+    __str__ = str.__str__  # "spd", not "Mode.SPD", in messages and f-strings
+    __format__ = str.__format__
+
+    @classmethod
+    def parse(cls, value: "str | Mode") -> "Mode":
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"mode must be one of {MODES}, got {value!r}") from None
+
+    @property
+    def one_rank(self) -> bool:
+        """The whole model on one rank (ar, eagle)."""
+        return self in (Mode.AR, Mode.EAGLE)
+
+    @property
+    def one_stage(self) -> bool:
+        """One stage (n = 1): ar, eagle, and tp (one stage over the TP ranks)."""
+        return self in (Mode.AR, Mode.EAGLE, Mode.TP)
+
+
+MODES = tuple(m.value for m in Mode)
 # P2P transports: gloo/NCCL (engine/comm/transport.py DistTransport) or shared-memory rings between
 # the CPU ranks of one host (engine/comm/shm_transport.py); auto: shm where it can run, else the backend
 TRANSPORTS = ("auto", "gloo", "shm")
@@ -109,7 +140,7 @@ class RunConfig:
     model: str  # engine checkpoint dir or random:<preset>
     cfg: ModelConfig
     topology: Topology
-    mode: str = "spd"
+    mode: Mode = Mode.SPD  # a string is parsed once, here
     pdm: str = "random"  # PDM checkpoint dir or "random"
     pdm_layers: int = 1
     anchors: tuple[int, ...] | None = None
@@ -161,8 +192,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.stage_ms is not None and (len(self.stage_ms) != self.topology.n or min(self.stage_ms) < 0):
             raise ValueError(f"stage_ms needs {self.topology.n} non-negative values, got {self.stage_ms}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        object.__setattr__(self, "mode", Mode.parse(self.mode))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.pdm_dtype not in ("auto", "int8") and self.pdm_dtype not in DTYPES:
@@ -173,13 +203,13 @@ class RunConfig:
                 raise ValueError(f"a measured layout needs threads >= 1 and one of {LAYOUTS}, got {(threads, layout)}")
         self.resolved_weight_layout  # names a bad layout
         if self.branches is None:
-            auto = DEFAULT_BRANCHES if self.mode == "spd" else 1
+            auto = DEFAULT_BRANCHES if self.mode is Mode.SPD else 1
             object.__setattr__(self, "branches", auto)
         self.branch_policy()  # BranchPolicy names a bad width or policy
         if self.suffix_run is not None and self.suffix_run < 1:
             raise ValueError(f"--suffix-run must be >= 1, got {self.suffix_run}")
         self.chooser()  # SuffixSettings names a bad suffix setting
-        if self.branches > 1 and self.mode != "spd":
+        if self.branches > 1 and self.mode is not Mode.SPD:
             raise ValueError(f"--branches {self.branches} needs --mode spd (branch chains are SPD drafts)")
         if not self.suffix_pdm_margin > 0:
             raise ValueError(f"suffix PDM margin must be > 0, got {self.suffix_pdm_margin}")
@@ -196,11 +226,11 @@ class RunConfig:
         if self.topology.num_layers != self.cfg.num_layers:
             raise ValueError(f"stage layers {list(self.topology.stage_layers)} sum to {self.topology.num_layers}, "
                              f"the model has {self.cfg.num_layers} layers")
-        if self.mode in ("ar", "eagle") and self.topology.n != 1:
+        if self.mode.one_rank and self.topology.n != 1:
             raise ValueError(f"--mode {self.mode} runs the whole model on one rank: use --stages 1")
-        if self.mode in ("ar", "eagle") and self.topology.tp != 1:
+        if self.mode.one_rank and self.topology.tp != 1:
             raise ValueError(f"--mode {self.mode} runs the whole model on one rank: use --mode tp for --tp > 1")
-        if self.mode == "tp" and self.topology.n != 1:
+        if self.mode is Mode.TP and self.topology.n != 1:
             raise ValueError("--mode tp runs the whole model as one stage over the TP ranks: use --stages 1")
         if self.topology.tp > 1:
             check_tp(self.cfg, self.topology.tp)
@@ -249,9 +279,9 @@ class RunConfig:
 
     @property
     def world_size(self) -> int:
-        if self.mode == "spd":
+        if self.mode is Mode.SPD:
             return self.topology.world_size
-        if self.mode == "eagle":
+        if self.mode is Mode.EAGLE:
             return 1  # one rank: the target and the draft head
         return dataclasses.replace(self.topology, colocate=True).world_size  # pp/tp/ar: n T stage ranks
 
@@ -259,7 +289,7 @@ class RunConfig:
     def verifies_on_last(self) -> bool:
         """Whether the last stage holds the head and computes T=0 verification's argmax (SPD, n >= 2;
         with n = 1 the last stage is the driver's own stage 0)."""
-        return self.mode == "spd" and self.topology.n >= 2 and verifies_on_last(self.verify_at, self.topology.colocate)
+        return self.mode is Mode.SPD and self.topology.n >= 2 and verifies_on_last(self.verify_at, self.topology.colocate)
 
     def resolved_step_mode(self) -> StepMode:
         """eager, static or graph: auto is graph on CUDA and eager elsewhere."""
@@ -292,14 +322,14 @@ class RunConfig:
         return DEFAULT_SUFFIX_RUN if self._runs_can_travel() else 1
 
     def _runs_can_travel(self) -> bool:
-        return (self.mode == "spd" and self.suffix_drafts and self.topology.n >= 2 and self.branches == 1
+        return (self.mode is Mode.SPD and self.suffix_drafts and self.topology.n >= 2 and self.branches == 1
                 and self.topology.tp == 1 and self.dtype == "float32")
 
     def _check_suffix_runs(self) -> None:
         """Where suffix runs (--suffix-run K > 1) can travel: SPD with suffix drafts, n >= 2, one chain, one TP
         rank, an fp32 target."""
         k = f"--suffix-run {self.suffix_run}"
-        if self.mode != "spd" or not self.suffix_drafts:
+        if self.mode is not Mode.SPD or not self.suffix_drafts:
             raise ValueError(f"{k} carries suffix drafts' runs: it needs --mode spd and --suffix-drafts on")
         if self.topology.n < 2:
             raise ValueError(f"{k} needs n >= 2 stages (at n = 1 a tick verifies its own draft)")
@@ -320,7 +350,7 @@ class RunConfig:
         """The anchor plan: `anchors` when given, else a trained head's own (an SPD run's head reads
         the states its projections were trained on, whatever the split), else the defaults."""
         anchors = self.anchors
-        if anchors is None and self.mode == "spd" and self.pdm != "random":
+        if anchors is None and self.mode is Mode.SPD and self.pdm != "random":
             from spd_engine.engine.model.pdm import read_pdm_config
 
             anchors = read_pdm_config(self.pdm)[0].anchors

@@ -95,3 +95,22 @@ def test_options_map_to_the_command_line_flags():
     assert engine_argv(p, dict(stages=4, colocate=True, suffix_drafts=False, stage_layers=[8, 8, 7, 7])) == [
         "--stages", "4", "--colocate", "--suffix-drafts", "off", "--stage-layers", "8,8,7,7"]
     assert engine_argv(p, dict(colocate=False)) == []
+
+
+def test_stream_yields_the_reply_as_it_commits_and_an_early_exit_ends_it(llm):
+    ids = random_prompts(llm.config.cfg, [5], seed=9)[0]
+    ref = reference(llm.config, ids, NEW)
+    pieces = list(llm.stream(ids, SamplingParams(max_tokens=NEW)))
+    assert pieces == [f"{t} " for t in ref]  # one piece per committed token, in order
+    it = llm.stream(ids, SamplingParams(max_tokens=400))
+    assert next(it) == f"{ref[0]} "
+    it.close()  # ends the request at its next token; the LLM serves the next call
+    assert llm.generate(ids, SamplingParams(max_tokens=NEW))[0].outputs[0].token_ids == ref
+    with pytest.raises(ValueError, match="one prompt"):
+        next(llm.stream(["a", "b"]))
+
+
+def test_version():
+    import spd_engine
+
+    assert spd_engine.__version__ and spd_engine.__version__[0].isdigit()

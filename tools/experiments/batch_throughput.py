@@ -47,12 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     from spd_engine.engine.runtime.batch_driver import BatchRequest
     from spd_engine.engine.runtime.launch import launch
     from spd_engine.engine.runtime.request_inputs import encode_prompts
+    from spd_engine.engine.runtime.run_config import Mode
     from spd_engine.tools.engine_args import engine_config
     from spd_engine.tools.prompt_args import load_prompts
 
     args, gen = _args(sys.argv[1:] if argv is None else argv)
     ecfg, tok_dir = engine_config(gen)
-    if ecfg.mode != "spd":
+    if ecfg.mode is not Mode.SPD:
         raise ValueError(f"batch-throughput measures SPD (--mode spd), got --mode {ecfg.mode}")
     tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
     texts = load_prompts(gen)
