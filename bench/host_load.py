@@ -4,7 +4,7 @@ A shared host runs other processes beside the engine's ranks, and how much a row
 depends on how its threads wait for each other (a pair of pipeline ranks, a 2-thread
 autoregressive step, transformers' generate). `--host-load BUSY/IDLE[xN]` starts N processes that
 each spin for BUSY ms and then sleep IDLE ms, over and over, for the whole benchmark, so every row
-meets the same intermittent load and their slowdowns can be compared (docs/speed.md, "Under a
+meets the same intermittent load and their slowdowns can be compared (docs/results/speed-2core-epyc.md, "Under a
 competing load"). A load process ends itself when the benchmark's process is gone, so a killed
 benchmark leaves none behind.
 """

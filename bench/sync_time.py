@@ -1,6 +1,6 @@
 """What one host sync costs on a device: the time a device-to-host read of a one-element result
 adds after a tiny kernel, the stall the runtime pays for every frame header it reads and every
-draft id or argmax it needs on the host (docs/benchmarks.md, "Host syncs per decode tick").
+draft id or argmax it needs on the host (docs/results/tick-cost-2core.md, "Host syncs per decode tick").
 The cost model charges it per sync beyond those its measured steps already contain.
 
     spd measure sync-time [--device cuda]

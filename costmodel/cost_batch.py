@@ -9,7 +9,7 @@ PREDICTED, never measured here: the runtime serves one request at a time today. 
   ticks from its first token to its last, the rows of every stage step (stale ones included: a
   flushed token is computed, 3.4) and the stage utilization.
 - Cost of a step: a stage step carrying R rows costs `stage_ms * width_cost(R)`, from a measured
-  W-row step over a one-row step (`spd measure stage-width-time`, docs/benchmarks.md; `--width-cost`,
+  W-row step over a one-row step (`spd measure stage-width-time`, docs/results/branch-width-step.md; `--width-cost`,
   as costmodel/cost_branches.py prices branch chains). That measurement is W tokens of one sequence
   (a tree step); B requests' rows share its matrix products but attend to B caches of their own:
   the same ratio is assumed. Between measured widths the ratio is interpolated (noted); beyond the

@@ -6,7 +6,7 @@ scales `s` (bf16), a weight is `q s`; torch's `_weight_int8pack_mm` multiplies b
 with fp32 accumulation. On a 2-core AMD EPYC, one thread, a whole PDM step of the n=2 SmolLM2
 head's shape (2 decoder layers, an 8192-id head, 3 rows) took 6.60 ms in fp32, 4.44 in bf16 and
 3.03 in int8 (`spd measure pdm-vocab-time --draft-vocab DV --stage-layers 15,15 --pdm-layers 2
---precisions`, docs/speed.md). Drafts only: the engine's output never depends on them.
+--precisions`, docs/results/speed-2core-epyc.md). Drafts only: the engine's output never depends on them.
 
 `int8_linear_reference` is the plain torch form (the dequantized weight in bf16, F.linear); the
 kernel is used where it exists and was checked against it at construction (`Int8Linear.from_linear`),

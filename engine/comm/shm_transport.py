@@ -2,7 +2,7 @@
 
 On a CPU host gloo moves a message through its own I/O thread on each side and wakes the
 receiver with a condition variable: a computing rank pays for that in its own thread (posting
-sends and receives) and in wake-ups (docs/benchmarks.md, "The tick's own cost"). Here each
+sends and receives) and in wake-ups (docs/results/tick-cost-2core.md). Here each
 directed rank pair has a byte ring in shared memory with one writer and one reader; a message
 is its header ints followed by its payload bytes, copied straight in and out of the ring, so a
 send is a copy and a store, and a receive whose data is there is a copy. The same design as
@@ -92,7 +92,7 @@ class _Ring:
     # The fast path of a decode tick's message: a whole message that fits without wrapping is
     # written or read with struct and memoryview copies only. Right after a compute has streamed a
     # stage's weights through the caches, every numpy or torch call on the way costs tens of
-    # microseconds; these few C calls cost a few (docs/benchmarks.md, "Cold caches").
+    # microseconds; these few C calls cost a few (docs/results/tick-cost-2core.md, "Cold caches").
     def write_message(self, ints: Sequence[int], views: Sequence[memoryview]) -> bool:
         """The header ints, then the payload bytes, published with one count; False (nothing
         written) when the message would wrap around the ring's end or does not fit yet."""

@@ -68,7 +68,7 @@ class Kind(IntEnum):
 class Header(NamedTuple):
     """A message's integer header. A named tuple, not a dataclass: one is built and one parsed
     per message on the tick's hot path, where a frozen dataclass's per-field setattr is the
-    cost (docs/benchmarks.md, "Cold caches")."""
+    cost (docs/results/tick-cost-2core.md, "Cold caches")."""
 
     kind: Kind
     position: int = 0

@@ -18,7 +18,7 @@ match, which travel with it as one entry of consecutive positions (a suffix run,
 exiting entry's logits then verify its own run first, and one tick can commit several tokens.
 
 The records are named tuples: the driver builds a plan, entries and rows on every tick, between
-two computes, where a frozen dataclass's per-field setattr costs (docs/benchmarks.md, "Cold caches").
+two computes, where a frozen dataclass's per-field setattr costs (docs/results/tick-cost-2core.md, "Cold caches").
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The tensor-parallel measurements behind docs/benchmarks.md: TP split vs unsharded greedy on the
+"""The tensor-parallel measurements behind docs/results/tp-cpu.md: TP split vs unsharded greedy on the
 eval prompts, TP shard step times with all shards stepping at once, and the two ways of crossing
 a stage boundary; on a tiny random model (structure, not speed)."""
 from __future__ import annotations

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.pure
 
 LINK = LinkModel.assume("fast", 3.0, 400.0, 8.0)
 FREE = {2: 1.0, 4: 1.0, 8: 1.0}  # memory-bound decode: B rows cost one row's time
-CPU = {2: 1.64, 3: 1.80, 4: 1.48}  # docs/benchmarks.md, a stage step of W rows (run 3)
+CPU = {2: 1.64, 3: 1.80, 4: 1.48}  # docs/results/branch-width-step.md, a stage step of W rows (run 3)
 
 
 def profile() -> Profile:
