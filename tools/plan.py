@@ -74,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the simulated accept/reject draws and replays")
     p.add_argument("--details", action="store_true", help="print every configuration, not just the best per n")
     p.add_argument("--json", help="write the full result here")
+    p.add_argument("--schedule-figure", metavar="SVG", default=None,
+                   help="write the worked example's tick schedule (n = 4, one rejection; README.md's figure) as SVG "
+                        "and exit")
     val = p.add_argument_group("validation (--validate)")
     val.add_argument("--validate", action="store_true", help="run tick replays here and compare with the model")
     val.add_argument("--tolerance", type=float, default=0.15, help="allowed relative tick-time error")
@@ -446,6 +449,16 @@ def _batch(args: argparse.Namespace, profile: Profile, links: Links, alpha: Alph
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.schedule_figure:
+        from pathlib import Path
+
+        from spd_engine.bench.schedule_figure import worked_example_svg
+
+        out = Path(args.schedule_figure)
+        tmp = out.with_name(out.name + ".tmp")  # written whole or not at all
+        tmp.write_text(worked_example_svg())
+        tmp.replace(out)
+        return 0
     if sum(map(bool, (args.validate, args.validate_runtime, args.revalidate))) > 1:
         raise ValueError("give one of --validate (tick replays), --validate-runtime (real runs) and --revalidate")
     if (args.validate or args.revalidate) and (args.net_transport != "p2p" or args.net_busy_mb):
