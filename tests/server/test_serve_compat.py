@@ -313,3 +313,52 @@ def test_logprobs_at_n_4_with_suffix_runs_and_the_last_stage_verifying():
         assert spd["ticks"] > 0
     finally:
         assert server.close() == 0, server.stderr()[-3000:]
+
+
+class OneTokenRuntime:
+    """A runtime without log-probabilities (as the pp / ar baselines): one token per request."""
+
+    def generate(self, prompt_ids, max_tokens, eos, on_token=None, sampling=None):
+        from spd_engine.engine.protocol.metrics import GenerationResult
+
+        on_token(7)
+        return GenerationResult(tokens=[7], n=2)
+
+    def check_request(self, prompt, max_new_tokens) -> None:
+        pass
+
+    def generate_batch(self, requests, max_batch, intake=None, on_done=None, max_rows=None) -> None:
+        from spd_engine.engine.protocol.metrics import GenerationResult
+
+        index = 0
+        while (r := intake()) is not None:
+            r.on_token(7)
+            on_done(index, GenerationResult(tokens=[7], n=2))
+            index += 1
+
+
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_logprobs_where_the_runtime_cannot_give_them_are_a_400_and_the_engine_goes_on(max_batch):
+    """In process: a runtime without them (B = 1) or the batch driver (B = 2) refuses the request
+    with a 400 naming logprobs, and serves the next one."""
+    import contextlib
+
+    from fastapi.testclient import TestClient
+
+    from spd_engine.server.app import build_app
+    from spd_engine.server.engine_loop import EngineLoop
+    from spd_engine.server.exporter import ServeMetrics
+    from spd_engine.server.request import ModelInfo
+
+    info = ModelInfo(name="m", tok=None, tok_dir=None, vocab_size=100, capacity=32, eos_ids=())
+    engine = EngineLoop(lambda: contextlib.nullcontext(OneTokenRuntime()), 8, eos_ids=(), max_batch=max_batch)
+    engine.start(timeout=10)
+    try:
+        metrics = ServeMetrics(2, engine.waiting, engine.running, "m")
+        http = TestClient(build_app(engine, info, metrics, 30.0), base_url="http://127.0.0.1")
+        r = http.post("/v1/completions", json={"prompt": [5], "max_tokens": 1, "logprobs": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+        r = http.post("/v1/completions", json={"prompt": [5], "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "7 "
+    finally:
+        assert engine.stop(timeout=30)
