@@ -6,7 +6,9 @@ backwards, so the two directions cannot drift apart.
 
 Megatron fused layouts (the engine's `StageModel` uses them as well):
   linear_qkv [(nh + 2 nkv) hd, H]: for each KV head g: its q_per_group q heads, then k_g, then v_g
-  linear_fc1 [2 I, H]: gate rows, then up rows (its bias likewise)
+  linear_fc1 [2 I, H]: gate rows, then up rows (its bias likewise); a GeLU MLP's [I, H] is one
+      projection (HF-style name up_proj)
+  a LayerNorm model's norm biases sit next to their weights (HF-style names `<norm>.bias`)
 
 Tensor parallelism (Megatron's scheme; engine/model/tp_shard.py, which the runtime shares):
   column-parallel linear_qkv: each rank gets whole query groups (its q heads with their k and v);
@@ -83,6 +85,10 @@ def _always(cfg: ModelConfig) -> bool:
     return True
 
 
+def _norm_bias(cfg: ModelConfig) -> bool:
+    return cfg.norm == "layernorm"
+
+
 @dataclass(frozen=True)
 class Rule:
     """HF key patterns (in fuse order) <-> one Megatron key pattern, present when `when(cfg)`."""
@@ -105,19 +111,29 @@ RULES: tuple[Rule, ...] = (
     Rule((_A + "q_proj.weight", _A + "k_proj.weight", _A + "v_proj.weight"), _M + "linear_qkv.weight", QKV),
     Rule((_A + "q_proj.bias", _A + "k_proj.bias", _A + "v_proj.bias"), _M + "linear_qkv.bias", QKV,
          lambda c: c.qkv_bias),
+    Rule(("model.layers.{i}.input_layernorm.bias",), "decoder.layers.{i}.input_layernorm.bias", when=_norm_bias),
     Rule((_A + "q_norm.weight",), _M + "q_layernorm.weight", when=lambda c: c.qk_norm),
+    Rule((_A + "q_norm.bias",), _M + "q_layernorm.bias", when=lambda c: c.qk_norm and _norm_bias(c)),
     Rule((_A + "k_norm.weight",), _M + "k_layernorm.weight", when=lambda c: c.qk_norm),
+    Rule((_A + "k_norm.bias",), _M + "k_layernorm.bias", when=lambda c: c.qk_norm and _norm_bias(c)),
     Rule((_A + "o_proj.weight",), _M + "linear_proj.weight"),
     Rule((_A + "o_proj.bias",), _M + "linear_proj.bias", when=lambda c: c.linear_bias),
     Rule(("model.layers.{i}.post_attention_layernorm.weight",), "decoder.layers.{i}.pre_mlp_layernorm.weight"),
+    Rule(("model.layers.{i}.post_attention_layernorm.bias",), "decoder.layers.{i}.pre_mlp_layernorm.bias",
+         when=_norm_bias),
     Rule(("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
-         "decoder.layers.{i}.mlp.linear_fc1.weight", GATE_UP),
+         "decoder.layers.{i}.mlp.linear_fc1.weight", GATE_UP, lambda c: c.gated),
     Rule(("model.layers.{i}.mlp.gate_proj.bias", "model.layers.{i}.mlp.up_proj.bias"),
-         "decoder.layers.{i}.mlp.linear_fc1.bias", GATE_UP, lambda c: c.linear_bias),
+         "decoder.layers.{i}.mlp.linear_fc1.bias", GATE_UP, lambda c: c.gated and c.linear_bias),
+    Rule(("model.layers.{i}.mlp.up_proj.weight",), "decoder.layers.{i}.mlp.linear_fc1.weight",
+         when=lambda c: not c.gated),
+    Rule(("model.layers.{i}.mlp.up_proj.bias",), "decoder.layers.{i}.mlp.linear_fc1.bias",
+         when=lambda c: not c.gated and c.linear_bias),
     Rule(("model.layers.{i}.mlp.down_proj.weight",), "decoder.layers.{i}.mlp.linear_fc2.weight"),
     Rule(("model.layers.{i}.mlp.down_proj.bias",), "decoder.layers.{i}.mlp.linear_fc2.bias",
          when=lambda c: c.linear_bias),
     Rule(("model.norm.weight",), "decoder.final_layernorm.weight"),
+    Rule(("model.norm.bias",), "decoder.final_layernorm.bias", when=_norm_bias),
     Rule(("lm_head.weight",), "output_layer.weight", when=lambda c: not c.tie_embeddings),
 )
 # HF tensors that carry no weights of their own (old checkpoints store RoPE tables).
@@ -190,7 +206,9 @@ shard_state, merge_state = tp_shard.shard_state, tp_shard.merge_state
 # (TE fuses each norm into the following linear), so both specs read the same files.
 TE_NAMES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
 }
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 

@@ -3,7 +3,7 @@
 Megatron-LM saves the argparse namespace it trained with; its field names are those of its command
 line (`--num-query-groups` -> `num_query_groups`). `config_from_args` maps the fields that shape the
 model (the table `FIELDS`, mirrored in docs/checkpoints.md) and refuses, by name, every setting the
-engine's model does not compute (LayerNorm, GeLU MLP, MoE, learned positions, partial RoPE, ...),
+engine's model does not compute (MoE, MLA, learned positions, interleaved RoPE, squared ReLU, ...),
 so a checkpoint is read exactly or not at all. The values come from an allowlist unpickle
 (checkpoint_tools/safe_unpickle.py); Megatron objects in them are inert records.
 """
@@ -30,22 +30,25 @@ FIELDS = {
     "qkv_bias": "add_qkv_bias or add_bias_linear",
     "linear_bias": "add_bias_linear (biases on linear_proj, linear_fc1, linear_fc2; Megatron-LM's default)",
     "qk_norm": "qk_layernorm",
+    "norm": "normalization (RMSNorm -> rmsnorm, LayerNorm -> layernorm, with its bias)",
+    "norm_1p": "apply_layernorm_1p",
+    "activation": "swiglu -> swiglu; else gelu_tanh where Megatron-LM fuses the bias into GeLU (add_bias_linear "
+                  "and bias_gelu_fusion: its tanh form), gelu (erf) otherwise",
+    "rotary_percent": "rotary_percent",
 }
 # Megatron hard-codes these llama3 RoPE scaling factors (megatron/core/models/common/embeddings/rope_utils.py).
 MEGATRON_LLAMA3 = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 8192}
 
 # (arg, Megatron-LM's default, the value the engine computes, what a different value is). A field an
-# older namespace lacks takes Megatron-LM's default, which may well be refused (LayerNorm, learned
+# older namespace lacks takes Megatron-LM's default, which may well be refused (learned
 # positions): guessing the engine's own value would read such a model wrongly.
 _REQUIRED = (
-    ("normalization", "LayerNorm", "RMSNorm", "a LayerNorm model"),
-    ("swiglu", False, True, "a GeLU (non-gated) MLP"),
     ("position_embedding_type", "learned_absolute", "rope", "position embeddings other than RoPE"),
-    ("rotary_percent", 1.0, 1.0, "partial RoPE (rotary_percent < 1)"),
     ("rotary_interleaved", False, False, "interleaved RoPE"),
-    ("apply_layernorm_1p", False, False, "apply_layernorm_1p (zero-centred norm weights)"),
     ("squared_relu", False, False, "a squared-ReLU MLP"),
+    ("quick_geglu", False, False, "a quick-GeGLU MLP"),
+    ("use_te_activation_func", False, False, "Transformer Engine's activation functions"),
     ("qk_l2_norm", False, False, "L2-normalised queries and keys"),
     ("num_experts", None, None, "a mixture of experts"),
     ("multi_latent_attention", False, False, "multi-latent attention (MLA)"),
@@ -60,8 +63,16 @@ def _get(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default)
 
 
+NORMALIZATIONS = {"RMSNorm": "rmsnorm", "LayerNorm": "layernorm"}
+
+
 def _refuse_unsupported(args: Any) -> None:
     problems = []
+    if _get(args, "normalization", "LayerNorm") not in NORMALIZATIONS:
+        problems.append(f"a norm other than RMSNorm or LayerNorm (normalization={_get(args, 'normalization')!r})")
+    percent = _get(args, "rotary_percent", 1.0)
+    if not isinstance(percent, (int, float)) or not 0 < percent <= 1:
+        problems.append(f"a rotary_percent outside (0, 1] (rotary_percent={percent!r})")
     for name, megatron_default, want, what in _REQUIRED:
         got = _get(args, name, megatron_default)
         if got != want and not (want in (False, None) and not got):  # False, None and 0 all mean "off"
@@ -76,6 +87,16 @@ def _need_int(args: Any, name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"the checkpoint's Megatron-LM args lack a positive integer {name} (got {value!r})")
     return value
+
+
+def activation(args: Any) -> str:
+    """The MLP's activation as Megatron-LM computes it: SwiGLU, or GeLU whose bias fusion (Megatron-LM's
+    default wherever linear layers have biases; validate_args turns it off without them) is the tanh
+    form (megatron/core/fusions/fused_bias_gelu.py), while the unfused F.gelu is the erf form."""
+    if _get(args, "swiglu", False):
+        return "swiglu"
+    biased = bool(_get(args, "add_bias_linear", True))
+    return "gelu_tanh" if biased and _get(args, "bias_gelu_fusion", True) else "gelu"
 
 
 def config_from_args(args: Any) -> ModelConfig:
@@ -99,12 +120,16 @@ def config_from_args(args: Any) -> ModelConfig:
         rope_theta=float(_get(args, "rotary_base", 10000)), rope_scaling=rope_scaling,
         max_position=_get(args, "max_position_embeddings") or _need_int(args, "seq_length"),
         tie_embeddings=not _get(args, "untie_embeddings_and_output_weights", False),
-        qkv_bias=qkv_bias, linear_bias=linear_bias, qk_norm=qk_norm)
+        qkv_bias=qkv_bias, linear_bias=linear_bias, qk_norm=qk_norm,
+        norm=NORMALIZATIONS[_get(args, "normalization", "LayerNorm")],
+        norm_1p=bool(_get(args, "apply_layernorm_1p", False)), activation=activation(args),
+        rotary_percent=float(_get(args, "rotary_percent", 1.0)))
 
 
 # Fields the weights cannot show (a wrong value still loads): checked when both args and a config exist.
 _CROSS_CHECKED = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                  "rms_eps", "rope_theta", "rope_scaling", "tie_embeddings", "qkv_bias", "linear_bias", "qk_norm")
+                  "rms_eps", "rope_theta", "rope_scaling", "tie_embeddings", "qkv_bias", "linear_bias", "qk_norm",
+                  "norm", "norm_1p", "activation", "rotary_percent")
 
 
 def check_config_against_args(cfg: ModelConfig, args: Any) -> None:

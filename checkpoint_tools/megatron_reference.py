@@ -31,7 +31,7 @@ from spd_engine.engine.model.model_config import ModelConfig
 ARG_DEFAULTS = {
     "group_query_attention": False, "num_query_groups": None, "kv_channels": None, "normalization": "LayerNorm",
     "norm_epsilon": 1e-5, "swiglu": False, "add_bias_linear": True, "add_qkv_bias": False, "qk_layernorm": False,
-    "apply_layernorm_1p": False, "untie_embeddings_and_output_weights": False,
+    "apply_layernorm_1p": False, "bias_gelu_fusion": True, "untie_embeddings_and_output_weights": False,
     "position_embedding_type": "learned_absolute", "rotary_base": 10000, "rotary_percent": 1.0,
     "use_rope_scaling": False, "rope_scaling_factor": 8.0, "max_position_embeddings": None, "seq_length": None,
 }
@@ -50,13 +50,17 @@ def megatron_available() -> bool:
 
 def args_of_config(cfg: ModelConfig) -> dict | None:
     """Megatron-LM args for an engine config; None where megatron-core cannot compute it (llama3 RoPE
-    scaling with factors other than the ones it hard-codes)."""
+    scaling with factors other than the ones it hard-codes, a tanh GeLU without biases)."""
     rs = cfg.rope_scaling
     if rs is not None and any(float(rs[k]) != v for k, v in _MEGATRON_LLAMA3.items()):
         return None
+    if cfg.activation == "gelu_tanh" and not cfg.linear_bias:
+        return None  # Megatron-LM's tanh GeLU is its bias fusion, which needs biases
     return {**ARG_DEFAULTS, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "ffn_hidden_size": cfg.intermediate_size,
             "num_attention_heads": cfg.num_heads, "group_query_attention": True, "num_query_groups": cfg.num_kv_heads,
-            "kv_channels": cfg.head_dim, "normalization": "RMSNorm", "norm_epsilon": cfg.rms_eps, "swiglu": True,
+            "kv_channels": cfg.head_dim, "normalization": "LayerNorm" if cfg.norm == "layernorm" else "RMSNorm",
+            "norm_epsilon": cfg.rms_eps, "swiglu": cfg.gated, "apply_layernorm_1p": cfg.norm_1p,
+            "bias_gelu_fusion": cfg.activation == "gelu_tanh", "rotary_percent": cfg.rotary_percent,
             "add_bias_linear": cfg.linear_bias, "add_qkv_bias": cfg.qkv_bias, "qk_layernorm": cfg.qk_norm,
             "untie_embeddings_and_output_weights": not cfg.tie_embeddings, "position_embedding_type": "rope",
             "rotary_base": cfg.rope_theta, "use_rope_scaling": rs is not None,
@@ -91,7 +95,8 @@ def cpu_shims() -> None:
 
 def build_gpt(a: dict, vocab_rows: int, init_std: float = 0.02):
     """GPTModel as Megatron-LM builds it from its args (core_transformer_config_from_args, local spec);
-    `init_std` only matters to a model built to be saved (the reference loads its weights)."""
+    `init_std` only matters to a model built to be saved (the reference loads its weights).
+    With apply_layernorm_1p the model is built without it (see `shift_norms_1p`)."""
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -103,12 +108,14 @@ def build_gpt(a: dict, vocab_rows: int, init_std: float = 0.02):
         num_query_groups=a["num_query_groups"] if a["group_query_attention"] else None,
         kv_channels=a["kv_channels"] or a["hidden_size"] // heads, ffn_hidden_size=a["ffn_hidden_size"],
         normalization=a["normalization"], layernorm_epsilon=a["norm_epsilon"],
-        layernorm_zero_centered_gamma=a["apply_layernorm_1p"], gated_linear_unit=a["swiglu"],
+        gated_linear_unit=a["swiglu"],
         activation_func=F.silu if a["swiglu"] else F.gelu, add_bias_linear=a["add_bias_linear"],
         add_qkv_bias=a["add_qkv_bias"], qk_layernorm=a["qk_layernorm"], init_method_std=init_std,
         hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, params_dtype=torch.float32, apply_rope_fusion=False, bias_dropout_fusion=False,
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        # Megatron-LM's fused bias-GeLU (its tanh form) where it has biases to fuse (validate_args)
+        bias_activation_fusion=bool(not a["swiglu"] and a["add_bias_linear"] and a["bias_gelu_fusion"]),
+        masked_softmax_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False)
     spec = get_gpt_layer_local_spec(qk_layernorm=a["qk_layernorm"], normalization=a["normalization"])
     return GPTModel(tcfg, spec, vocab_size=vocab_rows,
@@ -119,7 +126,18 @@ def build_gpt(a: dict, vocab_rows: int, init_std: float = 0.02):
                     share_embeddings_and_output_weights=not a["untie_embeddings_and_output_weights"])
 
 
-def load_weights(model, ckpt: str) -> None:
+def shift_norms_1p(model, sign: int = 1) -> None:
+    """apply_layernorm_1p on a CPU: megatron-core's torch norm (the local spec without apex) refuses
+    layernorm_zero_centered_gamma, so the model is built without it and, its weights being gamma - 1,
+    `sign` 1 adds the one apex's and TE's zero-centred norms add inside the kernel (every norm: layers,
+    q/k, final); -1 gives the stored form back."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.add_(sign)
+
+
+def load_weights(model, ckpt: str, one_p: bool = False) -> None:
     """megatron-core's dist_checkpointing.load of the model's tensors (no common.pt, no _extra_state)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
@@ -135,6 +153,8 @@ def load_weights(model, ckpt: str) -> None:
     if missing or unexpected:
         raise ValueError(f"megatron-core's GPTModel and {ckpt} disagree: missing {missing[:4]}, "
                          f"unexpected {unexpected[:4]}")
+    if one_p:
+        shift_norms_1p(model)
 
 
 def forward_logits(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -164,7 +184,7 @@ def _main(ckpt: str, request: str, out: str) -> None:
     req = json.loads(Path(request).read_text())
     init_single_rank(req["rendezvous"])
     model = build_gpt(req["args"], req["vocab_rows"]).eval()
-    load_weights(model, ckpt)
+    load_weights(model, ckpt, req["args"]["apply_layernorm_1p"])
     logits = [forward_logits(model, torch.tensor([p]))[0] for p in req["prompts"]]
     torch.save(logits, out)
 

@@ -10,7 +10,8 @@ holds the CUDA shims, `cpu_shims`).
       Megatron-LM's argparse gives them), with random non-zero biases and norm weights, save it as
       Megatron-LM does (`dist_checkpointing.save` of {"args": Namespace, "iteration",
       "checkpoint_version", "model": sharded state} into OUT_ROOT/name/iter_0000100 + the tracker
-      file), and save its logits and greedy continuation (args "new_tokens", default 8) as OUT_ROOT/name.pt
+      file), and save its logits and greedy continuation (args "new_tokens", default 8) as OUT_ROOT/name.pt;
+      with apply_layernorm_1p the norm weights are saved as gamma - 1 (megatron_reference.shift_norms_1p)
   python megatron_worker.py resave-tp2 SRC DST
       two ranks (tensor parallel 2) load SRC, a checkpoint `save` wrote, into their GPTModel shards and
       save it again into DST/iter_0000100: Megatron's TP-sharded chunks of the same weights
@@ -57,14 +58,16 @@ def save_megatron_lm(a: dict, tokens: torch.Tensor, out_dir: Path, result: Path)
     torch.manual_seed(a.get("seed", 0))
     model = ref.build_gpt(args, args["padded_vocab_size"], init_std=0.1).eval()
     perturb_(model, a.get("seed", 0))
+    torch.save({"logits": ref.forward_logits(model, tokens), "greedy": greedy(model, tokens, a.get("new_tokens", 8))},
+               result)
+    if args["apply_layernorm_1p"]:
+        ref.shift_norms_1p(model, -1)  # the stored form: gamma - 1
     ckpt = out_dir / "iter_0000100"
     ckpt.mkdir(parents=True)
     state = {"args": argparse.Namespace(**a), "checkpoint_version": 3.0, "iteration": 100,
              "model": model.sharded_state_dict()}
     dist_checkpointing.save(state, str(ckpt))
     (out_dir / "latest_checkpointed_iteration.txt").write_text("100")
-    torch.save({"logits": ref.forward_logits(model, tokens), "greedy": greedy(model, tokens, a.get("new_tokens", 8))},
-               result)
 
 
 def save_all(specs_json: str, tokens_json: str, out_root: str) -> None:
@@ -91,6 +94,8 @@ def load_exports(tokens_json: str, pairs: list[str]) -> None:
             {k: v for k, v in loaded.items() if k not in ("checkpoint_version", CONFIG_KEY)}, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         assert not missing and not unexpected, (missing, unexpected)
+        if cfg.norm_1p:
+            ref.shift_norms_1p(model)
         torch.save({"logits": ref.forward_logits(model.eval(), tokens), "loaded_keys": sorted(loaded)}, out)
 
 
@@ -107,7 +112,10 @@ def _resave_rank(rank: int, src: str, dst: str, rendezvous: str) -> None:
     ckpt = checkpoint_dir(src)
     a = vars(read_common(ckpt)["args"])
     model = ref.build_gpt({**ref.ARG_DEFAULTS, **a}, a["padded_vocab_size"])
-    ref.load_weights(model, str(ckpt))
+    one_p = a.get("apply_layernorm_1p", False)
+    ref.load_weights(model, str(ckpt), one_p)
+    if one_p:
+        ref.shift_norms_1p(model, -1)  # saved again in the stored form
     out = Path(dst) / "iter_0000100"
     if rank == 0:
         out.mkdir(parents=True)

@@ -4,6 +4,7 @@ give megatron-core's own logits and greedy tokens in the engine's model."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -51,19 +52,38 @@ def test_args_map_to_the_engine_config():
     assert mha.rope_scaling == {**megatron_args.MEGATRON_LLAMA3, "factor": 8.0}
 
 
+def test_megatron_lm_variants_map_to_the_engine_config():
+    """LayerNorm, apply_layernorm_1p, the GeLU MLP (tanh where Megatron-LM fuses it with a bias), partial RoPE."""
+    ns = argparse.Namespace
+    plain = megatron_args.config_from_args(ns(**LM_ARGS))
+    assert (plain.norm, plain.norm_1p, plain.activation, plain.rotary_percent) == ("rmsnorm", False, "swiglu", 1.0)
+    ln = megatron_args.config_from_args(ns(**{**LM_ARGS, "normalization": "LayerNorm", "apply_layernorm_1p": True,
+                                              "swiglu": False, "rotary_percent": 0.5, "qk_layernorm": True}))
+    assert (ln.norm, ln.norm_1p, ln.activation, ln.rotary_percent, ln.rotary_dim, ln.qk_norm) == (
+        "layernorm", True, "gelu", 0.5, 8, True)
+    gelu = {**LM_ARGS, "swiglu": False, "add_bias_linear": True}
+    assert megatron_args.config_from_args(ns(**gelu)).activation == "gelu_tanh"  # bias_gelu_fusion's default
+    assert megatron_args.config_from_args(ns(**gelu, bias_gelu_fusion=False)).activation == "gelu"
+    older = {k: v for k, v in LM_ARGS.items() if k != "normalization"}  # Megatron-LM's default: LayerNorm
+    assert megatron_args.config_from_args(ns(**older)).norm == "layernorm"
+    with pytest.raises(ValueError, match="even, positive"):  # int(16 * 0.1) = 1 dim: RoPE rotates pairs
+        megatron_args.config_from_args(ns(**{**LM_ARGS, "rotary_percent": 0.1}))
+
+
 @pytest.mark.parametrize("change,named", [
-    (dict(normalization="LayerNorm"), "a LayerNorm model (normalization='LayerNorm')"),
-    (dict(swiglu=False), "a GeLU (non-gated) MLP"),
+    (dict(normalization="L2Norm"), "a norm other than RMSNorm or LayerNorm (normalization='L2Norm')"),
+    (dict(squared_relu=True, swiglu=False), "a squared-ReLU MLP"),
     (dict(num_experts=8), "a mixture of experts (num_experts=8)"),
     (dict(position_embedding_type="learned_absolute"), "position embeddings other than RoPE"),
-    (dict(rotary_percent=0.5), "partial RoPE"),
+    (dict(rotary_percent=1.5), "a rotary_percent outside"),
+    (dict(rotary_interleaved=True), "interleaved RoPE"),
     (dict(multi_latent_attention=True), "multi-latent attention"),
-    (dict(normalization=None), "a LayerNorm model"),  # a field the namespace lacks: Megatron-LM's default
+    (dict(position_embedding_type=None), "position embeddings other than RoPE"),  # lacking: Megatron-LM's default
 ])
 def test_args_the_engine_cannot_compute_are_refused_by_name(change, named):
     args = {**LM_ARGS, **change}
-    if change.get("normalization", "") is None:
-        del args["normalization"]
+    if change.get("position_embedding_type", "") is None:
+        del args["position_embedding_type"]
     with pytest.raises(ValueError, match="does not compute: .*" + named.replace("(", r"\(").replace(")", r"\)")):
         megatron_args.config_from_args(argparse.Namespace(**args))
 
@@ -108,9 +128,19 @@ MATRIX = {
     "linear_bias": {**LM_ARGS, "add_bias_linear": True, "seed": 3},
     "linear_bias_tied_qk_norm": {**LM_ARGS, "add_bias_linear": True, "qk_layernorm": True,
                                  "untie_embeddings_and_output_weights": False, "seed": 5},
+    # Megatron-LM's GPT variants: LayerNorm + GeLU (erf without biases, the fused tanh form with them),
+    # apply_layernorm_1p, qk-layernorm with LayerNorm, partial RoPE
     "layernorm_gelu": {**LM_ARGS, "normalization": "LayerNorm", "swiglu": False, "seed": 4},
+    "layernorm_gelu_bias": {**LM_ARGS, "normalization": "LayerNorm", "swiglu": False, "add_bias_linear": True,
+                            "seed": 6},
+    "layernorm_1p": {**LM_ARGS, "normalization": "LayerNorm", "apply_layernorm_1p": True, "seed": 7},
+    "layernorm_qk_norm": {**LM_ARGS, "normalization": "LayerNorm", "qk_layernorm": True, "seed": 8},
+    "rotary_percent_half": {**LM_ARGS, "rotary_percent": 0.5, "rotary_base": 10000, "seed": 9},
+    "learned_positions": {**LM_ARGS, "position_embedding_type": "learned_absolute", "seed": 10},
+    "all_variants": {**LM_ARGS, "normalization": "LayerNorm", "apply_layernorm_1p": True, "qk_layernorm": True,
+                     "rotary_percent": 0.5, "swiglu": False, "add_bias_linear": True, "seed": 11},
 }
-REFUSED = {"layernorm_gelu": "a LayerNorm model"}
+REFUSED = {"learned_positions": "position embeddings other than RoPE"}
 
 
 def _engine_logits_and_greedy(ckpt_dir: Path, tokens: torch.Tensor, new_tokens: int):
@@ -172,6 +202,14 @@ def test_megatron_core_built_checkpoints(built, tmp_path, capsys):
     with torch.no_grad():
         dropped = model.logits(model.forward_layers(model.embed(tokens), model.new_cache(*tokens.shape), 0)[0])
     assert (dropped - torch.load(built / "linear_bias.pt")["logits"][..., :cfg.vocab_size]).abs().max() > 1e-3
+    # Control: the tolerance tells GeLU's tanh form (Megatron-LM's fused bias-GeLU) from its erf form.
+    cfg, state = shard.read_engine(tmp_path / "layernorm_gelu_bias-engine")
+    assert cfg.activation == "gelu_tanh"
+    model = StageModel.full(dataclasses.replace(cfg, activation="gelu"))
+    model.load_state_dict(state)
+    with torch.no_grad():
+        erf = model.logits(model.forward_layers(model.embed(tokens), model.new_cache(*tokens.shape), 0)[0])
+    assert (erf - torch.load(built / "layernorm_gelu_bias.pt")["logits"][..., :cfg.vocab_size]).abs().max() > 1e-4
 
 
 @pytest.mark.slow
@@ -196,17 +234,22 @@ def test_verify_does_not_share_the_importer(built, tmp_path, monkeypatch, capsys
 
 
 @pytest.mark.slow
-def test_spd_on_a_megatron_lm_default_checkpoint_gives_megatron_cores_greedy_tokens(built, tmp_path):
-    """Megatron-LM's defaults (linear biases, untied, GQA, args in common.pt, iter_0000100 + tracker),
-    imported with no config file into 2 stages: SPD across two stage processes generates what
+@pytest.mark.parametrize("name", ["linear_bias", "all_variants"])
+def test_spd_on_a_megatron_lm_default_checkpoint_gives_megatron_cores_greedy_tokens(built, tmp_path, name):
+    """Megatron-LM's defaults (linear biases, untied, GQA, args in common.pt, iter_0000100 + tracker), and
+    its GPT variants at once (LayerNorm, apply_layernorm_1p, qk-layernorm, partial RoPE, the fused tanh
+    GeLU), imported with no config file into 2 stages: SPD across two stage processes generates what
     megatron-core's own greedy loop generated."""
     from spd_engine.engine.protocol.topology import Topology
     from spd_engine.engine.runtime.launch import launch
     from spd_engine.engine.runtime.run_config import RunConfig
 
-    assert main(["convert", "import-megatron", str(built / "linear_bias"), str(tmp_path / "e"), "--stages", "2"]) == 0
+    assert main(["convert", "import-megatron", str(built / name), str(tmp_path / "e"), "--stages", "2"]) == 0
     cfg = shard.read_engine(tmp_path / "e")[0]
-    want = torch.load(built / "linear_bias.pt")["greedy"]  # [B, 8]
+    if name == "all_variants":
+        assert (cfg.norm, cfg.norm_1p, cfg.qk_norm, cfg.rotary_dim, cfg.activation) == (
+            "layernorm", True, True, 8, "gelu_tanh")
+    want = torch.load(built / f"{name}.pt")["greedy"]  # [B, 8]
     ecfg = RunConfig(model=str(tmp_path / "e"), cfg=cfg, topology=Topology.build(cfg.num_layers, 2), mode="spd",
                      capacity=64, timeout_s=60.0, threads=1)
     with launch(ecfg) as runtime:
