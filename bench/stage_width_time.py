@@ -83,12 +83,13 @@ def time_stage(cfg: ModelConfig, layers: int, widths: tuple[int, ...], prefix: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="spd measure stage-width-time", description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="smollm2-135m", choices=sorted(PRESETS))
+    p = argparse.ArgumentParser(prog="spd measure stage-width-time", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", default="smollm2-135m", choices=sorted(PRESETS), help="the model shape (random weights)")
     p.add_argument("--layers", type=int, default=8, help="layers in the stage (SmolLM2 at n=4: 8)")
-    p.add_argument("--widths", default="1,2,4")
+    p.add_argument("--widths", default="1,2,4", help="sibling tokens W per stage step")
     p.add_argument("--prefix", type=int, default=300, help="tokens already in the KV cache")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--layouts", default="row", help=f"weight layouts to time, of {LAYOUTS} (the first is the reference)")
     args = p.parse_args(argv)
     layouts = tuple(x.strip() for x in args.layouts.split(",") if x.strip())

@@ -1,6 +1,6 @@
 """`spd --help` matches the registered commands: every subcommand has a one-line help, every argument of
-every subcommand (convert's actions included) has help text, every default a user gets without asking is
-shown, and the one-line helps that list choices name every registered choice."""
+every subcommand (convert's actions and `spd measure`'s experiments included) has help text, every default
+a user gets without asking is shown, and the one-line helps that list choices name every registered choice."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +12,7 @@ from spd_engine.engine.runtime.run_config import MODES
 from spd_engine.tools import cli
 from spd_engine.tools.bench import CONFIGS
 from spd_engine.tools.cli import SUBCOMMANDS
+from spd_engine.tools.measure import EXPERIMENTS
 
 pytestmark = pytest.mark.pure  # logic only: builds parsers, runs nothing
 
@@ -66,9 +67,7 @@ def test_one_line_help(name: str):
     assert text and text.strip() and "\n" not in text, f"spd {name}: {text!r}"
 
 
-@pytest.mark.parametrize("name", sorted(PARSERS))
-def test_every_argument_has_help_and_shows_its_default(name: str):
-    parser = PARSERS[name]
+def _check_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     formatter = parser._get_formatter()
     for action in parser._actions:
         if isinstance(action, SKIP):
@@ -79,6 +78,39 @@ def test_every_argument_has_help_and_shows_its_default(name: str):
             shown = formatter._get_help_string(action) % {**vars(action), "prog": parser.prog}
             assert "default" in shown, f"spd {name} {label}: its default {action.default!r} is not shown"
     assert "(default: None)" not in parser.format_help()
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_every_argument_has_help_and_shows_its_default(name: str):
+    _check_arguments(name, PARSERS[name])
+
+
+class _Parsed(Exception):
+    """Raised in place of parsing, carrying the parser an experiment built."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        super().__init__(parser.prog)
+        self.parser = parser
+
+
+def _experiment_parser(name: str, monkeypatch) -> argparse.ArgumentParser:
+    """The parser `spd measure NAME` builds: its main() is stopped where it first parses."""
+    def stop(self, *args, **kwargs):
+        raise _Parsed(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", stop)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", stop)
+    module = EXPERIMENTS[name][0]
+    main = importlib.import_module(module if "." in module else f"spd_engine.tools.experiments.{module}").main
+    with pytest.raises(_Parsed) as parsed:
+        main(["--help"])
+    return parsed.value.parser
+
+
+@pytest.mark.parametrize("name", sorted(EXPERIMENTS))
+def test_every_experiment_argument_has_help_and_shows_its_default(name: str, monkeypatch):
+    assert EXPERIMENTS[name][1].strip() and "\n" not in EXPERIMENTS[name][1], name
+    _check_arguments(f"measure {name}", _experiment_parser(name, monkeypatch))
 
 
 def test_generate_names_every_mode():

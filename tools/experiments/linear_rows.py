@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from spd_engine.tools.cli import HelpFormatter
+
 
 def shapes(cfg) -> dict[str, tuple[int, int]]:
     """name -> (in, out) of each linear layer of a decoder layer, and the head."""
@@ -41,11 +43,12 @@ def time_us(w: torch.Tensor, rows: list[int], repeats: int) -> dict[int, float]:
 def main(argv: list[str] | None = None) -> int:
     from spd_engine.tools.model_args import model_config, resolve_model
 
-    p = argparse.ArgumentParser(prog="spd measure linear-rows", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="spd measure linear-rows", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="a model spec (its shapes; weights are random)")
     p.add_argument("--rows", default="1,2,3,4,8", help="row counts R")
-    p.add_argument("--repeats", type=int, default=50)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=50, help="timed calls per row count (the median is shown)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     rows = [int(r) for r in args.rows.split(",") if r.strip()]
     if not rows or min(rows) < 1 or args.repeats < 1 or args.threads < 1:

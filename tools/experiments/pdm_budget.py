@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from spd_engine.costmodel.cost_inputs import REFERENCE_PROFILES, Profile
 from spd_engine.engine.protocol.topology import default_stage_layers
+from spd_engine.tools.cli import HelpFormatter
 
 ASSUMPTION = ("ASSUMPTION: PDM(K) = PDM(measured K) + (K - measured K) x one mean target layer; "
               "the driver on a device of its own (the separate-driver layout)")
@@ -60,7 +61,8 @@ def format_budget(rows: Sequence[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="spd measure pdm-budget", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="spd measure pdm-budget", description=__doc__.splitlines()[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--reference", action="append", choices=sorted(REFERENCE_PROFILES),
                    help="built-in profile (repeatable; default: all)")
     p.add_argument("--n", default="2,4,8", help="stage counts")

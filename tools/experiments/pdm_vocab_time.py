@@ -17,6 +17,7 @@ import torch
 
 from spd_engine.engine.runtime.run_config import PRESETS
 from spd_engine.engine.model.pdm import random_pdm
+from spd_engine.tools.cli import HelpFormatter
 
 
 PRECISIONS = ("float32", "bfloat16", "int8")
@@ -56,12 +57,13 @@ def time_heads(preset: str, stage_layers: tuple[int, ...], K: int, draft_vocab: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="spd measure pdm-vocab-time", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="spd measure pdm-vocab-time", description=__doc__.splitlines()[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--draft-vocab", required=True, help="JSON from `spd draft-vocab`")
-    p.add_argument("--preset", default="smollm2-135m", choices=sorted(PRESETS))
-    p.add_argument("--stage-layers", default="8,8,7,7")
+    p.add_argument("--preset", default="smollm2-135m", choices=sorted(PRESETS), help="the model shape (random weights)")
+    p.add_argument("--stage-layers", default="8,8,7,7", help="the stage split the PDM's anchors follow")
     p.add_argument("--pdm-layers", default="1,2", help="K values to time")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--precisions", action="store_true", help=f"time the draft-vocabulary head in each of {PRECISIONS}")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -15,6 +15,7 @@ import torch
 
 from spd_engine.engine.runtime.run_config import PRESETS
 from spd_engine.kernels.screened_argmax import ScreenedHead, supported
+from spd_engine.tools.cli import HelpFormatter
 
 
 @torch.no_grad()
@@ -51,11 +52,12 @@ def positive_ints(p: argparse.ArgumentParser, flag: str, value: str, count: int 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="spd measure screen-rows-time", description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="smollm2-135m", choices=sorted(PRESETS))
+    p = argparse.ArgumentParser(prog="spd measure screen-rows-time", description=__doc__.splitlines()[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--preset", default="smollm2-135m", choices=sorted(PRESETS), help="the model whose head is timed")
     p.add_argument("--shape", help="V,H: a head of this shape instead of the preset's")
-    p.add_argument("--rows", default="1,2,4,6,8")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rows", default="1,2,4,6,8", help="row counts R of the product")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = p.parse_args(argv)
     rows = positive_ints(p, "--rows", args.rows)
     cfg = PRESETS[args.preset]

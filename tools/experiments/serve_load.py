@@ -35,6 +35,7 @@ import httpx
 
 from spd_engine.server.process import ServerProcess
 from spd_engine.bench.stats import percentile
+from spd_engine.tools.cli import HelpFormatter
 
 
 @dataclass
@@ -217,17 +218,18 @@ def metric(url: str, name: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="spd measure serve-load", description=__doc__.split("\n")[0])
-    p.add_argument("--clients", type=int, default=16)
+    p = argparse.ArgumentParser(prog="spd measure serve-load", description=__doc__.split("\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--clients", type=int, default=16, help="concurrent streaming clients")
     p.add_argument("--requests", type=int, default=3, help="requests per client and phase")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=16, help="completion tokens per request")
     p.add_argument("--max-queue", type=int, default=8, help="the server's --max-queue")
     p.add_argument("--max-batch", default="1", help="the server's --max-batch; comma-separated: one run each")
     p.add_argument("--disconnect", type=float, default=0.3, help="drop probability per request in phase 2")
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
                    help="chat: the model's chat template; completions: plain prompts (models without one)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json-out", default=None)
+    p.add_argument("--seed", type=int, default=0, help="seed of the drops and their timing")
+    p.add_argument("--json-out", default=None, help="write the report here as JSON")
     p.add_argument("server_args", nargs="*", help="after --: arguments of spd serve (model, stages, ...)")
     return p
 

@@ -34,6 +34,7 @@ import httpx
 
 from spd_engine.server.process import ServerProcess
 from spd_engine.server.stall import sample
+from spd_engine.tools.cli import HelpFormatter
 
 # a neighbour process: T threads of small one-thread products; says "running", ends when its parent is gone
 _GIL_THREADS = """
@@ -156,15 +157,17 @@ def _num(x: float | None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="spd measure serve-neighbour", description=__doc__.split("\n")[0])
-    p.add_argument("--neighbour", choices=("gil-threads", "busy"), default="gil-threads")
+    p = argparse.ArgumentParser(prog="spd measure serve-neighbour", description=__doc__.split("\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--neighbour", choices=("gil-threads", "busy"), default="gil-threads",
+                   help="gil-threads: processes of Python threads running small torch products; busy: busy loops")
     p.add_argument("--processes", type=int, default=2, help="neighbour processes")
     p.add_argument("--threads-each", type=int, default=3, help="threads per gil-threads process")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of streaming beside the neighbour")
     p.add_argument("--repeats", type=int, default=3, help="streams alone, before and after")
-    p.add_argument("--prompt", default="Count from one to fifty:")
-    p.add_argument("--max-tokens", type=int, default=60)
-    p.add_argument("--json-out", default=None)
+    p.add_argument("--prompt", default="Count from one to fifty:", help="the streamed completion's prompt")
+    p.add_argument("--max-tokens", type=int, default=60, help="completion tokens per stream")
+    p.add_argument("--json-out", default=None, help="write the report here as JSON")
     p.add_argument("serve_args", nargs="*", help="after --: arguments of spd serve (model, stages, ...)")
     return p
 

@@ -25,6 +25,8 @@ import time
 
 import httpx
 
+from spd_engine.tools.cli import HelpFormatter
+
 
 def direct_run(runtime, ids: list[int], max_tokens: int, eos, tok) -> dict:
     """The request as `spd generate` runs it (tools/generate.py run): stream text to a file, flushed."""
@@ -111,11 +113,12 @@ def start_server(serve_argv: list[str]):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="spd measure serve-overhead", description=__doc__.split("\n")[0])
-    p.add_argument("--prompt", default="Why is the sky blue?")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--json-out", default=None)
+    p = argparse.ArgumentParser(prog="spd measure serve-overhead", description=__doc__.split("\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--prompt", default="Why is the sky blue?", help="the chat request's one user turn")
+    p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per request")
+    p.add_argument("--repeats", type=int, default=5, help="requests on each path, alternating")
+    p.add_argument("--json-out", default=None, help="write the report here as JSON")
     p.add_argument("serve_args", nargs="*", help="after --: arguments of spd serve (model, stages, ...)")
     args = p.parse_args(argv)
     engine, url, server, info = start_server(args.serve_args or ["--model", "smollm2-135m"])

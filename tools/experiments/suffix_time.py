@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from spd_engine.engine.protocol.suffix import SuffixIndex, SuffixSettings
+from spd_engine.tools.cli import HelpFormatter
 
 
 def time_output(tokens: list[int], prompt_tokens: int, settings: SuffixSettings) -> float:
@@ -29,7 +30,8 @@ def time_output(tokens: list[int], prompt_tokens: int, settings: SuffixSettings)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="spd measure suffix-time", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="spd measure suffix-time", description=__doc__.splitlines()[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--reference-cache", required=True, metavar="DIR", help="greedy outputs (*.json with 'tokens')")
     p.add_argument("--limit", type=int, default=20, help="outputs to time")
     p.add_argument("--prompt-tokens", type=int, default=100, help="length of the stand-in prompt")

@@ -27,6 +27,7 @@ from spd_engine.engine.model.greedy import greedy_generate, prefill
 from spd_engine.engine.runtime.run_config import RunConfig, random_preset
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.model.tp_model import SerialTP
+from spd_engine.tools.cli import HelpFormatter
 
 SETS = ("mt_bench", "humaneval", "gsm8k")
 
@@ -78,13 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     from spd_engine.engine.model.checkpoint import read_index
     from spd_engine.train.evaluate import default_data_dir, encode_prompt, load_dataset
 
-    p = argparse.ArgumentParser(prog="spd measure tp-agreement", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--tp", type=int, default=3)
+    p = argparse.ArgumentParser(prog="spd measure tp-agreement", description=__doc__.splitlines()[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="the model (a built-in name, directory or spec)")
+    p.add_argument("--tp", type=int, default=3, help="TP ranks T of the split (must divide the heads and KV heads)")
     p.add_argument("--limit", type=int, default=10, help="prompts per eval set")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens per prompt")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and compute dtype")
     args = p.parse_args(argv)
     try:
         spec, tok = resolve(args.model)

@@ -12,6 +12,7 @@ rank, gloo, over the runtime's per-direction P2P groups (engine/comm/transport.p
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from spd_engine.bench.interconnect import DistContext, launch_local
+from spd_engine.tools.cli import HelpFormatter
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,10 @@ def measure_crossing(cfg: CrossingConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """`spd measure tp-crossing [T ...]` (default 2 3): the median crossing time per T."""
-    for tp in [int(x) for x in (argv or ["2", "3"])]:
+    p = argparse.ArgumentParser(prog="spd measure tp-crossing", description=__doc__.splitlines()[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("tp", nargs="*", type=int, default=[2, 3], metavar="T",
+                   help="TP ranks of each of the two stages, one measurement per value (default: 2 3)")
+    for tp in p.parse_args(argv).tp:
         print(f"tp={tp}: median us per crossing {measure_crossing(CrossingConfig(tp=tp))}")
     return 0

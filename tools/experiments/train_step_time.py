@@ -15,6 +15,7 @@ import torch
 from spd_engine.engine.runtime.run_config import PRESETS
 from spd_engine.engine.model.model import StageModel, init_random_
 from spd_engine.engine.protocol.topology import Topology
+from spd_engine.tools.cli import HelpFormatter
 from spd_engine.train.distill import TrainConfig, distill_loss, new_pdm
 
 
@@ -41,16 +42,17 @@ def time_steps(preset: str, n: int, Ks: list[int], fills: list[int], autocasts: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="spd measure train-step-time", description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="smollm2-135m", choices=sorted(PRESETS))
-    p.add_argument("--stages", type=int, default=4)
-    p.add_argument("--pdm-layers", default="1,2")
-    p.add_argument("--fills", default="1,4")
-    p.add_argument("--autocast", default="bfloat16,float32")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    p = argparse.ArgumentParser(prog="spd measure train-step-time", description=__doc__.splitlines()[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--preset", default="smollm2-135m", choices=sorted(PRESETS), help="the target shape (random weights)")
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages n the head is for")
+    p.add_argument("--pdm-layers", default="1,2", help="PDM depths K to time")
+    p.add_argument("--fills", default="1,4", help="pipeline fills to simulate, each in 1..n")
+    p.add_argument("--autocast", default="bfloat16,float32", help="autocast dtypes to time (bfloat16, float16, float32)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--iters", type=int, default=3, help="timed steps per configuration (the median is shown)")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731

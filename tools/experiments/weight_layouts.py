@@ -10,13 +10,16 @@ import argparse
 import os
 import sys
 
+from spd_engine.tools.cli import HelpFormatter
+
 
 def main(argv: list[str] | None = None) -> int:
     from spd_engine.tools.measured_args import record_layouts
     from spd_engine.tools.model_args import model_config, resolve_model
 
     cores = os.cpu_count() or 1
-    p = argparse.ArgumentParser(prog="spd measure weight-layouts", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="spd measure weight-layouts", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="a model spec (its shapes; the timed weights are random)")
     p.add_argument("--threads", default=",".join(map(str, sorted({1, cores}))),
                    help="intra-op thread counts of the ranks to measure for (default: 1 and every core)")
