@@ -172,8 +172,11 @@ def checkpoint_dir(path: str | Path) -> Path:
 
 
 def is_megatron_dir(path: str | Path) -> bool:
+    """A torch_dist directory (metadata.json, DCP's .metadata) or Megatron-LM's --save layout (the
+    tracker file, iter_NNNNNNN/ directories)."""
     p = Path(path)
-    return (p / "metadata.json").is_file() or (p / TRACKER_FILE).is_file()
+    return (any((p / name).is_file() for name in ("metadata.json", ".metadata", TRACKER_FILE))
+            or any(d.is_dir() for d in p.glob("iter_[0-9]*")))
 
 
 def read_common(ckpt: Path) -> dict:

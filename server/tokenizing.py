@@ -74,8 +74,11 @@ def _encode(chat: bool, payload, special: tuple[bool, bool] | None = None) -> tu
 class PromptEncoder:
     """Prompt ids of a request: refused early when they cannot fit; text encoded in a worker process."""
 
-    def __init__(self, tok: Tokenizer | None, tok_dir: Path | None, capacity: int) -> None:
+    def __init__(self, tok: Tokenizer | None, tok_dir: Path | None, capacity: int,
+                 text_refusal: str | None = None) -> None:
+        """text_refusal: why text is refused (a model with real weights and no tokenizer); token ids still pass."""
         self.tok, self.tok_dir, self.capacity = tok, tok_dir, capacity
+        self.text_refusal = text_refusal
         self.byte_limit = SAFETY * capacity * max_token_bytes(tok) if tok is not None else capacity
         self._pool: ProcessPoolExecutor | None = None
         self.pending = 0
@@ -96,8 +99,11 @@ class PromptEncoder:
             self._pool = None
 
     def check_size(self, parsed: ParsedRequest) -> None:
-        """A prompt whose text alone needs more tokens than the KV capacity: a 400 before any encoding."""
+        """A prompt whose text alone needs more tokens than the KV capacity, or text the model cannot
+        encode (text_refusal): a 400 before any encoding."""
         field = "messages" if parsed.chat else "prompt"
+        if self.text_refusal is not None and (parsed.chat or not isinstance(parsed.prompt, list)):
+            raise bad(field, self.text_refusal)
         if isinstance(parsed.prompt, list):
             size, unit = len(parsed.prompt), "token ids"
         else:

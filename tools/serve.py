@@ -122,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     check_dependencies()
     from spd_engine.engine.runtime.launch import launch, under_torchrun
+    from spd_engine.engine.runtime.run_config import random_preset
+    from spd_engine.tools.model_args import text_needs_tokenizer
     from spd_engine.engine.model.tokenizer import Tokenizer
     from spd_engine.server.app import build_app
     from spd_engine.server.connections import ConnectionGuard, guarded_protocol
@@ -153,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
     if ecfg.pdm == "random" and ecfg.mode == "spd":
         print("spd: no trained head for this model and n; using an untrained one (lossless, but slow)",
               file=sys.stderr)
-    encoder = PromptEncoder(tok, tok_dir, ecfg.capacity)
+    refusal = text_needs_tokenizer(args.model) if tok is None and random_preset(ecfg.model) is None else None
+    encoder = PromptEncoder(tok, tok_dir, ecfg.capacity, text_refusal=refusal)  # token-id prompts pass
     engine = EngineLoop(lambda: launch(ecfg, on_ranks=engine.set_ranks), args.max_queue,
                         () if args.ignore_eos else info.eos_ids,
                         rank_processes=lambda: list(engine.ranks.values()), stall_s=args.stall_timeout,

@@ -3,10 +3,13 @@
 Reads an HF directory: `tokenizer.json`, `tokenizer_config.json` (special tokens, BOS), the chat
 template (engine/model/chat_template.py: `chat_template.jinja` or tokenizer_config.json, rendered as HF
 renders it, so prompts are byte-identical) and the EOS set from `generation_config.json` /
-`config.json`. A directory with only a SentencePiece `tokenizer.model` is refused with the one
-command that writes its `tokenizer.json`. `chat_ids_messages` takes a whole multi-turn chat
+`config.json`. A SentencePiece `tokenizer.model` (a directory's, or a `.model` file given as such,
+as Megatron-LM's `--tokenizer-model`) is read through the `sentencepiece` package
+(engine/model/sentencepiece_backend.py); a `tokenizer.json` or `.model` file given as such takes
+those other files from its own directory. `chat_ids_messages` takes a whole multi-turn chat
 (the CLI's --messages-file, a server's messages). `IncrementalDetokenizer` turns a stream of
-generated ids into printable text pieces through the library's own `DecodeStream`.
+generated ids into printable text pieces through the library's own `DecodeStream` (a SentencePiece
+model's: a window decoder, engine/model/sentencepiece_backend.py).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers.decoders import DecodeStream
 
 from spd_engine.engine.model.chat_template import _raise_exception, _tojson, find_chat_template, render  # noqa: F401
+from spd_engine.engine.model.sentencepiece_backend import SentencePieceBackend, WindowDecodeStream
 
 
 def _read_json(path: Path) -> dict:
@@ -53,22 +57,28 @@ class Tokenizer:
         self.bos_id = backend.token_to_id(bos) if bos else None
 
     @classmethod
-    def from_dir(cls, hf_dir: str | Path) -> "Tokenizer":
-        hf_dir = Path(hf_dir)
-        path = hf_dir / "tokenizer.json"
-        if not path.is_file():
-            if (hf_dir / "tokenizer.model").is_file():
-                raise ValueError(f"{hf_dir} has only a SentencePiece tokenizer.model; write its tokenizer.json once "
-                                 f"with transformers: python -c \"from transformers import AutoTokenizer; "
-                                 f"AutoTokenizer.from_pretrained('{hf_dir}').save_pretrained('{hf_dir}')\"")
-            raise ValueError(f"{hf_dir}: no tokenizer.json (is this an HF model directory?)")
-        backend = Backend.from_file(str(path))
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        """The tokenizer of an HF directory, or of a `tokenizer.json` or SentencePiece `.model` file
+        (its directory's tokenizer_config.json, generation_config.json and chat template with it)."""
+        path = Path(path)
+        if not path.exists():
+            raise ValueError(f"tokenizer not found: {path}")
+        hf_dir, backend = (path.parent, load_backend(path)) if path.is_file() else (path, cls._dir_backend(path))
         tok_cfg = _read_json(hf_dir / "tokenizer_config.json")
-        special = {k: _token_text(tok_cfg[k]) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
-                   if tok_cfg.get(k)}
+        special = backend.special_tokens() if isinstance(backend, SentencePieceBackend) else {}
+        special.update({k: _token_text(tok_cfg[k]) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+                        if tok_cfg.get(k)})
         eos = cls._eos_ids(hf_dir, backend, special.get("eos_token"))
         return cls(backend, find_chat_template(hf_dir, tok_cfg), eos, special,
                    bool(tok_cfg.get("add_bos_token", False)))
+
+    @staticmethod
+    def _dir_backend(hf_dir: Path):
+        """tokenizer.json, else a SentencePiece tokenizer.model."""
+        for name in ("tokenizer.json", "tokenizer.model"):
+            if (hf_dir / name).is_file():
+                return load_backend(hf_dir / name)
+        raise ValueError(f"{hf_dir}: no tokenizer.json nor tokenizer.model (is this an HF model directory?)")
 
     @staticmethod
     def _eos_ids(hf_dir: Path, backend: Backend, eos_token: str | None) -> tuple[int, ...]:
@@ -79,7 +89,8 @@ class Tokenizer:
                 return tuple(value) if isinstance(value, list) else (int(value),)
         token_id = backend.token_to_id(eos_token) if eos_token else None
         if token_id is None:
-            raise ValueError(f"{hf_dir}: no EOS token id in generation_config.json, config.json or tokenizer_config.json")
+            raise ValueError(f"{hf_dir}: no EOS token id in generation_config.json, config.json or tokenizer_config.json "
+                             f"(nor in a SentencePiece model)")
         return (token_id,)
 
     @property
@@ -123,8 +134,21 @@ class Tokenizer:
         return self.chat_ids_messages([{"role": "user", "content": user_text}])
 
 
+def load_backend(path: Path):
+    """A `tokenizers.Tokenizer` of a tokenizer.json, or a SentencePieceBackend of a `.model` file."""
+    if path.suffix == ".model":
+        return SentencePieceBackend(path)
+    if path.suffix != ".json":
+        raise ValueError(f"{path}: a tokenizer is an HF directory, a tokenizer.json or a SentencePiece .model file")
+    try:
+        return Backend.from_file(str(path))
+    except Exception as err:  # noqa: BLE001 - the library raises a bare Exception for any file it cannot read
+        raise ValueError(f"{path}: not a tokenizer.json the tokenizers library reads ({err})") from None
+
+
 class IncrementalDetokenizer:
-    """Feed generated ids one at a time, get text pieces back (the tokenizers library's DecodeStream).
+    """Feed generated ids one at a time, get text pieces back (the tokenizers library's DecodeStream, or
+    WindowDecodeStream for a SentencePiece model).
 
     A piece never ends inside a multi-byte UTF-8 character (a token that carries only part of one
     yields "" until the rest arrives), and the pieces plus `flush()` concatenate to
@@ -135,7 +159,8 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._stream = (DecodeStream(skip_special_tokens=skip_special_tokens) if isinstance(tokenizer.backend, Backend)
+                        else WindowDecodeStream(skip_special_tokens))
         self._emitted: list[str] = []
 
     def push(self, token_id: int) -> str:

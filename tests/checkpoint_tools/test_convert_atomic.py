@@ -1,6 +1,6 @@
 """Conversions write their destination whole or not at all, and never into a directory they do not own.
 
-A failure injected at every write step of `hf2mcore` (each shard, the source config, each tokenizer
+A failure injected at every write step of `hf2engine` (each shard, the source config, each tokenizer
 file, the index, each rename) leaves either no checkpoint, the previous one, or the new one complete;
 a process killed just before the index is written leaves no checkpoint; a non-empty destination is
 refused (exit 2, untouched) unless `--force`, and `--force` replaces only a previous checkpoint.
@@ -51,14 +51,14 @@ def test_non_empty_destination_refused_untouched(tiny_hf: Path, tmp_path: Path, 
     (mine / "sub" / "index.json").write_text("{}")
     before = snapshot(mine)
     for extra in ([], ["--force"]):
-        assert main(["convert", "hf2mcore", str(tiny_hf), str(mine), *extra]) == 2
+        assert main(["convert", "hf2engine", str(tiny_hf), str(mine), *extra]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "Traceback" not in err
         assert ("--force replaces only a previous checkpoint" if extra else "is not empty") in err
         assert snapshot(mine) == before
     # a file where the directory should be, and the source itself, are refused the same way
-    assert main(["convert", "hf2mcore", str(tiny_hf), str(mine / "notes.txt")]) == 2
-    assert main(["convert", "mcore2hf", str(tiny_hf), str(tiny_hf), "--force"]) == 2
+    assert main(["convert", "hf2engine", str(tiny_hf), str(mine / "notes.txt")]) == 2
+    assert main(["convert", "engine2hf", str(tiny_hf), str(tiny_hf), "--force"]) == 2
     assert "holds the source" in capsys.readouterr().err
     assert snapshot(mine) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mine"]  # no temporary left
@@ -66,14 +66,14 @@ def test_non_empty_destination_refused_untouched(tiny_hf: Path, tmp_path: Path, 
 
 def test_force_replaces_only_a_previous_checkpoint(tiny_hf: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "e"
-    assert main(["convert", "hf2mcore", str(tiny_hf), str(out), "--stages", "3"]) == 0
-    assert main(["convert", "hf2mcore", str(tiny_hf), str(out), "--stages", "2"]) == 2  # no --force
+    assert main(["convert", "hf2engine", str(tiny_hf), str(out), "--stages", "3"]) == 0
+    assert main(["convert", "hf2engine", str(tiny_hf), str(out), "--stages", "2"]) == 2  # no --force
     assert ckpt.read_index(out).n == 3
-    assert main(["convert", "hf2mcore", str(tiny_hf), str(out), "--stages", "2", "--force"]) == 0
+    assert main(["convert", "hf2engine", str(tiny_hf), str(out), "--stages", "2", "--force"]) == 0
     assert ckpt.read_index(out).n == 2 and complete(out)
     assert len(list(out.glob("stage-*"))) == 2  # the 3-stage shards went with the old checkpoint
-    assert main(["convert", "mcore2hf", str(out), str(tmp_path / "h")]) == 0
-    assert main(["convert", "mcore2hf", str(out), str(tmp_path / "h"), "--force"]) == 0  # a previous HF dir
+    assert main(["convert", "engine2hf", str(out), str(tmp_path / "h")]) == 0
+    assert main(["convert", "engine2hf", str(out), str(tmp_path / "h"), "--force"]) == 0  # a previous HF dir
     assert main(["convert", "export-megatron", str(out), str(tmp_path / "m"), "--release-layout"]) == 0
     assert main(["convert", "export-megatron", str(out), str(tmp_path / "m"), "--force"]) == 0
     assert output_dir.previous_checkpoint_kind(tmp_path / "m") == "Megatron checkpoint"
@@ -83,13 +83,13 @@ def test_force_replaces_only_a_previous_checkpoint(tiny_hf: Path, tmp_path: Path
     assert ckpt.read_index(out).n == 3 and complete(out)  # with the tokenizer the export carried
     # one file of anything else in a previous checkpoint and it is no longer ours to delete
     (out / "results.csv").write_text("1,2\n")
-    assert main(["convert", "hf2mcore", str(tiny_hf), str(out), "--force"]) == 2
+    assert main(["convert", "hf2engine", str(tiny_hf), str(out), "--force"]) == 2
     assert "not one (it holds " in capsys.readouterr().err and (out / "results.csv").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e", "h", "hf", "m"]
     site = tmp_path / "site"  # named like a checkpoint's files, but not one
     site.mkdir()
     (site / "index.json").write_text('{"pages": []}')
-    assert main(["convert", "hf2mcore", str(tiny_hf), str(site), "--force"]) == 2
+    assert main(["convert", "hf2engine", str(tiny_hf), str(site), "--force"]) == 2
     assert (site / "index.json").read_text() == '{"pages": []}'
 
 
@@ -100,7 +100,7 @@ def test_a_full_disk_is_one_line_and_writes_nothing(tiny_hf: Path, tmp_path: Pat
         raise OSError(errno.ENOSPC, "No space left on device", str(file))
 
     monkeypatch.setattr(ckpt, "save_safetensors", full)
-    assert main(["convert", "hf2mcore", str(tiny_hf), str(tmp_path / "e")]) == 2
+    assert main(["convert", "hf2engine", str(tiny_hf), str(tmp_path / "e")]) == 2
     assert "no space left to write" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
@@ -185,7 +185,7 @@ def killed(index):  # the moment a non-atomic conversion left shards and index w
     os.kill(os.getpid(), signal.SIGKILL)
 
 ckpt.write_index = killed
-sys.exit(main(["convert", "hf2mcore", sys.argv[1], sys.argv[2]]))
+sys.exit(main(["convert", "hf2engine", sys.argv[1], sys.argv[2]]))
 """
 
 
@@ -200,6 +200,6 @@ def test_a_killed_conversion_process_leaves_no_checkpoint(tiny_hf: Path, tmp_pat
     assert len(partial) == 1 and any(partial[0].glob("stage-*.safetensors"))  # it was killed mid-conversion
     assert f"-{proc.pid}-" in partial[0].name
     (tmp_path / f".e.partial-elsewhere-{proc.pid}-x").mkdir()  # another host's: not ours to judge
-    assert main(["convert", "hf2mcore", str(tiny_hf), str(out)]) == 0 and complete(out)
+    assert main(["convert", "hf2engine", str(tiny_hf), str(out)]) == 0 and complete(out)
     assert not partial[0].exists()  # the next conversion into `e` swept the dead process's temporary
     assert sorted(p.name for p in tmp_path.iterdir()) == [f".e.partial-elsewhere-{proc.pid}-x", "e", "hf"]

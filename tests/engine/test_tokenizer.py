@@ -2,6 +2,7 @@
 detokenization; checked against transformers (the HF directory and transformers' own GGUF loader)."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -167,9 +168,10 @@ def test_text_leaves_special_tokens_out(tok) -> None:
     assert tok.text(ids) == "The answer is 4."
 
 
-def test_sentencepiece_only_directory_is_refused_with_the_fix(tmp_path) -> None:
+def test_sentencepiece_only_directory_without_the_package_names_it(tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "sentencepiece", None)  # as where it is not installed
     (tmp_path / "tokenizer.model").write_bytes(b"\x00")
-    with pytest.raises(ValueError, match="only a SentencePiece tokenizer.model.*save_pretrained"):
+    with pytest.raises(ValueError, match=r"needs the sentencepiece package \(pip install sentencepiece\)"):
         Tokenizer.from_dir(tmp_path)
 
 
