@@ -177,3 +177,23 @@ def test_config_fields_default_to_the_former_model_and_are_checked():
             _cfg(**bad)
     with pytest.raises(ValueError, match="no HF family.*norm='layernorm'.*export-megatron"):
         cfg.to_hf()
+
+
+@pytest.mark.parametrize("mode,pdm_dtype", [("spd", "int8"), ("spd", "float32"), ("pp", "float32"),
+                                            ("ar", "float32")])
+def test_runtime_modes_give_the_greedy_tokens_of_a_variant_model(mode, pdm_dtype, one_thread):
+    """All variants at once through the runtime's stages (threads): SPD with an int8 or fp32 PDM (whose
+    final norm is the target's LayerNorm), pipeline and autoregressive modes, with the head screen and the
+    weight layout the runtime picks, reproduce the greedy tokens of the full model."""
+    from spd_engine.engine.runtime.reference import ReferenceExecutor
+    from spd_engine.kernels.int8_linear import int8_kernel_available
+    from helpers import random_prompts, reference, tiny_cfg, tiny_engine_config
+
+    if pdm_dtype == "int8" and not int8_kernel_available():
+        pytest.skip("torch has no int8 matmul kernel here")
+    cfg = tiny_cfg("llama", rope_scaling=None, **VARIANTS["layernorm_1p_gelu_tanh_bias"], qk_norm=True,
+                   rotary_percent=0.5)
+    ecfg = tiny_engine_config(cfg=cfg, n=1 if mode == "ar" else 2, mode=mode, pdm_dtype=pdm_dtype)
+    with ReferenceExecutor(ecfg) as ex:
+        for prompt in random_prompts(cfg, (5, 9), seed=2):
+            assert ex.generate(prompt, 12).tokens == reference(ecfg, prompt, 12), (mode, prompt)
