@@ -118,9 +118,9 @@ class PDM(DraftStack):
     # ---- initialisation ----
     @torch.no_grad()
     def init_from_target(self, target_layer: nn.Module | None, final_norm: torch.Tensor,
-                         output_weight: torch.Tensor) -> "PDM":
+                         output_weight: torch.Tensor, final_norm_bias: torch.Tensor | None = None) -> "PDM":
         """Projections = identity on the deepest anchor of each type; layer(s) copied from a target
-        layer when given; final norm and head rows from the target."""
+        layer when given; final norm (with its bias, a LayerNorm target's) and head rows from the target."""
         H = self.target_cfg.hidden_size
         for a, p in enumerate(self.proj):
             p.weight.zero_()
@@ -128,7 +128,7 @@ class PDM(DraftStack):
         if target_layer is not None:
             for i in range(self.pcfg.num_layers):
                 self.stack.decoder.layers[str(i)].load_state_dict(target_layer.state_dict())
-        self.copy_target_head(final_norm, output_weight)
+        self.copy_target_head(final_norm, output_weight, final_norm_bias)
         self._packed = None
         return self
 
