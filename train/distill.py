@@ -79,7 +79,9 @@ def new_pdm(target: StageModel, cfg: TrainConfig, draft_vocab: tuple[int, ...] |
         return _init_head(target, cfg.init_head, pcfg)
     pdm = PDM(target.cfg, pcfg)
     layer = target.decoder.layers[str(cfg.init_layer % target.cfg.num_layers)]
-    return pdm.init_from_target(layer, target.decoder.final_layernorm.weight.float(), target.output_weight().float())
+    norm = target.decoder.final_layernorm
+    bias = norm.bias.float() if hasattr(norm, "bias") else None  # a LayerNorm target's
+    return pdm.init_from_target(layer, norm.weight.float(), target.output_weight().float(), bias)
 
 
 def _init_head(target: StageModel, path: str, pcfg: PDMConfig) -> PDM:

@@ -197,3 +197,19 @@ def test_runtime_modes_give_the_greedy_tokens_of_a_variant_model(mode, pdm_dtype
     with ReferenceExecutor(ecfg) as ex:
         for prompt in random_prompts(cfg, (5, 9), seed=2):
             assert ex.generate(prompt, 12).tokens == reference(ecfg, prompt, 12), (mode, prompt)
+
+
+def test_draft_heads_take_the_targets_layernorm_with_its_bias():
+    """A draft head's final norm is the target's (frozen): a LayerNorm target's bias and 1p weight come along."""
+    from spd_engine.engine.model.eagle_head import EagleConfig, EagleHead
+    from spd_engine.engine.model.pdm import PDM, PDMConfig
+
+    cfg = _cfg(norm="layernorm", norm_1p=True)
+    target = init_random_(StageModel.full(cfg), seed=5)
+    norm = target.decoder.final_layernorm
+    pdm = PDM(cfg, PDMConfig((1, 1), (0, 1))).init_from_target(None, norm.weight, target.output_weight(), norm.bias)
+    eagle = EagleHead(cfg, EagleConfig((0, 0, 1))).init_from_target(target)
+    h = torch.randn(3, cfg.hidden_size)
+    for head in (pdm, eagle):
+        assert not any(p.requires_grad for p in head.final_norm.parameters())
+        torch.testing.assert_close(head.draft_logits(h), target.logits(h), rtol=1e-6, atol=1e-6)
