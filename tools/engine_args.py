@@ -70,6 +70,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
     g.add_argument("--iface", default=None, metavar="NAME",
                    help="network interface the ranks' process group binds to across nodes (default: the one whose "
                         "route reaches the rendezvous address, unless GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME are set)")
+    g.add_argument("--link-delay-us", type=float, default=run_default("link_delay_us"), metavar="US",
+                   help="emulated link latency: every message between ranks (and each step of a TP collective) is "
+                        "delivered this many microseconds after it was sent (default 0: none; for ranks of one host, "
+                        "e.g. network-namespace nodes: docs/cluster.md)")
     g.add_argument("--seed", type=int, default=run_default("seed"), help="seed of random weights / untrained heads")
     g.add_argument("--step-mode", default=run_default("step_mode"), choices=STEP_MODES,
                    help="one-token decode steps: CUDA graphs (auto on cuda), eager (auto elsewhere; the "
@@ -194,6 +198,7 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used:
                      suffix_cross_request=args.suffix_cross_request == "on",
                      suffix_run=getattr(args, "suffix_run", run_default("suffix_run")),
                      overlap_stage0=args.overlap_stage0 == "on", transport=args.transport, verify_at=args.verify_at,
+                     link_delay_us=args.link_delay_us,
                      head_screen=getattr(args, "head_screen", "on") == "on",
                      pdm_dtype=getattr(args, "pdm_dtype", run_default("pdm_dtype")),
                      weight_layout=getattr(args, "weight_layout", run_default("weight_layout")),

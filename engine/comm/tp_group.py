@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from spd_engine.engine.comm.transport import TransportError
+from spd_engine.engine.comm.transport import TransportError, hold_until
 
 
 def reduce_parts(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -38,6 +38,9 @@ class TPGroup(abc.ABC):
     members: tuple[int, ...]
     calls: int = 0  # collectives made so far (a stage worker reads the decode ones' share)
     collective_s: float = 0.0  # seconds inside them: the transfer and the wait for slower peers
+    # an emulated link latency (RunConfig.link_delay_us): a gather over T ranks ends (T - 1) link
+    # latencies after the last rank's part arrived, as a ring's T - 1 steps would on that link
+    link_delay_ns: int = 0
 
     @property
     def peer(self) -> int:
@@ -49,6 +52,8 @@ class TPGroup(abc.ABC):
         """Every TP rank's `x` (same shape and dtype on all), in TP-rank order; counted and timed."""
         t0 = time.perf_counter()
         out = self._gather(x)
+        if self.link_delay_ns:
+            hold_until(time.time_ns() + (self.size - 1) * self.link_delay_ns)
         self.calls += 1
         self.collective_s += time.perf_counter() - t0
         return out
@@ -135,9 +140,10 @@ class DistTPGroup(TPGroup):
         return out
 
 
-def dist_tp_groups(topo, global_rank: int, timeout_s: float) -> TPGroup:
-    """This rank's TP group. `new_group` is collective over the default group: every rank
-    creates every stage's group, in stage order, and keeps its own."""
+def dist_tp_groups(topo, global_rank: int, timeout_s: float, link_delay_us: float = 0.0) -> TPGroup:
+    """This rank's TP group (its collectives paying `link_delay_us` per step when set). `new_group`
+    is collective over the default group: every rank creates every stage's group, in stage order,
+    and keeps its own."""
     import torch.distributed as dist
 
     mine: TPGroup = SoloGroup(global_rank)
@@ -148,4 +154,5 @@ def dist_tp_groups(topo, global_rank: int, timeout_s: float) -> TPGroup:
         group = dist.new_group(list(members))
         if global_rank in members:
             mine = DistTPGroup(group, members, global_rank, timeout_s)
+            mine.link_delay_ns = round(link_delay_us * 1e3)
     return mine

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import abc
 import datetime
+import os
 import queue
 import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -399,6 +401,80 @@ class LoopbackTransport(Transport):
     def mark_dead(self) -> None:
         if hasattr(self.inner, "mark_dead"):
             self.inner.mark_dead()
+
+
+def hold_until(due_ns: int) -> None:
+    """Return at wall-clock time `due_ns` (time.time_ns): sleep the bulk of the wait and yield-poll
+    its last 0.3 ms, since a sleep alone overshoots by tens of microseconds."""
+    while (left := due_ns - time.time_ns()) > 0:
+        if left > 300_000:
+            time.sleep((left - 200_000) / 1e9)
+        else:
+            os.sched_yield()
+
+
+class DelayedTransport(Transport):
+    """An emulated link latency (RunConfig.link_delay_us): every message to another rank is
+    delivered `delay_us` after it was sent. The sender stamps its wall clock into a leading 8-byte
+    payload and goes on at once; the receiver, having read the header and the stamp, holds until
+    stamp + delay. So a message that waited in the receiver's queue while it computed pays only
+    what is left of the delay, as on a real link, and a rank sending to two peers pays it once.
+    The stamp is the sender's wall clock: exact for ranks of one host (network-namespace nodes,
+    the shared-memory rings); across hosts their clock offset adds to it. Bandwidth is not
+    emulated here (the namespace nodes shape it with tc's token bucket, docs/cluster.md)."""
+
+    STAMP_BYTES = 8
+
+    def __init__(self, inner: Transport, delay_us: float) -> None:
+        assert delay_us > 0, delay_us
+        self.inner, self.rank, self.world_size = inner, inner.rank, inner.world_size
+        self.pins_buffers = inner.pins_buffers
+        self.delay_ns = round(delay_us * 1e3)
+        self._tx = torch.zeros(1, dtype=torch.int64)  # the transport copies it at send: reused
+        self._rx = torch.zeros(1, dtype=torch.int64)
+        inner.pin(self._tx)
+        inner.pin(self._rx)
+
+    def send(self, dst: int, header: Header, payloads: Sequence[torch.Tensor] = ()) -> None:
+        self._tx[0] = time.time_ns()
+        self.inner.send(dst, header, (self._tx, *payloads))
+
+    def recv_header(self, src: int, timeout: float | None, tick: int = -1) -> Header:
+        header = self.inner.recv_header(src, timeout, tick)
+        self.inner.recv_into(src, self._rx, timeout, tick)
+        hold_until(int(self._rx[0]) + self.delay_ns)
+        return header
+
+    def recv_into(self, src: int, out: torch.Tensor, timeout: float | None, tick: int = -1) -> torch.Tensor:
+        return self.inner.recv_into(src, out, timeout, tick)
+
+    def ready(self, src: int) -> bool:
+        return self.inner.ready(src)  # arrived, perhaps not yet due: its receive holds the rest
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def pin(self, t: torch.Tensor) -> None:
+        self.inner.pin(t)
+
+    def set_frames(self, capacities: dict[tuple[int, int], int]) -> None:
+        self.inner.set_frames({link: c + self.STAMP_BYTES for link, c in capacities.items()})
+
+    def abandon(self) -> None:
+        if hasattr(self.inner, "abandon"):
+            self.inner.abandon()
+
+    def mark_dead(self) -> None:
+        if hasattr(self.inner, "mark_dead"):
+            self.inner.mark_dead()
+
+
+def with_link_delay(transport: Transport, delay_us: float) -> Transport:
+    """`transport` with an emulated per-message latency of `delay_us` (none at 0: the default)."""
+    return DelayedTransport(transport, delay_us) if delay_us > 0 else transport
 
 
 def loopback_pair(inner: Transport) -> tuple[LoopbackTransport, LoopbackTransport]:

@@ -35,7 +35,7 @@ from spd_engine.engine.runtime.roles import build_rank, rank_topology
 from spd_engine.engine.comm.tp_group import TPGroup, dist_tp_groups
 from spd_engine.engine.runtime.run_config import Mode, RunConfig
 from spd_engine.engine.comm.shm_transport import ShmTransport, shm_usable
-from spd_engine.engine.comm.transport import DistTransport, Transport
+from spd_engine.engine.comm.transport import DistTransport, Transport, with_link_delay
 
 # Test hook: "RANK:MESSAGES" makes that rank SIGKILL itself after handling MESSAGES messages,
 # the same as `kill -9` from outside, to check that no surviving rank hangs.
@@ -69,7 +69,8 @@ def _transport(ecfg: RunConfig, rank: int, world: int, one_host: bool) -> Transp
             ok = torch.tensor([int(shm_usable(world) is None)])
             torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
             choice = "shm" if int(ok) else "gloo"
-    return ShmTransport(rank, world) if choice == "shm" else DistTransport(rank, world, ecfg.device)
+    transport = ShmTransport(rank, world) if choice == "shm" else DistTransport(rank, world, ecfg.device)
+    return with_link_delay(transport, ecfg.link_delay_us)
 
 
 def _join(ecfg: RunConfig, rank: int, world: int, init_method: str) -> tuple[RunConfig, Transport, TPGroup]:
@@ -80,7 +81,7 @@ def _join(ecfg: RunConfig, rank: int, world: int, init_method: str) -> tuple[Run
     # requests bound their own waits (Transport timeouts); a stage idles between them
     join_group(rank, world, ecfg.backend, ecfg.device, init_method, max(60.0, ecfg.timeout_s), idle_waits=True)
     transport = _transport(ecfg, rank, world, one_host=not under_torchrun())
-    return ecfg, transport, dist_tp_groups(rank_topology(ecfg), rank, ecfg.timeout_s)  # collective: every rank
+    return ecfg, transport, dist_tp_groups(rank_topology(ecfg), rank, ecfg.timeout_s, ecfg.link_delay_us)  # collective: every rank
 
 
 def _serve(ecfg: RunConfig, rank: int, transport: Transport, group: TPGroup) -> None:

@@ -171,6 +171,7 @@ class RunConfig:
     branches: int | None = None
     branch_when: str = "refill"  # where a branch point may start (engine/protocol/branching.py WHEN)
     transport: str = "auto"  # TRANSPORTS: how ranks message each other (collectives stay on the backend)
+    link_delay_us: float = 0.0  # emulated latency added to every message between ranks (0: none; docs/cluster.md)
     # SPD at T=0: who computes the target's argmax of the token leaving the last stage, "last" (that
     # stage, which then holds the head too), "driver", or "auto": last when the driver shares rank 0
     # with stage 0 (its rank is the busiest), driver when it has a rank of its own (docs/design.md 3.5)
@@ -240,6 +241,8 @@ class RunConfig:
             raise ValueError(f"EAGLE head not found: {self.eagle_head}")
         if self.capacity < 2 or self.capacity > self.cfg.max_position:
             raise ValueError(f"KV capacity {self.capacity} must be in [2, max_position={self.cfg.max_position}]")
+        if not 0 <= self.link_delay_us < 1e6:
+            raise ValueError(f"--link-delay-us must be in [0, 1e6), got {self.link_delay_us}")
         if self.prefill_chunk < 1 or self.timeout_s <= 0:
             raise ValueError("prefill chunk must be >= 1 and the timeout positive")
         if random_preset(self.model) is None and not Path(self.model).is_dir():
