@@ -22,10 +22,11 @@ from typing import Any
 
 from spd_engine.api.params import CompletionOutput, RequestOutput, SamplingParams
 from spd_engine.engine.runtime.request_inputs import encode_prompt, sampling_params
-from spd_engine.engine.runtime.run_config import Mode
+from spd_engine.engine.runtime.run_config import Mode, random_preset
 from spd_engine.server.text import TextStream
 from spd_engine.tools.cli_conventions import add_batch_arguments, check_batch_arguments
 from spd_engine.tools.engine_args import add_engine_arguments, engine_config
+from spd_engine.tools.model_args import text_needs_tokenizer
 
 _IDS = itertools.count()
 _OPEN: list["LLM"] = []  # the LLM whose ranks are up: the driver joins this process's one default process group
@@ -174,6 +175,8 @@ class LLM:
     def _encode(self, text: str | None, ids: list[int] | None) -> list[int]:
         if ids is not None:
             return ids
+        if self.tokenizer is None and random_preset(self.config.model) is None:  # as spd generate refuses
+            raise ValueError(text_needs_tokenizer(self.config.model, "LLM(..., tokenizer=PATH)"))
         out = encode_prompt(text, self.tokenizer, False, self.config.cfg.vocab_size)
         if not out:
             raise ValueError(f"prompt {text!r} encodes to no tokens")

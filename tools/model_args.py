@@ -116,9 +116,9 @@ def check_tokenizer(path: str | Path, cfg) -> Path:
     return Path(path)
 
 
-def text_needs_tokenizer(model: str) -> str:
+def text_needs_tokenizer(model: str, option: str = "--tokenizer PATH") -> str:
     """Why a model without a tokenizer refuses text (only random:<preset> models map text bytes to ids)."""
-    return (f"{model} has no tokenizer, so text prompts cannot be encoded: give its tokenizer with --tokenizer PATH "
+    return (f"{model} has no tokenizer, so text prompts cannot be encoded: give its tokenizer with {option} "
             f"(an HF tokenizer directory, a tokenizer.json or a SentencePiece .model)")
 
 
