@@ -17,8 +17,10 @@ of 15 layers of SmolLM2-135M's shape, fp32, one thread, a 2-core AMD EPYC, by ro
     mixed          17.5   19.7   19.1   23.7
 
 and with two threads a packed one-row step spreads over both (MKL's one-row kernel stays on one).
-So `auto` on a CPU with oneDNN is packed for ranks of 2+ threads and mixed for one; col without
-it; but the fastest kernel depends on the CPU (on an Intel Xeon packed's one-row step is the
+So `auto` on a CPU with oneDNN is packed (mixed is a little faster with one thread, but its
+one-row step rounds otherwise than its several-row one, so a request's row would round otherwise
+alone than in a batch: engine/model/row_invariance.py); col without it; but the fastest kernel
+depends on the CPU (on an Intel Xeon packed's one-row step is the
 slowest), so where `spd bench` measured the layouts on this device `auto` takes its choice
 (engine/runtime/measured_layout.py). Only fp32 weights move (the layouts were compared in fp32
 only), and on a GPU `auto` keeps torch's layout.
@@ -40,17 +42,15 @@ LAYOUTS = ("row", "col", "packed", "mixed")
 
 def resolve_layout(layout: str, device: str, threads: int = 1, measured: str | None = None) -> str:
     """`auto` -> on a CPU, the layout measured fastest there (`measured`, engine/runtime/
-    measured_layout.py) where there is one, else with oneDNN packed for a rank of 2+ intra-op threads
-    (one step spreads over them) and mixed for one thread, col without it; row elsewhere. Otherwise
-    checked."""
+    measured_layout.py; packed for mixed) where there is one, else packed with oneDNN, col without
+    it; row elsewhere. Otherwise checked. `threads` is kept for callers: with one thread mixed's
+    one-row step is faster, but a row of it rounds otherwise alone than in a batch."""
     if layout == "auto":
         if not device.startswith("cpu"):
             return "row"
         if measured is not None and (measured in ("row", "col") or packed_kernel_available()):
-            return measured
-        if not packed_kernel_available():
-            return "col"
-        return "packed" if threads >= 2 else "mixed"
+            return "packed" if measured == "mixed" else measured  # mixed is not batch-invariant
+        return "packed" if packed_kernel_available() else "col"
     if layout not in LAYOUTS:
         raise ValueError(f"weight layout must be auto or one of {LAYOUTS}, got {layout!r}")
     if layout in ("packed", "mixed") and not device.startswith("cpu"):

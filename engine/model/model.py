@@ -297,14 +297,10 @@ class StageModel(nn.Module):
         return [self.greedy_token(row) for row in h]
 
     def logits_rows(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head of several rows h [R, H] -> logits [R, V] (fp32). On a CPU, 2 or 3
-        rows are padded to 4: its BLAS multiplies fewer than 4 rows by a large weight as one
-        matrix-vector pass each, re-reading the weight (SmolLM2's 576 x 49152 head on a 2-core EPYC,
-        one thread: 1 row 10 ms, 2 rows 22 ms, 3 rows 33 ms, 4 rows 17 ms)."""
-        R = h.shape[0]
-        if h.device.type != "cpu" or not 1 < R < 4:
-            return self.logits(h)
-        return self.logits(torch.cat([h, h.new_zeros(4 - R, h.shape[1])]))[:R]
+        """Final norm + LM head of several rows h [R, H] -> logits [R, V] (fp32), each row alone: a
+        BLAS rounds one row (a matrix-vector kernel) otherwise than several, and a request's row
+        gets the logits it gets in a one-row step (batch invariance, engine/model/row_invariance.py)."""
+        return torch.stack([self.logits(row) for row in h])
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         p = next(self.parameters())

@@ -19,7 +19,8 @@ from spd_engine.engine.protocol.anchors import AnchorPlan
 from spd_engine.engine.model.draft_stack import DraftStack, check_draft_vocab
 from spd_engine.engine.model.head_io import HeadFormat, check_fingerprint, read_head_meta, read_head_state, save_head
 from spd_engine.engine.model.model_config import ModelConfig
-from spd_engine.kernels.anchor_gather import anchor_rows, pack_projection_weights
+from spd_engine.engine.model.row_invariance import Invariance, make_row_invariant_, probe_floor
+from spd_engine.kernels.anchor_gather import anchor_rows, pack_projection_weights, type_weight_t
 from spd_engine.kernels.int8_linear import Int8Linear
 
 PDM_FORMAT = "spd-pdm-v1"
@@ -74,6 +75,8 @@ class PDM(DraftStack):
                                   for a in range(plan.num_types))
         self.build_stack(target, pcfg.num_layers, pcfg.draft_vocab, device=device, dtype=dtype)
         self._packed: torch.Tensor | None = None
+        self.rows_floor = 1  # anchor rows computed at least this many at a time (make_row_invariant)
+        self.row_invariance = Invariance()
 
     # ---- rows ----
     def packed_projection(self) -> torch.Tensor:
@@ -87,8 +90,29 @@ class PDM(DraftStack):
         """ring [S, m, H], slots/types [R] -> rows [R, H] (the driver's per-tick path)."""
         if isinstance(self.proj[0], Int8Linear):
             return self._rows_by_type(ring, slots, types)
+        R = slots.shape[0]
+        if R < self.rows_floor:  # padded with copies of the first row's indices; their rows are dropped
+            slots = torch.cat([slots, slots[:1].expand(self.rows_floor - R)])
+            types = torch.cat([types, types[:1].expand(self.rows_floor - R)])
         # check_indices=False: the driver builds slots/types itself, and the check would sync the host
-        return anchor_rows(ring, slots, types, self.packed_projection(), check_indices=False)
+        return anchor_rows(ring, slots, types, self.packed_projection(), check_indices=False)[:R]
+
+    @torch.no_grad()
+    def make_row_invariant(self) -> Invariance:
+        """Inference, once the weights' layout is set: each row's result the same whatever the
+        other rows of a pass (engine/model/row_invariance.py): the decoder layers and draft head
+        (and int8 projections) as linears, the packed projections by probing their product."""
+        int8 = isinstance(self.proj[0], Int8Linear)
+        # fp32 projections run packed (anchor_rows), probed below; their nn.Linear forms serve training only
+        self.row_invariance = make_row_invariant_(self, skip=() if int8 else tuple(self.proj))
+        if not int8:
+            packed, H = self.packed_projection(), self.target_cfg.hidden_size
+            floors = [probe_floor(lambda x, a=a: x @ type_weight_t(packed, a).float(), (a + 1) * H,
+                                  torch.float32, packed.device) for a in range(len(self.proj))]
+            if None in floors:
+                self.row_invariance.variant.append("proj")
+            self.rows_floor = max(f or 1 for f in floors)
+        return self.row_invariance
 
     def _rows_by_type(self, ring: torch.Tensor, slots: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
         """rows_from_ring over int8 projections (a CPU: the indices are read on the host for free):

@@ -10,6 +10,7 @@ import torch
 from spd_engine.engine.model.checkpoint import expected_shapes, load_stage_model, load_tp_stage_state, read_index
 from spd_engine.engine.runtime.run_config import RunConfig, random_preset
 from spd_engine.engine.model.linear import set_weight_layout_
+from spd_engine.engine.model.row_invariance import make_row_invariant_
 from spd_engine.engine.model.model import StageModel, init_random_, random_tensor
 from spd_engine.engine.comm.tp_group import TPGroup
 from spd_engine.engine.model.tp_model import TPStageModel
@@ -62,6 +63,8 @@ def set_weight_layout(model: StageModel, ecfg: RunConfig) -> None:
     row-major (the int8 screen gathers its candidate rows, kernels/screened_argmax.py)."""
     skip = (model.output_layer,) if hasattr(model, "output_layer") else ()
     set_weight_layout_(model, ecfg.resolved_weight_layout, skip=skip)
+    # the head's logits take one row per product instead (StageModel.logits_rows)
+    model.row_invariance = make_row_invariant_(model, skip=skip)
 
 
 def build_driver_head(ecfg: RunConfig) -> StageModel:
@@ -83,4 +86,5 @@ def build_pdm(ecfg: RunConfig) -> PDM:
     # the PDM's anchor projections are read as weights (kernels/anchor_gather.py): never packed
     layout = ecfg.resolved_weight_layout
     set_weight_layout_(pdm, "col" if layout in ("packed", "mixed") else layout)
+    pdm.make_row_invariant()
     return pdm.eval()

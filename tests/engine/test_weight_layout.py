@@ -20,7 +20,7 @@ from near_ties import assert_greedy_agrees, teacher_forced
 
 
 def test_resolve_layout():
-    auto = ("packed", "mixed") if packed_kernel_available() else ("col", "col")
+    auto = ("packed", "packed") if packed_kernel_available() else ("col", "col")  # mixed: not batch-invariant
     assert (resolve_layout("auto", "cpu", threads=2), resolve_layout("auto", "cpu", threads=1)) == auto
     assert resolve_layout("auto", "cuda:0") == "row"
     assert resolve_layout("row", "cpu") == "row" and resolve_layout("col", "cuda") == "col"

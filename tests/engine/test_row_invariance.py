@@ -1,0 +1,118 @@
+"""Batch invariance (engine/model/row_invariance.py): a request's row of a stage step, of the LM head
+and of the PDM pass has the same bits alone as beside one or two other requests' rows, in every
+weight layout the builders can make row-invariant; the probe finds the floor a kernel needs, and
+refuses one that no floor fixes."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from spd_engine.engine.model.kv_cache import RowCaches
+from spd_engine.engine.model.row_invariance import PROBE_ROWS, probe_floor
+from spd_engine.engine.runtime.build import build_pdm, build_stage_model
+from spd_engine.kernels.int8_linear import int8_kernel_available
+from spd_engine.kernels.packed_linear import packed_kernel_available
+from helpers import tiny_engine_config
+
+LAYOUTS = ["row", "col"] + (["packed"] if packed_kernel_available() else [])
+PROMPTS = [[5, 9, 2, 7], [7, 1, 4, 4, 8, 3, 6], [11, 2]]  # three requests at three lengths
+NEXT = [13, 17, 19]
+
+
+def test_probe_finds_the_floor_a_kernel_needs():
+    w = torch.randn(24, 16)
+
+    def one_row_apart(x: torch.Tensor) -> torch.Tensor:  # another kernel for one row (a matrix-vector pass)
+        return x @ w.t() + (1e-3 if x.shape[0] == 1 else 0.0)
+
+    def by_rows(x: torch.Tensor) -> torch.Tensor:  # every row count rounds otherwise
+        return x @ w.t() + 1e-3 * x.shape[0]
+
+    assert probe_floor(lambda x: x @ w.t() * 1.0, 16, torch.float32, "cpu") in range(1, PROBE_ROWS)
+    assert probe_floor(one_row_apart, 16, torch.float32, "cpu") == 2
+    assert probe_floor(by_rows, 16, torch.float32, "cpu") is None
+
+
+def _stage_rows(model, caches, which: list[int]) -> torch.Tensor:
+    """One decode row of each request in `which`, in one step -> outputs [len(which), H]."""
+    starts = [len(PROMPTS[i]) for i in which]
+    h = model.embed(torch.tensor([[NEXT[i] for i in which]]))  # [1, R, H]
+    if len(which) == 1:  # a lone request: the plain cache path, as a one-request run steps it
+        out, _ = model.forward_layers(h, caches[which[0]], starts[0])
+    else:
+        out, _ = model.forward_layers(h, RowCaches([caches[i] for i in which], starts), 0,
+                                      positions=torch.tensor([starts]))
+    return out[0]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@torch.no_grad()
+def test_a_stage_row_and_its_logits_are_the_same_alone_and_in_a_batch(layout, one_thread):
+    ecfg = tiny_engine_config("llama", weight_layout=layout)
+    model = build_stage_model(ecfg, range(ecfg.cfg.num_layers), embedding=True, head=True)
+    assert model.row_invariance.invariant, model.row_invariance.variant
+    outs = []
+    for which in ([0], [0, 1], [0, 1, 2], [2, 0]):
+        caches = [model.new_cache(1, 32) for _ in PROMPTS]
+        for cache, ids in zip(caches, PROMPTS):  # the same prefill for every request
+            model.forward_layers(model.embed(torch.tensor([ids])), cache, 0)
+        outs.append(dict(zip(which, _stage_rows(model, caches, which))))
+    for got in outs[1:]:
+        for i, row in got.items():
+            if i in outs[0] or i in outs[1]:
+                assert torch.equal(row, (outs[0] if i in outs[0] else outs[1])[i]), (layout, i)
+    rows = torch.stack([outs[2][i] for i in range(3)])  # [3, H]
+    logits = model.logits_rows(rows)
+    assert all(torch.equal(logits[i], model.logits(rows[i])) for i in range(3))
+
+
+@pytest.mark.parametrize("pdm_dtype", ["float32"] + (["int8"] if int8_kernel_available() else []))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@torch.no_grad()
+def test_a_request_s_pdm_rows_are_the_same_alone_and_in_a_batch(layout, pdm_dtype, one_thread):
+    ecfg = dataclasses.replace(tiny_engine_config("llama", weight_layout=layout), pdm_dtype=pdm_dtype)
+    pdm = build_pdm(ecfg)
+    assert pdm.row_invariance.invariant, pdm.row_invariance.variant
+    H = ecfg.cfg.hidden_size
+    gen = torch.Generator().manual_seed(3)
+    rows = [torch.randn(c, H, generator=gen) for c in (1, 2, 3)]  # a request's rows of a tick: 1 to 3
+    starts = [4, 6, 3]
+
+    def run(which: list[int]) -> list[torch.Tensor]:
+        caches = [pdm.new_cache(32) for _ in rows]
+        for cache, s in zip(caches, starts):  # each request's earlier rows
+            pdm.forward_rows(torch.randn(1, s, H, generator=torch.Generator().manual_seed(s)), cache, 0)
+        if len(which) == 1:
+            i = which[0]
+            return [pdm.forward_rows(rows[i][None], caches[i], starts[i])[0]]
+        x = torch.cat([rows[i] for i in which])[None]
+        spans = RowCaches([caches[i] for i in which], [starts[i] for i in which], [len(rows[i]) for i in which])
+        pos = spans.positions()
+        return list(pdm.forward_rows(x, spans, 0, positions=pos)[0].split(spans.counts))
+
+    alone = [run([i])[0] for i in range(3)]
+    for which in ([0, 1], [1, 2], [0, 1, 2], [2, 0]):
+        for i, got in zip(which, run(which)):
+            assert torch.equal(got, alone[i]), (layout, pdm_dtype, which, i)
+    logits = [pdm.draft_logits(a[-1]) for a in alone]  # the draft head on one row and on three
+    both = pdm.draft_logits(torch.stack([a[-1] for a in alone]))
+    assert all(torch.equal(both[i], logits[i]) for i in range(3))
+
+
+@torch.no_grad()
+def test_anchor_rows_are_the_same_for_any_row_count(one_thread):
+    ecfg = tiny_engine_config("llama", weight_layout="col")
+    pdm = build_pdm(ecfg)
+    ring = torch.randn(8, len(pdm.pcfg.anchors), ecfg.cfg.hidden_size)
+    slots, types = torch.tensor([3, 1, 6]), torch.tensor([pdm.plan.num_types - 1, 0, 0])
+    three = pdm.rows_from_ring(ring, slots, types)
+    assert all(torch.equal(pdm.rows_from_ring(ring, slots[i:i + 1], types[i:i + 1])[0], three[i]) for i in range(3))
+
+
+@pytest.mark.skipif(not packed_kernel_available(), reason="oneDNN's packed layout")
+def test_mixed_layout_is_reported_not_batch_invariant(one_thread):
+    ecfg = tiny_engine_config("llama", weight_layout="mixed")
+    model = build_stage_model(ecfg, range(ecfg.cfg.num_layers), embedding=True, head=True)
+    assert not model.row_invariance.invariant and "decoder.layers.0.mlp.linear_fc1" in model.row_invariance.variant
