@@ -1,11 +1,13 @@
 """A SentencePiece `.model` (Megatron-LM's `--tokenizer-model`, Llama-style `tokenizer.model`) behind
 the few calls engine/model/tokenizer.py makes of a `tokenizers.Tokenizer`, through the
-`sentencepiece` package itself (so ids and text are exactly SentencePiece's); without that package
+`sentencepiece` package itself (so ids and text are SentencePiece's own; a control piece's text, such
+as a chat template's "</s>", is read as its id, as HF's tokenizers do); without that package
 it is refused in one line naming it. `WindowDecodeStream` is the incremental decoder for such a
 backend (the `tokenizers` library's DecodeStream takes only its own tokenizers).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +35,9 @@ class SentencePieceBackend:
             self.sp.Load(str(path))
         except (OSError, RuntimeError) as err:
             raise ValueError(f"{path}: not a SentencePiece model ({str(err).splitlines()[0]})") from None
+        self._control = {self.sp.id_to_piece(i): i for i in range(self.sp.get_piece_size()) if self.sp.is_control(i)}
+        longest_first = sorted(self._control, key=len, reverse=True)
+        self._control_split = re.compile(f"({'|'.join(map(re.escape, longest_first))})") if self._control else None
 
     def special_tokens(self) -> dict[str, str]:
         """bos_token, eos_token, unk_token and pad_token as the model defines them (id -1: none)."""
@@ -41,11 +46,24 @@ class SentencePieceBackend:
         return {name: self.sp.id_to_piece(i) for name, i in ids.items() if i >= 0}
 
     def encode(self, text: str, add_special_tokens: bool = False) -> Encoding:
-        """add_special_tokens is Tokenizer's business (its BOS rule), as with `tokenizers`."""
-        return Encoding(list(self.sp.encode(text)))
+        """The ids of `text`, where the text of a control piece ("<s>", "</s>", as a chat template
+        writes them) is that piece's id, as HF's tokenizers read special tokens in text (the plain
+        runs between them go through SentencePiece). add_special_tokens is Tokenizer's business
+        (its BOS rule), as with `tokenizers`."""
+        if self._control_split is None:
+            return Encoding(list(self.sp.encode(text)))
+        ids: list[int] = []
+        for i, part in enumerate(self._control_split.split(text)):
+            if i % 2:  # the pattern's one group: a control piece's text
+                ids.append(self._control[part])
+            elif part:
+                ids += self.sp.encode(part)
+        return Encoding(ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        ids = [int(i) for i in ids]
+        """The text of `ids`; an id past the model's pieces (a padded vocabulary's row) decodes to
+        nothing, as the `tokenizers` library decodes an id it lacks."""
+        ids = [int(i) for i in ids if 0 <= int(i) < self.sp.get_piece_size()]
         if skip_special_tokens or not any(self.sp.is_control(i) for i in ids):
             return self.sp.decode(ids)  # SentencePiece's own decoding drops control pieces
         out, run = [], []

@@ -87,3 +87,26 @@ def test_model_on_a_megatron_directory_names_the_import(megatron, capsys, layout
     assert main([*GENERATE, "--model", str(src), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert f"spd convert import-megatron {src} DST" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_sentencepiece_model_is_carried_and_speaks(tmp_path, monkeypatch, capsys, one_thread):
+    """Megatron-LM's --tokenizer-model file: a SentencePiece .model (where the package is installed)."""
+    spm = pytest.importorskip("sentencepiece")
+    import io
+
+    monkeypatch.setenv("SPD_CACHE", str(tmp_path / "cache"))
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(["hello world, a tiny model", "héllo 日本語"] * 20),
+                                   model_writer=buf, vocab_size=290, byte_fallback=True, hard_vocab_limit=False,
+                                   minloglevel=2)
+    (tmp_path / "sp.model").write_bytes(buf.getvalue())
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    cfg = tiny_config("llama", vocab_size=320)  # SentencePiece's byte pieces alone are 256
+    megatron_dcp.export_megatron(tmp_path / "meg", cfg, tiny_state(cfg))
+    assert main(["convert", "import-megatron", str(tmp_path / "meg"), str(tmp_path / "e"),
+                 "--tokenizer-model", str(tmp_path / "sp.model")]) == 0
+    assert (tmp_path / "e" / "tokenizer.model").read_bytes() == buf.getvalue()
+    capsys.readouterr()
+    assert main([*GENERATE, "--model", str(tmp_path / "e"), "--prompt", "hello 日本", "--json", "--quiet"]) == 0
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rec["text"] == sp.decode([i for i in rec["token_ids"] if i < sp.get_piece_size()])  # past it: padding

@@ -47,7 +47,9 @@ def test_ids_and_text_are_sentencepieces_own(sp_model):
         ids = tok.encode(text)
         assert ids == sp.encode(text) and tok.decode(ids) == sp.decode(ids)
     assert tok.decode([sp.bos_id(), *sp.encode("hi"), sp.eos_id()]) == "<s>hi</s>"
+    assert tok.encode("<s>hi</s> there") == [sp.bos_id(), *sp.encode("hi"), sp.eos_id(), *sp.encode(" there")]
     assert tok.text([*sp.encode("hi"), sp.eos_id()]) == "hi"
+    assert tok.decode([*sp.encode("hi"), sp.get_piece_size() + 3]) == "hi"  # a padded vocabulary's row: nothing
     assert tok.backend.token_to_id("</s>") == sp.eos_id() and tok.backend.token_to_id("no such piece") is None
 
 
