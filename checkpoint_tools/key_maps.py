@@ -158,6 +158,23 @@ def mcore_keys(cfg: ModelConfig) -> list[str]:
     return [m for _, _, m in _expand(cfg)]
 
 
+def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF key -> the shape the config gives it: the model's own tensors (meta device) split by `RULES`."""
+    from spd_engine.engine.model.checkpoint import expected_shapes
+
+    mcore = expected_shapes(cfg, range(cfg.num_layers), True, True)
+    shapes = {}
+    for rule, keys, mkey in _expand(cfg):
+        parts = rule.transform.split(torch.empty(mcore[mkey], device="meta"), cfg)
+        shapes.update({k: tuple(p.shape) for k, p in zip(keys, parts)})
+    return shapes
+
+
+def _shape_fields(cfg: ModelConfig) -> str:
+    return (f"hidden_size {cfg.hidden_size}, {cfg.num_heads} heads and {cfg.num_kv_heads} KV heads of head_dim "
+            f"{cfg.head_dim}, intermediate_size {cfg.intermediate_size}, vocab_size {cfg.vocab_size}")
+
+
 def hf_to_mcore(hf: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     """HF state dict -> Megatron/engine state dict (unsharded). Unknown or missing keys are errors."""
     hf = dict(hf)
@@ -169,7 +186,12 @@ def hf_to_mcore(hf: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     if missing:
         raise ValueError(f"HF checkpoint lacks {len(missing)} tensors the {cfg.arch} config needs, "
                          f"e.g. {missing[:4]}")
+    want = expected_hf_shapes(cfg)
     for rule, keys, mkey in _expand(cfg):
+        for k in keys:
+            if tuple(hf[k].shape) != want[k]:  # before fusing: a wrong head_dim would fail inside a reshape
+                raise ValueError(f"HF tensor {k} has shape {tuple(hf[k].shape)}, but the config needs {want[k]} "
+                                 f"({_shape_fields(cfg)}): the config does not describe these weights")
         out[mkey] = rule.transform.fuse(*(hf[k] for k in keys), cfg)
         used.update(keys)
     extra = sorted(k for k in hf if k not in used and not _IGNORED_HF.search(k))
