@@ -31,6 +31,9 @@ from spd_engine.tools.cli_conventions import add_dtype_argument, dtype_name
 
 
 RENAMED = {"hf2mcore": "hf2engine", "mcore2hf": "engine2hf"}  # former names, still accepted
+RENAMED_WHY = {"hf2mcore": "it writes the engine's own format, which megatron-core does not load; export-megatron "
+                           "writes Megatron-core's",
+               "mcore2hf": "it reads the engine's own format; import-megatron reads Megatron-core's"}
 
 
 def _split_args(p: argparse.ArgumentParser) -> None:
@@ -124,8 +127,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {convert_head(args.src, args.dst, dtype, compress=args.zlib)}")
         return 0
     if args.action in RENAMED:
-        print(f"spd convert: {args.action} is now named {RENAMED[args.action]} (it writes the engine's own format; "
-              f"Megatron-core's is export-megatron's)", file=sys.stderr)
+        print(f"spd convert: {args.action} is now named {RENAMED[args.action]} ({RENAMED_WHY[args.action]})",
+              file=sys.stderr)
         args.action = RENAMED[args.action]
     dtype = parse_dtype(args.dtype) if getattr(args, "dtype", None) else None
     if args.action == "hf2engine":
