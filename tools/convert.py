@@ -130,6 +130,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"spd convert: {args.action} is now named {RENAMED[args.action]} ({RENAMED_WHY[args.action]})",
               file=sys.stderr)
         args.action = RENAMED[args.action]
+    if args.action in ("hf2engine", "engine2hf") and megatron_dcp.is_megatron_dir(args.src):
+        raise ValueError(f"{args.src} is a Megatron checkpoint: spd convert import-megatron {args.src} DST reads it "
+                         f"into an engine checkpoint")
     dtype = parse_dtype(args.dtype) if getattr(args, "dtype", None) else None
     if args.action == "hf2engine":
         index = shard.hf2mcore(args.src, args.dst, pp=args.stages, stage_layers=args.stage_layers, tp=args.tp,

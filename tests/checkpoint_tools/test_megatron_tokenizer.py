@@ -110,3 +110,9 @@ def test_a_sentencepiece_model_is_carried_and_speaks(tmp_path, monkeypatch, caps
     assert main([*GENERATE, "--model", str(tmp_path / "e"), "--prompt", "hello 日本", "--json", "--quiet"]) == 0
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rec["text"] == sp.decode([i for i in rec["token_ids"] if i < sp.get_piece_size()])  # past it: padding
+
+
+@pytest.mark.parametrize("action", ["hf2engine", "engine2hf", "hf2mcore"])
+def test_the_engine_conversions_on_a_megatron_directory_name_the_import(megatron, capsys, action):
+    assert main(["convert", action, str(megatron / "meg"), str(megatron / "out")]) == 2
+    assert f"spd convert import-megatron {megatron / 'meg'} DST" in capsys.readouterr().err
