@@ -21,7 +21,7 @@ $(STAMP): setup.cfg pyproject.toml requirements-cpu.txt
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) -r requirements-cpu.txt
 	$(BIN)/python -m pip install -q -c requirements-cpu.txt -e '.[test]'
-	$(BIN)/python -m pip install -q --no-deps megatron-core==0.16.1  # the `megatron` extra's pin
+	$(BIN)/python -m pip install -q --no-deps megatron-core==0.16.1  # the version the tests run, in the `megatron` extra's range
 	touch $(STAMP)
 
 demo: install
