@@ -6,7 +6,10 @@ before the first token (deadline in the queue, a failed rank) still gets its HTT
 stream then sends one server-sent event per text piece and ends with `data: [DONE]`. While a
 request waits, the client going away cancels it (removed from the queue, or ended by the engine
 at its next token); during a stream Starlette notices the disconnect and cancels the generator,
-whose `finally` does the same. Every wait is bounded by the request's deadline.
+whose `finally` does the same. Every wait is bounded by the request's deadline. A request for
+`n` choices queues them as n requests (server/request.choices) at once, so a batching pipeline
+runs them together; the reply gathers them in choice order (a stream sends each choice's
+chunks in turn, each naming its `index`).
 
 Before any of that, http_guards checks the API key (or, without one, the Host header), the
 content type and the body's size (413 before parsing), and prompts are tokenized by
@@ -33,8 +36,8 @@ from spd_engine.server.http_guards import (DEFAULT_MAX_REQUEST_BYTES, check_api_
                                            parse_json, read_body, request_id)
 from spd_engine.server.request_log import request_line
 from spd_engine.server.exporter import CONTENT_TYPE, ServeMetrics
-from spd_engine.server.openai_api import ApiError, parse_request
-from spd_engine.server.request import ModelInfo, check_model, prepare
+from spd_engine.server.openai_api import ApiError, bad, parse_request
+from spd_engine.server.request import ModelInfo, check_model, choices, prepare
 from spd_engine.server.responses import DONE, ReplyBuilder, Summary, sse
 from spd_engine.server.tokenize_api import detokenize, model_card, model_lookup, server_version, tokenize
 from spd_engine.server.tokenizing import PromptEncoder
@@ -55,10 +58,11 @@ async def _disconnected(request: Request) -> None:
 class Waiter:
     """Next event of a job, bounded by its deadline; optionally also watching for a disconnect."""
 
-    def __init__(self, engine: EngineLoop, job: Job, request: Request, timeout_s: float) -> None:
+    def __init__(self, engine: EngineLoop, job: Job, request: Request | None, timeout_s: float) -> None:
+        """request None: no disconnect watch (a stream's, which Starlette watches)."""
         self.engine, self.job, self.timeout_s = engine, job, timeout_s
         self.deadline = job.arrival + timeout_s
-        self.gone: asyncio.Task | None = asyncio.ensure_future(_disconnected(request))
+        self.gone: asyncio.Task | None = None if request is None else asyncio.ensure_future(_disconnected(request))
 
     def stop_watching(self) -> None:
         """Hand disconnect detection over (to the streaming response)."""
@@ -205,63 +209,88 @@ def build_app(engine: EngineLoop, info: ModelInfo, metrics: ServeMetrics, reques
             parsed = parse_request(parse_json(await read_body(request, max_request_bytes)), chat)
             check_model(parsed, info)
             ids = await encoder.ids(parsed) if encoder is not None else None  # off the event loop
-            req = prepare(parsed, info, ids)
+            reqs = choices(prepare(parsed, info, ids), info)
+            held = engine.max_queue + engine.max_batch
+            if len(reqs) > held:
+                raise bad("n", f"this server holds at most {held} requests at once (--max-queue + --max-batch), "
+                               f"got n = {len(reqs)}")
         except ApiError:
             metrics.outcome("bad_request")
             raise
-        job = Job(req, info.tok, asyncio.get_running_loop())
-        job.request_id = log.rid
+        loop = asyncio.get_running_loop()
+        jobs = [Job(req, info.tok, loop, index) for index, req in enumerate(reqs)]
+        for job in jobs:
+            job.request_id = log.rid
         try:
-            engine.submit(job)
+            for job in jobs:
+                engine.submit(job)
+                metrics.admitted(job.req.latency)
         except ApiError as err:
             metrics.outcome("queue_full" if err.status == 429 else "unavailable")
+            for job in jobs:
+                engine.cancel(job)  # the choices admitted before are not served alone
             raise
-        metrics.admitted(req.latency)
-        log.job = job
-        waiter = Waiter(engine, job, request, request_timeout_s)
+        log.job = jobs[0]
+        waiter = Waiter(engine, jobs[0], request, request_timeout_s)
         streaming = False
         try:
             first = await waiter.next()
-            reply = ReplyBuilder(chat, info.name)
-            if req.parsed.stream:
+            reply = ReplyBuilder(chat, info.name, info.tok)
+            if parsed.stream:
                 waiter.stop_watching()
                 streaming = True
-                return StreamingResponse(_events(waiter, reply, first, req.parsed.include_usage, log),
+                return StreamingResponse(_events(jobs, waiter, reply, first, parsed.include_usage, log),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", **headers})
-            pieces, event = [], first
-            while event[0] == "piece":
-                pieces.append(event[1])
-                event = await waiter.next()
-            log.write(200, event[1])
-            return JSONResponse(reply.full("".join(pieces), event[1]), headers=headers)
+            outcomes = []
+            for job in jobs:
+                if job is not jobs[0]:  # one disconnect watch at a time
+                    waiter.stop_watching()
+                    waiter = Waiter(engine, job, request, request_timeout_s)
+                    first = await waiter.next()
+                pieces, event = [], first
+                while event[0] == "piece":
+                    pieces.append(event[1])
+                    event = await waiter.next()
+                outcomes.append(("".join(pieces), event[1]))
+            log.write(200, outcomes[0][1])
+            return JSONResponse(reply.full(outcomes), headers=headers)
         except ClientGone:
             log.write(499, finish="cancelled")
             return Response(status_code=499)  # nobody reads it
         finally:
             if not streaming:
                 waiter.stop_watching()
-                engine.cancel(job)  # no-op for a finished job
+                for job in jobs:
+                    engine.cancel(job)  # no-op for a finished job
 
-    async def _events(waiter: Waiter, reply: ReplyBuilder, first: tuple, include_usage: bool, log: RequestLog):
-        status, summary, finish = 200, None, "cancelled"  # unless it ends otherwise: the client went away
+    async def _events(jobs: list[Job], waiter: Waiter, reply: ReplyBuilder, first: tuple, include_usage: bool,
+                      log: RequestLog):
+        """The stream of a reply: its choices one after the other (each chunk names its `index`)."""
+        status, summaries, finish = 200, [], "cancelled"  # unless it ends otherwise: the client went away
         try:
-            if reply.chat:
-                yield reply.chunk(None, first=True)
-            event = first
-            while event[0] == "piece":
-                yield reply.chunk(event[1])
-                event = await waiter.next()
-            summary = event[1]
-            yield reply.chunk(None, summary.finish_reason)
+            for job in jobs:
+                if job is not jobs[0]:
+                    waiter = Waiter(engine, job, None, request_timeout_s)
+                    first = await waiter.next()
+                if reply.chat:
+                    yield reply.chunk(None, first=True, index=job.index)
+                event = first
+                while event[0] == "piece":
+                    yield reply.chunk(event[1], index=job.index, logprobs=event[2])
+                    event = await waiter.next()
+                summaries.append(event[1])
+                yield reply.chunk(None, event[1].finish_reason, index=job.index)
             if include_usage:
-                yield reply.usage_chunk(summary)
+                yield reply.usage_chunk(summaries)
         except ApiError as err:  # the pipeline failed or the deadline passed mid-stream
             status, finish = err.status, err.code or err.type
             yield sse(err.body())
         finally:
-            engine.cancel(waiter.job)  # the client went away (Starlette cancels us), or a no-op
-            log.write(status, summary, None if summary is not None else finish)
+            for job in jobs:
+                engine.cancel(job)  # the client went away (Starlette cancels us), or a no-op
+            done = len(summaries) == len(jobs)
+            log.write(status, summaries[0] if done else None, None if done else finish)
         yield DONE
 
     return app

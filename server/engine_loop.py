@@ -65,6 +65,17 @@ def describe_exit(code: int) -> str:
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
 
+def with_scores(runtime, job: Job) -> Callable[[int], bool]:
+    """The job's on_token, handed each token's log-probabilities too (a stream carries them): the
+    driver records them in its request's result before it calls on_token (RequestState.commit)."""
+    def on_token(token: int) -> bool:
+        scored = runtime.req.res.logprobs[-1]
+        assert scored[0] == token, "log-probabilities recorded for another token"
+        return job.on_token(token, scored)
+
+    return on_token
+
+
 class EngineLoop:
     """The engine thread, its queue and its state: starting, ready, draining, stopped or failed."""
 
@@ -255,8 +266,9 @@ class EngineLoop:
                               param="logprobs"))
             self._count("bad_request")
             return
+        on_token = job.on_token if not asked else with_scores(runtime, job)
         try:
-            res = runtime.generate(req.prompt_ids, req.max_tokens, tuple(eos), on_token=job.on_token,
+            res = runtime.generate(req.prompt_ids, req.max_tokens, tuple(eos), on_token=on_token,
                                    sampling=req.sampling, **asked)
         except ValueError as err:  # refused before any work: the pipeline is untouched
             job.fail(ApiError(400, str(err)))

@@ -1,6 +1,10 @@
 """One request of `spd serve` as the engine thread sees it: it detokenizes every committed token,
-cuts at stop strings and hands pieces to its asyncio queue (("piece", text), then ("done",
-Summary) or ("error", ApiError)); and a function run on the engine thread with the runtime."""
+cuts at stop strings and hands pieces to its asyncio queue (("piece", text, scored), then ("done",
+Summary) or ("error", ApiError)); and a function run on the engine thread with the runtime.
+
+`scored` is None unless log-probabilities were asked; then it lists those of the tokens committed
+since the last piece (a piece may hold several tokens, and a token may hold no text yet), so the
+pieces of a reply carry every token's once, the last ones with the closing piece."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +18,7 @@ from spd_engine.engine.protocol.batch_policy import CRITICAL
 from spd_engine.engine.protocol.metrics import GenerationResult
 from spd_engine.server.openai_api import ApiError
 from spd_engine.server.request import ServeRequest
-from spd_engine.server.responses import Summary, completion_logprobs
+from spd_engine.server.responses import Scored, Summary
 from spd_engine.server.text import TextStream
 
 
@@ -24,11 +28,14 @@ SPD_FIELDS = ("ticks", "verified", "accepted", "rejections", "alpha", "eal", "pr
 
 
 class Job:
-    """One request. The engine thread calls on_token / finish / fail; the event loop reads `events`:
-    ("piece", text), then ("done", Summary) or ("error", ApiError)."""
+    """One request (one choice of a reply). The engine thread calls on_token / finish / fail; the
+    event loop reads `events`: ("piece", text, scored), then ("done", Summary) or ("error", ApiError)."""
 
-    def __init__(self, req: ServeRequest, tok: Tokenizer | None, loop: asyncio.AbstractEventLoop) -> None:
-        self.req, self.loop, self.tok = req, loop, tok
+    def __init__(self, req: ServeRequest, tok: Tokenizer | None, loop: asyncio.AbstractEventLoop,
+                 index: int = 0) -> None:
+        self.req, self.loop, self.tok, self.index = req, loop, tok, index
+        self.asks_logprobs = req.parsed.logprobs is not None
+        self._scored: list[Scored] = []  # log-probabilities of the tokens not yet handed over with a piece
         self.text = TextStream(tok, req.stops)
         self.events: asyncio.Queue = asyncio.Queue()
         self.arrival = time.monotonic()
@@ -84,14 +91,24 @@ class Job:
         asked, tokens = self.cancel_asked
         return time.monotonic() - asked, len(self.token_times) - tokens
 
-    def on_token(self, token: int) -> bool:
-        """Called by the driver per committed token; False ends the request after this token."""
+    def _piece(self, text: str) -> None:
+        """Hand a piece of text over, with the log-probabilities of the tokens behind it."""
+        scored = None
+        if self.asks_logprobs:
+            scored, self._scored = self._scored, []
+        self._emit(("piece", text, scored))
+
+    def on_token(self, token: int, scored: Scored | None = None) -> bool:
+        """Called by the driver per committed token (`scored`: its log-probabilities, when asked);
+        False ends the request after this token."""
         if self.finish_reason is not None:
             return False  # ended already (the driver ran on past a False)
         self.token_times.append(time.monotonic())
+        if scored is not None:
+            self._scored.append(scored)
         piece = self.text.push(token)
         if piece:
-            self._emit(("piece", piece))
+            self._piece(piece)
         if self.text.stopped:
             self.finish_reason = "stop"
         elif self.cancel_reason is not None:
@@ -105,7 +122,7 @@ class Job:
         if self.finish_reason is None:
             tail = self.text.finish()
             if tail:
-                self._emit(("piece", tail))
+                self._piece(tail)
             if self.cancel_reason is not None:
                 self.finish_reason = self.cancel_reason
             elif self.text.stopped or (res.tokens and res.tokens[-1] in eos):
@@ -113,9 +130,11 @@ class Job:
             else:
                 self.finish_reason = "length"
         spd = {k: getattr(res, k) for k in SPD_FIELDS}
+        if self._scored:  # tokens that added no text (EOS, a cut stop string): their log-probabilities
+            self._piece("")
         summary = Summary(self.finish_reason, len(self.req.prompt_ids), len(self.token_times), spd)
-        if self.req.parsed.logprobs is not None:
-            summary.logprobs = completion_logprobs(res.logprobs[:len(self.token_times)], self.tok)
+        if self.asks_logprobs:
+            summary.logprobs = res.logprobs[:len(self.token_times)]
         self._emit(("done", summary))
 
     def fail(self, err: ApiError) -> bool:

@@ -2,14 +2,15 @@
 
 Every field the engine honours is checked (type and range) and every other field is refused with
 a 400 in OpenAI's error shape naming it, never ignored. Fields OpenAI or vLLM define but the engine
-does not implement (n > 1, chat logprobs, penalties, tools, response formats, min_tokens, ...) are
-accepted only at their neutral value (n = 1, logprobs false, penalties 0, repetition_penalty 1,
-...), which asks for nothing the engine does not do. A completion's `logprobs` (0-5) asks for each
-token's log-probability and that many alternatives (at T = 0, not streamed). `model` may be left out (the served model),
-and the `developer` role is a chat turn as `system` is. Two extra fields choose how a request is
-scheduled (docs/design.md 3.12): `latency` ("batch", the default, or "critical") and `priority`
-(an integer, default 0, lower served first, as vLLM orders it; ParsedRequest holds its negation,
-the engine's order, higher first).
+does not implement (penalties, tools, response formats, min_tokens, ...) are accepted only at their
+neutral value (penalties 0, repetition_penalty 1, ...), which asks for nothing the engine does not
+do. Log-probabilities are asked for by a completion's `logprobs` (0-5 alternatives) or a chat's
+`logprobs: true` with `top_logprobs` (0-20); both are held as ParsedRequest.logprobs, the number of
+alternatives (given at T = 0). `n` (1-16) asks for that many choices of one prompt. `model` may be
+left out (the served model), and the `developer` role is a chat turn as `system` is. Two extra
+fields choose how a request is scheduled (docs/design.md 3.12): `latency` ("batch", the default,
+or "critical") and `priority` (an integer, default 0, lower served first, as vLLM orders it;
+ParsedRequest holds its negation, the engine's order, higher first).
 """
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ class ParsedRequest:
     ignore_eos: bool = False  # vLLM's extra field: generate max_tokens tokens, past EOS
     latency: str = BATCH  # batch_policy.CRITICAL: keeps its single-stream schedule, taken first from the queue
     priority: int = 0  # among requests of one class, higher first: the request's `priority` negated
-    logprobs: int | None = None  # completions: each token's log-probability and this many alternatives
+    logprobs: int | None = None  # each token's log-probability and this many alternatives (None: not asked)
+    n: int = 1  # choices of the one prompt
 
 
 def _neutral(*values) -> Callable[[Any], bool]:
@@ -75,7 +77,7 @@ def _neutral(*values) -> Callable[[Any], bool]:
 
 # OpenAI fields the engine does not implement -> the values that leave them off.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "n": _neutral(1), "best_of": _neutral(1), "echo": _neutral(False), "suffix": _neutral(),
+    "best_of": _neutral(1), "echo": _neutral(False), "suffix": _neutral(),
     "logprobs": _neutral(False), "top_logprobs": _neutral(0), "logit_bias": _neutral({}),
     "presence_penalty": _neutral(0, 0.0), "frequency_penalty": _neutral(0, 0.0),
     "tools": _neutral([]), "tool_choice": _neutral("none"), "parallel_tool_calls": _neutral(),
@@ -93,17 +95,19 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "guided_grammar": _neutral(), "structured_outputs": _neutral(),
 }
 # vLLM's prompt fields, whose neutral value differs between the endpoints (what each does by default)
-CHAT_UNSUPPORTED = {**UNSUPPORTED, "add_special_tokens": _neutral(False), "add_generation_prompt": _neutral(True),
+CHAT_UNSUPPORTED = {**{k: v for k, v in UNSUPPORTED.items() if k not in ("logprobs", "top_logprobs")},
+                    "add_special_tokens": _neutral(False), "add_generation_prompt": _neutral(True),
                     "continue_final_message": _neutral(False), "chat_template": _neutral(),
                     "chat_template_kwargs": _neutral({}), "documents": _neutral()}
 COMPLETION_UNSUPPORTED = {**{k: v for k, v in UNSUPPORTED.items() if k != "logprobs"},
                           "add_special_tokens": _neutral(True)}
 MAX_LOGPROBS = 5  # OpenAI's bound for /v1/completions
-WHY = {"n": "only n = 1 is supported (send one request per choice)"}
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat's top_logprobs
+MAX_N = 16  # choices per request: each is a request of its own in the engine
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-          "user", "ignore_eos", "latency", "priority"}
+          "user", "ignore_eos", "latency", "priority", "n"}
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -175,12 +179,19 @@ def _prompt(body: dict) -> str | list[int]:
     raise bad("prompt", "must be a non-empty string or a non-empty list of token ids")
 
 
-def _logprobs(body: dict, stream: bool) -> int | None:
+def _logprobs(body: dict) -> int | None:
     """/v1/completions' `logprobs`: null, or how many alternatives (0..5) besides each token's own."""
-    v = _int(body, "logprobs", 0, MAX_LOGPROBS + 1)
-    if v is not None and stream:
-        raise bad("logprobs", "is not supported with stream: true by this server; ask without streaming")
-    return v
+    return _int(body, "logprobs", 0, MAX_LOGPROBS + 1)
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's `logprobs` (true: asked) and `top_logprobs` (0..20 alternatives, only with logprobs
+    true, as OpenAI requires) -> the number of alternatives, or None when not asked."""
+    asked = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS + 1)
+    if top is not None and not asked:
+        raise bad("top_logprobs", "needs logprobs: true")
+    return (top or 0) if asked else None
 
 
 def _latency(body: dict) -> str:
@@ -272,7 +283,7 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
     for name in sorted(body):
         if name in unsupported:
             if not unsupported[name](body[name]):
-                raise bad(name, f"{WHY.get(name, 'is not supported by this server')} (got {body[name]!r})")
+                raise bad(name, f"is not supported by this server (got {body[name]!r})")
         elif name not in allowed:
             raise bad(name, "unknown or unsupported field")
     if body.get("user") is not None and not isinstance(body["user"], str):
@@ -292,4 +303,5 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         seed=_int(body, "seed", 0, MAX_SEED),
         stop=_stop(body), stream=stream, include_usage=_stream_options(body, stream),
         ignore_eos=_bool(body, "ignore_eos"), latency=_latency(body), priority=_priority(body),
-        logprobs=None if chat else _logprobs(body, stream))
+        logprobs=_chat_logprobs(body) if chat else _logprobs(body),
+        n=_int(body, "n", 1, MAX_N + 1) or 1)

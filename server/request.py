@@ -7,6 +7,7 @@ capacity, or sampling values the engine rejects (400, naming the field). Pure lo
 """
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,3 +114,11 @@ def prepare(parsed: ParsedRequest, info: ModelInfo, ids: list[int] | None = None
     if parsed.logprobs is not None and not sampling.greedy:
         raise bad("logprobs", "log-probabilities are given at temperature 0 (greedy) only by this server")
     return ServeRequest(ids, max_tokens, sampling, parsed.stop, parsed)
+
+
+def choices(req: ServeRequest, info: ModelInfo) -> list[ServeRequest]:
+    """The `n` choices of a request, each a request of its own: choice i samples with seed + i
+    (mod the seed limit), so a seeded request gives the same n choices again, each a different
+    draw; at T = 0 the seed is unused and the choices are equal."""
+    return [req] + [dataclasses.replace(req, sampling=dataclasses.replace(
+        req.sampling, seed=(req.sampling.seed + i) % info.seed_limit)) for i in range(1, req.parsed.n)]

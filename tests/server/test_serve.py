@@ -171,7 +171,7 @@ def test_stop_string_cuts_the_reply_and_says_stop(tiny):
 
 
 ERRORS = [  # (kwargs of completions.create, the field the 400 names)
-    (dict(n=2), "n"), (dict(logprobs=6), "logprobs"), (dict(echo=True), "echo"), (dict(best_of=2), "best_of"),
+    (dict(n=17), "n"), (dict(logprobs=6), "logprobs"), (dict(echo=True), "echo"), (dict(best_of=2), "best_of"),
     (dict(presence_penalty=0.5), "presence_penalty"), (dict(frequency_penalty=0.5), "frequency_penalty"),
     (dict(logit_bias={"5": 1}), "logit_bias"), (dict(suffix="x"), "suffix"), (dict(temperature=-1), "temperature"),
     (dict(temperature=3), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
@@ -181,7 +181,7 @@ ERRORS = [  # (kwargs of completions.create, the field the 400 names)
     (dict(prompt=["one", "two"]), "prompt"), (dict(stream_options={"include_usage": True}), "stream_options"),
     (dict(extra_body={"priority": True}), "priority"), (dict(extra_body={"latency": "fast"}), "latency"),
 ]
-CHAT_ERRORS = [(dict(n=3), "n"), (dict(logprobs=True), "logprobs"), (dict(top_logprobs=2), "top_logprobs"),
+CHAT_ERRORS = [(dict(n=17), "n"), (dict(logprobs="yes"), "logprobs"), (dict(top_logprobs=2), "top_logprobs"),
                (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
                (dict(tool_choice="required"), "tool_choice"), (dict(response_format={"type": "json_object"}),
                                                                "response_format"),

@@ -1,9 +1,11 @@
 """What a client written for OpenAI or vLLM meets at `spd serve`, driven by the official `openai`
 client (and raw HTTP where the client has no call) against real server processes: /tokenize and
 /detokenize in vLLM's shapes, /version, GET /v1/models/{id}, a request without `model`, vLLM's
-extra fields at their neutral values accepted and otherwise refused naming the field, `n` > 1
-refused naming it, `priority` ordered as vLLM orders it, no `_created` series in /metrics, and
-(on the real model) the `developer` role and a tokenize / detokenize round trip of text."""
+extra fields at their neutral values accepted and otherwise refused naming the field, `n` choices
+(equal at T = 0, seed + i each when sampled, streamed with their index), `priority` ordered as
+vLLM orders it, no `_created` series in /metrics, log-probabilities (legacy completions and chat,
+streamed and not) equal to a plain forward pass, and (on the real model) the `developer` role and
+a tokenize / detokenize round trip of text."""
 from __future__ import annotations
 
 import re
@@ -163,13 +165,12 @@ def test_vllm_extras_at_their_neutral_values_change_nothing(tiny):
     assert extra.choices[0].text == plain.choices[0].text
 
 
-ASKING = [(dict(n=2), "n"), (dict(extra_body={"repetition_penalty": 1.1}), "repetition_penalty"),
+ASKING = [(dict(n=17), "n"), (dict(n=0), "n"), (dict(extra_body={"repetition_penalty": 1.1}), "repetition_penalty"),
           (dict(extra_body={"min_tokens": 4}), "min_tokens"), (dict(presence_penalty=0.5), "presence_penalty"),
           (dict(logit_bias={"5": 3}), "logit_bias"), (dict(extra_body={"stop_token_ids": [4]}), "stop_token_ids"),
           (dict(extra_body={"skip_special_tokens": False}), "skip_special_tokens"),
           (dict(extra_body={"guided_regex": "a+"}), "guided_regex"), (dict(logprobs=6), "logprobs"),
           (dict(logprobs=1.5), "logprobs"), (dict(logprobs=2, temperature=0.5), "logprobs"),
-          (dict(logprobs=2, stream=True), "logprobs"),
           (dict(extra_body={"add_special_tokens": False}), "add_special_tokens")]
 
 
@@ -178,11 +179,11 @@ def test_what_the_engine_cannot_honour_is_a_400_naming_it(tiny, kwargs, param):
     with pytest.raises(openai.BadRequestError) as info:
         client(tiny).completions.create(**{"model": TINY, "prompt": [5, 6], "max_tokens": 2, **kwargs})
     assert info.value.param == param, info.value.message
-    if param == "n":
-        assert "only n = 1" in info.value.message
 
 
-CHAT_ASKING = [(dict(n=2), "n"), (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+CHAT_ASKING = [(dict(n=17), "n"), (dict(top_logprobs=21, logprobs=True), "top_logprobs"),
+               (dict(top_logprobs=2), "top_logprobs"), (dict(logprobs="yes"), "logprobs"),
+               (dict(logprobs=True, top_logprobs=1.5), "top_logprobs"), (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
                (dict(tool_choice="auto"), "tool_choice"), (dict(response_format={"type": "json_object"}),
                                                             "response_format"),
                (dict(extra_body={"add_generation_prompt": False}), "add_generation_prompt"),
@@ -280,14 +281,11 @@ def tiny_log_probs(prompt: list[int], tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.double(), dim=-1)[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
 
 
-def check_logprobs(server: ServerProcess, prompt: list[int], max_tokens: int) -> dict:
-    """A completion's logprobs against a plain forward pass (within 1e-4); its `spd` counters."""
-    got = client(server).completions.create(model=TINY, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                            logprobs=3)
-    lp = got.choices[0].logprobs
+def check_legacy_logprobs(lp, text: str, prompt: list[int], completion_tokens: int) -> None:
+    """A completion choice's legacy logprobs against a plain forward pass of the tiny model (within 1e-4)."""
     tokens = [int(t) for t in lp.tokens]
-    assert len(tokens) == got.usage.completion_tokens == len(lp.token_logprobs) == len(lp.top_logprobs)
-    assert "".join(lp.tokens) == got.choices[0].text and lp.text_offset[0] == 0
+    assert len(tokens) == completion_tokens == len(lp.token_logprobs) == len(lp.top_logprobs)
+    assert "".join(lp.tokens) == text and lp.text_offset[0] == 0
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(tokens))]
     want = tiny_log_probs(prompt, tokens)
     for k, token in enumerate(tokens):
@@ -296,7 +294,71 @@ def check_logprobs(server: ServerProcess, prompt: list[int], max_tokens: int) ->
         assert list(lp.top_logprobs[k]) == [f"{i} " for i in top.indices.tolist()]
         assert max(abs(a - float(b)) for a, b in zip(lp.top_logprobs[k].values(), top.values)) < 1e-4
         assert lp.token_logprobs[k] == max(lp.top_logprobs[k].values())  # T = 0: the chosen one is the likeliest
+
+
+def check_logprobs(server: ServerProcess, prompt: list[int], max_tokens: int) -> dict:
+    """A completion's logprobs against a plain forward pass (within 1e-4); its `spd` counters."""
+    got = client(server).completions.create(model=TINY, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                            logprobs=3)
+    check_legacy_logprobs(got.choices[0].logprobs, got.choices[0].text, prompt, got.usage.completion_tokens)
     return got.model_extra["spd"]
+
+
+def streamed(server: ServerProcess, chat: bool, **kwargs) -> tuple[dict, dict, list]:
+    """A stream with the official client: {index: text}, {index: [logprobs of its chunks]}, usage."""
+    c = client(server)
+    make = c.chat.completions.create if chat else c.completions.create
+    texts, logprobs, usage = {}, {}, None
+    for chunk in make(stream=True, stream_options={"include_usage": True}, **kwargs):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            piece = choice.delta.content if chat else choice.text
+            texts[choice.index] = texts.get(choice.index, "") + (piece or "")
+            if choice.logprobs is not None:
+                logprobs.setdefault(choice.index, []).append((piece, choice.logprobs))
+    return texts, logprobs, usage
+
+
+def test_streamed_completion_logprobs_equal_a_plain_forward_pass(tiny):
+    """Each chunk carries the log-probabilities of the tokens behind its text (text_offset counted
+    from the reply's start); together they are the non-streamed ones."""
+    prompt = [11, 42, 7, 90, 3, 50, 18, 64, 77, 20, 5, 31]
+    texts, chunks, usage = streamed(tiny, False, model=TINY, prompt=prompt, max_tokens=10, temperature=0,
+                                    logprobs=3)
+    assert list(chunks) == [0] and len(chunks[0]) > 1
+    for piece, lp in chunks[0]:
+        assert "".join(lp.tokens) == piece
+    merged = openai.types.completion_choice.Logprobs(
+        **{k: sum((getattr(lp, k) for _, lp in chunks[0]), []) for k in
+           ("tokens", "token_logprobs", "top_logprobs", "text_offset")})
+    check_legacy_logprobs(merged, texts[0], prompt, usage.completion_tokens)
+    whole = client(tiny).completions.create(model=TINY, prompt=prompt, max_tokens=10, temperature=0, logprobs=3)
+    assert whole.choices[0].logprobs.model_dump() == merged.model_dump() and whole.choices[0].text == texts[0]
+
+
+def test_n_choices_are_equal_at_temperature_0_and_usage_counts_them_all(tiny):
+    c = client(tiny)
+    one = c.completions.create(model=TINY, prompt=[5, 6, 7], max_tokens=6, temperature=0, logprobs=1)
+    two = c.completions.create(model=TINY, prompt=[5, 6, 7], max_tokens=6, temperature=0, logprobs=1, n=2)
+    assert [ch.index for ch in two.choices] == [0, 1]
+    assert [ch.text for ch in two.choices] == [one.choices[0].text] * 2
+    assert [ch.logprobs for ch in two.choices] == [one.choices[0].logprobs] * 2
+    assert two.usage.prompt_tokens == 3 and two.usage.completion_tokens == 2 * one.usage.completion_tokens
+    assert isinstance(two.model_extra["spd"], list) and len(two.model_extra["spd"]) == 2
+
+
+def test_sampled_n_choices_are_the_seeds_seed_plus_i(tiny):
+    """Choice i of a seeded request is what a request with seed + i draws: reproducible, and
+    different draws (at T = 1.5 on the random model, 12 tokens of 3 choices cannot all agree)."""
+    c = client(tiny)
+    ask = dict(model=TINY, prompt=[9, 10], max_tokens=12, temperature=1.5)
+    three = c.completions.create(n=3, seed=40, **ask)
+    alone = [c.completions.create(seed=40 + i, **ask).choices[0].text for i in range(3)]
+    assert [ch.text for ch in three.choices] == alone
+    assert len(set(alone)) > 1
+    texts, _, usage = streamed(tiny, False, n=3, seed=40, **ask)
+    assert [texts[i] for i in range(3)] == alone and usage.completion_tokens == three.usage.completion_tokens
 
 
 def test_completion_logprobs_equal_a_plain_forward_pass(tiny):
@@ -362,3 +424,74 @@ def test_logprobs_where_the_runtime_cannot_give_them_are_a_400_and_the_engine_go
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "7 "
     finally:
         assert engine.stop(timeout=30)
+
+
+# ---- chat log-probabilities and choices (the real model) ----
+
+@pytest.fixture(scope="module")
+def smol_reference(smollm2_dir):
+    """(the whole SmolLM2 target in this process, its tokenizer) for plain forward passes."""
+    from spd_engine.engine.model.checkpoint import load_stage_model, read_index
+    from spd_engine.engine.model.tokenizer import Tokenizer
+    from spd_engine.tools.model_args import resolve_model
+
+    engine_dir, tok_dir = resolve_model(SMOL)
+    cfg = read_index(engine_dir).cfg
+    return load_stage_model(engine_dir, range(0, cfg.num_layers)).eval(), Tokenizer.from_dir(tok_dir)
+
+
+def greedy_log_probs(full, prompt: list[int], steps: int) -> list[tuple[int, torch.Tensor]]:
+    """(token, log p [V]) per step of a plain greedy decode: one forward of the whole target over
+    prompt + tokens so far per step."""
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(steps):
+            x = torch.tensor([ids])
+            h, _ = full.forward_layers(full.embed(x), full.new_cache(1, x.shape[1]), 0)
+            logp = torch.log_softmax(full.logits(h)[0, -1].double(), dim=-1)
+            out.append((int(logp.argmax()), logp))
+            ids.append(out[-1][0])
+    return out
+
+
+CHAT = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Name three fruits."}]
+
+
+def test_chat_logprobs_equal_a_plain_forward_pass_streamed_or_not(smol, smol_reference):
+    full, tok = smol_reference
+    c = client(smol)
+    got = c.chat.completions.create(model=SMOL, messages=CHAT, max_tokens=12, temperature=0, logprobs=True,
+                                    top_logprobs=3)
+    content = got.choices[0].logprobs.content
+    assert len(content) == got.usage.completion_tokens > 0
+    prompt = httpx.post(f"{smol.url}/tokenize", json={"messages": CHAT}).json()["tokens"]
+    for entry, (token, logp) in zip(content, greedy_log_probs(full, prompt, len(content))):
+        assert entry.token == tok.decode([token]) and entry.bytes == list(entry.token.encode("utf-8"))
+        assert abs(entry.logprob - float(logp[token])) < 1e-4
+        top = logp.topk(3)
+        assert [alt.token for alt in entry.top_logprobs] == [tok.decode([i]) for i in top.indices.tolist()]
+        assert max(abs(alt.logprob - float(w)) for alt, w in zip(entry.top_logprobs, top.values)) < 1e-4
+        assert entry.logprob == max(alt.logprob for alt in entry.top_logprobs)
+    texts, chunks, usage = streamed(smol, True, model=SMOL, messages=CHAT, max_tokens=12, temperature=0,
+                                    logprobs=True, top_logprobs=3)
+    assert texts[0] == got.choices[0].message.content and usage.completion_tokens == got.usage.completion_tokens
+    merged = [entry for _, lp in chunks[0] for entry in lp.content]
+    assert [e.model_dump() for e in merged] == [e.model_dump() for e in content]
+
+
+def test_chat_n_2_with_a_developer_message_gives_two_equal_choices_at_temperature_0(smol):
+    c = client(smol)
+    two = c.chat.completions.create(model=SMOL, messages=CHAT, max_tokens=8, temperature=0, n=2)
+    one = c.chat.completions.create(model=SMOL, messages=CHAT, max_tokens=8, temperature=0)
+    assert [ch.index for ch in two.choices] == [0, 1]
+    assert [ch.message.content for ch in two.choices] == [one.choices[0].message.content] * 2
+    assert two.usage.completion_tokens == 2 * one.usage.completion_tokens
+    texts, _, _ = streamed(smol, True, model=SMOL, messages=CHAT, max_tokens=8, temperature=0, n=2)
+    assert texts == {0: one.choices[0].message.content, 1: one.choices[0].message.content}
+
+
+def test_chat_logprobs_at_a_temperature_are_a_400_naming_logprobs(smol):
+    with pytest.raises(openai.BadRequestError) as info:
+        client(smol).chat.completions.create(model=SMOL, messages=CHAT, max_tokens=2, temperature=0.7,
+                                             logprobs=True)
+    assert info.value.param == "logprobs", info.value.message
