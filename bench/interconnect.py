@@ -167,6 +167,10 @@ class NetbenchConfig:
     replay: list[ReplayConfig] = field(default_factory=list)  # tick replay scenarios
     idle_gap_ms: float = 2.0  # idle ping-pong (sizes up to IDLE_MAX_BYTES): peers idle this long first
     timeout_s: float = 30.0
+    # an emulated link latency (RunConfig.link_delay_us): added to the runtime's transport (the
+    # `transport` test) and to each step of the TP all-reduce; the raw p2p, fan-in and library
+    # all-reduce rows are the link as it is (a tc-shaped link's bandwidth shows there)
+    link_delay_us: float = 0.0
 
 
 def default_pairs(world_size: int) -> list[tuple[int, int]]:
@@ -322,6 +326,8 @@ def allreduce_bench(ctx: DistContext, cfg: NetbenchConfig) -> list[dict]:
     for g in allreduce_group_sizes(ctx.world_size):
         group = dist.new_group(list(range(g))) if g < ctx.world_size else None
         tp = DistTPGroup(group, range(g), ctx.rank, ctx.timeout_s) if ctx.rank < g else None
+        if tp is not None:
+            tp.link_delay_ns = round(cfg.link_delay_us * 1e3)
         for nbytes in cfg.allreduce_bytes:
             warmup, iters = iters_for(cfg, nbytes)
             if ctx.rank < g:
@@ -398,7 +404,7 @@ def netbench_rank(ctx: DistContext, cfg: NetbenchConfig) -> dict | None:
         pairs = cfg.pairs if cfg.pairs is not None else default_pairs(ctx.world_size)
         sizes = [b for b in cfg.sizes if b <= IDLE_MAX_BYTES]  # a decode tick's message sizes
         local["transport"] = transport_bench(ctx, list(pairs), sizes, cfg.iters, cfg.transport_busy_us,
-                                             cfg.transport_busy_mb)
+                                             cfg.transport_busy_mb, cfg.link_delay_us)
     if "allreduce" in cfg.tests:
         local["allreduce"] = allreduce_bench(ctx, cfg)
     if "fanin" in cfg.tests and ctx.world_size > 1:
@@ -421,6 +427,7 @@ def assemble_report(ctx: DistContext, cfg: NetbenchConfig, per_rank: list[dict])
         "backend": ctx.backend,
         "device": ctx.device.type,
         "world_size": ctx.world_size,
+        "link_delay_us": cfg.link_delay_us,
         "ranks": [{k: r[k] for k in ("rank", "host", "node_rank")} for r in per_rank],
         "nccl_tested": False,
         "note": NCCL_NOTE if ctx.backend == "nccl" else "gloo backend (CPU)",

@@ -55,6 +55,9 @@ def format_report(report: dict) -> str:
     """nccl-tests-like text tables of a netbench report."""
     nodes = len({r["node_rank"] for r in report["ranks"]})
     lines = [f"# spd netbench: backend {report['backend']}, {report['world_size']} ranks on {nodes} node(s)"]
+    if report.get("link_delay_us"):
+        lines.append(f"# EMULATED LINK LATENCY: {report['link_delay_us']:g} us per message added to the runtime's "
+                     f"transport rows and per step to the tp all-reduce (--link-delay-us)")
     if report["backend"] == "nccl":
         lines.append(f"# WARNING: {NCCL_NOTE}")
     lat = [("p50_us", "p50(us)", ".1f"), ("p90_us", "p90(us)", ".1f"), ("p99_us", "p99(us)", ".1f"),

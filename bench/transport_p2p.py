@@ -23,7 +23,7 @@ import torch
 from spd_engine.bench.stats import summarize_us
 from spd_engine.engine.protocol.messages import Header, Kind
 from spd_engine.engine.comm.shm_transport import ShmTransport, shm_usable
-from spd_engine.engine.comm.transport import DistTransport, Transport
+from spd_engine.engine.comm.transport import DistTransport, Transport, with_link_delay
 
 TRANSPORT_KINDS = ("gloo", "shm")
 
@@ -84,9 +84,10 @@ def _pingpong(t: Transport, peer: int, nbytes: int, iters: int, initiator: bool,
 
 
 def transport_bench(ctx, pairs: list[tuple[int, int]], sizes: list[int], iters: int, busy_us: float,
-                    busy_mb: float = 0.0) -> list[dict]:
-    """Rows {transport, a, b, bytes, busy_us, busy_mb, one-way summary (us)} for each transport this
-    host can run (shm needs CPU ranks of one host); collective over the default group."""
+                    busy_mb: float = 0.0, link_delay_us: float = 0.0) -> list[dict]:
+    """Rows {transport, a, b, bytes, busy_us, busy_mb, link_delay_us, one-way summary (us)} for each
+    transport this host can run (shm needs CPU ranks of one host), with the emulated link latency
+    `link_delay_us` added as a run adds it; collective over the default group."""
     rows = []
     weights = stream_weights(busy_mb)
     for kind in TRANSPORT_KINDS:
@@ -94,6 +95,7 @@ def transport_bench(ctx, pairs: list[tuple[int, int]], sizes: list[int], iters: 
             continue
         t = ShmTransport(ctx.rank, ctx.world_size) if kind == "shm" else DistTransport(ctx.rank, ctx.world_size,
                                                                                       ctx.device)
+        t = with_link_delay(t, link_delay_us)
         for a, b in pairs:
             for nbytes in sizes:
                 if kind == "gloo":  # frames that hold the payload, as a decode tick's messages
@@ -104,7 +106,7 @@ def transport_bench(ctx, pairs: list[tuple[int, int]], sizes: list[int], iters: 
                     rtts = _pingpong(t, peer, nbytes, iters, ctx.rank == a, busy_us, ctx.timeout_s, weights)
                     if rtts is not None:
                         rows.append({"transport": kind, "a": a, "b": b, "bytes": nbytes, "busy_us": busy_us,
-                                     "busy_mb": busy_mb, **summarize_us([r / 2 for r in rtts])})
+                                     "busy_mb": busy_mb, "link_delay_us": link_delay_us, **summarize_us([r / 2 for r in rtts])})
                 ctx.barrier(f"barrier after transport {kind} {a}-{b} {nbytes}B")
         t.close()
     return rows

@@ -284,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
             report["batches"] = batch_rows(args, bench_cases, prompts, eos, batches, progress)
     report["host_load"] = load.to_dict() if load is not None else None
     report["model"], report["head"] = ecfg.model, ecfg.pdm
+    report["link_delay_us"] = ecfg.link_delay_us  # an emulated link latency, when one was asked for
     eagle_line = None
     if "eagle" in config_names(args):
         report["eagle_head"], report["eagle_k"] = ecfg.eagle_head, ecfg.eagle_k
@@ -293,7 +294,8 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stderr if args.json == "-" else sys.stdout  # stdout carries only the JSON then
     print(f"model {ecfg.model}, head {ecfg.pdm}, n={ecfg.topology.n}, {len(prompts)} prompts x "
           f"{args.max_new_tokens} tokens{' (EOS ignored)' if args.ignore_eos else ''}, {args.repeats} repeats{label}"
-          f"{f', every row under {load.describe()}' if load is not None else ''}",
+          f"{f', every row under {load.describe()}' if load is not None else ''}"
+          f"{f', EMULATED LINK LATENCY {ecfg.link_delay_us:g} us per message' if ecfg.link_delay_us else ''}",
           file=out)
     print(format_table(*table(report["rows"])), file=out)
     for line in [RATIO_LEGEND, *noisy_lines(report["rows"])] + ([eagle_line] if eagle_line else []):
@@ -310,7 +312,8 @@ def run(args: argparse.Namespace) -> int:
               f"p90 {colo['residual_tick_p90_ms']:.3f} ms (last repeat, {colo['residual_ticks']} ticks)", file=out)
     for row in (r for r in report["rows"] if r.get("split")):
         print(split_line(row["name"], row["split"]), file=out)
-    if args.synthetic_alpha is None and load is None:  # costs measured under a made-up load are not the device's
+    # costs measured under a made-up load or an emulated link are not the device's
+    if args.synthetic_alpha is None and load is None and not ecfg.link_delay_us:
         record_splits(report["rows"], bench_cases, out)
     if args.timeline and "spd" in report["traces"]:
         from spd_engine.bench.timeline import plot_timeline

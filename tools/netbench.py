@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fault-tick", type=int, default=3, help="the tick at which --fault-rank fails")
     g.add_argument("--fault", default="exit", choices=("exit", "stall"),
                    help="exit: the process dies; stall: it goes silent for three timeouts")
+    p.add_argument("--link-delay-us", type=float, default=0.0, metavar="US",
+                   help="emulated link latency, as the engine's --link-delay-us: added to every message of "
+                        "--tests transport and each step of the tp all-reduce (default 0: none)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds any receive or collective may wait")
     p.add_argument("--out-dir", default="runs/netbench", help="where netbench.{json,csv,png} go ('' for none)")
     p.add_argument("--no-png", action="store_true", help="skip the PNG plot (saves importing matplotlib)")
@@ -117,6 +120,8 @@ def build_config(args: argparse.Namespace, world: int) -> NetbenchConfig:
         replay.append(sc)
     if args.timeout <= 0:
         raise ValueError("--timeout must be positive")
+    if not 0 <= args.link_delay_us < 1e6:
+        raise ValueError(f"--link-delay-us must be in [0, 1e6), got {args.link_delay_us}")
     busy = (args.allreduce_busy_us, args.busy_us, args.busy_mb)
     if args.idle_gap_ms < 0 or args.iters < 1 or args.warmup < 0 or min(busy) < 0:
         raise ValueError("--idle-gap-ms, --allreduce-busy-us, --busy-us, --busy-mb and --warmup must be >= 0, "
@@ -129,7 +134,7 @@ def build_config(args: argparse.Namespace, world: int) -> NetbenchConfig:
                           hidden=args.hidden,
                           dtype_bytes=args.dtype_bytes,
                           fanin_rows=_int_list(args.fanin_rows, "--fanin-rows"), replay=replay, timeout_s=args.timeout,
-                          idle_gap_ms=args.idle_gap_ms)
+                          idle_gap_ms=args.idle_gap_ms, link_delay_us=args.link_delay_us)
 
 
 def deadline_s(cfg: NetbenchConfig, world: int) -> float:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import abc
 import datetime
-import os
 import queue
 import threading
 import time
@@ -404,13 +403,13 @@ class LoopbackTransport(Transport):
 
 
 def hold_until(due_ns: int) -> None:
-    """Return at wall-clock time `due_ns` (time.time_ns): sleep the bulk of the wait and yield-poll
-    its last 0.3 ms, since a sleep alone overshoots by tens of microseconds."""
+    """Return at wall-clock time `due_ns` (time.time_ns). The last millisecond is a busy wait: a
+    sleep or a yield on a busy host hands the core to another process for a scheduler slice
+    (milliseconds; a ping-pong with a 300 us hold measured 1.5-4 ms one way on a loaded 2-core
+    host), far above the latencies emulated. So a rank uses its core while it holds a message."""
     while (left := due_ns - time.time_ns()) > 0:
-        if left > 300_000:
-            time.sleep((left - 200_000) / 1e9)
-        else:
-            os.sched_yield()
+        if left > 1_500_000:
+            time.sleep((left - 1_000_000) / 1e9)
 
 
 class DelayedTransport(Transport):
