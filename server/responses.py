@@ -79,26 +79,28 @@ class ReplyBuilder:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
-        self._offsets: dict[int, int] = {}  # a streamed completion choice's text so far (its text_offset)
+        self._offsets: dict[int, int] = {}  # a streamed completion choice's tokens' text so far (text_offset)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _logprobs(self, entries: list[Scored] | None, index: int = 0, text: str = "") -> dict | None:
-        """The `logprobs` of (part of) choice `index` whose text is `text`; None when not asked."""
+    def _logprobs(self, entries: list[Scored] | None, index: int = 0) -> dict | None:
+        """The `logprobs` of (the next tokens of) choice `index`; None when not asked."""
         if entries is None:
             return None
         if self.chat:
             return chat_logprobs(entries, self.tok)
-        at = self._offsets.get(index, 0)
-        self._offsets[index] = at + len(text)
-        return completion_logprobs(entries, self.tok, at)
+        # offsets count the tokens' texts, as the whole reply's do (a chunk's text may lag its
+        # tokens': text that might begin a stop string is held back)
+        obj = completion_logprobs(entries, self.tok, self._offsets.get(index, 0))
+        self._offsets[index] = self._offsets.get(index, 0) + sum(len(t) for t in obj["tokens"])
+        return obj
 
     def full(self, outcomes: list[tuple[str, Summary]]) -> dict:
         """The body of a finished reply: (text, Summary) per choice, in choice order."""
         choices = []
         for index, (text, summary) in enumerate(outcomes):
-            logprobs = self._logprobs(summary.logprobs, index, text)
+            logprobs = self._logprobs(summary.logprobs, index)
             if self.chat:
                 choices.append({"index": index, "message": {"role": "assistant", "content": text},
                                 "logprobs": logprobs, "finish_reason": summary.finish_reason})
@@ -114,7 +116,7 @@ class ReplyBuilder:
         """One SSE event of choice `index`: a text piece (with the log-probabilities of its tokens,
         when asked), the opening chat chunk (first: role only), or the closing one."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        scored = self._logprobs(logprobs, index, text or "")
+        scored = self._logprobs(logprobs, index)
         if self.chat:
             delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
             choice = {"index": index, "delta": delta, "logprobs": scored, "finish_reason": finish_reason}

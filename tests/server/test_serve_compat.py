@@ -335,6 +335,17 @@ def test_streamed_completion_logprobs_equal_a_plain_forward_pass(tiny):
     check_legacy_logprobs(merged, texts[0], prompt, usage.completion_tokens)
     whole = client(tiny).completions.create(model=TINY, prompt=prompt, max_tokens=10, temperature=0, logprobs=3)
     assert whole.choices[0].logprobs.model_dump() == merged.model_dump() and whole.choices[0].text == texts[0]
+    # a stop string of two tokens: the first one's text is held back, then the stop cuts both
+    stop = "".join(merged.tokens[4:6])
+    cut = client(tiny).completions.create(model=TINY, prompt=prompt, max_tokens=10, temperature=0, logprobs=3,
+                                          stop=[stop])
+    texts, chunks, usage = streamed(tiny, False, model=TINY, prompt=prompt, max_tokens=10, temperature=0,
+                                    logprobs=3, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and texts[0] == cut.choices[0].text
+    tokens = [t for _, lp in chunks[0] for t in lp.tokens]
+    offsets = [o for _, lp in chunks[0] for o in lp.text_offset]
+    assert tokens == cut.choices[0].logprobs.tokens == merged.tokens[:len(tokens)]
+    assert offsets == cut.choices[0].logprobs.text_offset and len(tokens) == usage.completion_tokens
 
 
 def test_n_choices_are_equal_at_temperature_0_and_usage_counts_them_all(tiny):
