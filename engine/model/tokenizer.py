@@ -89,8 +89,8 @@ class Tokenizer:
                 return tuple(value) if isinstance(value, list) else (int(value),)
         token_id = backend.token_to_id(eos_token) if eos_token else None
         if token_id is None:
-            raise ValueError(f"{hf_dir}: no EOS token id in generation_config.json, config.json or tokenizer_config.json "
-                             f"(nor in a SentencePiece model)")
+            raise ValueError(f"{hf_dir}: no EOS token id in generation_config.json, config.json or "
+                             f"tokenizer_config.json (nor in a SentencePiece model)")
         return (token_id,)
 
     @property
