@@ -23,6 +23,7 @@ from spd_engine.engine.protocol.batch_policy import BATCH, CRITICAL, LATENCY_CLA
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_SEED = 1 << 64  # seeds key splitmix64 draws (engine/protocol/sampling.py): [0, 2**64)
+MAX_TOP_K = 1 << 31  # sampling.TOP_K_LIMIT, here without importing torch
 
 
 class ApiError(Exception):
@@ -299,7 +300,7 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         max_tokens=_max_tokens(body, chat),
         temperature=_number(body, "temperature", 0.0, 2.0),
         top_p=_number(body, "top_p", 0.0, 1.0, lo_open=True),
-        top_k=_int({"top_k": top_k}, "top_k", 0),
+        top_k=_int({"top_k": top_k}, "top_k", 0, MAX_TOP_K),
         seed=_int(body, "seed", 0, MAX_SEED),
         stop=_stop(body), stream=stream, include_usage=_stream_options(body, stream),
         ignore_eos=_bool(body, "ignore_eos"), latency=_latency(body), priority=_priority(body),

@@ -25,6 +25,10 @@ PURPOSES: dict[str, int] = {"draft": 1, "accept": 2, "residual": 3, "target": 4}
 
 _MASK64 = (1 << 64) - 1
 
+# top_k values are below this: no vocabulary comes near it, and larger ones (the same as off) would
+# overflow the int64 the ranks receive them in.
+TOP_K_LIMIT = 1 << 31
+
 # HF generation defaults for fields a generation_config.json leaves out.
 _HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
 
@@ -47,8 +51,8 @@ class SamplingParams:
             raise ValueError(f"sampling: temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"sampling: top_p must be in (0, 1], got {self.top_p}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"sampling: top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < TOP_K_LIMIT:
+            raise ValueError(f"sampling: top_k must be an integer >= 0 and below 2**31 (0 = off), got {self.top_k!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= _MASK64:
             raise ValueError(f"sampling: seed must be an integer in [0, 2**64), got {self.seed!r}")
 

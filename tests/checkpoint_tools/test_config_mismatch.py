@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from ckpt_helpers import tiny_state, write_tiny_hf
 
 from spd_engine.checkpoint_tools import key_maps
 from spd_engine.engine.model.model_config import ModelConfig, tiny_config
 from spd_engine.tools.cli import main
-from ckpt_helpers import tiny_state, write_tiny_hf
 
 
 def edited(tmp_path: Path, **fields) -> Path:

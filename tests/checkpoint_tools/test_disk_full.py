@@ -20,13 +20,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from ckpt_helpers import write_tiny_hf
 from safetensors import SafetensorError
 
 from spd_engine.checkpoint_tools import fetch, output_dir
 from spd_engine.engine.model import checkpoint as ckpt
 from spd_engine.engine.model.model_config import tiny_config
 from spd_engine.tools.cli import main
-from ckpt_helpers import write_tiny_hf
 
 # What safetensors raises when the disk fills under save_file (seen on a full tmpfs)
 FULL = "Error while serializing: I/O error: No space left on device (os error 28)"

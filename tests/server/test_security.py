@@ -178,6 +178,16 @@ def test_json_needs_a_json_content_type(guarded):
     assert r.status_code == 200
 
 
+@pytest.mark.multiproc
+def test_a_huge_top_k_is_a_400_naming_it(guarded):
+    """Past 2**31 (the ranks receive it as an int64: 10**21 used to fail there with an internal message)."""
+    for top_k in (10**12, 2**31, 10**21):
+        r = httpx.post(f"{guarded.base_url}/completions", json={**GOOD, "temperature": 1.0, "top_k": top_k})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", (top_k, r.text)
+    r = httpx.post(f"{guarded.base_url}/completions", json={**GOOD, "temperature": 1.0, "top_k": 2**31 - 1})
+    assert r.status_code == 200, r.text
+
+
 # ---- flags ----
 
 @pytest.mark.parametrize("flag", ["--request-timeout", "--drain-timeout", "--stall-timeout", "--header-timeout"])
