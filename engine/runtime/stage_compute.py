@@ -1,0 +1,88 @@
+"""A stage step's middle part: its rows through the stage's layers.
+
+A one-token decode step runs on the static (CUDA-graph) step when the run has one; prefill
+chunks, suffix runs (docs/design.md 3.13), the W chains of a branch point (3.11) and BATCH steps
+over several requests (3.12) run eagerly. Rollback is lazy (3.4): a row at position `q` writes
+its K/V at slot `q`, over whatever a stale token left there.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from spd_engine.engine.model.graphs import StageStep
+from spd_engine.engine.model.kv_cache import chain_mask, chain_slot0
+from spd_engine.engine.model.model import StageModel
+from spd_engine.engine.protocol.messages import META_FIELDS, Header, Kind
+from spd_engine.engine.runtime.run_config import StepMode
+from spd_engine.engine.runtime.slot_caches import SlotCaches
+from spd_engine.engine.runtime.stage_buffers import StageBuffers
+
+_POSITION = META_FIELDS.index("position")
+
+
+class StepOut(NamedTuple):
+    """What a TOKEN or PREFILL step computed."""
+
+    out: torch.Tensor  # [1, T, H] the stage's output
+    caps: dict[int, torch.Tensor]  # captured layer -> its output [1, T, H] (the anchors)
+    greedy: torch.Tensor | None  # a static step's head argmax [1] (device), else None
+    written: bool  # the eager layers wrote out and the anchors into the pinned rows already
+    emb: torch.Tensor | None  # stage 0's eager embedding [1, T, H]: a local report's anchor 0
+
+
+class StageCompute:
+    """Runs a message's rows through the stage's layers on the request slots' caches."""
+
+    def __init__(self, stage: int, model: StageModel, caches: SlotCaches, capture: frozenset[int],
+                 buffers: StageBuffers, step_mode: StepMode, head: bool) -> None:
+        """step_mode: how one-token steps run; head: a static step runs the head's argmax too."""
+        self.stage, self.model, self.caches, self.capture, self.buf = stage, model, caches, capture, buffers
+        self.chain_width = 1  # rows of the last chain message: the width of the branch point in flight
+        self.static = None if step_mode == StepMode.EAGER else \
+            StageStep(model, caches.first, graphs=step_mode == StepMode.GRAPH, capture=capture, head=head)
+
+    def prepare(self) -> None:
+        """Every length bucket of the static step now, not inside a timed request."""
+        if self.static is not None:
+            self.static.prepare()
+
+    def keep_survivor(self, hdr: Header) -> None:
+        """A message naming its branch point's survivor: keep that chain's entries (3.11)."""
+        self.caches.first.keep_chain(hdr.branch, self.chain_width, hdr.survivor, hdr.position - hdr.branch)
+
+    def token(self, hdr: Header, ids: torch.Tensor | None, h: torch.Tensor | None, chains: bool) -> StepOut:
+        """A TOKEN or PREFILL message's step on ids [1, T] (stage 0) or h [1, T, H]."""
+        one = hdr.kind == Kind.TOKEN and hdr.num_tokens == 1  # not chains, not a suffix run
+        if self.static is not None and one:
+            # static buffers that the next step rewrites: everything that leaves this step is copied
+            # out by this message's emit step (out1 and anchors1 into the transport, anchors into
+            # the co-located driver's ring), so no clone is needed
+            out, caps, greedy = self.static.run(hdr.position, h=None if self.stage == 0 else h, token=ids)
+            return StepOut(out, caps, greedy, False, None)
+        emb = self.model.embed(ids) if self.stage == 0 else None  # [1, T, H]
+        h = emb if self.stage == 0 else h
+        into = self.buf.into1 if one and self.buf.pinned else None
+        if chains:
+            out, caps = self._chains(h, hdr)
+        else:
+            cache = self.caches.first if hdr.slot == 0 else self.caches.of(hdr.slot)
+            out, caps = self.model.forward_layers(h, cache, hdr.position, capture=self.capture, into=into)
+        return StepOut(out, caps, None, into is not None, emb)
+
+    def _chains(self, h: torch.Tensor, hdr: Header) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The chains of a branch point: h [1, W, H], every row at `position`, each seeing the
+        shared prefix and its own chain (engine/model/kv_cache.py chain slots)."""
+        W, q, pos = hdr.rows, hdr.branch, hdr.position
+        self.chain_width = W
+        positions = torch.full((1, W), pos, dtype=torch.long, device=h.device)  # [1, W]
+        mask = chain_mask(q, pos, W, h.device)  # [1, 1, W, slot0 + W]
+        return self.model.forward_layers(h, self.caches.first, chain_slot0(q, pos, W), positions, mask, self.capture)
+
+    def batch(self, meta: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """A BATCH step (eager): the rows h [1, R, H] of table meta [R, META_LEN], each on its
+        request slot's cache -> (out [1, R, H], anchors {layer: [1, R, H]})."""
+        caches = self.caches.batch_rows(meta, self.buf.device)
+        return self.model.forward_layers(h, caches, 0, positions=meta[None, :, _POSITION].to(self.buf.device),
+                                         capture=self.capture)
