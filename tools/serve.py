@@ -10,6 +10,7 @@ imports them at module level, so without them the command still says so in one l
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import os
 import sys
@@ -112,10 +113,21 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 
 def check_dependencies() -> None:
-    """The `serve` extra, before any model is resolved or rank started."""
-    missing = [pkg for pkg, module in SERVE_MODULES.items() if importlib.util.find_spec(module) is None]
-    if missing:
-        raise ValueError(f"spd serve needs {', '.join(missing)}: pip install 'spd-engine[serve]'")
+    """The `serve` extra, before any model is resolved or rank started: each package imported, so a
+    broken install (fastapi without starlette) is one line as well, naming what failed."""
+    missing, broken = [], []
+    for pkg, module in SERVE_MODULES.items():
+        if importlib.util.find_spec(module) is None:
+            missing.append(pkg)
+            continue
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            broken.append(f"{pkg} ({err})")
+    if missing or broken:
+        named = ", ".join(missing + broken)
+        raise ValueError(f"spd serve needs {named}: pip install 'spd-engine[serve]'" if not broken else
+                         f"spd serve needs {named} to import: pip install --force-reinstall 'spd-engine[serve]'")
 
 
 def run(args: argparse.Namespace) -> int:

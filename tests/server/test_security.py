@@ -247,17 +247,51 @@ def test_the_api_key_from_a_file_or_the_environment(tmp_path, monkeypatch):
             api_key(bad)
 
 
-def test_without_the_serve_extra_serve_says_so_in_one_line_and_exits_2():
-    """The packages made unimportable (None in sys.modules: find_spec and import both fail)."""
-    probe = ("import sys\n"
-             "for m in ('fastapi', 'uvicorn', 'prometheus_client', 'starlette'):\n"
-             "    sys.modules[m] = None\n"
-             "from spd_engine.tools.cli import main\n"
-             f"sys.exit(main(['serve', '--model', {TINY!r}]))\n")
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+# A sitecustomize that hides top-level packages from the path finder, as when they are not installed
+UNINSTALL = """
+import os, sys
+from importlib.machinery import PathFinder
+
+HIDDEN = frozenset(filter(None, os.environ["SPD_TEST_UNINSTALLED"].split(",")))
+
+
+class Uninstalled(PathFinder):
+    @classmethod
+    def find_spec(cls, fullname, path=None, target=None):
+        return None if fullname.split(".")[0] in HIDDEN else super().find_spec(fullname, path, target)
+
+
+sys.meta_path[:] = [Uninstalled if f is PathFinder else f for f in sys.meta_path]
+"""
+
+
+def run_uninstalled(tmp_path, hidden: str, argv: list[str]) -> subprocess.CompletedProcess:
+    """`argv` in a fresh interpreter where the packages `hidden` names cannot be found."""
+    import os
+
+    (tmp_path / "sitecustomize.py").write_text(UNINSTALL)
+    env = {**os.environ, "SPD_TEST_UNINSTALLED": hidden,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.mark.parametrize("hidden, line", [
+    ("fastapi,uvicorn,prometheus_client,starlette",
+     "spd serve: error: spd serve needs fastapi, uvicorn, prometheus_client: pip install 'spd-engine[serve]'"),
+    ("uvicorn", "spd serve: error: spd serve needs uvicorn: pip install 'spd-engine[serve]'"),
+    ("starlette",  # a broken install: fastapi there, its own dependency not
+     "spd serve: error: spd serve needs fastapi (No module named 'starlette') to import: pip install "
+     "--force-reinstall 'spd-engine[serve]'"),
+])
+def test_without_the_serve_extra_serve_says_so_in_one_line_and_exits_2(tmp_path, hidden, line):
+    from spd_engine.engine.runtime.launch import spd_command
+
+    first = hidden.split(",")[0]
+    probe = run_uninstalled(tmp_path, hidden, [sys.executable, "-c", f"import {first}"])
+    assert probe.returncode == 1 and f"No module named '{first}'" in probe.stderr, probe.stderr  # really hidden
+    proc = run_uninstalled(tmp_path, hidden, [*spd_command(), "serve", "--model", TINY, "--port", "0"])
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == ["spd serve: error: spd serve needs fastapi, uvicorn, "
-                                                "prometheus_client: pip install 'spd-engine[serve]'"], proc.stderr
+    assert proc.stderr.strip().splitlines() == [line], proc.stderr
 
 
 def test_semaphores_left_by_killed_processes_are_swept_and_held_ones_kept():
