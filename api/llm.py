@@ -133,7 +133,8 @@ class LLM:
         params = _params_list(sampling_params, 1)[0]
         eos = () if params.ignore_eos else tuple(self._eos_ids())
         sampling = sampling_params_of(params, self.tokenizer_dir)
-        self._live_runtime().check_request(ids, params.max_tokens)
+        self._live_runtime()
+        self._check(ids, params.max_tokens)
         text_stream, pieces, gone = TextStream(self.tokenizer, params.stop), queue.Queue(), threading.Event()
         done = object()
 
@@ -169,6 +170,12 @@ class LLM:
             raise ValueError("this LLM was closed")
         return self.runtime
 
+    def _check(self, prompt: Sequence[int], max_new_tokens: int) -> None:
+        """ValueError naming the problem if the run cannot take the request (every mode's runtime)."""
+        from spd_engine.engine.model.greedy import check_request
+
+        check_request(prompt, max_new_tokens, self.config.capacity, self.config.cfg.vocab_size)
+
     def _eos_ids(self) -> tuple[int, ...]:
         return tuple(self.tokenizer.eos_ids if self.tokenizer is not None else self.config.cfg.eos_token_ids)
 
@@ -195,7 +202,7 @@ class LLM:
                                  on_token=_collector(streams[i], pieces[i]))
                     for i, ((_, ids), p) in enumerate(zip(prompts, params))]
         for r in requests:
-            self.runtime.check_request(r.prompt, r.max_new_tokens)  # every one before any runs
+            self._check(r.prompt, r.max_new_tokens)  # every one before any runs
         if self.max_batch > 1 and len(requests) > 1:
             results = self.runtime.generate_batch(requests, self.max_batch, max_rows=self.max_rows).results
         else:

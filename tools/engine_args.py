@@ -10,7 +10,7 @@ from spd_engine.engine.comm.iface import use_iface
 from spd_engine.engine.protocol.branching import WHEN
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.measured_split import BALANCED
-from spd_engine.engine.runtime.run_config import (DEFAULT_BRANCHES, DEFAULT_SUFFIX_RUN, MODES, STEP_MODES,
+from spd_engine.engine.runtime.run_config import (DEFAULT_BRANCHES, DEFAULT_SUFFIX_RUN, MODES, STEP_MODES, Mode,
                                                   TRANSPORTS, VERIFY_AT, RunConfig, random_preset)
 from spd_engine.tools.cli_conventions import engine_dtype_name, refuse_ignored, resolve_dtype, run_default
 from spd_engine.tools.measured_args import balanced_split, with_measured_layouts
@@ -125,26 +125,26 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
                    help="suffix drafts also from this process's earlier requests (prompts and outputs)")
 
 
-def _check_ignored_engine_flags(args: argparse.Namespace, mode: str, spec: str, seed_used: bool,
+def _check_ignored_engine_flags(args: argparse.Namespace, mode: Mode, spec: str, seed_used: bool,
                                 eagle_head: str | None) -> None:
     """eagle_head: the eagle baseline's head when the command runs it, else None."""
-    seeds_head = (mode == "spd" and spec == "random") or eagle_head == "random"
+    seeds_head = (mode is Mode.SPD and spec == "random") or eagle_head == "random"
     if not seed_used and random_preset(args.model) is None and not seeds_head:
         refuse_ignored(args, ["seed"], "with real weights and a trained head or no head (it seeds random "
                                        "weights and untrained heads; --sampling-seed seeds sampling)")
     if eagle_head is None:
         refuse_ignored(args, ["eagle_head", "eagle_k"], "without the eagle baseline (--mode eagle)")
-    if mode == "eagle":
+    if mode is Mode.EAGLE:
         refuse_ignored(args, ["step_mode"], "with --mode eagle (its steps run eagerly)")
-    if mode != "spd":
+    if mode is not Mode.SPD:
         refuse_ignored(args, ["spec", "pdm_layers", "colocate", "suffix_drafts", "suffix_min_match", "suffix_pdm_margin",
                                 "suffix_cross_request", "suffix_run", "overlap_stage0", "branches", "branch_when"],
                        f"with --mode {mode} (no SPD speculation module)")
     elif hasattr(args, "colocate") and not args.colocate:
         refuse_ignored(args, ["overlap_stage0"], "without --colocate (stage 0 has a rank of its own)")
-    if mode in ("ar", "eagle") and args.stages != 1:
+    if mode in (Mode.AR, Mode.EAGLE) and args.stages != 1:
         refuse_ignored(args, ["stages", "stage_layers"], f"with --mode {mode} (one rank runs the whole model)")
-    if mode == "tp" and args.stages != 1:
+    if mode is Mode.TP and args.stages != 1:
         refuse_ignored(args, ["stages", "stage_layers"], "with --mode tp (one stage over the --tp ranks)")
     if spec != "random":
         refuse_ignored(args, ["pdm_layers"], f"with a trained head ({spec}: its K is in its pdm.json)")
@@ -170,7 +170,7 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used:
     """The RunConfig of the engine flags (and the tokenizer directory); `seed_used`: the command reads
     --seed for something else too, so it is never an ignored flag; `eagle_used`: the command runs
     the eagle baseline beside the mode's run (its flags are not ignored)."""
-    mode = getattr(args, "mode", "spd")
+    mode = Mode.parse(getattr(args, "mode", "spd"))
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     use_iface(getattr(args, "iface", None))  # checked here, read when the ranks join (engine/comm/dist.py)
@@ -178,14 +178,14 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used:
     cfg = model_config(engine_spec)
     if getattr(args, "tokenizer", None) is not None:  # loaded once here: a bad one fails before any rank starts
         tok_dir = check_tokenizer(args.tokenizer, cfg)
-    n = 1 if mode in ("ar", "tp", "eagle") else args.stages
+    n = 1 if mode.one_stage else args.stages
     balanced = args.stage_layers == BALANCED
     given = None if balanced else args.stage_layers
     topo = Topology.build(cfg.num_layers, n=None if given else n, stage_layers=given,
                           colocate=getattr(args, "colocate", False), tp=args.tp)
     spec = carried_or_given(args.spec, args.model) if args.spec else default_head(args.model, topo.n)
     eagle_head = args.eagle_head or default_head(args.model, 1, "eagle")
-    _check_ignored_engine_flags(args, mode, spec, seed_used, eagle_head if eagle_used or mode == "eagle" else None)
+    _check_ignored_engine_flags(args, mode, spec, seed_used, eagle_head if eagle_used or mode is Mode.EAGLE else None)
     backend = args.backend or ("nccl" if str(args.device).startswith("cuda") else run_default("backend"))
     ecfg = RunConfig(model=engine_spec, cfg=cfg, topology=topo, mode=mode, pdm=spec, eagle_head=eagle_head,
                      eagle_k=args.eagle_k,
@@ -207,7 +207,7 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used:
                      stage_ms=_stage_ms(getattr(args, "stage_ms", None), topo.n))
     ecfg = with_measured_layouts(ecfg)
     if balanced and topo.n > 1:
-        ecfg, why = (balanced_split(ecfg, topo.colocate) if mode == "spd" else
+        ecfg, why = (balanced_split(ecfg, topo.colocate) if mode is Mode.SPD else
                      (ecfg, f"splits are measured for SPD runs: the even split {list(topo.stage_layers)}"))
         where = "driver co-located with stage 0" if topo.colocate else "driver on a rank of its own"
         print(f"--stage-layers balanced ({where}): {why}", file=sys.stderr)

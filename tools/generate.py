@@ -28,6 +28,7 @@ from spd_engine.engine.protocol.batch_schedule import format_utilization
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.runtime.request_inputs import encode_prompts, sampling_params
 from spd_engine.engine.runtime.run_config import random_preset
+from spd_engine.engine.runtime.run_config import Mode
 from spd_engine.tools.cli_conventions import (add_batch_arguments, add_json_argument, check_batch_arguments,
                                               check_output_path)
 from spd_engine.tools.engine_args import add_engine_arguments, engine_config
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(args.json, "--json")  # before the model is converted or a rank starts
     ecfg, tok_dir = engine_config(args)
     sampling = sampling_params(sampling_overrides(args), tok_dir)
-    if ecfg.mode != "spd" and sampling.seed >= 1 << 63:
+    if ecfg.mode is not Mode.SPD and sampling.seed >= 1 << 63:
         raise ValueError(f"--sampling-seed must be below 2**63 with --mode {ecfg.mode}, got {sampling.seed}")
     tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
     if tok is None and random_preset(ecfg.model) is None:  # never a silent byte encoding of real weights' prompts
@@ -95,10 +96,10 @@ def run(args: argparse.Namespace) -> int:
         if len(ids) + args.max_new_tokens > ecfg.capacity:
             raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds "
                              f"--capacity {ecfg.capacity}")
-    if (ecfg.pdm if ecfg.mode == "spd" else ecfg.eagle_head if ecfg.mode == "eagle" else "") == "random":
+    if (ecfg.pdm if ecfg.mode is Mode.SPD else ecfg.eagle_head if ecfg.mode is Mode.EAGLE else "") == "random":
         print(f"spd: no trained {ecfg.mode} head for this model and n; using an untrained one (lossless, but slow)",
               file=sys.stderr)
-    if args.max_batch > 1 and ecfg.mode != "spd":
+    if args.max_batch > 1 and ecfg.mode is not Mode.SPD:
         raise ValueError(f"--max-batch > 1 needs --mode spd, got --mode {ecfg.mode}")
     records = []
     with launch(ecfg) as runtime:

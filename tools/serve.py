@@ -15,6 +15,7 @@ import importlib.util
 import os
 import sys
 
+from spd_engine.engine.runtime.run_config import Mode
 from spd_engine.tools.cli_conventions import add_batch_arguments, check_batch_arguments, finite_float
 from spd_engine.tools.engine_args import add_engine_arguments, engine_config
 from spd_engine.server import limits
@@ -153,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     if swept:
         print(f"spd serve: removed {swept} semaphore(s) in /dev/shm that killed processes left", file=sys.stderr)
     ecfg, tok_dir = engine_config(args)
-    if args.max_batch > 1 and ecfg.mode != "spd":
+    if args.max_batch > 1 and ecfg.mode is not Mode.SPD:
         raise ValueError(f"--max-batch > 1 needs --mode spd, got --mode {ecfg.mode}")
     if under_torchrun() and int(os.environ["RANK"]) != 0:
         with launch(ecfg):  # a stage rank: serves its stage, exits when the driver shuts down
@@ -162,9 +163,9 @@ def run(args: argparse.Namespace) -> int:
     info = ModelInfo(name=args.served_model_name or args.model, tok=tok, tok_dir=tok_dir,
                      vocab_size=ecfg.cfg.vocab_size, capacity=ecfg.capacity,
                      eos_ids=tuple(tok.eos_ids if tok is not None else ecfg.cfg.eos_token_ids),
-                     seed_limit=1 << 64 if ecfg.mode == "spd" else 1 << 63)
+                     seed_limit=1 << 64 if ecfg.mode is Mode.SPD else 1 << 63)
     sock = bind(args.host, args.port)  # fail on a taken port before the ranks start
-    if ecfg.pdm == "random" and ecfg.mode == "spd":
+    if ecfg.pdm == "random" and ecfg.mode is Mode.SPD:
         print("spd: no trained head for this model and n; using an untrained one (lossless, but slow)",
               file=sys.stderr)
     refusal = text_needs_tokenizer(args.model) if tok is None and random_preset(ecfg.model) is None else None

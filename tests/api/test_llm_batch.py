@@ -39,3 +39,14 @@ def test_a_script_without_a_main_guard_runs(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("reply") == 1, proc.stdout
+
+
+@pytest.mark.parametrize("mode", ["ar", "pp"])
+def test_baseline_modes_equal_greedy(mode):
+    prompt = random_prompts(PRESETS["tiny-llama"], [4], seed=10)[0]
+    stages = 1 if mode == "ar" else 2
+    with LLM("random:tiny-llama", mode=mode, stages=stages, threads=1, prefill_chunk=16) as llm:
+        out = llm.generate(prompt, SamplingParams(max_tokens=9, ignore_eos=True))[0].outputs[0]
+        assert out.token_ids == reference(llm.config, prompt, 9)
+        with pytest.raises(ValueError, match="capacity|exceeds"):
+            llm.generate(prompt, SamplingParams(max_tokens=10 ** 6))
