@@ -413,14 +413,16 @@ def hold_until(due_ns: int) -> None:
 
 
 class DelayedTransport(Transport):
-    """An emulated link latency (RunConfig.link_delay_us): every message to another rank is
-    delivered `delay_us` after it was sent. The sender stamps its wall clock into a leading 8-byte
-    payload and goes on at once; the receiver, having read the header and the stamp, holds until
-    stamp + delay. So a message that waited in the receiver's queue while it computed pays only
-    what is left of the delay, as on a real link, and a rank sending to two peers pays it once.
-    The stamp is the sender's wall clock: exact for ranks of one host (network-namespace nodes,
-    the shared-memory rings); across hosts their clock offset adds to it. Bandwidth is not
-    emulated here (the namespace nodes shape it with tc's token bucket, docs/cluster.md)."""
+    """An emulated link latency (RunConfig.link_delay_us): every message to another rank reaches
+    its receiver `delay_us` later than the underlying link delivers it. The sender stamps its wall
+    clock into a leading 8-byte payload and goes on at once (a rank sending to two peers pays the
+    delay once, as on a real link). A receiver that waits for a message holds it `delay_us` past
+    its arrival (one way = the link's own time + the delay); one already queued when the receive
+    began (it came while the rank computed) is held only until its stamp + the delay, so it pays
+    what is left of the delay. The stamp is the sender's wall clock: exact for ranks of one host
+    (network-namespace nodes, the shared-memory rings); across hosts their clock offset adds to
+    it. Bandwidth is not emulated here (namespace nodes shape it with tc's token bucket,
+    docs/cluster.md)."""
 
     STAMP_BYTES = 8
 
@@ -439,9 +441,14 @@ class DelayedTransport(Transport):
         self.inner.send(dst, header, (self._tx, *payloads))
 
     def recv_header(self, src: int, timeout: float | None, tick: int = -1) -> Header:
+        queued = self.inner.ready(src)
         header = self.inner.recv_header(src, timeout, tick)
+        # waited for: it arrived just now, so the link's own time (now - sent) is part of its trip
+        # and the delay comes on top; queued: it arrived while this rank computed, at a time the
+        # transport does not keep, so the delay counts from the send
+        arrived = None if queued else time.time_ns()
         self.inner.recv_into(src, self._rx, timeout, tick)
-        hold_until(int(self._rx[0]) + self.delay_ns)
+        hold_until((int(self._rx[0]) if arrived is None else arrived) + self.delay_ns)
         return header
 
     def recv_into(self, src: int, out: torch.Tensor, timeout: float | None, tick: int = -1) -> torch.Tensor:
