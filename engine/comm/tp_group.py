@@ -140,9 +140,11 @@ class DistTPGroup(TPGroup):
         return out
 
 
-def dist_tp_groups(topo, global_rank: int, timeout_s: float, link_delay_us: float = 0.0) -> TPGroup:
-    """This rank's TP group (its collectives paying `link_delay_us` per step when set). `new_group`
-    is collective over the default group: every rank creates every stage's group, in stage order,
+def dist_tp_groups(topo, global_rank: int, timeout_s: float, link_delay_us: float = 0.0,
+                   nodes: Sequence[int] | None = None) -> TPGroup:
+    """This rank's TP group; its collectives pay `link_delay_us` per step when the group spans
+    nodes (`nodes`: each rank's node; None: every rank a node of its own). `new_group` is
+    collective over the default group: every rank creates every stage's group, in stage order,
     and keeps its own."""
     import torch.distributed as dist
 
@@ -154,5 +156,6 @@ def dist_tp_groups(topo, global_rank: int, timeout_s: float, link_delay_us: floa
         group = dist.new_group(list(members))
         if global_rank in members:
             mine = DistTPGroup(group, members, global_rank, timeout_s)
-            mine.link_delay_ns = round(link_delay_us * 1e3)
+            spans = nodes is None or len({nodes[m] for m in members}) > 1
+            mine.link_delay_ns = round(link_delay_us * 1e3) if spans else 0
     return mine

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import datetime
+import os
 import queue
 import threading
 import time
@@ -426,21 +427,27 @@ class DelayedTransport(Transport):
 
     STAMP_BYTES = 8
 
-    def __init__(self, inner: Transport, delay_us: float) -> None:
+    def __init__(self, inner: Transport, delay_us: float, remote: frozenset[int] | None = None) -> None:
+        """remote: the ranks whose messages cross the emulated link (None: every other rank)."""
         assert delay_us > 0, delay_us
         self.inner, self.rank, self.world_size = inner, inner.rank, inner.world_size
         self.pins_buffers = inner.pins_buffers
         self.delay_ns = round(delay_us * 1e3)
+        self.remote = frozenset(r for r in range(self.world_size) if r != self.rank) if remote is None else remote
         self._tx = torch.zeros(1, dtype=torch.int64)  # the transport copies it at send: reused
         self._rx = torch.zeros(1, dtype=torch.int64)
         inner.pin(self._tx)
         inner.pin(self._rx)
 
     def send(self, dst: int, header: Header, payloads: Sequence[torch.Tensor] = ()) -> None:
+        if dst not in self.remote:
+            return self.inner.send(dst, header, payloads)
         self._tx[0] = time.time_ns()
         self.inner.send(dst, header, (self._tx, *payloads))
 
     def recv_header(self, src: int, timeout: float | None, tick: int = -1) -> Header:
+        if src not in self.remote:
+            return self.inner.recv_header(src, timeout, tick)
         queued = self.inner.ready(src)
         header = self.inner.recv_header(src, timeout, tick)
         # waited for: it arrived just now, so the link's own time (now - sent) is part of its trip
@@ -467,7 +474,8 @@ class DelayedTransport(Transport):
         self.inner.pin(t)
 
     def set_frames(self, capacities: dict[tuple[int, int], int]) -> None:
-        self.inner.set_frames({link: c + self.STAMP_BYTES for link, c in capacities.items()})
+        stamped = lambda link: link[0] in self.remote or link[1] in self.remote  # noqa: E731
+        self.inner.set_frames({link: c + self.STAMP_BYTES * stamped(link) for link, c in capacities.items()})
 
     def abandon(self) -> None:
         if hasattr(self.inner, "abandon"):
@@ -478,9 +486,26 @@ class DelayedTransport(Transport):
             self.inner.mark_dead()
 
 
-def with_link_delay(transport: Transport, delay_us: float) -> Transport:
-    """`transport` with an emulated per-message latency of `delay_us` (none at 0: the default)."""
-    return DelayedTransport(transport, delay_us) if delay_us > 0 else transport
+def with_link_delay(transport: Transport, delay_us: float, nodes: Sequence[int] | None = None) -> Transport:
+    """`transport` with an emulated per-message latency of `delay_us` (none at 0: the default) on
+    the messages to and from ranks of another node (`nodes`: each rank's node; None: every rank
+    a node of its own)."""
+    if delay_us <= 0:
+        return transport
+    remote = None if nodes is None else frozenset(r for r, n in enumerate(nodes) if n != nodes[transport.rank])
+    return DelayedTransport(transport, delay_us, remote)
+
+
+def rank_nodes(rank: int, world_size: int) -> list[int]:
+    """Each rank's node (collective over the default group): torchrun's node rank (GROUP_RANK);
+    ranks one command spawned on its own host count as a node each, so that a local run with a
+    link delay stands in for one rank per node."""
+    import torch.distributed as dist
+
+    nodes = torch.zeros(world_size, dtype=torch.int64)
+    nodes[rank] = int(os.environ["GROUP_RANK"]) if "GROUP_RANK" in os.environ else rank
+    dist.all_reduce(nodes)
+    return nodes.tolist()
 
 
 def loopback_pair(inner: Transport) -> tuple[LoopbackTransport, LoopbackTransport]:

@@ -35,7 +35,7 @@ from spd_engine.engine.runtime.roles import build_rank, rank_topology
 from spd_engine.engine.comm.tp_group import TPGroup, dist_tp_groups
 from spd_engine.engine.runtime.run_config import Mode, RunConfig
 from spd_engine.engine.comm.shm_transport import ShmTransport, shm_usable
-from spd_engine.engine.comm.transport import DistTransport, Transport, with_link_delay
+from spd_engine.engine.comm.transport import DistTransport, Transport, rank_nodes, with_link_delay
 
 # Test hook: "RANK:MESSAGES" makes that rank SIGKILL itself after handling MESSAGES messages,
 # the same as `kill -9` from outside, to check that no surviving rank hangs.
@@ -58,7 +58,7 @@ def _bind_to_parent() -> None:
             os._exit(1)
 
 
-def _transport(ecfg: RunConfig, rank: int, world: int, one_host: bool) -> Transport:
+def _transport(ecfg: RunConfig, rank: int, world: int, one_host: bool, nodes: list[int] | None) -> Transport:
     """The run's P2P transport (collective): `auto` takes shared memory for CPU ranks that this
     process launched on its own host, else the process group's backend."""
     choice = ecfg.transport
@@ -70,7 +70,7 @@ def _transport(ecfg: RunConfig, rank: int, world: int, one_host: bool) -> Transp
             torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
             choice = "shm" if int(ok) else "gloo"
     transport = ShmTransport(rank, world) if choice == "shm" else DistTransport(rank, world, ecfg.device)
-    return with_link_delay(transport, ecfg.link_delay_us)
+    return with_link_delay(transport, ecfg.link_delay_us, nodes)
 
 
 def _join(ecfg: RunConfig, rank: int, world: int, init_method: str) -> tuple[RunConfig, Transport, TPGroup]:
@@ -80,8 +80,9 @@ def _join(ecfg: RunConfig, rank: int, world: int, init_method: str) -> tuple[Run
     torch.set_num_threads(ecfg.threads_per_rank())
     # requests bound their own waits (Transport timeouts); a stage idles between them
     join_group(rank, world, ecfg.backend, ecfg.device, init_method, max(60.0, ecfg.timeout_s), idle_waits=True)
-    transport = _transport(ecfg, rank, world, one_host=not under_torchrun())
-    return ecfg, transport, dist_tp_groups(rank_topology(ecfg), rank, ecfg.timeout_s, ecfg.link_delay_us)  # collective: every rank
+    nodes = rank_nodes(rank, world) if ecfg.link_delay_us else None  # collective, as the two below
+    transport = _transport(ecfg, rank, world, not under_torchrun(), nodes)
+    return ecfg, transport, dist_tp_groups(rank_topology(ecfg), rank, ecfg.timeout_s, ecfg.link_delay_us, nodes)
 
 
 def _serve(ecfg: RunConfig, rank: int, transport: Transport, group: TPGroup) -> None:

@@ -138,3 +138,18 @@ def test_between_processes_a_hop_takes_the_delay_longer(kind):
             got[delay_us] = ranks.result(0)
     added = got[DELAY_US] - got[0.0]
     assert 0.9 * DELAY_US / 1e6 <= added <= 1.5 * DELAY_US / 1e6, got
+
+
+@pytest.mark.pure
+def test_only_messages_between_nodes_are_delayed():
+    hub = LocalHub(3)
+    nodes = [0, 0, 1]  # ranks 0 and 1 share a node
+    t = [with_link_delay(hub.transport(r), DELAY_US, nodes) for r in range(3)]
+    assert t[0].remote == {2} and t[2].remote == {0, 1}
+    t0 = time.perf_counter()
+    t[0].send(1, Header(Kind.END, 1, 0))
+    t[1].recv_header(0, 5.0)
+    assert time.perf_counter() - t0 < DELAY_US / 1e6 / 2  # inside a node: at once
+    t[0].send(2, Header(Kind.END, 2, 0))
+    assert t[2].recv_header(0, 5.0).position == 2
+    assert time.perf_counter() - t0 >= DELAY_US / 1e6  # across the link: the delay
