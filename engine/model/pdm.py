@@ -19,7 +19,7 @@ from spd_engine.engine.protocol.anchors import AnchorPlan
 from spd_engine.engine.model.draft_stack import DraftStack, check_draft_vocab
 from spd_engine.engine.model.head_io import HeadFormat, check_fingerprint, read_head_meta, read_head_state, save_head
 from spd_engine.engine.model.model_config import ModelConfig
-from spd_engine.engine.model.row_invariance import Invariance, make_row_invariant_, probe_floor
+from spd_engine.engine.model.row_invariance import Invariance, make_row_invariant_, probe_rows
 from spd_engine.kernels.anchor_gather import anchor_rows, pack_projection_weights, type_weight_t
 from spd_engine.kernels.int8_linear import Int8Linear
 
@@ -107,11 +107,11 @@ class PDM(DraftStack):
         self.row_invariance = make_row_invariant_(self, skip=() if int8 else tuple(self.proj))
         if not int8:
             packed, H = self.packed_projection(), self.target_cfg.hidden_size
-            floors = [probe_floor(lambda x, a=a: x @ type_weight_t(packed, a).float(), (a + 1) * H,
-                                  torch.float32, packed.device) for a in range(len(self.proj))]
-            if None in floors:
-                self.row_invariance.variant.append("proj")
-            self.rows_floor = max(f or 1 for f in floors)
+            for a in range(len(self.proj)):
+                rows = probe_rows(lambda x: x @ type_weight_t(packed, a).float(), (a + 1) * H, torch.float32,
+                                  packed.device)
+                self.row_invariance.add(f"proj.{a}", rows)
+                self.rows_floor = max(self.rows_floor, rows[0])
         return self.row_invariance
 
     def _rows_by_type(self, ring: torch.Tensor, slots: torch.Tensor, types: torch.Tensor) -> torch.Tensor:

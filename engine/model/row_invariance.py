@@ -11,7 +11,7 @@ a step leave the other rows' bits alone. So a linear whose kernel is not row-inv
 steps of fewer rows than its floor padded with zero rows (`RowPaddedLinear`): every row count
 then computes each row as the floor's block does.
 
-Which linears need it, and their floors, is not assumed: `probe_floor` runs the module itself on
+Which linears need it, and their floors, is not assumed: `probe_rows` runs the module itself on
 1 .. PROBE_ROWS random rows at start-up, where the rank's weights, layout and intra-op threads
 are in place, and takes the smallest floor from which every row count, padded, gives each row
 the bits of the PROBE_ROWS-row step. A kernel without such a floor (none up to MAX_FLOOR
@@ -34,8 +34,7 @@ from torch import nn
 from spd_engine.kernels.packed_linear import PackedLinear
 
 PROBE_ROWS = 16  # a batch of 8 requests at branch width 2, or 16 one-row entries
-MAX_FLOOR = 8  # a larger floor would cost most steps several times their rows, and leave few counts checked
-RowFn = Callable[[torch.Tensor], torch.Tensor]  # rows [M, K] -> [M, N]
+MAX_FLOOR = 4  # a larger floor would cost a lone request's one-row steps several rows each
 
 
 def pad_rows(x2: torch.Tensor, floor: int) -> torch.Tensor:
@@ -45,19 +44,21 @@ def pad_rows(x2: torch.Tensor, floor: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def probe_floor(fn: RowFn, in_features: int, dtype: torch.dtype, device: torch.device | str,
-                seed: int = 0) -> int | None:
-    """The smallest row count f (up to MAX_FLOOR) such that `fn` of any 1 .. PROBE_ROWS - 1 rows, padded
-    with zero rows to f, gives each row exactly its bits in the PROBE_ROWS-row step; None where no f does."""
+def probe_rows(fn: RowFn, in_features: int, dtype: torch.dtype, device: torch.device | str,
+               seed: int = 0) -> tuple[int, int]:
+    """(floor, ceiling): with steps of fewer than `floor` rows padded with zero rows to it, `fn` gives
+    each row the same bits in every step of 1 .. `ceiling` rows (random rows, up to PROBE_ROWS). The
+    floor (up to MAX_FLOOR) with the highest ceiling, the lowest of those."""
     x = torch.randn(PROBE_ROWS, in_features, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
-    full = fn(x)
-    alone = [torch.equal(fn(x[:m]), full[:m]) for m in range(1, PROBE_ROWS)]  # alone[m-1]: m rows, unpadded
+    outs = {m: fn(x[:m]) for m in range(1, PROBE_ROWS + 1)}  # outs[m]: m rows, unpadded
+    best = (1, 1)
     for floor in range(1, MAX_FLOOR + 1):
-        if not all(alone[floor - 1:]):
-            continue
-        if all(torch.equal(fn(pad_rows(x[:m], floor))[:m], full[:m]) for m in range(1, floor)):
-            return floor
-    return None
+        ceiling = next(c for c in range(PROBE_ROWS, floor - 1, -1)
+                       if all(torch.equal(outs[m], outs[c][:m]) for m in range(floor, c)))
+        if ceiling > best[1] and all(torch.equal(fn(pad_rows(x[:m], floor))[:m], outs[floor][:m])
+                                     for m in range(1, floor)):
+            best = (floor, ceiling)
+    return best
 
 
 class RowPaddedLinear(nn.Linear):
@@ -76,15 +77,22 @@ class RowPaddedLinear(nn.Linear):
 
 @dataclass
 class Invariance:
-    """What `make_row_invariant_` did: linears padded to a floor, and the names of those it could
-    not make row-invariant."""
+    """What `make_row_invariant_` did: linears padded to a floor, the most rows per step for which
+    every linear's rows are invariant, and the names of those that are not invariant at all."""
 
     padded: int = 0
+    max_rows: int = PROBE_ROWS
     variant: list[str] = field(default_factory=list)
 
     @property
     def invariant(self) -> bool:
-        return not self.variant
+        """Whether steps of up to 2 rows (two requests' one-row entries) are."""
+        return not self.variant and self.max_rows >= 2
+
+    def add(self, name: str, floor_ceiling: tuple[int, int]) -> None:
+        self.max_rows = min(self.max_rows, floor_ceiling[1])
+        if floor_ceiling[1] < 2:
+            self.variant.append(name)
 
 
 def _kernel_key(m: nn.Module) -> tuple:
@@ -96,17 +104,17 @@ def _kernel_key(m: nn.Module) -> tuple:
     return type(m).__name__, shape, layout, bias, getattr(m, "kernel", None), torch.get_num_threads()
 
 
-_FLOORS: dict[tuple, int | None] = {}
+_FLOORS: dict[tuple, tuple[int, int]] = {}
 
 
-def linear_floor(m: nn.Module) -> int | None:
-    """`probe_floor` of a linear module's own forward, once per kernel key (every layer of a model
+def linear_rows(m: nn.Module) -> tuple[int, int]:
+    """`probe_rows` of a linear module's own forward, once per kernel key (every layer of a model
     shares a few shapes)."""
     key = _kernel_key(m)
     if key not in _FLOORS:
         p = next(iter(m.buffers()), None) if not isinstance(m, nn.Linear) else m.weight
         dtype = torch.float32 if p is None or not p.is_floating_point() else p.dtype
-        _FLOORS[key] = probe_floor(m, m.in_features, dtype, p.device if p is not None else "cpu")
+        _FLOORS[key] = probe_rows(m, m.in_features, dtype, p.device if p is not None else "cpu")
     return _FLOORS[key]
 
 
@@ -114,23 +122,23 @@ def linear_floor(m: nn.Module) -> int | None:
 def make_row_invariant_(module: nn.Module, skip: tuple[nn.Module, ...] = ()) -> Invariance:
     """Give every linear inside `module` (but those in `skip`) row-count-invariant results where a
     floor does it: an nn.Linear becomes a RowPaddedLinear with its probed floor; a packed linear
-    keeps its own padding (its `row_invariant` probe) unless it holds the mixed layout's one-row
-    copy; any other linear (int8 rows) is probed and reported if not invariant. Call once the
-    layout and the rank's threads are set."""
+    (its own padding) or int8 rows are probed and reported where they would need one, as is the
+    mixed layout's. Call once the layout and the rank's threads are set."""
     out = Invariance()
     for name, m in module.named_modules():
         if any(m is s for s in skip):
             continue
-        if isinstance(m, PackedLinear):
-            if m.dense is not None or not m.row_invariant:
-                out.variant.append(name)
+        if isinstance(m, PackedLinear) and m.dense is not None:
+            out.variant.append(name)  # mixed: one row through the column-major copy, several packed
             continue
         if not hasattr(m, "in_features") or not hasattr(m, "out_features") or isinstance(m, RowPaddedLinear):
             continue
-        floor = linear_floor(m)
-        if floor is None or (floor > 1 and type(m) is not nn.Linear):
-            out.variant.append(name)  # no floor, or a kernel this module cannot pad
-        elif floor > 1:
+        floor, ceiling = linear_rows(m)
+        if floor > 1 and type(m) is not nn.Linear:
+            out.variant.append(name)  # a kernel this module cannot pad (packed pads to 4 itself)
+            continue
+        out.add(name, (floor, ceiling))
+        if floor > 1:
             m.__class__ = RowPaddedLinear
             m.row_floor = floor
             out.padded += 1
