@@ -200,7 +200,9 @@ def test_chat_fields_the_engine_cannot_honour_are_a_400_naming_them(tiny, kwargs
 
 def test_lower_priority_is_served_first_as_vllm_orders_it(tiny):
     """A long request holds the pipeline; `priority` 5 queues, then `priority` -5: when the pipeline
-    frees, -5 goes first although it arrived second."""
+    frees, -5 goes first although it arrived second. The order served is read from the server's
+    request log lines (one per request, written as it ends), not from when the client threads
+    return, which a loaded machine may reorder."""
     c, done, first_token, release = client(tiny), [], threading.Event(), threading.Event()
 
     def hold() -> None:
@@ -213,13 +215,15 @@ def test_lower_priority_is_served_first_as_vllm_orders_it(tiny):
                     return  # the client goes away: the request ends at its next token
 
     def ask(name: str, priority: int) -> None:
-        c.completions.create(model=TINY, prompt=[7, 8], max_tokens=1, extra_body={"priority": priority})
+        c.completions.create(model=TINY, prompt=[7, 8], max_tokens=1, extra_body={"priority": priority},
+                             extra_headers={"X-Request-Id": name})
         done.append(name)
 
     holder = threading.Thread(target=hold, daemon=True)
     holder.start()
     assert first_token.wait(60)
-    late, early = threading.Thread(target=ask, args=("5", 5)), threading.Thread(target=ask, args=("-5", -5))
+    names = {5: f"late-{time.monotonic_ns()}", -5: f"early-{time.monotonic_ns()}"}
+    late, early = (threading.Thread(target=ask, args=(names[p], p)) for p in (5, -5))
     base = waiting(tiny)
     late.start()
     wait_until(lambda: waiting(tiny) >= base + 1)
@@ -228,7 +232,11 @@ def test_lower_priority_is_served_first_as_vllm_orders_it(tiny):
     release.set()
     for t in (holder, late, early):
         t.join(60)
-    assert done == ["-5", "5"]
+    assert sorted(done) == sorted(names.values())
+    wait_until(lambda: all(f"request {n} " in tiny.stderr() for n in names.values()))
+    served = [line.split("request ", 1)[1].split(" ", 1)[0] for line in tiny.stderr().splitlines()
+              if any(f"request {n} " in line for n in names.values())]
+    assert served == [names[-5], names[5]]
 
 
 # ---- the real model (a tokenizer and a chat template) ----
