@@ -514,3 +514,35 @@ def test_chat_logprobs_at_a_temperature_are_a_400_naming_logprobs(smol):
         client(smol).chat.completions.create(model=SMOL, messages=CHAT, max_tokens=2, temperature=0.7,
                                              logprobs=True)
     assert info.value.param == "logprobs", info.value.message
+
+
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_n_beyond_what_the_server_holds_is_a_400_naming_n_and_n_within_is_served(max_batch):
+    """In process: a server holding --max-queue 1 + --max-batch requests serves n up to that many
+    choices (indexed, their tokens summed in usage) and refuses more with a 400 naming n."""
+    import contextlib
+
+    from fastapi.testclient import TestClient
+
+    from spd_engine.server.app import build_app
+    from spd_engine.server.engine_loop import EngineLoop
+    from spd_engine.server.exporter import ServeMetrics
+    from spd_engine.server.request import ModelInfo
+
+    info = ModelInfo(name="m", tok=None, tok_dir=None, vocab_size=100, capacity=32, eos_ids=())
+    engine = EngineLoop(lambda: contextlib.nullcontext(OneTokenRuntime()), 1, eos_ids=(), max_batch=max_batch)
+    engine.start(timeout=10)
+    try:
+        http = TestClient(build_app(engine, info, ServeMetrics(2, engine.waiting, engine.running, "m"), 30.0),
+                          base_url="http://127.0.0.1")
+        held = 1 + max_batch
+        r = http.post("/v1/completions", json={"prompt": [5], "max_tokens": 1, "n": held + 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        r = http.post("/v1/completions", json={"prompt": [5], "max_tokens": 1, "n": held})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [(c["index"], c["text"]) for c in body["choices"]] == [(i, "7 ") for i in range(held)]
+        assert body["usage"] == {"prompt_tokens": 1, "completion_tokens": held, "total_tokens": 1 + held}
+        assert engine.open_jobs() == 0
+    finally:
+        assert engine.stop(timeout=30)
