@@ -10,7 +10,8 @@ free and its arrival tick has come: its prompt goes through the same stages in P
 one chunk per tick, between the BATCH messages, so a newcomer's prefill never stalls the others
 for more than a chunk; it decodes from the tick after its first token is known, and leaves at its
 end, freeing the slot. The stages report in the order the driver sent; reports are read in that
-order and each row lands in its request's ring (stale rows are dropped by (serial, epoch)).
+order and each row lands in its request's ring (stale rows are dropped by (serial, epoch);
+engine/runtime/batch_links.py).
 
 Who enters stage 0 each tick is engine/protocol/batch_policy.py's `plan_rows` over the live
 requests (`max_rows` decode rows per stage step, latency-critical requests first): a request with
@@ -45,6 +46,7 @@ from spd_engine.engine.protocol.messages import META_FIELDS, Header, Kind
 from spd_engine.engine.protocol.metrics import GenerationResult
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.protocol.tick import Entry, TickPlan
+from spd_engine.engine.runtime.batch_links import BatchLinks, Payloads
 from spd_engine.engine.runtime.branch_chains import BranchChains
 from spd_engine.engine.runtime.drafter import Drafter
 from spd_engine.engine.runtime.driver_buffers import DriverBuffers
@@ -53,9 +55,7 @@ from spd_engine.engine.runtime.request_state import DraftPolicy, OnToken, Reques
 from spd_engine.engine.runtime.stage_worker import receive_stats
 from spd_engine.engine.runtime.verifier import Verifier
 
-_SLOT, _SERIAL, _EPOCH, _POS, _TOKEN, _REPLY, _CHAIN = (META_FIELDS.index(f) for f in
-                                                        ("slot", "serial", "epoch", "position", "token", "reply",
-                                                         "chain"))
+_EPOCH, _POS, _TOKEN, _REPLY, _CHAIN = (META_FIELDS.index(f) for f in ("epoch", "position", "token", "reply", "chain"))
 
 
 @dataclass
@@ -168,6 +168,36 @@ class _Live:
         prompt_left = sum(count for _, count in self.chunks[self.sent_chunks:])
         return RequestView(self.serial, self.serial, r.latency, r.priority, fill, width, prompt_left, self.decoding)
 
+    def current(self, serial: int, epoch: int | None = None) -> bool:
+        """Whether a report's row of (serial, epoch) is this request's live one (epoch None: any of
+        its epochs, a prompt chunk's); else it is stale: flushed, or of an earlier request."""
+        return serial == self.serial and epoch in (None, self.req.epoch)
+
+    def take_row(self, s: int, row: list[int], r: int, payloads: Payloads, anchors: slice | None) -> None:
+        """Row r of stage s's BATCH report, table row `row`: its anchors [m_s, H] into the rings
+        (chain c's to rings[c], ring 0 being rings[0], the survivor's to ring 0 too), its exit [H]
+        and the last stage's argmax into every chain's exit row (verification reads the
+        representative's, Entry.row)."""
+        pos, chain = row[_POS], row[_CHAIN]
+        ring = self.buf.slot(pos)
+        if anchors is not None:
+            self.buf.rings[chain, ring, anchors] = payloads["anchors"][r]
+            if chain and chain == self.row_of(pos):  # its branch point resolved before this arrived
+                self.buf.ring[ring, anchors] = payloads["anchors"][r]
+        if "exit" in payloads:
+            self.exits[self.exit_row(pos, chain)] = payloads["exit"][r]
+            self.replies[self.exit_row(pos, chain)] = row[_REPLY]
+        self.got[s] = (row[_EPOCH], pos)
+
+    def take_chunk(self, s: int, start: int, payloads: Payloads, anchors: slice | None) -> None:
+        """Stage s's report of its prompt chunk at `start`: the anchors [count, m_s, H], the last
+        stage's exit of the chunk's last row [H]."""
+        if anchors is not None:
+            self.chunk_anchors[start][:, anchors] = payloads["anchors"]
+        if "exit" in payloads:
+            self.prefill_exit = payloads["exit"][-1].clone()
+        self.chunk_reports[start].add(s)
+
     def arrived(self, s: int, pos: int) -> bool:
         epoch, got = self.got[s]
         return epoch == self.req.epoch and got >= pos
@@ -221,52 +251,17 @@ class BatchDriver:
     def __init__(self, driver) -> None:
         self.driver = driver
         self.n, self.t, self.timeout = driver.n, driver.t, driver.timeout
-        self.reporting = [s for s in range(self.n) if driver.wire.reports_to_driver(s)]
+        self.links = BatchLinks(driver.t, driver.stage_rank, driver.wire, driver.buf.stage_anchors, driver.timeout,
+                                driver.device, driver.dtype)  # the stages' reports, read in order
         self.serial = 0  # requests taken so far, over every run
         self.parts: dict[int, _SlotParts] = {}  # request slot -> its buffers, kept over runs
         self.lifetime = StageCounts(self.n)  # over every run (a server's /metrics)
-
-    # ---- receiving: every reporting stage's messages, in the order they were sent ----
-    def _pump(self, s: int) -> None:
-        """Read stage s's next report and put each of its rows where it belongs."""
-        d = self.driver
-        rank = d.stage_rank[s]
-        hdr = self.t.recv_header(rank, self.timeout, self.tick)
-        self.consumed[s] += 1
-        payloads = {p.name: self.t.recv_into(rank, self._buffer(p), self.timeout, self.tick)
-                    for p in d.wire.to_driver(s, hdr)}
-        if hdr.kind == Kind.PREFILL:
-            self._prefill_report(s, hdr, payloads)
-            return
-        assert hdr.kind == Kind.BATCH, f"stage {s} sent {hdr} in a run of several requests"
-        a = d.buf.stage_anchors[s]
-        anchors = slice(a[0], a[-1] + 1) if a else None
-        for r, row in enumerate(payloads["meta"].tolist()):
-            live = self.slots[row[_SLOT]]
-            if live is None or live.serial != row[_SERIAL] or live.req.epoch != row[_EPOCH]:
-                continue  # stale: flushed, or its request has finished
-            pos, chain = row[_POS], row[_CHAIN]
-            ring = live.buf.slot(pos)
-            if anchors is not None:  # chain c's to rings[c] (ring 0 is rings[0]), the survivor's to ring 0 too
-                live.buf.rings[chain, ring, anchors] = payloads["anchors"][r]
-                if chain and chain == live.row_of(pos):  # its branch point resolved before this arrived
-                    live.buf.ring[ring, anchors] = payloads["anchors"][r]
-            if "exit" in payloads:  # every chain's: verification reads the representative's (Entry.row)
-                live.exits[live.exit_row(pos, chain)] = payloads["exit"][r]
-                live.replies[live.exit_row(pos, chain)] = row[_REPLY]
-            live.got[s] = (row[_EPOCH], pos)
-
-    def _buffer(self, p) -> torch.Tensor:
-        d = self.driver
-        if p.kind == "act":
-            return torch.empty(p.shape, device=d.device, dtype=d.dtype)
-        return torch.empty(p.shape, dtype=torch.int64 if p.kind == "int64" else torch.float64)
 
     def _need(self, s: int, live: _Live, pos: int) -> None:
         """Read stage s's reports until the one carrying `live`'s token at `pos` has arrived."""
         t0 = time.perf_counter()
         while not live.arrived(s, pos):
-            self._pump(s)
+            self.links.pump(s, self.tick)
         live.req.account("wait", t0)
 
     # ---- prefill: one chunk per tick, between the BATCH messages ----
@@ -281,29 +276,18 @@ class BatchDriver:
         self._send(Header(Kind.PREFILL, start, live.serial, length=count, slot=live.slot),
                    [live.ids[start:start + count]])
 
-    def _prefill_report(self, s: int, hdr: Header, payloads: dict) -> None:
-        live = self.slots[hdr.slot]
-        if live is None or live.serial != hdr.epoch:
-            return
-        a = self.driver.buf.stage_anchors[s]
-        if a:
-            live.chunk_anchors[hdr.position][:, a[0]:a[-1] + 1] = payloads["anchors"]
-        if "exit" in payloads:
-            live.prefill_exit = payloads["exit"][-1].clone()
-        live.chunk_reports[hdr.position].add(s)
-
     def _advance_prefill(self, live: _Live, block: bool) -> None:
         """Put the chunks whose reports have all arrived into the PDM cache, in order; after the
         last, the request's first token. block: wait for the reports of the chunks sent."""
         d = self.driver
         while live.done_chunks < live.sent_chunks:
             start, count = live.chunks[live.done_chunks]
-            while len(live.chunk_reports[start]) < len(self.reporting):
-                missing = [s for s in self.reporting if s not in live.chunk_reports[start]]
-                ready = [s for s in missing if self.t.ready(d.stage_rank[s])]
+            while len(live.chunk_reports[start]) < len(self.links.reporting):
+                missing = [s for s in self.links.reporting if s not in live.chunk_reports[start]]
+                ready = [s for s in missing if self.links.ready(s)]
                 if not ready and not block:
                     return
-                self._pump(ready[0] if ready else missing[0])
+                self.links.pump(ready[0] if ready else missing[0], self.tick)
             rows = d.pdm.rows_of_type(live.chunk_anchors.pop(start), d.buf.full_type)  # [count, H]
             d.pdm.forward_rows(rows[None], live.pdm_cache, start)
             live.done_chunks += 1
@@ -511,7 +495,8 @@ class BatchDriver:
         self.slots: list[_Live | None] = [None] * self.max_batch
         self.done: dict[int, _Live] = {}
         self.t_ready: dict[int, float] = {}  # request index -> when its arrival tick came
-        self.tick, self.sent, self.consumed = 0, 0, [0] * self.n
+        self.tick, self.sent = 0, 0
+        self.links.begin(self.slots)
         self.rows: list[int] = []
         self.held: list[int] = []
         self.unsealed: deque[tuple[int, list[tuple[_Live, int]]]] = deque()  # (tick sent, its rows)
@@ -536,7 +521,5 @@ class BatchDriver:
         """END down the pipe, the reports still on their way, every stage's statistics."""
         d = self.driver
         d.stage0.send(Header(Kind.END, 0, 0))
-        for s in self.reporting:
-            while self.consumed[s] < self.sent:
-                self._pump(s)
+        self.links.drain(self.sent, self.tick)
         return [receive_stats(self.t, d.topo.stage_rank(s), self.timeout) for s in range(self.n)]
