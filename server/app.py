@@ -32,8 +32,8 @@ from starlette.requests import ClientDisconnect
 
 from spd_engine.server.engine_loop import EngineLoop
 from spd_engine.server.job import Job
-from spd_engine.server.http_guards import (DEFAULT_MAX_REQUEST_BYTES, check_api_key, check_host, check_json_type,
-                                           parse_json, read_body, request_id)
+from spd_engine.server.http_guards import (DEFAULT_MAX_REQUEST_BYTES, ClientAddress, check_api_key, check_host,
+                                           check_json_type, parse_json, read_body, request_id)
 from spd_engine.server.request_log import request_line
 from spd_engine.server.exporter import CONTENT_TYPE, ServeMetrics
 from spd_engine.server.openai_api import ApiError, bad, parse_request
@@ -114,6 +114,7 @@ def build_app(engine: EngineLoop, info: ModelInfo, metrics: ServeMetrics, reques
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               allowed_hosts: frozenset[str] = frozenset()) -> FastAPI:
     app = FastAPI(title="spd serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(ClientAddress)  # the address that bounds a client's share of the tokenizer
     created = int(time.time())
 
     @app.exception_handler(ApiError)

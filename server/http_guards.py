@@ -1,5 +1,6 @@
 """HTTP-level guards of `spd serve`, before a body is parsed: the request id, the API key, the
-Host header, the content type and the body size limit.
+Host header, the content type and the body size limit; and the client's address, which bounds its
+share of the tokenizer (server/tokenizing.py).
 
 - `X-Request-Id`: a client's id (1-128 visible ASCII characters) is used and echoed; otherwise the
   server makes one. It names the request in the log and comes back on every answer.
@@ -27,6 +28,7 @@ from fastapi import Request
 
 from spd_engine.server.limits import DEFAULT_MAX_REQUEST_BYTES  # noqa: F401 - the limit's home for app.py
 from spd_engine.server.openai_api import ApiError
+from spd_engine.server.tokenizing import CLIENT
 
 CLOSE = {"Connection": "close"}
 REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
@@ -107,3 +109,16 @@ def parse_json(raw: bytes):
         raise ApiError(400, f"the request body is not valid JSON: {err}") from None
     except RecursionError:
         raise ApiError(400, "the request body is not valid JSON for this server: nested too deeply") from None
+
+
+class ClientAddress:
+    """ASGI middleware: the client's address in tokenizing.CLIENT while its request is handled (the
+    handler runs in the task that sets it, so the value is the request's own)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            CLIENT.set((scope.get("client") or ("",))[0])
+        await self.app(scope, receive, send)

@@ -9,13 +9,19 @@ than capacity x that (x 2, for normalizers that drop characters) needs more toke
 a chat of more turns than the capacity too (every turn takes a token at least).
 
 The worker's work is bounded: at most MAX_PENDING encodes wait for it (one more gets a 503
-`tokenizer_busy` with Retry-After). A worker that died (out of memory, killed) is replaced before
-the next encode and whenever /health asks (`revive`), which reports the restarts; an encode that
-was running when it died gets a 500, since its prompt may be what killed it.
+`tokenizer_busy` with Retry-After), at most PER_CLIENT of them from one client address (one more
+gets a 429 `tokenizer_busy`), and the worker takes them in fair-queuing order by client and size
+(server/tokenizer_turns.py), so clients sending large prompts delay a small one by at most the
+encode that is running. The client is the request's address (`CLIENT`, set per request by
+http_guards.ClientAddress; behind a proxy on this host, uvicorn takes it from X-Forwarded-For).
+A worker that died (out of memory, killed) is replaced before the next encode and whenever
+/health asks (`revive`), which reports the restarts; an encode that was running when it died gets
+a 500, since its prompt may be what killed it.
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import ctypes
 import logging
 import multiprocessing
@@ -27,9 +33,13 @@ from pathlib import Path
 
 from spd_engine.engine.model.tokenizer import Tokenizer
 from spd_engine.server.openai_api import ApiError, ParsedRequest, bad
+from spd_engine.server.tokenizer_turns import TokenizerTurns
 
 SAFETY = 2  # text bytes per (longest token x capacity) refused outright
 MAX_PENDING = 16  # encodes submitted to the worker and not yet done
+PER_CLIENT = 2  # of those, from one client address
+TURN_CHARS = 16  # what a chat turn adds to its text's size in the fair queue (the template's markup)
+CLIENT: contextvars.ContextVar[str] = contextvars.ContextVar("spd_client", default="")  # the request's address
 LOG = logging.getLogger("spd.serve")
 _TOK: Tokenizer | None = None  # the worker process's tokenizer
 
@@ -83,6 +93,7 @@ class PromptEncoder:
         self._pool: ProcessPoolExecutor | None = None
         self.pending = 0
         self.restarts = 0
+        self.turns = TokenizerTurns(PER_CLIENT)
 
     def start(self, wait: bool = True) -> None:
         """Start the worker (waiting for it before the server listens, so the first request does not)."""
@@ -140,23 +151,49 @@ class PromptEncoder:
         self.start(wait=False)
 
     async def encode(self, chat: bool, payload, special: tuple[bool, bool] | None = None) -> list[int]:
-        """Ids of a prompt or chat turns, in the worker (started: a model with a tokenizer)."""
+        """Ids of a prompt or chat turns, in the worker (started: a model with a tokenizer), when its turn
+        comes (server/tokenizer_turns.py)."""
         assert self._pool is not None, "encode needs the worker (a model with a tokenizer)"
         if self.pending >= MAX_PENDING:
             raise ApiError(503, f"the tokenizer is busy ({MAX_PENDING} prompts wait for it); retry shortly",
                            type="server_error", code="tokenizer_busy", headers={"Retry-After": "1"})
-        self.revive()
-        pool = self._pool
+        client = CLIENT.get()
+        self.turns.admit(client)  # 429 before anything waits
         self.pending += 1
         try:
-            ok, out = await asyncio.wrap_future(pool.submit(_encode, chat, payload, special))
-        except BrokenProcessPool:  # the worker died on this prompt (out of memory?): a fresh one for the next
-            if self._pool is pool:  # not replaced yet (by another request that waited on it)
-                self._restart()
-            raise ApiError(500, "the tokenizer process failed on this request", type="server_error",
-                           code="tokenizer_failed") from None
+            await self.turns.acquire(client, payload_size(payload))
+            ok, out = await self._run(client, chat, payload, special)
         finally:
             self.pending -= 1
         if not ok:
             raise bad("messages" if chat else "prompt", out)
         return out
+
+    async def _run(self, client: str, chat: bool, payload, special) -> tuple[bool, list[int] | str]:
+        """One encode in the worker, holding the turn of `client` until the worker is done with it (a
+        request that leaves meanwhile does not hand the busy worker to the next one)."""
+        submitted = False
+        try:
+            self.revive()
+            pool = self._pool
+            done = asyncio.wrap_future(pool.submit(_encode, chat, payload, special))
+            submitted = True
+        finally:
+            if not submitted:
+                self.turns.release(client)
+        # the turn passes on when the worker is done; the outcome read, so an abandoned one is not logged
+        done.add_done_callback(lambda fut: (fut.cancelled() or fut.exception(), self.turns.release(client)))
+        try:
+            return await asyncio.shield(done)
+        except BrokenProcessPool:  # the worker died on this prompt (out of memory?): a fresh one for the next
+            if self._pool is pool:  # not replaced yet (by another request that waited on it)
+                self._restart()
+            raise ApiError(500, "the tokenizer process failed on this request", type="server_error",
+                           code="tokenizer_failed") from None
+
+
+def payload_size(payload) -> int:
+    """What an encode costs, for the fair queue: the characters of a prompt, or of a chat's turns."""
+    if isinstance(payload, str):
+        return len(payload)
+    return sum(len(text) + len(role) + TURN_CHARS for role, text in payload)

@@ -13,6 +13,7 @@ half-sent requests against a server with an open-file limit of 1024; 300 half-se
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import re
 import socket
@@ -453,6 +454,79 @@ def test_huge_chats_are_refused_unencoded_and_a_dead_tokenizer_is_replaced(smoll
         assert server.close() == 0, server.stderr()[-3000:]
     finally:
         server.kill()
+
+
+def timed_post(url: str, body: bytes, source: str, timeout: float = 120) -> tuple[httpx.Response, float]:
+    """A JSON POST from the local address `source` (every 127.x.y.z reaches the server on Linux), and how
+    long it took."""
+    with httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=timeout) as client:
+        t0 = time.monotonic()
+        r = client.post(url, content=body, headers={"Content-Type": "application/json"})
+        return r, time.monotonic() - t0
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_four_clients_sending_large_chats_do_not_hold_up_a_small_one(smollm2_dir):
+    """Four clients, two threads each, send chats of 600 KB (under the size limit of a 4096-position
+    server: each costs the tokenizer its full encode before its 400), so eight encodes wait. A small
+    chat from a fifth client waits only for the encode that is running: its latency stays within its
+    own baseline plus four large encodes (as long as one takes under this load, measured meanwhile:
+    the running one, and the CPU the load takes from the small chat's own work), where first come,
+    first served made it wait for those queued ahead (5-11 s, six encodes and more, against 0.7-2.3 s
+    here, on a shared 2-core host). A client's third prompt waiting for the tokenizer is a 429."""
+    import statistics
+    import threading
+
+    def chat(text: str) -> bytes:
+        return json.dumps({"model": "smollm2-135m", "messages": [{"role": "user", "content": text}],
+                           "max_tokens": 1}).encode()
+
+    stop, statuses = threading.Event(), []
+    server = ServerProcess(["--model", "smollm2-135m", "--stages", "2", "--threads", "1", "--capacity", "4096"])
+    try:
+        url = f"{server.base_url}/chat/completions"
+        small, large = chat("Hi"), chat("a b " * 150_000)
+        assert timed_post(url, small, "127.0.0.10")[0].status_code == 200  # warm
+        small_base = statistics.median(timed_post(url, small, "127.0.0.10")[1] for _ in range(5))
+        runs = [timed_post(url, large, "127.0.0.20") for _ in range(3)]
+        r, large_base = runs[0][0], statistics.median(took for _, took in runs)
+        assert r.status_code == 400 and "tokens; the KV capacity" in r.json()["error"]["message"], r.text  # encoded
+
+        def attacker(source: str) -> None:
+            while not stop.is_set():
+                try:
+                    statuses.append((timed_post(url, large, source, timeout=60)[0].status_code, time.monotonic()))
+                except httpx.HTTPError:
+                    statuses.append((None, time.monotonic()))
+
+        threads = [threading.Thread(target=attacker, args=(f"127.0.0.{2 + c}",), daemon=True)
+                   for c in range(4) for _ in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0 + large_base)  # eight encodes wait
+        t_load = time.monotonic()
+        loaded = []
+        for _ in range(3):
+            r, took = timed_post(url, small, "127.0.0.10")
+            assert r.status_code == 200, r.text
+            loaded.append(took)
+            time.sleep(0.3)
+        encoded = sum(1 for status, at in statuses if status == 400 and at > t_load)
+        large_loaded = (time.monotonic() - t_load) / max(1, encoded)
+        third = [timed_post(url, small, "127.0.0.2")[0] for _ in range(5)]  # the attacker's own small chat
+        stop.set()
+        bound = small_base + 4 * large_loaded
+        print(f"small chat alone {small_base:.2f} s; one 600 KB chat alone {large_base:.2f} s, under load "
+              f"{large_loaded:.2f} s; small chat under load {', '.join(f'{x:.2f}' for x in loaded)} s (bound "
+              f"{bound:.2f} s); attackers' answers {sorted(collections.Counter(s for s, _ in statuses).items(), key=str)}")
+        assert max(loaded) <= bound, (loaded, bound)
+        busy = [r for r in third if r.status_code == 429]
+        assert busy and busy[0].json()["error"]["code"] == "tokenizer_busy", [r.text for r in third]
+        assert "this client already has 2 prompts waiting" in busy[0].json()["error"]["message"]
+    finally:
+        stop.set()
+        server.kill()  # the attackers' queued encodes need not be waited for
 
 
 def rss_mb(pid: int) -> float:
