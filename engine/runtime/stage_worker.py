@@ -32,6 +32,7 @@ import time
 import torch
 
 from spd_engine.engine.comm.transport import Transport
+from spd_engine.engine.model.graphs import StageStep
 from spd_engine.engine.model.model import StageModel
 from spd_engine.engine.model.tp_model import resident_bytes
 from spd_engine.engine.protocol.anchors import AnchorPlan
@@ -60,6 +61,9 @@ def wire_format(topo: Topology, plan: AnchorPlan | None, hidden: int, verify_on_
 
 
 class StageWorker:
+    """A stage rank's message loop: each TOKEN, PREFILL or BATCH message prepared (StageInput),
+    run (StageCompute, then StageHead) and emitted (StageEmit)."""
+
     def __init__(self, stage: int, topo: Topology, plan: AnchorPlan | None, model: StageModel, transport: Transport,
                  opts: RankOptions, tp_rank: int = 0) -> None:
         """plan None: a plain pipeline-parallel stage (no anchors). A last stage that holds the
@@ -102,7 +106,7 @@ class StageWorker:
         self.compute.prepare()
 
     @property
-    def static(self):
+    def static(self) -> StageStep | None:
         """The static one-token step (engine/model/graphs.py StageStep), None with eager steps."""
         return self.compute.static
 
