@@ -4,11 +4,13 @@ On a real server (the tiny random model) with short deadlines and small caps: a 
 body gets its 413 at once; half-sent heads and bodies are closed at their deadlines (408 for a
 body); a client leaving mid-upload is cancelled, not an error; past the connection cap a good
 request is still served; past the in-flight cap a request gets 503 with Retry-After; without a
-key a Host that names another site and a body that does not say it is JSON are refused. Then the
-flags and failures at start (non-finite floats, `--threads 0`, a startup timeout, the key from a
-file or the environment, the missing `serve` extra) and the pure rules. Slow cases: 1,100 idle
-half-sent requests against a server with an open-file limit of 1024; 300 half-sent 2 MB bodies;
-60,000 one-character chat turns and a killed tokenizer process (SmolLM2).
+key a Host that names another site and a body that does not say it is JSON are refused; a huge
+top_k is a 400 naming it. Then the flags and failures at start (non-finite floats, `--threads 0`,
+a startup timeout, the key from a file or the environment, the missing or broken `serve` extra,
+run in an interpreter that cannot find it) and the pure rules. Slow cases: 1,100 idle half-sent
+requests against a server with an open-file limit of 1024; 300 half-sent 2 MB bodies; 60,000
+one-character chat turns and a killed tokenizer process, and four clients sending large chats
+beside a small one (SmolLM2).
 """
 from __future__ import annotations
 
