@@ -96,7 +96,9 @@ def refuse_ignored(args: argparse.Namespace, dests: list[str], why: str) -> None
 def add_batch_arguments(g, what: str) -> None:
     """--max-batch and --max-rows (generate, serve): `what` says what joins the pipeline."""
     g.add_argument("--max-batch", type=int, default=1, metavar="B",
-                   help=f"SPD: up to B {what} in the pipeline at once (docs/design.md 3.12)")
+                   help=f"SPD: up to B {what} in the pipeline at once (docs/design.md 3.12); each gets the tokens "
+                        "it gets alone (batch-invariant, 3.16), but not with --weight-layout mixed, on CUDA-graph "
+                        "steps, or in steps of more rows than the kernels' probed ceiling (16 or 15 on CPUs measured)")
     g.add_argument("--max-rows", type=int, default=None, metavar="R",
                    help="with --max-batch: at most R decode rows per stage step (default B, every live request "
                         "every tick); a request whose pipeline holds no live token of it waits for a row")

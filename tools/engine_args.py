@@ -93,9 +93,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
     g.add_argument("--weight-layout", default=run_default("weight_layout"), choices=("auto", "row", "col", "packed", "mixed"),
                    help="fp32 linear weights in memory (the same values, another kernel): row- or column-major, "
                         "packed (oneDNN's blocked weight: up to ~6 rows for one's price, one step over every thread), "
-                        "mixed (packed, one row over a column-major copy); auto: on a CPU the layout `spd bench` measured "
-                        "fastest there for the rank's threads, else packed with 2+ threads per rank, mixed with one "
-                        "(col without oneDNN); row on a GPU")
+                        "mixed (packed, one row over a column-major copy; not batch-invariant: a request's rows round "
+                        "otherwise in a batch); auto: on a CPU the layout `spd bench` measured fastest there for the "
+                        "rank's threads (packed for mixed), else packed (col without oneDNN); row on a GPU")
     g.add_argument("--overlap-stage0", choices=("on", "off"), default="on" if run_default("overlap_stage0") else "off",
                    help="co-located (n >= 2): stage 0 steps on its own thread while the driver drafts and verifies")
     e = p.add_argument_group("eagle baseline (serial draft-then-verify on one rank)")
