@@ -6,21 +6,23 @@ column-major fp32 weight with a matrix-vector kernel and two or more with a matr
 and the two sum in another order, so a request's row rounds differently alone than beside
 another's, a different draft comes out and, at T > 0, rejection sampling takes another path. On
 the hosts measured a row's bits are the same for every row count from a small floor on (2 for
-most of SmolLM2's weights, up to 4 for a square weight with two threads), and zero rows added to
-a step leave the other rows' bits alone. So a linear whose kernel is not row-invariant gets its
-steps of fewer rows than its floor padded with zero rows (`RowPaddedLinear`): every row count
+SmolLM2's row- and column-major weights, 4 for its row-major attention ones with two threads) up to a
+ceiling (MKL's row-major product takes a third kernel from 16 rows on), and zero rows added to a
+step leave the other rows' bits alone. So a linear whose kernel needs it gets its steps of fewer
+rows than its floor padded with zero rows (`RowPaddedLinear`): every row count up to the ceiling
 then computes each row as the floor's block does.
 
-Which linears need it, and their floors, is not assumed: `probe_rows` runs the module itself on
-1 .. PROBE_ROWS random rows at start-up, where the rank's weights, layout and intra-op threads
-are in place, and takes the smallest floor from which every row count, padded, gives each row
-the bits of the PROBE_ROWS-row step. A kernel without such a floor (none up to MAX_FLOOR
-makes it agree, as a GPU BLAS may choose other tiles for other row counts) is left as it is and
-reported (`Invariance.variant`): batch invariance does not hold there. Steps of more than
-PROBE_ROWS rows are not probed. oneDNN's packed layout is row-invariant by its own probe
-(kernels/packed_linear.py) and int8 rows were on the hosts measured; the mixed layout is not
-(one row takes its column-major copy, several the packed weight), and the LM head keeps one row
-per product instead (StageModel.logits_rows).
+Which linears need it, their floors and ceilings, is not assumed: `probe_rows` runs the module
+itself on 1 .. PROBE_ROWS random rows when the model is built, where the rank's weights, layout
+and intra-op threads are in place (a rank sets its threads first; a model run under another
+thread count keeps the floors of the one it was built under), and takes the floor (up to
+MAX_FLOOR) under which the most row counts agree. The model keeps the least ceiling
+(`Invariance.max_rows`): a step of more rows may round a row otherwise, as may a GPU BLAS, which
+tiles other row counts otherwise (there the probe finds the ceiling). oneDNN's packed layout
+pads to 4 itself and int8 rows needed no floor on the hosts measured (both are probed, and named
+in `Invariance.variant` where they would need one); the mixed layout is not invariant (one row
+takes its column-major copy, several the packed weight); the LM head keeps one row per product
+instead (StageModel.logits_rows).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from spd_engine.kernels.packed_linear import PackedLinear
 
 PROBE_ROWS = 16  # a batch of 8 requests at branch width 2, or 16 one-row entries
 MAX_FLOOR = 4  # a larger floor would cost a lone request's one-row steps several rows each
+RowFn = Callable[[torch.Tensor], torch.Tensor]  # rows [M, K] -> [M, N]
 
 
 def pad_rows(x2: torch.Tensor, floor: int) -> torch.Tensor:
