@@ -122,3 +122,25 @@ def test_mixed_layout_is_reported_not_batch_invariant(one_thread):
     ecfg = tiny_engine_config("llama", weight_layout="mixed")
     model = build_stage_model(ecfg, range(ecfg.cfg.num_layers), embedding=True, head=True)
     assert not model.row_invariance.invariant and "decoder.layers.0.mlp.linear_fc1" in model.row_invariance.variant
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@torch.no_grad()
+def test_a_multi_token_entry_is_the_same_alone_and_beside_another_request(layout, one_thread):
+    """A suffix run's entry (several rows of one request, causal among themselves) in a step with
+    another request's row: its rows' bits are the lone step's."""
+    ecfg = tiny_engine_config("llama", weight_layout=layout)
+    model = build_stage_model(ecfg, range(ecfg.cfg.num_layers), embedding=True, head=True)
+    run, other = [13, 21, 8], [17]
+
+    def fresh():
+        caches = [model.new_cache(1, 32) for _ in PROMPTS[:2]]
+        for cache, ids in zip(caches, PROMPTS):
+            model.forward_layers(model.embed(torch.tensor([ids])), cache, 0)
+        return caches
+
+    alone, _ = model.forward_layers(model.embed(torch.tensor([run])), fresh()[0], len(PROMPTS[0]))
+    starts = [len(PROMPTS[0]), len(PROMPTS[1])]
+    spans = RowCaches(fresh(), starts, [len(run), 1])
+    both, _ = model.forward_layers(model.embed(torch.tensor([run + other])), spans, 0, positions=spans.positions())
+    assert torch.equal(both[0, :len(run)], alone[0])
