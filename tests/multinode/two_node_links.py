@@ -32,10 +32,15 @@ LINKS = (("veth as it is", None, 0.0), ("400 Mbit/s + 50 us", "400mbit", 50.0),
 # row -> (ranks on node 0, ranks on node 1), its flags; torchrun places ranks 0.. on node 0
 ROWS = {
     "pp": ((2, 2), ["--mode", "pp", "--stages", "4"]),
-    "tp": ((2, 1), ["--mode", "tp", "--stages", "1", "--tp", "3"]),  # SmolLM2's 3 KV heads: T = 3
+    "tp": ((2, 1), ["--mode", "tp", "--stages", "1", "--tp", "3"]),  # SmolLM2's 3 KV heads: T = 3 (--tp)
     "spd-colocate": ((2, 2), ["--stages", "4", "--colocate"]),
     "spd": ((3, 2), ["--stages", "4"]),  # the driver on rank 0 of its own
 }
+
+
+def set_tp(tp: int) -> None:
+    """The tp row over `tp` ranks, the first half (rounded up) on node 0."""
+    ROWS["tp"] = (((tp + 1) // 2, tp // 2), ["--mode", "tp", "--stages", "1", "--tp", str(tp)])
 
 
 def _env() -> dict[str, str]:
@@ -99,16 +104,18 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--prompt", default="The history of the printing press begins")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--configs", default="pp,tp,spd-colocate,spd")
+    p.add_argument("--tp", type=int, default=3, help="the tp row's ranks (must divide the model's KV heads)")
     p.add_argument("--repeats", type=int, default=2, help="runs of every row per link setting")
     p.add_argument("--links", default="0,1,2", help=f"which of the link settings, by index: {LINKS}")
     p.add_argument("--out", default="runs/two-node-links.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    set_tp(args.tp)
     why = namespaces_unusable()
     if why:
         print(f"two_node_links: {why}", file=sys.stderr)
