@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_INDEX_URL ?=
 TORCH_PIP_ARGS := $(if $(strip $(TORCH_INDEX_URL)),--index-url $(strip $(TORCH_INDEX_URL)))
 
-.PHONY: install demo test test-fast test-slow flake-check stress-train clean gpu-check gpu-check-dry gpu-window gpu-window-dry \
+.PHONY: install demo test test-fast test-slow lint flake-check stress-train clean gpu-check gpu-check-dry gpu-window gpu-window-dry \
 	gpu-window-stage gpu-window-corpus
 
 install: $(STAMP)
@@ -43,6 +43,10 @@ test-fast: install
 
 test-slow: install
 	$(BIN)/pytest -q -m slow
+
+# the linter (pyproject.toml [tool.ruff]): imports sorted, no unused or undefined names, lines <= 130
+lint: install
+	$(BIN)/ruff check .
 
 # the flake detector (docs/testing.md): the default run RUNS times (without -x), NEIGHBOUR busy
 # processes beside each, and every test that failed in any run; FLAKE_OUT holds the reports

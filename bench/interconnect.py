@@ -38,8 +38,19 @@ import torch.distributed as dist
 from spd_engine.bench.stats import bandwidth_gbps, summarize_us
 from spd_engine.bench.tick_replay import ReplayConfig, run_scenarios
 from spd_engine.bench.transport_p2p import transport_bench
-from spd_engine.engine.comm.dist import (LocalRanks, PeerError, RankContext, RunFailed, check_gpus, fail_rank, finish_group,
-                                    join_group, local_init_method, resolve_backend, torchrun_rank)
+from spd_engine.engine.comm.dist import (
+    LocalRanks,
+    PeerError,
+    RankContext,
+    RunFailed,
+    check_gpus,
+    fail_rank,
+    finish_group,
+    join_group,
+    local_init_method,
+    resolve_backend,
+    torchrun_rank,
+)
 from spd_engine.engine.comm.tp_group import DistTPGroup
 from spd_engine.engine.comm.transport import directional_groups
 

@@ -102,7 +102,8 @@ def format_report(report: dict) -> str:
 
 
 CSV_FIELDS = ["kind", "src", "dst", "ranks", "senders", "bytes", "iters", "min_us", "p50_us", "p90_us",
-              "p99_us", "max_us", "mean_us", "std_us", "jitter_us", "bw_GBps", "algbw_GBps", "busbw_GBps", "post_us", "post_mean_us", "stream_us",
+              "p99_us", "max_us", "mean_us", "std_us", "jitter_us", "bw_GBps", "algbw_GBps", "busbw_GBps", "post_us",
+              "post_mean_us", "stream_us",
               "idle_p50_us", "idle_mean_us", "idle_p99_us", "idle_post_mean_us", "late_p50_us", "late_mean_us"]
 
 

@@ -20,14 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
-from spd_engine.engine.protocol.anchors import AnchorPlan
-from spd_engine.engine.model.model_config import ModelConfig
-from spd_engine.engine.runtime.run_config import DTYPES, RunConfig
-from spd_engine.engine.model.graphs import StageStep, PDMStep, VerifyStep
+from spd_engine.engine.model.graphs import PDMStep, StageStep, VerifyStep
 from spd_engine.engine.model.model import StageModel
+from spd_engine.engine.model.model_config import ModelConfig
 from spd_engine.engine.model.pdm import PDM, PDMConfig
-from spd_engine.engine.protocol.topology import default_stage_layers, stage_bounds
 from spd_engine.engine.model.tp_shard import shard_config
+from spd_engine.engine.protocol.anchors import AnchorPlan
+from spd_engine.engine.protocol.topology import default_stage_layers, stage_bounds
+from spd_engine.engine.runtime.run_config import DTYPES, RunConfig
 
 SCHEMA = "spd-profile/1"
 Log = Callable[[str], None]

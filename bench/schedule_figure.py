@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from html import escape
 
-from spd_engine.engine.protocol.schedule import (CORRECTION, DRAFT, FIRST, STALE, TickRecord, Token, position_label,
-                                                 simulate)
+from spd_engine.engine.protocol.schedule import CORRECTION, DRAFT, FIRST, STALE, TickRecord, Token, position_label, simulate
 
 CELL_W, CELL_H, PAD = 78, 30, 10
 COLOURS = {FIRST: "#9ecae1", DRAFT: "#c7e9c0", CORRECTION: "#fdd0a2", STALE: "#e0e0e0"}

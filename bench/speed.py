@@ -26,9 +26,9 @@ from spd_engine.bench.hf_peer import HFPeer
 from spd_engine.bench.profiling import residual_per_tick_ms
 from spd_engine.bench.speedups import add_speedups
 from spd_engine.costmodel.cost_partitions import rebalanced_split
-from spd_engine.engine.runtime.run_config import Mode, RunConfig
-from spd_engine.engine.runtime.launch import launch
 from spd_engine.engine.protocol.metrics import GenerationResult
+from spd_engine.engine.runtime.launch import launch
+from spd_engine.engine.runtime.run_config import Mode, RunConfig
 
 Progress = Callable[[str], None]
 

@@ -19,8 +19,8 @@ import torch
 from spd_engine.engine.model.linear import LAYOUTS, set_weight_layout_
 from spd_engine.engine.model.model import StageModel, init_random_
 from spd_engine.engine.model.model_config import ModelConfig
-from spd_engine.kernels.packed_linear import packed_kernel_available
 from spd_engine.engine.runtime.run_config import PRESETS
+from spd_engine.kernels.packed_linear import packed_kernel_available
 
 
 def tree_mask(prefix: int, width: int) -> torch.Tensor:

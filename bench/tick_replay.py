@@ -30,11 +30,11 @@ import torch
 
 from spd_engine.costmodel.cost_inputs import message_bytes
 from spd_engine.engine.comm.dist import PeerError, RankContext
+from spd_engine.engine.comm.transport import DistTransport, TransportError
 from spd_engine.engine.protocol.messages import Header, Kind, Payload, WireFormat, link_frames
 from spd_engine.engine.protocol.schedule import decode_ticks, eal, expected_eal
 from spd_engine.engine.protocol.tick import Draft, TickPlan, TickState, Verdict
 from spd_engine.engine.protocol.topology import Topology
-from spd_engine.engine.comm.transport import DistTransport, TransportError
 from spd_engine.engine.runtime.stage_links import StageLinks
 
 _DRAFT, _CORRECTION = 1, 2  # token ids that stand for a draft and a correction

@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from spd_engine.engine.runtime.run_config import RunConfig
 from spd_engine.engine.comm.tp_group import DistTPGroup, TPGroup
+from spd_engine.engine.runtime.run_config import RunConfig
 
 
 class _ComputeOnly(TPGroup):

@@ -21,9 +21,9 @@ import time
 import torch
 
 from spd_engine.bench.stats import summarize_us
-from spd_engine.engine.protocol.messages import Header, Kind
 from spd_engine.engine.comm.shm_transport import ShmTransport, shm_usable
 from spd_engine.engine.comm.transport import DistTransport, Transport, with_link_delay
+from spd_engine.engine.protocol.messages import Header, Kind
 
 TRANSPORT_KINDS = ("gloo", "shm")
 

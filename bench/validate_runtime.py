@@ -22,13 +22,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from statistics import median
 
+from spd_engine.bench.profiling import profile_from_bench
+from spd_engine.bench.speed import BenchCase, bench
 from spd_engine.costmodel.cost_inputs import AlphaCurve, LinkModel, Profile, message_bytes
 from spd_engine.costmodel.cost_model import Links, plan
 from spd_engine.costmodel.cost_model_spd import eal_for_request
-from spd_engine.bench.profiling import profile_from_bench
-from spd_engine.bench.speed import BenchCase, bench
-from spd_engine.engine.runtime.run_config import VERIFY_AT, RunConfig
 from spd_engine.engine.protocol.messages import HEADER_LEN
+from spd_engine.engine.runtime.run_config import VERIFY_AT, RunConfig
 
 CONFIGS = ("ar", "pp", "spd-colocate", "spd")
 TP_CONFIG = "tp"  # --mode tp over ValidationSettings.tp ranks (optional)

@@ -56,7 +56,8 @@ def args_of_config(cfg: ModelConfig) -> dict | None:
         return None
     if cfg.activation == "gelu_tanh" and not cfg.linear_bias:
         return None  # Megatron-LM's tanh GeLU is its bias fusion, which needs biases
-    return {**ARG_DEFAULTS, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "ffn_hidden_size": cfg.intermediate_size,
+    return {**ARG_DEFAULTS, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+            "ffn_hidden_size": cfg.intermediate_size,
             "num_attention_heads": cfg.num_heads, "group_query_attention": True, "num_query_groups": cfg.num_kv_heads,
             "kv_channels": cfg.head_dim, "normalization": "LayerNorm" if cfg.norm == "layernorm" else "RMSNorm",
             "norm_epsilon": cfg.rms_eps, "swiglu": cfg.gated, "apply_layernorm_1p": cfg.norm_1p,

@@ -23,8 +23,8 @@ import torch
 
 from spd_engine.checkpoint_tools import hf, key_maps, megatron_dcp, megatron_reference, shard
 from spd_engine.engine.model import checkpoint as ckpt
-from spd_engine.engine.model.model_config import ModelConfig
 from spd_engine.engine.model.model import StageModel
+from spd_engine.engine.model.model_config import ModelConfig
 
 
 def detect_kind(path: str | Path) -> str:

@@ -12,8 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spd_engine.costmodel.cost_alternatives import (ar_token_ms, pp_token_ms, tp_reduce_ms, tp_shard_layer_ms, tp_token_ms,
-                                                vocab_parallel_head_ms)
+from spd_engine.costmodel.cost_alternatives import (
+    ar_token_ms,
+    pp_token_ms,
+    tp_reduce_ms,
+    tp_shard_layer_ms,
+    tp_token_ms,
+    vocab_parallel_head_ms,
+)
 from spd_engine.costmodel.cost_inputs import AlphaCurve, LinkModel, Profile, note
 from spd_engine.costmodel.cost_model_spd import build_spd_case, predict_spd, verifies_on_last
 from spd_engine.costmodel.cost_partitions import balanced_partition, stage_times

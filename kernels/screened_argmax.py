@@ -12,7 +12,8 @@ approximate logit a_v is within
 
 of the fp32 logit: s_v ||h||_1 / 2 from the int8 rounding of W, 2^-8 * 127 s_v ||h||_1 from the
 bf16 rounding of h, the fp32 accumulation over H terms (below the 5% slack up to H of about 2900;
-`slack_coefficient` grows it beyond), and 2^-8 |a| from the bf16 result. So the fp32 argmax lies among the rows whose upper bound a_v + e_v reaches the largest
+`slack_coefficient` grows it beyond), and 2^-8 |a| from the bf16 result. So the fp32 argmax lies among the
+rows whose upper bound a_v + e_v reaches the largest
 lower bound max_u (a_u - e_u); those rows (a few dozen on real text) are recomputed in fp32 from W.
 The subset's product may sum in another order than the full one, so the winner is taken only when
 its margin over every other candidate exceeds twice the fp32 error bound of an H-term dot product

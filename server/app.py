@@ -31,13 +31,21 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from spd_engine.server.engine_loop import EngineLoop
-from spd_engine.server.job import Job
-from spd_engine.server.http_guards import (DEFAULT_MAX_REQUEST_BYTES, ClientAddress, check_api_key, check_host,
-                                           check_json_type, parse_json, read_body, request_id)
-from spd_engine.server.request_log import request_line
 from spd_engine.server.exporter import CONTENT_TYPE, ServeMetrics
+from spd_engine.server.http_guards import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    ClientAddress,
+    check_api_key,
+    check_host,
+    check_json_type,
+    parse_json,
+    read_body,
+    request_id,
+)
+from spd_engine.server.job import Job
 from spd_engine.server.openai_api import ApiError, bad, parse_request
 from spd_engine.server.request import ModelInfo, check_model, choices, prepare
+from spd_engine.server.request_log import request_line
 from spd_engine.server.responses import DONE, ReplyBuilder, Summary, sse
 from spd_engine.server.tokenize_api import detokenize, model_card, model_lookup, server_version, tokenize
 from spd_engine.server.tokenizing import PromptEncoder

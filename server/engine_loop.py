@@ -3,7 +3,8 @@ with `--max-batch B` up to B at once in the pipeline (docs/design.md 3.12): a qu
 as soon as a slot is free, and leaves at its end.
 
 The engine thread enters the runtime (engine/launch.launch: ranks, KV caches and CUDA graphs stay
-up for the life of the server), then takes jobs (server/job.py) from a bounded queue (server/job_queue.py): latency-critical requests
+up for the life of the server), then takes jobs (server/job.py) from a bounded queue (server/job_queue.py):
+latency-critical requests
 first, then higher priority, then arrival order (docs/design.md 3.12's order; it decides who takes
 a free slot, and which request runs next at B = 1). A job's `on_token`
 runs on that thread for every committed token: it detokenizes, cuts at stop strings and hands
@@ -28,9 +29,9 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
+from spd_engine.engine.comm.transport import TransportError
 from spd_engine.engine.protocol.metrics import GenerationResult
 from spd_engine.engine.runtime.batch_driver import BatchRequest
-from spd_engine.engine.comm.transport import TransportError
 from spd_engine.server.job import DirectCall, Job
 from spd_engine.server.job_queue import JobQueue, QueueFull
 from spd_engine.server.openai_api import ApiError

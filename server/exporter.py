@@ -5,7 +5,8 @@ first token (from arrival, queue wait included), inter-token latency, end-to-end
 and generation tokens, and the speculative-decoding counters (`spec_decode_num_draft_tokens` =
 verified drafts, `spec_decode_num_accepted_tokens`). SPD's own: ticks, rejections, pooled EAL and
 acceptance, branch points and saves, per-stage compute and steps, driver timers and the per-tick
-driver slack; with --max-batch, the stage utilization (overall and per stage) and rows per stage step. Every sample carries vLLM's `model_name` label (the served model name), added at
+driver slack; with --max-batch, the stage utilization (overall and per stage) and rows per stage step. Every
+sample carries vLLM's `model_name` label (the served model name), added at
 exposition time, so dashboards made for vLLM can select and join on it; vLLM's per-request
 families are here too: `request_success_total{finished_reason}` (stop, length, abort),
 `request_prompt_tokens`, `request_generation_tokens`, `request_inference_time_seconds`,

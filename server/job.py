@@ -21,7 +21,6 @@ from spd_engine.server.request import ServeRequest
 from spd_engine.server.responses import Scored, Summary
 from spd_engine.server.text import TextStream
 
-
 # the run figures a finished request reports (GenerationResult fields)
 SPD_FIELDS = ("ticks", "verified", "accepted", "rejections", "alpha", "eal", "prefill_s", "decode_s",
               "decode_tok_s")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import jinja2
 
-from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.model.tokenizer import Tokenizer
+from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.runtime.request_inputs import sampling_params
 from spd_engine.server.openai_api import ApiError, ParsedRequest, bad
 from spd_engine.server.text import chat_ids, completion_ids

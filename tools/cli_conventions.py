@@ -13,7 +13,6 @@ from pathlib import Path
 
 from spd_engine.engine.runtime.run_config import RunConfig
 
-
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 

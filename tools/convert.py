@@ -29,7 +29,6 @@ from spd_engine.checkpoint_tools import verify_checkpoint as verify
 from spd_engine.engine.model.checkpoint import parse_dtype
 from spd_engine.tools.cli_conventions import add_dtype_argument, dtype_name
 
-
 RENAMED = {"hf2mcore": "hf2engine", "mcore2hf": "engine2hf"}  # former names, still accepted
 RENAMED_WHY = {"hf2mcore": "it writes the engine's own format, which megatron-core does not load; export-megatron "
                            "writes Megatron-core's",

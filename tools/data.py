@@ -21,8 +21,7 @@ from pathlib import Path
 from spd_engine.engine.model.tokenizer import Tokenizer
 from spd_engine.train.corpus import BuildOptions, build_corpus
 from spd_engine.train.decontaminate import Decontaminator
-from spd_engine.train.sources import SOURCES, cache_root, chitchat_records, evals_records, \
-    reasoning_gym_records, stdlib_records
+from spd_engine.train.sources import SOURCES, cache_root, chitchat_records, evals_records, reasoning_gym_records, stdlib_records
 from spd_engine.train.user_sources import user_files, user_records
 
 DEFAULT_EVAL_DIR = Path(__file__).resolve().parents[1] / "train" / "evalsets"  # the shipped prompt sets

@@ -61,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--limit", type=int, default=None, help="prompts per dataset (default: all)")
     g.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate per prompt at most")
     g.add_argument("--reference-cache", default=None, metavar="DIR", help="greedy outputs reused across runs")
-    g.add_argument("--branches", dest="branch_widths", default="", help="comma-separated branch widths W > 1 to score too (at most 4)")
+    g.add_argument("--branches", dest="branch_widths", default="",
+                   help="comma-separated branch widths W > 1 to score too (at most 4)")
     g.add_argument("--branch-when", dest="branch_whens", default="refill,always", help="where a branch may start: refill, always")
     add_json_argument(g, "the policy table and the draft-state statistics")
 
@@ -73,11 +74,11 @@ def run(args) -> int:
 def _run(args) -> int:
     import torch
 
-    from spd_engine.engine.runtime.build import build_pdm
-    from spd_engine.engine.protocol.drafting import DraftChooser
     from spd_engine.engine.model.greedy import greedy_generate
-    from spd_engine.engine.protocol.suffix import SuffixSettings
     from spd_engine.engine.model.tokenizer import Tokenizer
+    from spd_engine.engine.protocol.drafting import DraftChooser
+    from spd_engine.engine.protocol.suffix import SuffixSettings
+    from spd_engine.engine.runtime.build import build_pdm
     from spd_engine.tools.cli_conventions import parse_names, write_json
     from spd_engine.tools.engine_args import engine_config
     from spd_engine.train.branch_replay import pooled as branch_pooled

@@ -10,8 +10,17 @@ from spd_engine.engine.comm.iface import use_iface
 from spd_engine.engine.protocol.branching import WHEN
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.measured_split import BALANCED
-from spd_engine.engine.runtime.run_config import (DEFAULT_BRANCHES, DEFAULT_SUFFIX_RUN, MODES, STEP_MODES, Mode,
-                                                  TRANSPORTS, VERIFY_AT, RunConfig, random_preset)
+from spd_engine.engine.runtime.run_config import (
+    DEFAULT_BRANCHES,
+    DEFAULT_SUFFIX_RUN,
+    MODES,
+    STEP_MODES,
+    TRANSPORTS,
+    VERIFY_AT,
+    Mode,
+    RunConfig,
+    random_preset,
+)
 from spd_engine.tools.cli_conventions import engine_dtype_name, refuse_ignored, resolve_dtype, run_default
 from spd_engine.tools.measured_args import balanced_split, with_measured_layouts
 from spd_engine.tools.model_args import carried_or_given, check_tokenizer, default_head, model_config, resolve_model

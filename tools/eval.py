@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from spd_engine.train.evaluate import DATASETS, EXECUTORS, EvalSettings, check_settings, default_data_dir, default_executor
 from spd_engine.engine.runtime.run_config import Mode
+from spd_engine.train.evaluate import DATASETS, EXECUTORS, EvalSettings, check_settings, default_data_dir, default_executor
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -27,10 +27,8 @@ from pathlib import Path
 from spd_engine.engine.protocol.batch_schedule import format_utilization
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.runtime.request_inputs import encode_prompts, sampling_params
-from spd_engine.engine.runtime.run_config import random_preset
-from spd_engine.engine.runtime.run_config import Mode
-from spd_engine.tools.cli_conventions import (add_batch_arguments, add_json_argument, check_batch_arguments,
-                                              check_output_path)
+from spd_engine.engine.runtime.run_config import Mode, random_preset
+from spd_engine.tools.cli_conventions import add_batch_arguments, add_json_argument, check_batch_arguments, check_output_path
 from spd_engine.tools.engine_args import add_engine_arguments, engine_config
 from spd_engine.tools.model_args import text_needs_tokenizer
 from spd_engine.tools.prompt_args import add_request_arguments, load_prompts
@@ -68,8 +66,8 @@ def result_json(i: int, ecfg, res, tok, sampling: SamplingParams) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from spd_engine.engine.runtime.launch import launch
     from spd_engine.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
+    from spd_engine.engine.runtime.launch import launch
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")

@@ -26,7 +26,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
     "weight-layouts": ("weight_layouts", "record the fastest weight layout of a model on this CPU for --weight-layout auto"),
     "train-step-time": ("train_step_time", "a PDM training step's time by PDM layers and fill"),
     "serve-load": ("serve_load", "concurrent clients against a real `spd serve`: latency, 429s, disconnects"),
-    "serve-neighbour": ("serve_neighbour", "a real `spd serve` stream alone and beside a competing neighbour: gaps, run-queue time, stalls"),
+    "serve-neighbour": ("serve_neighbour", "a real `spd serve` stream alone and beside a competing neighbour: gaps, "
+                                           "run-queue time, stalls"),
     "serve-overhead": ("serve_overhead", "a request streamed through the server against the same request run directly"),
 }
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from spd_engine.checkpoint_tools.model_source import (  # noqa: F401 (re-exported: the commands' one import)
-    BUILTIN_MODELS, check_hf_config, check_tokenizer, hf_model_dir, model_config, resolve_model, text_needs_tokenizer)
+    BUILTIN_MODELS,
+    check_hf_config,
+    check_tokenizer,
+    hf_model_dir,
+    model_config,
+    resolve_model,
+    text_needs_tokenizer,
+)
 
 REPO_HEADS = Path(__file__).resolve().parents[1] / "heads"  # site-packages/spd_engine/heads when installed
 

@@ -13,10 +13,10 @@ from pathlib import Path
 from statistics import median
 from typing import TYPE_CHECKING
 
+from spd_engine.bench.stats import format_table
 from spd_engine.costmodel.cost_inputs import REFERENCE_PROFILES, AlphaCurve, LinkModel, Profile
 from spd_engine.costmodel.cost_model import Links, plan, recommendation
 from spd_engine.costmodel.cost_model_spd import VERIFY_AT, predict_replay, verifies_on_last
-from spd_engine.bench.stats import format_table
 
 DEFAULT_WIDTH_COST = "2:1.0,4:1.0,8:1.0"  # an assumption, labelled wherever it is used
 
@@ -320,8 +320,8 @@ def _runtime_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
     """(the RunConfig of --validate-runtime's SPD runs, tokenizer directory or None): --model on
     --stages stages with --spec (default: the shipped head for that n, else an untrained one),
     --threads per rank, --seed; receives inside a request wait at least a minute."""
-    from spd_engine.engine.runtime.run_config import RunConfig
     from spd_engine.engine.protocol.topology import Topology
+    from spd_engine.engine.runtime.run_config import RunConfig
     from spd_engine.tools.model_args import default_head, model_config, resolve_model
 
     engine_spec, tok_dir = resolve_model(args.model)

@@ -142,8 +142,8 @@ def _print_summary(rows: list[dict], ns: tuple[int, ...]) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from spd_engine.costmodel.cost_model import Profile, plan, recommendation
     from spd_engine.bench.profiling import fully_graphed, measure_shape, profile_json
+    from spd_engine.costmodel.cost_model import Profile, plan, recommendation
     from spd_engine.engine.runtime.run_config import PRESETS
     from spd_engine.tools.plan import print_plan
 

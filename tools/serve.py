@@ -16,10 +16,10 @@ import os
 import sys
 
 from spd_engine.engine.runtime.run_config import Mode
-from spd_engine.tools.cli_conventions import add_batch_arguments, check_batch_arguments, finite_float
-from spd_engine.tools.engine_args import add_engine_arguments, engine_config
 from spd_engine.server import limits
 from spd_engine.server.request_log import DEFAULT_LEVEL, LEVELS
+from spd_engine.tools.cli_conventions import add_batch_arguments, check_batch_arguments, finite_float
+from spd_engine.tools.engine_args import add_engine_arguments, engine_config
 
 SERVE_MODULES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus_client"}
 
@@ -134,20 +134,20 @@ def check_dependencies() -> None:
 def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     check_dependencies()
+    from spd_engine.engine.model.tokenizer import Tokenizer
     from spd_engine.engine.runtime.launch import launch, under_torchrun
     from spd_engine.engine.runtime.run_config import random_preset
-    from spd_engine.tools.model_args import text_needs_tokenizer
-    from spd_engine.engine.model.tokenizer import Tokenizer
     from spd_engine.server.app import build_app
     from spd_engine.server.connections import ConnectionGuard, guarded_protocol
-    from spd_engine.server.in_flight import InFlightCap
     from spd_engine.server.engine_loop import EngineLoop
     from spd_engine.server.exporter import ServeMetrics
+    from spd_engine.server.in_flight import InFlightCap
     from spd_engine.server.request import ModelInfo
     from spd_engine.server.request_log import configure
     from spd_engine.server.runner import bind, run_server
     from spd_engine.server.shm_sweep import sweep_semaphores
     from spd_engine.server.tokenizing import PromptEncoder
+    from spd_engine.tools.model_args import text_needs_tokenizer
 
     configure(args.log_level)
     swept = sweep_semaphores()

@@ -19,15 +19,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from spd_engine.engine.protocol.anchors import AnchorPlan
 from spd_engine.engine.model.model import StageModel
 from spd_engine.engine.model.pdm import PDM, PDMConfig, load_pdm, read_pdm_config, save_pdm
+from spd_engine.engine.protocol.anchors import AnchorPlan
 from spd_engine.train.data_parallel import DataParallel
-from spd_engine.train.head_training import HeadTrainer, check_loop_config, load_state
-from spd_engine.train.head_training import lr_at  # noqa: F401  (part of this module's API)
-from spd_engine.train.pipeline_sim import simulated_hidden, target_anchors
+from spd_engine.train.head_training import (
+    HeadTrainer,
+    check_loop_config,
+    load_state,
+    lr_at,  # noqa: F401  (part of this module's API)
+)
 from spd_engine.train.head_transplant import transplant
 from spd_engine.train.lr_schedule import SCHEDULES, check_fill_weights, decay_start, draw_fill
+from spd_engine.train.pipeline_sim import simulated_hidden, target_anchors
 
 
 @dataclass

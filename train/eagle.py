@@ -143,7 +143,7 @@ class EagleTrainer(HeadTrainer):
         self._export(save_eagle, "eagle", cfg)
 
     def run(self) -> EagleHead:
-        cfg, t0, tokens_seen = self.cfg, time.time(), self.tokens_seen()
+        t0, tokens_seen = time.time(), self.tokens_seen()
         self._progress()
         try:
             self._steps(t0, tokens_seen)

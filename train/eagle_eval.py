@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from spd_engine.engine.runtime.eagle_driver import build_eagle_driver
 from spd_engine.engine.model.greedy import greedy_generate
+from spd_engine.engine.runtime.eagle_driver import build_eagle_driver
 from spd_engine.engine.runtime.run_config import RunConfig
 from spd_engine.train.eval_records import EvalReport, EvalSettings, Outcome, fmt
 from spd_engine.train.fast_eval import Acceptance

@@ -24,18 +24,27 @@ from pathlib import Path
 
 import torch
 
-from spd_engine.engine.runtime.build import build_driver_head, build_pdm, build_stage_model, build_tp_stage_model
-from spd_engine.engine.runtime.run_config import Mode, RunConfig
-from spd_engine.engine.runtime.progress import Progress
 from spd_engine.engine.model.greedy import greedy_generate
-from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.model.tp_model import SerialTP
+from spd_engine.engine.protocol.sampling import SamplingParams
+from spd_engine.engine.runtime.build import build_driver_head, build_pdm, build_stage_model, build_tp_stage_model
+from spd_engine.engine.runtime.progress import Progress
+from spd_engine.engine.runtime.run_config import Mode, RunConfig
 from spd_engine.train.branch_replay import replay_branches
 from spd_engine.train.draft_potential import loops
-from spd_engine.train.fast_eval import Acceptance, FastRun, draft_table, fast_generate
 from spd_engine.train.eagle_eval import EagleRunner
-from spd_engine.train.eval_records import (NON_LOOPING, EvalReport, EvalSettings, Outcome, PromptRecord, Summary,  # noqa: F401
-                                          fmt, ratio, summarize)
+from spd_engine.train.eval_records import (  # noqa: F401
+    NON_LOOPING,
+    EvalReport,
+    EvalSettings,
+    Outcome,
+    PromptRecord,
+    Summary,
+    fmt,
+    ratio,
+    summarize,
+)
+from spd_engine.train.fast_eval import Acceptance, FastRun, draft_table, fast_generate
 from spd_engine.train.reference_cache import ReferenceCache
 
 DATASETS = ("mt_bench", "humaneval", "gsm8k")

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from spd_engine.engine.protocol.anchors import AnchorPlan
 from spd_engine.engine.model.pdm import PDM
+from spd_engine.engine.protocol.anchors import AnchorPlan
 
 
 def block_depths(n: int, f: int) -> list[int]:

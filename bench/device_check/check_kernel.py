@@ -8,7 +8,6 @@ import torch
 from spd_engine.bench.device_check.check_env import free
 from spd_engine.bench.device_check.check_plan import CheckPlan
 
-
 KERNEL_SHAPES = {"smollm2-135m": (576, 30), "qwen3-4b": (2560, 36), "llama-3.1-8b": (4096, 32)}  # hidden, layers
 
 
@@ -57,7 +56,8 @@ def anchor_gather(plan: CheckPlan) -> dict:
             r["rel_err_vs_torch"] = float((got - ref).norm() / ref.norm())
             iters = max(20, plan.iters * 5)
             for impl in ("triton", "torch"):
-                call = lambda impl=impl: anchor_rows(ring, slots, types, packed, out=out, impl=impl,  # noqa: E731
+                # the names are deleted after the loop (freeing device memory), never before a call: F821 misreads it
+                call = lambda impl=impl: anchor_rows(ring, slots, types, packed, out=out, impl=impl,  # noqa: E731,F821
                                                      check_indices=False)
                 r[f"{'kernel' if impl == 'triton' else 'torch'}_eager_us"] = 1e3 * events_ms(call, iters)
                 side = torch.cuda.Stream()
@@ -73,7 +73,7 @@ def anchor_gather(plan: CheckPlan) -> dict:
             from spd_engine.bench.profiling import time_ms
 
             r["rel_err_vs_torch"] = None
-            r["torch_eager_us"] = 1e3 * time_ms(lambda: anchor_rows(ring, slots, types, packed, out=out, impl="torch"),
+            r["torch_eager_us"] = 1e3 * time_ms(lambda: anchor_rows(ring, slots, types, packed, out=out, impl="torch"),  # noqa: F821
                                                 dev, plan.iters, plan.warmup)
         shapes[name] = r
         del packed, ring

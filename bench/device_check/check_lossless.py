@@ -15,8 +15,8 @@ from spd_engine.bench.device_check.check_plan import CheckPlan, Deadline, Lossle
 
 
 def case_config(case: LosslessCase, plan: CheckPlan, mode: str, colocate: bool = False, **kw):
-    from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
     from spd_engine.engine.protocol.topology import Topology
+    from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
 
     cfg = PRESETS[case.shape]
     if case.layers is not None:
@@ -93,8 +93,8 @@ def lossless_case(case: LosslessCase, plan: CheckPlan) -> dict:
 def sampling_checks(plan: CheckPlan) -> dict:
     """T > 0: the same keyed draws give the same tokens twice; branch width 2 at T = 0 equals
     greedy through the same steps, or first differs at a near-tie (docs/testing.md)."""
-    from spd_engine.engine.runtime.reference import ReferenceExecutor
     from spd_engine.engine.protocol.sampling import SamplingParams
+    from spd_engine.engine.runtime.reference import ReferenceExecutor
 
     case = plan.sampling_case
     ecfg = case_config(case, plan, "spd")

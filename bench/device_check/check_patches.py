@@ -34,8 +34,8 @@ def device_random_weights() -> Iterator[None]:
     from spd_engine.engine.model.model import StageModel
     from spd_engine.engine.model.pdm import PDM, PDMConfig
     from spd_engine.engine.protocol.anchors import AnchorPlan
-    from spd_engine.engine.runtime.run_config import random_preset
     from spd_engine.engine.protocol.topology import stage_bounds
+    from spd_engine.engine.runtime.run_config import random_preset
 
     saved = (build_mod.build_stage_model, roles_mod.build_stage_model, roles_mod.build_pdm)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-
 SCHEMA = "spd-gpu-check/1"
 # top-level keys of the report, the same in both modes (tests/bench/test_gpu_check.py)
 REPORT_KEYS = ("schema", "mode", "environment", "plan", "lossless", "timings", "training", "not_checked",

@@ -12,8 +12,7 @@ import torch
 
 from spd_engine.bench.device_check.check_env import environment, label
 from spd_engine.bench.device_check.check_lossless import run_lossless
-from spd_engine.bench.device_check.check_plan import (NOT_CHECKED, REPORT_KEYS, SCHEMA, Deadline, dry_plan,
-                                                      gpu_plan)
+from spd_engine.bench.device_check.check_plan import NOT_CHECKED, REPORT_KEYS, SCHEMA, Deadline, dry_plan, gpu_plan
 from spd_engine.bench.device_check.check_report import markdown, summary
 from spd_engine.bench.device_check.check_timings import run_timings
 from spd_engine.bench.device_check.check_training import run_training

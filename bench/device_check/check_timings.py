@@ -16,8 +16,7 @@ from spd_engine.bench.device_check.check_env import error_line, free, label
 from spd_engine.bench.device_check.check_kernel import anchor_gather
 from spd_engine.bench.device_check.check_lossless import ForcedDrafts, case_config, prompts_for
 from spd_engine.bench.device_check.check_patches import device_random_weights
-from spd_engine.bench.device_check.check_plan import (PLAN_ALPHA, PLAN_LINK, TIMING_KEYS, CheckPlan, Deadline,
-                                                      LosslessCase)
+from spd_engine.bench.device_check.check_plan import PLAN_ALPHA, PLAN_LINK, TIMING_KEYS, CheckPlan, Deadline, LosslessCase
 
 
 def _settings(plan: CheckPlan, pdm_layers: int = 1):
@@ -76,7 +75,9 @@ def stage_width_ms(cfg, plan: CheckPlan, layers: int, prefix: int = 300) -> dict
             h = torch.randn(1, w, cfg.hidden_size, device=dev).to(dt)
             pos = torch.full((1, w), prefix, device=dev)
             mask = tree_mask(prefix, w).to(dev) if w > 1 else None
-            out[w] = time_ms(lambda: stage.forward_layers(h, cache, prefix, pos, mask), dev, plan.iters, plan.warmup)
+            # stage and cache are deleted after the loop (freeing device memory): F821 misreads the closure
+            out[w] = time_ms(lambda: stage.forward_layers(h, cache, prefix, pos, mask),  # noqa: F821
+                             dev, plan.iters, plan.warmup)
     del stage, cache
     return out
 

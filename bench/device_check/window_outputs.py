@@ -8,8 +8,7 @@ import tarfile
 import time
 from pathlib import Path
 
-from spd_engine.bench.device_check.window_plan import (OUT_MAX_BYTES, OUT_MAX_FILE_BYTES, OUT_MAX_FILES,
-                                                       WindowPlan)
+from spd_engine.bench.device_check.window_plan import OUT_MAX_BYTES, OUT_MAX_FILE_BYTES, OUT_MAX_FILES, WindowPlan
 
 ARCHIVE = "gpu-window-files.tar"
 REPORT_ROOM = 2 * 2**20  # kept for gpu-window.json and .md, written after the archive

@@ -123,10 +123,9 @@ def _draft_vocab(plan: WindowPlan) -> tuple[int, ...] | None:
 
 
 def _eval_entries(plan: WindowPlan, training: dict, work: Path, target, cfg, resolve_init) -> list[dict]:
+    from spd_engine.bench.device_check.window_train import train_config
     from spd_engine.engine.model.pdm import load_pdm
     from spd_engine.train.distill import new_pdm
-
-    from spd_engine.bench.device_check.window_train import train_config
 
     dev = torch.device(plan.device)
     entries = []

@@ -1,1 +1,2 @@
-"""Communication: the transport interface and its torch.distributed, in-process and shared-memory implementations; process groups; the TP group's collectives."""
+"""Communication: the transport interface and its torch.distributed, in-process and shared-memory
+implementations; process groups; the TP group's collectives."""

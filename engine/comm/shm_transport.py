@@ -41,8 +41,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from spd_engine.engine.protocol.messages import HEADER_LEN, Header
 from spd_engine.engine.comm.transport import Transport, TransportError
+from spd_engine.engine.protocol.messages import HEADER_LEN, Header
 
 SHM_DIR = "/dev/shm"
 RING_BYTES = 256 * 1024  # per directed link: a decode tick's message is a few KB, a prefill chunk streams

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from spd_engine.engine.model.kv_cache import KVCache
-from spd_engine.kernels.int8_linear import Int8Linear, to_int8_linears_
 from spd_engine.engine.model.model import RMSNorm, StageModel, make_norm
 from spd_engine.engine.model.model_config import ModelConfig
+from spd_engine.kernels.int8_linear import Int8Linear, to_int8_linears_
 
 
 def check_draft_vocab(draft_vocab: Sequence[int] | None) -> None:

@@ -17,7 +17,6 @@ step over the rows of several requests attends each row to its own request's cac
 from __future__ import annotations
 
 import torch
-
 import torch.nn.functional as F
 
 from spd_engine.engine.model.model_config import ModelConfig

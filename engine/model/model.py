@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spd_engine.engine.model.model_config import ModelConfig
 from spd_engine.engine.model.kv_cache import KVCache, RowCaches
+from spd_engine.engine.model.model_config import ModelConfig
 from spd_engine.kernels.screened_argmax import ScreenedHead
 
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spd_engine.engine.protocol.anchors import AnchorPlan
 from spd_engine.engine.model.draft_stack import DraftStack, check_draft_vocab
 from spd_engine.engine.model.head_io import HeadFormat, check_fingerprint, read_head_meta, read_head_state, save_head
 from spd_engine.engine.model.model_config import ModelConfig
 from spd_engine.engine.model.row_invariance import Invariance, make_row_invariant_, probe_rows
+from spd_engine.engine.protocol.anchors import AnchorPlan
 from spd_engine.kernels.anchor_gather import anchor_rows, pack_projection_weights, type_weight_t
 from spd_engine.kernels.int8_linear import Int8Linear
 

@@ -18,14 +18,14 @@ from collections.abc import Sequence
 
 import torch
 
-from spd_engine.kernels.packed_linear import PackedLinear
+from spd_engine.engine.comm.tp_group import TPGroup, reduce_parts
 from spd_engine.engine.model.kv_cache import KVCache
 from spd_engine.engine.model.model import StageModel, causal_mask
 from spd_engine.engine.model.model_config import ModelConfig
-from spd_engine.engine.protocol.sampling import SamplingParams
-from spd_engine.engine.comm.tp_group import TPGroup, reduce_parts
 from spd_engine.engine.model.tp_sampling import tp_argmax_rows, tp_sample
 from spd_engine.engine.model.tp_shard import shard_config, vocab_range
+from spd_engine.engine.protocol.sampling import SamplingParams
+from spd_engine.kernels.packed_linear import PackedLinear
 
 
 def resident_bytes(model: torch.nn.Module) -> int:

@@ -19,8 +19,8 @@ import math
 
 import torch
 
-from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs, uniform
 from spd_engine.engine.comm.tp_group import TPGroup
+from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs, uniform
 
 
 def tp_argmax(group: TPGroup, local: torch.Tensor, lo: int) -> int:

@@ -23,8 +23,8 @@ import dataclasses
 
 import torch
 
-from spd_engine.engine.model.tensor_names import EMBEDDING_KEY, LAYER_RE, OUTPUT_KEY
 from spd_engine.engine.model.model_config import ModelConfig
+from spd_engine.engine.model.tensor_names import EMBEDDING_KEY, LAYER_RE, OUTPUT_KEY
 
 Tensor = torch.Tensor
 # Which dim a tensor is split on under tensor parallelism (None: replicated). Column-parallel

@@ -13,10 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from spd_engine.engine.protocol.batch_policy import (BATCH, LATENCY_CLASSES, BatchLimits, RequestView, RowPlan,
-                                                     plan_rows)
-from spd_engine.engine.protocol.schedule import (CORRECTION, DRAFT, FIRST, STALE, Token, Verification, position_label,
-                                                token_label)
+from spd_engine.engine.protocol.batch_policy import BATCH, LATENCY_CLASSES, BatchLimits, RequestView, RowPlan, plan_rows
+from spd_engine.engine.protocol.schedule import CORRECTION, DRAFT, FIRST, STALE, Token, Verification, position_label, token_label
 from spd_engine.engine.protocol.tick import Draft, Entry, TickState, Verdict
 
 PROMPT = "prompt"  # a Token kind here: a prompt chunk (position: its first offset, always < 0)

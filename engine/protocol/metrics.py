@@ -149,7 +149,8 @@ class GenerationResult(Counters):
             "verified": self.verified, "accepted": self.accepted, "rejections": self.rejections,
             "branch_points": self.branch_points, "branch_saves": self.branch_saves,
             "alpha": self.alpha, "eal": self.eal,
-            "target_passes": self.target_passes, "acceptance_length": self.acceptance_length, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
+            "target_passes": self.target_passes, "acceptance_length": self.acceptance_length,
+            "prefill_s": self.prefill_s, "decode_s": self.decode_s,
             "decode_tok_s": self.decode_tok_s, "breakdown_ms_per_tick": self.breakdown_ms_per_tick(),
             "by_source": {k: dict(zip(("drafted", "verified", "accepted"), v)) for k, v in self.by_source.items()},
             # resident parameter bytes of one rank of each stage (its TP rank 0; every TP rank holds a like shard)

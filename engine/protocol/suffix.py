@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-
 SEPARATOR = -1  # between requests in a cross-request history: never matched, never proposed
 
 

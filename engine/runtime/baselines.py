@@ -12,14 +12,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from spd_engine.engine.comm.transport import Transport
 from spd_engine.engine.model.greedy import check_request, prefill_chunks
 from spd_engine.engine.protocol.messages import Header, Kind, sampling_payload
-from spd_engine.engine.runtime.run_config import RankOptions
-from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.protocol.metrics import GenerationResult
-from spd_engine.engine.runtime.stage_worker import StageWorker, receive_stats
+from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.protocol.topology import Topology
-from spd_engine.engine.comm.transport import Transport
+from spd_engine.engine.runtime.run_config import RankOptions
+from spd_engine.engine.runtime.stage_worker import StageWorker, receive_stats
 
 
 class PipelineDriver:

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import torch
 
-from spd_engine.engine.model.checkpoint import expected_shapes, load_stage_model, load_tp_stage_state, read_index
-from spd_engine.engine.runtime.run_config import RunConfig, random_preset
-from spd_engine.engine.model.linear import set_weight_layout_
-from spd_engine.engine.model.row_invariance import make_row_invariant_
-from spd_engine.engine.model.model import StageModel, init_random_, random_tensor
 from spd_engine.engine.comm.tp_group import TPGroup
+from spd_engine.engine.model.checkpoint import expected_shapes, load_stage_model, load_tp_stage_state, read_index
+from spd_engine.engine.model.linear import set_weight_layout_
+from spd_engine.engine.model.model import StageModel, init_random_, random_tensor
+from spd_engine.engine.model.pdm import PDM, load_pdm, random_pdm
+from spd_engine.engine.model.row_invariance import make_row_invariant_
 from spd_engine.engine.model.tp_model import TPStageModel
 from spd_engine.engine.model.tp_shard import shard_tensor
-from spd_engine.engine.model.pdm import PDM, load_pdm, random_pdm
+from spd_engine.engine.runtime.run_config import RunConfig, random_preset
 
 
 def build_stage_model(ecfg: RunConfig, layers: range, embedding: bool, head: bool) -> StageModel:

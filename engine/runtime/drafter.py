@@ -15,7 +15,8 @@ import torch
 
 from spd_engine.engine.model.graphs import PDMStep
 from spd_engine.engine.model.pdm import PDM, draft_probs_full, greedy_draft
-from spd_engine.engine.protocol.drafting import PDM as PDM_SOURCE, SUFFIX, SUFFIX_RUN, DraftChooser
+from spd_engine.engine.protocol.drafting import PDM as PDM_SOURCE
+from spd_engine.engine.protocol.drafting import SUFFIX, SUFFIX_RUN, DraftChooser
 from spd_engine.engine.protocol.sampling import keyed_generator, sample, target_probs
 from spd_engine.engine.protocol.suffix import CrossRequestHistory, SuffixProposal, context_tail
 from spd_engine.engine.protocol.tick import Draft, TickPlan

@@ -35,7 +35,7 @@ from spd_engine.engine.protocol.tick import Draft, Entry, TickPlan, Verdict
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.batch_driver import BatchDriver, BatchRequest, BatchResult, Intake
 from spd_engine.engine.runtime.branch_chains import BranchChains
-from spd_engine.engine.runtime.drafter import DraftObserver, Drafter
+from spd_engine.engine.runtime.drafter import Drafter, DraftObserver
 from spd_engine.engine.runtime.driver_buffers import DriverBuffers
 from spd_engine.engine.runtime.lane import Lane
 from spd_engine.engine.runtime.request_state import DraftPolicy, OnToken, RequestState

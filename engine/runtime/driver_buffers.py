@@ -1,7 +1,8 @@
 """The driver's preallocated buffers and how the stages' payloads land in them (docs/design.md 3.3).
 
 Anchor states live in rings `[W, slots, m, H]` indexed by position (slot = pos mod (n + 2), so
-every live position has its own; with suffix runs of up to `max_run` tokens, (n + 2) max_run): chain c's anchors in rings[c], ring 0 the representative's
+every live position has its own; with suffix runs of up to `max_run` tokens, (n + 2) max_run): chain c's
+anchors in rings[c], ring 0 the representative's
 (the only one at W = 1). The last stage's exit hidden states land in `exit_buf` (a verifying last stage's argmaxes of a
 suffix run's rows in `replies`), anchors nobody
 reads (prefill chunks, stale messages) in per-stage scratch. A decode tick's destinations are

@@ -23,15 +23,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spd_engine.engine.runtime.build import build_stage_model
 from spd_engine.engine.model.eagle_head import EagleHead, load_eagle, random_eagle
 from spd_engine.engine.model.greedy import check_request, prefill_chunks
-from spd_engine.engine.protocol.metrics import GenerationResult
 from spd_engine.engine.model.model import StageModel
 from spd_engine.engine.model.pdm import draft_probs_full, greedy_draft
-from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.protocol.metrics import GenerationResult
 from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs
 from spd_engine.engine.protocol.verify import verify_sampled
+from spd_engine.engine.runtime.build import build_stage_model
+from spd_engine.engine.runtime.run_config import RunConfig
 
 # (position, greedy draft id at T=0 / draft distribution q [V] at T>0) -> the draft id / q to use
 DraftPolicy = Callable[[int, object], object]

@@ -27,15 +27,25 @@ from pathlib import Path
 import torch
 import torch.distributed
 
-from spd_engine.engine.comm.dist import (LocalRanks, RunFailed, check_gpus, fail_rank, join_group, leave_group,
-                                    local_init_method, rank_device, torchrun_rank, under_torchrun)
+from spd_engine.engine.comm.dist import (
+    LocalRanks,
+    RunFailed,
+    check_gpus,
+    fail_rank,
+    free_port,  # noqa: F401  (re-exported: test harnesses import it from here)
+    join_group,
+    leave_group,
+    local_init_method,
+    rank_device,
+    torchrun_rank,
+    under_torchrun,
+)
 from spd_engine.engine.comm.mesh_check import JoinError
-from spd_engine.engine.comm.dist import free_port  # noqa: F401  (re-exported: test harnesses import it from here)
-from spd_engine.engine.runtime.roles import build_rank, rank_topology
-from spd_engine.engine.comm.tp_group import TPGroup, dist_tp_groups
-from spd_engine.engine.runtime.run_config import Mode, RunConfig
 from spd_engine.engine.comm.shm_transport import ShmTransport, shm_usable
+from spd_engine.engine.comm.tp_group import TPGroup, dist_tp_groups
 from spd_engine.engine.comm.transport import DistTransport, Transport, rank_nodes, with_link_delay
+from spd_engine.engine.runtime.roles import build_rank, rank_topology
+from spd_engine.engine.runtime.run_config import Mode, RunConfig
 
 # Test hook: "RANK:MESSAGES" makes that rank SIGKILL itself after handling MESSAGES messages,
 # the same as `kill -9` from outside, to check that no surviving rank hangs.

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import threading
 
-from spd_engine.engine.runtime.run_config import RunConfig
-from spd_engine.engine.runtime.roles import build_rank, rank_topology
 from spd_engine.engine.comm.tp_group import LocalTPHub
-from spd_engine.engine.runtime.stage_worker import StageWorker
 from spd_engine.engine.comm.transport import LocalHub
+from spd_engine.engine.runtime.roles import build_rank, rank_topology
+from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.runtime.stage_worker import StageWorker
 
 
 class ReferenceExecutor:

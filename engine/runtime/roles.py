@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 
+from spd_engine.engine.comm.tp_group import TPGroup
+from spd_engine.engine.comm.transport import Transport, loopback_pair
+from spd_engine.engine.protocol.messages import link_frames
+from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.baselines import PipelineDriver
 from spd_engine.engine.runtime.build import build_driver_head, build_pdm, build_stage_model, build_tp_stage_model
 from spd_engine.engine.runtime.driver import Driver
 from spd_engine.engine.runtime.eagle_driver import EagleDriver, build_eagle_driver
 from spd_engine.engine.runtime.run_config import Mode, RunConfig
-from spd_engine.engine.protocol.messages import link_frames
 from spd_engine.engine.runtime.stage_worker import StageWorker, wire_format
-from spd_engine.engine.protocol.topology import Topology
-from spd_engine.engine.comm.tp_group import TPGroup
-from spd_engine.engine.comm.transport import Transport, loopback_pair
 
 
 def rank_topology(ecfg: RunConfig) -> Topology:

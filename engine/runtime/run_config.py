@@ -16,16 +16,15 @@ from pathlib import Path
 
 import torch
 
+from spd_engine.engine.model.linear import LAYOUTS, resolve_layout
+from spd_engine.engine.model.model_config import ModelConfig, tiny_config
+from spd_engine.engine.model.tp_shard import check_tp
+from spd_engine.engine.protocol.anchors import AnchorPlan
 from spd_engine.engine.protocol.branching import BranchPolicy
 from spd_engine.engine.protocol.drafting import DraftChooser
 from spd_engine.engine.protocol.suffix import SuffixSettings
-
-from spd_engine.engine.protocol.anchors import AnchorPlan
-from spd_engine.engine.model.linear import LAYOUTS, resolve_layout
-from spd_engine.kernels.int8_linear import int8_kernel_available
-from spd_engine.engine.model.model_config import ModelConfig, tiny_config
 from spd_engine.engine.protocol.topology import VERIFY_AT, Topology, verifies_on_last  # noqa: F401 (VERIFY_AT: re-exported)
-from spd_engine.engine.model.tp_shard import check_tp
+from spd_engine.kernels.int8_linear import int8_kernel_available
 
 
 class Mode(str, enum.Enum):
@@ -155,7 +154,8 @@ class RunConfig:
     stage_ms: tuple[float, ...] | None = None  # synthetic per-stage decode step time (sleep-padded)
     trace: bool = False  # record per-tick timestamps on every rank (timeline plots)
     step_mode: StepMode = StepMode.AUTO  # one-token decode steps (a string is parsed once, here)
-    suffix_drafts: bool = True  # draft from the longest earlier occurrence of the context's suffix too (engine/protocol/suffix.py)
+    # draft from the longest earlier occurrence of the context's suffix too (engine/protocol/suffix.py)
+    suffix_drafts: bool = True
     suffix_min_match: int = 2  # shortest suffix match that may draft
     suffix_max_len: int = 16  # longest suffix looked up
     suffix_pdm_margin: float = float("inf")  # suffix drafts only where the PDM's top-1 margin is below this

@@ -4,10 +4,10 @@ vLLM's prompt forms; every bad option or prompt a ValueError naming it, before a
 from __future__ import annotations
 
 import pytest
+from helpers import random_prompts, reference
 
 from spd_engine import LLM, CompletionOutput, RequestOutput, SamplingParams
 from spd_engine.api.llm import engine_argv, engine_parser
-from helpers import random_prompts, reference
 
 pytestmark = pytest.mark.multiproc
 TINY = "random:tiny-llama"

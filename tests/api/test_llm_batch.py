@@ -3,10 +3,10 @@ tokens; a closed LLM refuses work and another can start (one per process at a ti
 from __future__ import annotations
 
 import pytest
+from helpers import random_prompts, reference
 
 from spd_engine import LLM, SamplingParams
 from spd_engine.engine.runtime.run_config import PRESETS
-from helpers import random_prompts, reference
 
 pytestmark = pytest.mark.multiproc
 

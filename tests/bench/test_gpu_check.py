@@ -103,8 +103,8 @@ def test_lossless_check_fails_a_run_that_differs(monkeypatch, one_thread) -> Non
 def test_device_random_weights_give_stages_the_full_models_weights_and_restore_the_builders() -> None:
     import spd_engine.engine.runtime.build as build_mod
     import spd_engine.engine.runtime.roles as roles_mod
-    from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
     from spd_engine.engine.protocol.topology import Topology
+    from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
 
     cfg = PRESETS["tiny-llama"]
     ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, 2), capacity=64)

@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spd_engine.bench.device_check.window_plan import (OUT_MAX_FILE_BYTES, OUT_MAX_FILES, WINDOW_KEYS,
-                                                       dry_window_plan)
+from spd_engine.bench.device_check.window_plan import OUT_MAX_FILE_BYTES, OUT_MAX_FILES, WINDOW_KEYS, dry_window_plan
 from spd_engine.bench.device_check.window_target import assemble_target, missing_parts, stage_target
 
 ROOT = Path(__file__).resolve().parents[2]

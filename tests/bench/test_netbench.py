@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from spd_engine.engine.runtime.launch import spd_script
 from spd_engine.bench.stats import bandwidth_gbps, parse_bytes, percentile, summarize_us
+from spd_engine.engine.runtime.launch import spd_script
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,11 +7,19 @@ import json
 import pytest
 import torch
 
+from spd_engine.bench.profiling import (
+    DeviceSettings,
+    choose_spd_row,
+    driver_tick_ms,
+    fully_graphed,
+    measure_shape,
+    profile_from_bench,
+    profile_json,
+    residual_per_tick_ms,
+)
 from spd_engine.costmodel.cost_model import AlphaCurve, LinkModel, Links, Profile, plan
-from spd_engine.bench.profiling import (DeviceSettings, choose_spd_row, driver_tick_ms, fully_graphed, measure_shape,
-                           profile_from_bench, profile_json, residual_per_tick_ms)
-from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
 from spd_engine.engine.protocol.topology import Topology
+from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
 
 
 @pytest.fixture(autouse=True)
@@ -189,9 +197,11 @@ def test_bench_profile_out_needs_an_spd_run():
     args = argparse.Namespace(configs="ar,pp", timeline=None, chrome_trace=None, profile_out="x.json", assistant=None)
     with pytest.raises(ValueError, match="--profile-out needs an spd"):
         cases(args, ecfg)
-    traced = cases(argparse.Namespace(configs="ar,pp,spd,spd-colocate", timeline=None, chrome_trace=None, profile_out="x.json", assistant=None), ecfg)
+    traced = cases(argparse.Namespace(configs="ar,pp,spd,spd-colocate", timeline=None, chrome_trace=None,
+                                      profile_out="x.json", assistant=None), ecfg)
     assert [c.ecfg.trace for c in traced] == [False, True, True, True]  # pp too: its stage times
-    plain = cases(argparse.Namespace(configs="ar,pp,spd,spd-colocate", timeline=None, chrome_trace=None, profile_out=None, assistant=None), ecfg)
+    plain = cases(argparse.Namespace(configs="ar,pp,spd,spd-colocate", timeline=None, chrome_trace=None,
+                                     profile_out=None, assistant=None), ecfg)
     assert [c.ecfg.trace for c in plain] == [False, False, False, True]  # spd-colocate: its residual per tick
 
 

@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from spd_engine.bench.speedups import add_speedups, head_budget_note, noisy_lines, ratio_cell, ratio_spread, \
-    training_tokens
+from spd_engine.bench.speedups import add_speedups, head_budget_note, noisy_lines, ratio_cell, ratio_spread, training_tokens
 from spd_engine.tools.model_args import REPO_HEADS
 
 pytestmark = pytest.mark.pure

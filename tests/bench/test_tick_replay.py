@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from spd_engine.bench.interconnect import NetbenchConfig, launch_local, netbench_rank
+from spd_engine.bench.tick_replay import ReplayConfig
 from spd_engine.costmodel.cost_inputs import LinkModel
 from spd_engine.costmodel.cost_model_spd import predict_replay
-from spd_engine.bench.interconnect import NetbenchConfig, launch_local, netbench_rank
 from spd_engine.engine.runtime.launch import spd_command
-from spd_engine.bench.tick_replay import ReplayConfig
 
 STAGE_MS = 30.0  # long next to host overheads (ms on a busy shared host), so the bound below is clean
 SCENARIOS = [

@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 
+from spd_engine.bench.tp_shard_time import shard_layer_ms
+from spd_engine.engine.protocol.topology import Topology
+from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
 from spd_engine.tools.experiments.tp_agreement import main as agreement_main
 from spd_engine.tools.experiments.tp_crossing import CrossingConfig, measure_crossing
-from spd_engine.bench.tp_shard_time import shard_layer_ms
-from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
-from spd_engine.engine.protocol.topology import Topology
 
 
 def test_tp_agreement_reports_every_set(capsys):

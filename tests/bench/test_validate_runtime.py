@@ -8,14 +8,24 @@ import json
 
 import pytest
 
+from spd_engine.bench.validate_runtime import (
+    CONFIGS,
+    ValidationSettings,
+    bench_cases,
+    compare,
+    format_validation,
+    measured_of,
+    predict,
+    repredict,
+    tp_diagnostic,
+    validate,
+)
 from spd_engine.costmodel.cost_inputs import HEADER_BYTES, LinkModel, Profile
 from spd_engine.costmodel.cost_model_spd import eal_for_request, verifies_on_last
-from spd_engine.bench.validate_runtime import (CONFIGS, ValidationSettings, bench_cases, compare, format_validation,
-                                              measured_of, predict, repredict, tp_diagnostic, validate)
 from spd_engine.engine.protocol.messages import HEADER_LEN
-from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
 from spd_engine.engine.protocol.schedule import expected_eal
 from spd_engine.engine.protocol.topology import Topology
+from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
 
 HAND = {"schema": "spd-profile/1", "name": "hand", "num_layers": 4, "layer_ms": 1.0, "pdm_ms": {"2": 0.5},
         "verify_ms": 0.2, "driver_fixed_ms": 0.1, "hidden_size": 64, "dtype_bytes": 4,

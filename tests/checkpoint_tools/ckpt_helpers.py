@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from spd_engine.checkpoint_tools import hf, key_maps
-from spd_engine.engine.model.model_config import ModelConfig
 from spd_engine.engine.model.model import StageModel, init_random_
+from spd_engine.engine.model.model_config import ModelConfig
 
 ARCHS = ("llama", "qwen2", "qwen3")
 

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from spd_engine.checkpoint_tools import megatron_dcp, shard, verify_checkpoint as verify
-from spd_engine.engine.model.model_config import tiny_config
 from ckpt_helpers import tiny_state, write_tiny_hf
 from near_ties import count_near_ties
+
+from spd_engine.checkpoint_tools import megatron_dcp, shard
+from spd_engine.checkpoint_tools import verify_checkpoint as verify
+from spd_engine.engine.model.model_config import tiny_config
 
 
 @pytest.fixture

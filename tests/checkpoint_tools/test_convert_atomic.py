@@ -15,12 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from ckpt_helpers import write_tiny_hf
 
 from spd_engine.checkpoint_tools import hf, output_dir, shard
 from spd_engine.engine.model import checkpoint as ckpt
 from spd_engine.engine.model.model_config import tiny_config
 from spd_engine.tools.cli import main
-from ckpt_helpers import write_tiny_hf
 
 
 def snapshot(path: Path) -> dict[str, bytes]:

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import pytest
+from ckpt_helpers import assert_same_tensors, write_tiny_hf
 
 from spd_engine.checkpoint_tools import hf
 from spd_engine.engine.model import checkpoint as ckpt
 from spd_engine.engine.model.model_config import tiny_config
 from spd_engine.tools.cli import main
-from ckpt_helpers import assert_same_tensors, write_tiny_hf
 
 
 def test_all_actions_chain(tmp_path, capsys):

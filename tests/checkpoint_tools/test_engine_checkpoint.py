@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_helpers import ARCHS, tiny_state
 from safetensors.torch import load_file, save_file
 
 from spd_engine.checkpoint_tools import key_maps, shard
 from spd_engine.engine.model import checkpoint as ckpt
-from spd_engine.engine.model.model_config import ModelConfig, tiny_config
 from spd_engine.engine.model.model import StageModel
+from spd_engine.engine.model.model_config import ModelConfig, tiny_config
 from spd_engine.engine.protocol.topology import stage_bounds
-from ckpt_helpers import ARCHS, tiny_state
 
 RUNTIME_SPLITS = ([6], [3, 3], [2, 2, 2], [1, 2, 3], [2, 1, 1, 2], [1] * 6)
 

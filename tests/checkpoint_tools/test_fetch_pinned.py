@@ -7,12 +7,12 @@ import re
 from pathlib import Path
 
 import pytest
+from test_gguf_import import fake_wheel, pinned_tiny, tiny  # noqa: F401 (fixtures and the stand-in wheel)
 
 from spd_engine.checkpoint_tools import convert_cache, fetch
 from spd_engine.checkpoint_tools.file_digest import check_file
 from spd_engine.tools import cli
 from spd_engine.tools.model_args import resolve_model
-from test_gguf_import import fake_wheel, pinned_tiny, tiny  # noqa: F401 (fixtures and the stand-in wheel)
 
 NAME = "smollm2-135m"
 

@@ -12,15 +12,21 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from near_ties import assert_close_and_argmax_agrees
 from safetensors.numpy import load_file
 from tokenizers import pre_tokenizers
 
 from spd_engine.checkpoint_tools import fetch
-from spd_engine.checkpoint_tools.gguf_import import (LAYER_TENSORS, gguf_to_hf, model_config, open_gguf, rope_permute,
-                                          rope_unpermute)
+from spd_engine.checkpoint_tools.gguf_import import (
+    LAYER_TENSORS,
+    gguf_to_hf,
+    model_config,
+    open_gguf,
+    rope_permute,
+    rope_unpermute,
+)
 from spd_engine.engine.model.model_config import ModelConfig, tiny_config
 from spd_engine.tools import cli
-from near_ties import assert_close_and_argmax_agrees
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = [("Ġ", "Ġ"), ("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o")]

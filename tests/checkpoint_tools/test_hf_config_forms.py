@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_config_forms import DATA, FORMS, SHAPE
 
 from spd_engine.checkpoint_tools import shard
 from spd_engine.engine.model import checkpoint as ckpt
 from spd_engine.engine.model.hf_config import FAMILY_DEFAULTS, REQUIRED
 from spd_engine.engine.model.model import rope_tables
 from spd_engine.engine.model.model_config import ModelConfig
-from hf_config_forms import DATA, FORMS, SHAPE
 
 transformers = pytest.importorskip("transformers")
 RECORDED = {v: json.loads((DATA / f"hf_config_forms-{v}.json").read_text()) for v in (4, 5)}

@@ -5,12 +5,12 @@ import json
 
 import pytest
 import torch
+from ckpt_helpers import ARCHS, assert_same_tensors, write_tiny_hf
 from safetensors.torch import save_file
 
 from spd_engine.checkpoint_tools import hf, shard
 from spd_engine.engine.model import checkpoint as ckpt
 from spd_engine.engine.model.model_config import tiny_config
-from ckpt_helpers import ARCHS, assert_same_tensors, write_tiny_hf
 
 
 @pytest.mark.parametrize("arch", ARCHS)

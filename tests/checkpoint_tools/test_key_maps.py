@@ -5,12 +5,12 @@ import dataclasses
 
 import pytest
 import torch
+from ckpt_helpers import ARCHS, tiny_state
 
 from spd_engine.checkpoint_tools import key_maps
-from spd_engine.engine.model.model_config import tiny_config
 from spd_engine.engine.model.kv_cache import KVCache
 from spd_engine.engine.model.model import MLP, SelfAttention, causal_mask, rope_tables
-from ckpt_helpers import ARCHS, tiny_state
+from spd_engine.engine.model.model_config import tiny_config
 
 pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
 

@@ -6,13 +6,13 @@ import dataclasses
 
 import pytest
 import torch
+from ckpt_helpers import assert_same_tensors, tiny_state, write_tiny_hf
 
 from spd_engine.checkpoint_tools import megatron_dcp, shard
 from spd_engine.engine.model.model import StageModel
 from spd_engine.engine.model.model_config import ModelConfig, tiny_config
 from spd_engine.engine.model.tp_model import SerialTP, TPStageModel
 from spd_engine.engine.model.tp_shard import merge_tensor, reshard_piece, shard_state, shard_tensor
-from ckpt_helpers import assert_same_tensors, tiny_state, write_tiny_hf
 
 BIASED = tiny_config("llama", qkv_bias=True, linear_bias=True)
 BIASES = ("self_attention.linear_proj.bias", "mlp.linear_fc1.bias", "mlp.linear_fc2.bias")

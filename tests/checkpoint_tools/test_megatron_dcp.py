@@ -5,12 +5,12 @@ import json
 
 import pytest
 import torch
+from ckpt_helpers import ARCHS, assert_same_tensors, tiny_state
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from spd_engine.checkpoint_tools import hf, megatron_dcp
 from spd_engine.engine.model.model_config import tiny_config
-from ckpt_helpers import ARCHS, assert_same_tensors, tiny_state
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_helpers import tiny_state
 
 from spd_engine.checkpoint_tools import megatron_dcp
-from spd_engine.engine.model.model_config import tiny_config
 from spd_engine.engine.model.model import StageModel
-from ckpt_helpers import tiny_state
+from spd_engine.engine.model.model_config import tiny_config
 
 pytest.importorskip("megatron.core", reason="megatron-core is a test extra: pip install --no-deps megatron-core==0.16.1")
 pytestmark = pytest.mark.multiproc

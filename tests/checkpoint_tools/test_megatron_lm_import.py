@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_helpers import assert_same_tensors, tiny_state
 
 from spd_engine.checkpoint_tools import megatron_args, megatron_dcp, shard
 from spd_engine.engine.model import checkpoint as engine_ckpt
 from spd_engine.engine.model.model import StageModel
 from spd_engine.engine.model.model_config import tiny_config
 from spd_engine.tools.cli import main
-from ckpt_helpers import assert_same_tensors, tiny_state
 
 WORKER = Path(__file__).with_name("megatron_worker.py")
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,11 +10,11 @@ import subprocess
 import sys
 
 import pytest
+from test_megatron_lm_import import MATRIX, ROOT, TOKENS, WORKER
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from spd_engine.engine.model.tokenizer import Tokenizer as EngineTokenizer
 from spd_engine.tools.cli import main
-from test_megatron_lm_import import MATRIX, ROOT, TOKENS, WORKER
 
 
 def word_tokenizer(path, vocab: int) -> None:

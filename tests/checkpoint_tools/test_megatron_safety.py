@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy
 import pytest
 import torch
+from ckpt_helpers import tiny_state
 
 from spd_engine.checkpoint_tools import megatron_dcp, safe_unpickle
 from spd_engine.engine.model.model_config import tiny_config
 from spd_engine.tools.cli import main
-from ckpt_helpers import tiny_state
 
 
 class Payload:

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from ckpt_helpers import tiny_state
+from tiny_tokenizer import write_tiny_tokenizer
 
 from spd_engine.checkpoint_tools import megatron_dcp
 from spd_engine.engine.model.model_config import tiny_config
 from spd_engine.engine.model.tokenizer import Tokenizer
 from spd_engine.tools.cli import main
-from ckpt_helpers import tiny_state
-from tiny_tokenizer import write_tiny_tokenizer
 
 GENERATE = ["generate", "--mode", "ar", "--stages", "1", "--threads", "1", "--max-new-tokens", "3"]
 

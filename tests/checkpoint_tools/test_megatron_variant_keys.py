@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from ckpt_helpers import assert_same_tensors, tiny_state
 
 from spd_engine.checkpoint_tools import key_maps, megatron_dcp
 from spd_engine.engine.model.model_config import tiny_config
-from ckpt_helpers import assert_same_tensors, tiny_state
 
 CFG = tiny_config("llama", num_layers=2, rope_scaling=None, norm="layernorm", norm_1p=True, qk_norm=True,
                   rotary_percent=0.5, activation="gelu_tanh", qkv_bias=True, linear_bias=True)

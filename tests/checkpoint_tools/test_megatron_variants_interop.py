@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_helpers import tiny_state
 
 from spd_engine.checkpoint_tools import megatron_dcp
 from spd_engine.engine.model.model import StageModel
 from spd_engine.engine.model.model_config import tiny_config
-from ckpt_helpers import tiny_state
 
 pytest.importorskip("megatron.core", reason="megatron-core is a test extra")
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]

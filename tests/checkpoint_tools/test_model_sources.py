@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_helpers import write_tiny_hf
 from safetensors.torch import load_file, save_file
 
 from spd_engine.checkpoint_tools import convert_cache, hf_cache
@@ -17,7 +18,6 @@ from spd_engine.engine.model.model_config import tiny_config
 from spd_engine.engine.model.tokenizer import Tokenizer
 from spd_engine.tools.cli import main
 from spd_engine.tools.model_args import resolve_model
-from ckpt_helpers import write_tiny_hf
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

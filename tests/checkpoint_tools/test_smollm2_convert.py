@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from spd_engine.checkpoint_tools import hf, megatron_dcp, shard, verify_checkpoint as verify
-from spd_engine.engine.model import checkpoint as ckpt
 from ckpt_helpers import assert_same_tensors
 from near_ties import count_near_ties
+
+from spd_engine.checkpoint_tools import hf, megatron_dcp, shard
+from spd_engine.checkpoint_tools import verify_checkpoint as verify
+from spd_engine.engine.model import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[2]
 MB = 1024 * 1024

@@ -323,9 +323,9 @@ def test_pp_uses_measured_stage_times_where_the_profile_has_them():
 
 def test_message_sizes_are_the_engines_wire_format():
     from spd_engine.costmodel.cost_inputs import message_bytes
+    from spd_engine.engine.comm.transport import FRAME_HEAD
     from spd_engine.engine.protocol.messages import Header, Kind, WireFormat, link_frames, payload_bytes
     from spd_engine.engine.protocol.topology import Topology
-    from spd_engine.engine.comm.transport import FRAME_HEAD
 
     assert HEADER_BYTES == FRAME_HEAD  # the head of every frame on the wire
     wire, tok = WireFormat(hidden=64, stage_anchors=(3, 3, 3)), Header(Kind.TOKEN, 5, token=9)

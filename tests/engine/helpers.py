@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from spd_engine.engine.runtime.build import build_stage_model
-from spd_engine.engine.model.model_config import ModelConfig
-from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
 from spd_engine.engine.model.greedy import greedy_generate
+from spd_engine.engine.model.model_config import ModelConfig
 from spd_engine.engine.protocol.metrics import GenerationResult
 from spd_engine.engine.protocol.schedule import decode_ticks
 from spd_engine.engine.protocol.topology import Topology
+from spd_engine.engine.runtime.build import build_stage_model
+from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
 
 ARCHS = ("llama", "qwen2", "qwen3")
 CHUNK = 16  # small prefill chunk: prompts longer than 16 tokens take several chunks
@@ -293,8 +293,8 @@ def idle_wait_rank(rank: int, port: int, pause_s: float, out: str) -> None:
 
     import torch.distributed as dist
 
-    from spd_engine.engine.protocol.messages import Header, Kind
     from spd_engine.engine.comm.transport import DistTransport
+    from spd_engine.engine.protocol.messages import Header, Kind
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=2))

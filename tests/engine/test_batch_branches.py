@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import CHUNK, Policy, full_model, random_prompts, reference, solo_results, summary, tiny_cfg, tiny_engine_config
+from near_ties import assert_greedy_agrees, teacher_forced
+from test_batch_runtime import seeded_requests
+from test_branches_runtime import CHAIN_LOGIT_BOUND, truth_row
 
 from spd_engine.engine.model.kv_cache import RowCaches, chain_mask, chain_slot0
 from spd_engine.engine.model.model import StageModel, init_random_
@@ -22,11 +26,6 @@ from spd_engine.engine.runtime.batch_driver import BatchRequest
 from spd_engine.engine.runtime.branch_chains import BranchChains
 from spd_engine.engine.runtime.launch import launch
 from spd_engine.engine.runtime.reference import ReferenceExecutor
-from helpers import (CHUNK, Policy, full_model, random_prompts, reference, solo_results, summary, tiny_cfg,
-                     tiny_engine_config)
-from near_ties import assert_greedy_agrees, teacher_forced
-from test_batch_runtime import seeded_requests
-from test_branches_runtime import CHAIN_LOGIT_BOUND, truth_row
 
 W = 2
 NEW = 24

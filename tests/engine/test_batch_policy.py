@@ -8,8 +8,15 @@ from pathlib import Path
 import pytest
 
 from spd_engine.engine.protocol.batch_policy import BATCH, CRITICAL, BatchLimits, RequestView, plan_rows
-from spd_engine.engine.protocol.batch_schedule import (PROMPT, RequestScript, format_batch, format_utilization, label,
-                                                       simulate_batch, utilization)
+from spd_engine.engine.protocol.batch_schedule import (
+    PROMPT,
+    RequestScript,
+    format_batch,
+    format_utilization,
+    label,
+    simulate_batch,
+    utilization,
+)
 from spd_engine.engine.protocol.schedule import decode_ticks, simulate
 
 pytestmark = pytest.mark.pure

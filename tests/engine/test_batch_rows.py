@@ -7,13 +7,13 @@ latency-critical request is never held, and the bound is never exceeded.
 from __future__ import annotations
 
 import pytest
+from helpers import CHUNK, random_prompts, solo_results, summary, tiny_engine_config
 
 from spd_engine.engine.protocol.batch_policy import CRITICAL
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.runtime.batch_driver import BatchRequest
 from spd_engine.engine.runtime.launch import launch
 from spd_engine.engine.runtime.reference import ReferenceExecutor
-from helpers import CHUNK, random_prompts, solo_results, summary, tiny_engine_config
 
 NEW = 20
 

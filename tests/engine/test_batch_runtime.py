@@ -6,12 +6,20 @@ verifications and acceptances are what it does alone.
 from __future__ import annotations
 
 import pytest
+from helpers import (
+    CHUNK,
+    Policy,
+    assert_processes_equal_threads,
+    random_prompts,
+    reference,
+    solo_results,
+    summary,
+    tiny_engine_config,
+)
 
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.runtime.batch_driver import BatchRequest
 from spd_engine.engine.runtime.reference import ReferenceExecutor
-from helpers import (CHUNK, Policy, assert_processes_equal_threads, random_prompts, reference, solo_results, summary,
-                     tiny_engine_config)
 
 NEW = 24
 

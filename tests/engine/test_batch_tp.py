@@ -12,15 +12,15 @@ import threading
 
 import pytest
 import torch
+from helpers import CHUNK, Policy, assert_processes_equal_threads, random_prompts, solo_results, summary
+from test_batch_branches import branched
+from test_batch_runtime import seeded_requests
+from tp_cases import tp_engine_config, tp_reference
 
 from spd_engine.engine.comm.tp_group import LocalTPHub
 from spd_engine.engine.model.tp_sampling import tp_argmax_rows
 from spd_engine.engine.runtime.batch_driver import BatchRequest
 from spd_engine.engine.runtime.reference import ReferenceExecutor
-from helpers import CHUNK, Policy, assert_processes_equal_threads, random_prompts, solo_results, summary
-from test_batch_branches import branched
-from test_batch_runtime import seeded_requests
-from tp_cases import tp_engine_config, tp_reference
 
 NEW = 24
 TP = 2

@@ -13,14 +13,14 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from helpers import Policy, full_model, random_prompts, reference, tiny_cfg, tiny_engine_config
+from near_ties import assert_greedy_agrees, teacher_forced
 
 from spd_engine.engine.protocol.branching import BranchPolicy
-from spd_engine.engine.runtime.reference import ReferenceExecutor
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.protocol.tick import Draft, TickState, Verdict
 from spd_engine.engine.protocol.topology import Topology
-from helpers import Policy, full_model, random_prompts, reference, tiny_cfg, tiny_engine_config
-from near_ties import assert_greedy_agrees, teacher_forced
+from spd_engine.engine.runtime.reference import ReferenceExecutor
 
 NEW = 40
 CHAIN_LOGIT_BOUND = 1e-5  # W-row vs one-token steps on the tiny configs (logits O(1)), as static vs eager
@@ -176,6 +176,7 @@ def test_forced_candidates_on_tensor_parallel_stages(n, width, one_thread):
     """--tp 2: the chains' rows go through the sharded layers (one reduction per row-parallel
     layer, all rows at once) and the survivor's entries move in every shard's cache."""
     from tp_cases import serial_tp, tp_engine_config
+
     from spd_engine.engine.model.greedy import greedy_generate
 
     ecfg = tp_engine_config("spd", n, 2).replace(branches=width, branch_when="always")

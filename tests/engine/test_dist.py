@@ -7,8 +7,15 @@ import time
 
 import pytest
 
-from spd_engine.engine.comm.dist import (LocalRanks, PeerError, finish_group, gpu_for_rank, join_group, report_failure,
-                                    resolve_backend)
+from spd_engine.engine.comm.dist import (
+    LocalRanks,
+    PeerError,
+    finish_group,
+    gpu_for_rank,
+    join_group,
+    report_failure,
+    resolve_backend,
+)
 
 pytestmark = pytest.mark.multiproc  # most tests start ranks as processes
 

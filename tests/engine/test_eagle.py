@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from spd_engine.engine.model.eagle_head import (EagleConfig, check_eagle_matches, default_feature_layers, load_eagle,
-                                          random_eagle, save_eagle)
-from spd_engine.engine.model.model_config import tiny_config
-from spd_engine.engine.runtime.reference import ReferenceExecutor
 from helpers import ARCHS, Policy, full_model, random_prompts, reference, tiny_engine_config
 from near_ties import assert_greedy_agrees, teacher_forced
+
+from spd_engine.engine.model.eagle_head import (
+    EagleConfig,
+    check_eagle_matches,
+    default_feature_layers,
+    load_eagle,
+    random_eagle,
+    save_eagle,
+)
+from spd_engine.engine.model.model_config import tiny_config
+from spd_engine.engine.runtime.reference import ReferenceExecutor
 
 TINY_BOUND = 1e-6  # fp32 tiny logits O(1): two computations of the same logits (docs/testing.md)
 

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
-
-from spd_engine.engine.model.greedy import prefill
-from spd_engine.engine.runtime.reference import ReferenceExecutor
-from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs, uniform
 from helpers import full_model, in_shares, seed_pool, tiny_cfg, tiny_engine_config  # noqa: F401
 from stats import TEST_LEVEL, chi_square_pvalue, rejection_rate, tv_distance, worst_case_shift
+
+from spd_engine.engine.model.greedy import prefill
+from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs, uniform
+from spd_engine.engine.runtime.reference import ReferenceExecutor
 
 V, NEW, K = 6, 4, 2
 PROMPT = (1, 4, 3, 5)

@@ -8,19 +8,19 @@ target pass, another shape than greedy's steps: equal tokens or a first differen
 from __future__ import annotations
 
 import pytest
-
-from spd_engine.engine.runtime.launch import launch
-from spd_engine.engine.runtime.reference import ReferenceExecutor
 from helpers import Policy
 from near_ties import assert_greedy_agrees, teacher_forced
 from test_real_smollm2 import CHUNK, NEW, PROMPTS, refs, smollm2  # noqa: F401  (fixtures)
+
+from spd_engine.engine.runtime.launch import launch
+from spd_engine.engine.runtime.reference import ReferenceExecutor
 
 SMOLLM2_BOUND = 2e-4
 
 
 def eagle_config(smollm2, k: int, head: str = "random"):
-    from spd_engine.engine.runtime.run_config import RunConfig
     from spd_engine.engine.protocol.topology import Topology
+    from spd_engine.engine.runtime.run_config import RunConfig
 
     engine_dir, cfg, _, _ = smollm2
     return RunConfig(model=str(engine_dir), cfg=cfg, topology=Topology.build(cfg.num_layers, 1), mode="eagle",

@@ -11,16 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from spd_engine.engine.runtime.run_config import PRESETS
-from spd_engine.engine.runtime.launch import FAULT_ENV
-from spd_engine.engine.model.pdm import random_pdm, save_pdm
-from spd_engine.engine.runtime.reference import ReferenceExecutor
-from spd_engine.engine.runtime.stage_worker import StageWorker
-from spd_engine.engine.protocol.topology import Topology
-from spd_engine.engine.comm.transport import TransportError
-from spd_engine.engine.runtime.launch import spd_command
 from helpers import random_prompts, reference, run_ranks, tiny_engine_config
+
+from spd_engine.engine.comm.transport import TransportError
+from spd_engine.engine.model.pdm import random_pdm, save_pdm
+from spd_engine.engine.protocol.topology import Topology
+from spd_engine.engine.runtime.launch import FAULT_ENV, spd_command
+from spd_engine.engine.runtime.reference import ReferenceExecutor
+from spd_engine.engine.runtime.run_config import PRESETS
+from spd_engine.engine.runtime.stage_worker import StageWorker
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 10.0  # receive timeout inside a request
@@ -261,9 +260,9 @@ def test_a_failing_stage_thread_ends_the_request_with_rank_and_peer(monkeypatch)
 
 
 def test_one_gpu_per_rank_is_checked_before_anything_starts():
-    from spd_engine.engine.runtime.run_config import RunConfig
     from spd_engine.engine.comm.dist import gpu_for_rank
     from spd_engine.engine.runtime.launch import launch
+    from spd_engine.engine.runtime.run_config import RunConfig
 
     assert gpu_for_rank(2, None, 4, 3) == 2  # one node: rank r on GPU r
     assert gpu_for_rank(5, 1, 2, 6) == 1  # torchrun: LOCAL_RANK on each node
@@ -285,8 +284,9 @@ def test_an_idle_rank_outlives_the_process_group_timeout(tmp_path):
     # timeout (here 2 s), so idle waits pass their own (days) and the late message still arrives
     import multiprocessing as mp
 
-    from spd_engine.engine.comm.dist import free_port
     from helpers import idle_wait_rank
+
+    from spd_engine.engine.comm.dist import free_port
 
     ctx, port, out = mp.get_context("spawn"), free_port(), tmp_path / "got.txt"
     procs = [ctx.Process(target=idle_wait_rank, args=(r, port, 4.0, str(out)), daemon=True) for r in range(2)]

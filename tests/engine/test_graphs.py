@@ -12,13 +12,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from near_ties import assert_close_and_argmax_agrees
 
-from spd_engine.engine.model.graphs import (DevicePositionCache, PDMStep, StageStep, StepGraph, VerifyStep, bucket_for,
-                                      length_buckets)
+from spd_engine.engine.model.graphs import (
+    DevicePositionCache,
+    PDMStep,
+    StageStep,
+    StepGraph,
+    VerifyStep,
+    bucket_for,
+    length_buckets,
+)
 from spd_engine.engine.model.model import StageModel, init_random_
 from spd_engine.engine.model.pdm import greedy_draft, random_pdm
 from spd_engine.engine.runtime.run_config import PRESETS
-from near_ties import assert_close_and_argmax_agrees
 
 # Observed differences are ~1e-7 (hidden states) and ~1e-7 (logits O(1)); the bounds leave room
 # for other BLAS paths.

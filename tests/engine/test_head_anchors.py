@@ -5,13 +5,12 @@ at every depth (its drafts are then the same); other splits are refused by name.
 from __future__ import annotations
 
 import pytest
-import torch
+from helpers import random_prompts, reference, tiny_cfg, tiny_engine_config
 
 from spd_engine.engine.model.pdm import check_pdm_matches, random_pdm, save_pdm
 from spd_engine.engine.protocol.anchors import default_anchors
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.reference import ReferenceExecutor
-from helpers import random_prompts, reference, tiny_cfg, tiny_engine_config
 
 NEW = 24
 

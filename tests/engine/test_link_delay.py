@@ -13,8 +13,15 @@ import torch
 
 from spd_engine.engine.comm.dist import LocalRanks, join_group, local_init_method
 from spd_engine.engine.comm.tp_group import LocalTPHub
-from spd_engine.engine.comm.transport import (DelayedTransport, DistTransport, LocalHub, LocalTransport, Transport,
-                                              hold_until, with_link_delay)
+from spd_engine.engine.comm.transport import (
+    DelayedTransport,
+    DistTransport,
+    LocalHub,
+    LocalTransport,
+    Transport,
+    hold_until,
+    with_link_delay,
+)
 from spd_engine.engine.protocol.messages import Header, Kind
 
 DELAY_US = 20_000.0  # 20 ms: far above a thread switch on a loaded host, so the bounds below hold

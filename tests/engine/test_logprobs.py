@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import Policy, full_model, random_prompts, reference, tiny_engine_config
 
 from spd_engine.engine.protocol.drafting import SUFFIX_RUN
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.runtime.reference import ReferenceExecutor
-from helpers import Policy, full_model, random_prompts, reference, tiny_engine_config
 
 NEW = 40
 TOP = 3

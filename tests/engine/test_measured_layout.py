@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from spd_engine.engine.runtime.measured_layout import LayoutKey, LayoutStore, choose_layout, with_mixed
 from spd_engine.engine.model.linear import resolve_layout
 from spd_engine.engine.protocol.topology import Topology
+from spd_engine.engine.runtime.measured_layout import LayoutKey, LayoutStore, choose_layout, with_mixed
 from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
 
 pytestmark = pytest.mark.pure

@@ -185,9 +185,10 @@ def test_runtime_modes_give_the_greedy_tokens_of_a_variant_model(mode, pdm_dtype
     """All variants at once through the runtime's stages (threads): SPD with an int8 or fp32 PDM (whose
     final norm is the target's LayerNorm), pipeline and autoregressive modes, with the head screen and the
     weight layout the runtime picks, reproduce the greedy tokens of the full model."""
+    from helpers import random_prompts, reference, tiny_cfg, tiny_engine_config
+
     from spd_engine.engine.runtime.reference import ReferenceExecutor
     from spd_engine.kernels.int8_linear import int8_kernel_available
-    from helpers import random_prompts, reference, tiny_cfg, tiny_engine_config
 
     if pdm_dtype == "int8" and not int8_kernel_available():
         pytest.skip("torch has no int8 matmul kernel here")

@@ -5,8 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spd_engine.engine.protocol.messages import (CONFIG_LEN, HEADER_FIELDS, HEADER_LEN, Header, Kind, WireFormat,
-                                        parse_sampling_payload, sampling_payload)
+from spd_engine.engine.protocol.messages import (
+    CONFIG_LEN,
+    HEADER_FIELDS,
+    HEADER_LEN,
+    Header,
+    Kind,
+    WireFormat,
+    parse_sampling_payload,
+    sampling_payload,
+)
 
 pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
 

@@ -27,15 +27,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from spd_engine.checkpoint_tools.key_maps import hf_to_mcore
-from spd_engine.engine.model.model_config import ModelConfig
-from spd_engine.engine.runtime.run_config import PRESETS
-from spd_engine.engine.model.greedy import greedy_generate, greedy_generate_batch, prefill_chunks
-from spd_engine.engine.model.model import StageModel, init_random_
-from spd_engine.engine.protocol.topology import Topology
 from helpers import ARCHS, tiny_cfg  # noqa: F401
 from near_ties import assert_close_and_argmax_agrees, assert_greedy_agrees, count_near_ties, teacher_forced
+
+from spd_engine.checkpoint_tools.key_maps import hf_to_mcore
+from spd_engine.engine.model.greedy import greedy_generate, greedy_generate_batch, prefill_chunks
+from spd_engine.engine.model.model import StageModel, init_random_
+from spd_engine.engine.model.model_config import ModelConfig
+from spd_engine.engine.protocol.topology import Topology
+from spd_engine.engine.runtime.run_config import PRESETS
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,9 +12,17 @@ import time
 
 import pytest
 import torch
-
-from helpers import (CollectiveCalled, Policy, forbid_collectives, random_prompts, reference, restore,
-                     run_ranks, tiny_cfg, tiny_engine_config)
+from helpers import (
+    CollectiveCalled,
+    Policy,
+    forbid_collectives,
+    random_prompts,
+    reference,
+    restore,
+    run_ranks,
+    tiny_cfg,
+    tiny_engine_config,
+)
 
 pytestmark = pytest.mark.multiproc
 

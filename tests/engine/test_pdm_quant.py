@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import random_prompts, reference, tiny_engine_config
 from safetensors.torch import load_file, save_file
 
 from spd_engine.engine.model.pdm import load_pdm, random_pdm, save_pdm
 from spd_engine.engine.model.pdm_quant import SCALE_SUFFIX, dequantize_state, quantize_state
 from spd_engine.engine.runtime.reference import ReferenceExecutor
-from helpers import random_prompts, reference, tiny_engine_config
 
 
 def test_rounding_is_bounded_by_each_rows_largest_weight():

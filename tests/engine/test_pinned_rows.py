@@ -10,12 +10,12 @@ from collections import deque
 
 import pytest
 import torch
-
-from spd_engine.engine.runtime.build import build_stage_model
-from spd_engine.engine.protocol.messages import Header, Kind
-from spd_engine.engine.runtime.stage_worker import StageWorker
-from spd_engine.engine.comm.transport import Transport
 from helpers import tiny_engine_config
+
+from spd_engine.engine.comm.transport import Transport
+from spd_engine.engine.protocol.messages import Header, Kind
+from spd_engine.engine.runtime.build import build_stage_model
+from spd_engine.engine.runtime.stage_worker import StageWorker
 
 
 class Recording(Transport):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import Policy, check_run, summary
+from near_ties import assert_greedy_agrees, teacher_forced
 
 from spd_engine.engine.model.greedy import greedy_generate
 from spd_engine.engine.protocol.sampling import SamplingParams
@@ -15,8 +17,6 @@ from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.launch import launch
 from spd_engine.engine.runtime.reference import ReferenceExecutor
 from spd_engine.engine.runtime.run_config import RunConfig
-from helpers import Policy, check_run, summary
-from near_ties import assert_greedy_agrees, teacher_forced
 
 pytestmark = pytest.mark.slow
 

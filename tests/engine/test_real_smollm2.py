@@ -9,14 +9,14 @@ import functools
 
 import pytest
 import torch
-
-from spd_engine.engine.runtime.run_config import RunConfig
-from spd_engine.engine.model.greedy import greedy_generate
-from spd_engine.engine.runtime.launch import launch
-from spd_engine.engine.runtime.reference import ReferenceExecutor
-from spd_engine.engine.protocol.topology import Topology
 from helpers import Policy, check_run  # noqa: F401
 from near_ties import assert_greedy_agrees, teacher_forced
+
+from spd_engine.engine.model.greedy import greedy_generate
+from spd_engine.engine.protocol.topology import Topology
+from spd_engine.engine.runtime.launch import launch
+from spd_engine.engine.runtime.reference import ReferenceExecutor
+from spd_engine.engine.runtime.run_config import RunConfig
 
 CHUNK = 16  # chat prompts are ~40 tokens: several prefill chunks
 PROMPTS = ["Write a short poem about the sea.",

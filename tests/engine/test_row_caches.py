@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import ARCHS, tiny_cfg
 
 from spd_engine.engine.model.kv_cache import RowCaches
 from spd_engine.engine.model.model import StageModel, init_random_
-from helpers import ARCHS, tiny_cfg
 
 pytestmark = pytest.mark.pure
 

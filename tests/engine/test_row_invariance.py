@@ -8,13 +8,13 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import tiny_engine_config
 
 from spd_engine.engine.model.kv_cache import RowCaches
 from spd_engine.engine.model.row_invariance import MAX_FLOOR, PROBE_ROWS, probe_rows
 from spd_engine.engine.runtime.build import build_pdm, build_stage_model
 from spd_engine.kernels.int8_linear import int8_kernel_available
 from spd_engine.kernels.packed_linear import packed_kernel_available
-from helpers import tiny_engine_config
 
 LAYOUTS = ["row", "col"] + (["packed"] if packed_kernel_available() else [])
 PROMPTS = [[5, 9, 2, 7], [7, 1, 4, 4, 8, 3, 6], [11, 2]]  # three requests at three lengths

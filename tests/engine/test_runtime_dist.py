@@ -3,11 +3,11 @@ reference executor and the greedy decoder, on a few launches, each serving many 
 from __future__ import annotations
 
 import pytest
+from helpers import CHUNK, Policy, check_run, full_model, random_prompts, reference, summary, tiny_engine_config
+from near_ties import assert_greedy_agrees, teacher_forced
 
 from spd_engine.engine.runtime.launch import launch
 from spd_engine.engine.runtime.reference import ReferenceExecutor
-from helpers import CHUNK, Policy, check_run, full_model, random_prompts, reference, summary, tiny_engine_config
-from near_ties import assert_greedy_agrees, teacher_forced
 
 pytestmark = pytest.mark.multiproc
 

@@ -7,13 +7,12 @@ import functools
 
 import pytest
 import torch
+from helpers import ARCHS, CHUNK, Policy, check_run, expected_ticks, full_model, random_prompts, reference, tiny_engine_config  # noqa: F401
+from near_ties import assert_greedy_agrees, teacher_forced
 
 from spd_engine.engine.protocol.messages import Kind
-from spd_engine.engine.runtime.reference import ReferenceExecutor
 from spd_engine.engine.protocol.schedule import decode_ticks
-from helpers import (ARCHS, CHUNK, Policy, check_run, expected_ticks, full_model, random_prompts,  # noqa: F401
-                     reference, tiny_engine_config)
-from near_ties import assert_greedy_agrees, teacher_forced
+from spd_engine.engine.runtime.reference import ReferenceExecutor
 
 TOPOLOGIES = [(2, False), (3, False), (4, False), (4, True)]
 TOPOLOGY_IDS = ["n2", "n3", "n4", "n4-colocated"]

@@ -11,14 +11,20 @@ import sys
 import numpy as np
 import pytest
 import torch
-from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                    TopPLogitsWarper)
+from stats import TEST_LEVEL, chi2_sf, chi_square_pvalue, rejection_rate, tv_distance, worst_case_shift
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import spd_engine.engine.protocol.sampling as sampling
-from spd_engine.engine.protocol.sampling import (PURPOSES, SamplingParams, draw_key, keyed_generator, sample, splitmix64,
-                             target_probs, uniform)
-from stats import (TEST_LEVEL, chi2_sf, chi_square_pvalue, rejection_rate, tv_distance,
-                   worst_case_shift)
+from spd_engine.engine.protocol.sampling import (
+    PURPOSES,
+    SamplingParams,
+    draw_key,
+    keyed_generator,
+    sample,
+    splitmix64,
+    target_probs,
+    uniform,
+)
 
 # ---- parameters ----
 

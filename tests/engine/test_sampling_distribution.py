@@ -43,15 +43,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
-
-from spd_engine.engine.protocol.drafting import SUFFIX, SUFFIX_RUN
-from spd_engine.engine.runtime.run_config import RunConfig
-from spd_engine.engine.model.greedy import prefill
-from spd_engine.engine.protocol.messages import Kind
-from spd_engine.engine.runtime.reference import ReferenceExecutor
-from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs, uniform
 from helpers import full_model, in_shares, seed_pool, tiny_cfg, tiny_engine_config  # noqa: F401
 from stats import TEST_LEVEL, chi_square_pvalue, rejection_rate, tv_distance, worst_case_shift
+
+from spd_engine.engine.model.greedy import prefill
+from spd_engine.engine.protocol.drafting import SUFFIX, SUFFIX_RUN
+from spd_engine.engine.protocol.messages import Kind
+from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs, uniform
+from spd_engine.engine.runtime.reference import ReferenceExecutor
+from spd_engine.engine.runtime.run_config import RunConfig
 
 V = 6
 NEW = 3  # the first three generated tokens: the prefill token and two verified drafts

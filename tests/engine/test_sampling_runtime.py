@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import full_model, random_prompts, reference, summary, tiny_engine_config  # noqa: F401
 
 import spd_engine.train.evaluate as ev
-from spd_engine.engine.runtime.run_config import PRESETS
 from spd_engine.engine.model.greedy import prefill
-from spd_engine.engine.runtime.launch import launch
-from spd_engine.engine.runtime.reference import ReferenceExecutor
 from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs
 from spd_engine.engine.protocol.schedule import decode_ticks
-from helpers import full_model, random_prompts, reference, summary, tiny_engine_config  # noqa: F401
 from spd_engine.engine.runtime import request_inputs
+from spd_engine.engine.runtime.launch import launch
+from spd_engine.engine.runtime.reference import ReferenceExecutor
+from spd_engine.engine.runtime.run_config import PRESETS
 from spd_engine.tools.cli import main
 
 NEW = 16

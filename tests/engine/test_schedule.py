@@ -5,8 +5,19 @@ import random
 
 import pytest
 
-from spd_engine.engine.protocol.schedule import (CORRECTION, DRAFT, FIRST, STALE, Token, decode_ticks, eal, expected_eal,
-                             format_schedule, pooled_eal, simulate)
+from spd_engine.engine.protocol.schedule import (
+    CORRECTION,
+    DRAFT,
+    FIRST,
+    STALE,
+    Token,
+    decode_ticks,
+    eal,
+    expected_eal,
+    format_schedule,
+    pooled_eal,
+    simulate,
+)
 
 pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
 

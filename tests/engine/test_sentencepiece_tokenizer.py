@@ -8,7 +8,8 @@ import json
 import sys
 
 import pytest
-from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models, pre_tokenizers
 
 from spd_engine.engine.model.sentencepiece_backend import WindowDecodeStream
 from spd_engine.engine.model.tokenizer import IncrementalDetokenizer, Tokenizer

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from spd_engine.engine.comm.dist import LocalRanks, join_group, local_init_method
-from spd_engine.engine.protocol.messages import HEADER_LEN, Header, Kind
 from spd_engine.engine.comm.shm_transport import RING_BYTES, ShmTransport, TransportError, _Ring
+from spd_engine.engine.protocol.messages import HEADER_LEN, Header, Kind
 
 pytestmark = pytest.mark.multiproc
 
@@ -224,8 +224,8 @@ def test_a_long_tick_stream_keeps_every_message_and_count_intact():
 
 def test_run_config_refuses_shm_off_cpu():
     from spd_engine.engine.model.model_config import tiny_config
-    from spd_engine.engine.runtime.run_config import RunConfig
     from spd_engine.engine.protocol.topology import Topology
+    from spd_engine.engine.runtime.run_config import RunConfig
 
     cfg = tiny_config()
     topo = Topology.build(cfg.num_layers, n=2)
@@ -237,8 +237,9 @@ def test_run_config_refuses_shm_off_cpu():
 
 @pytest.mark.parametrize("transport,colocate", [("shm", False), ("shm", True), ("gloo", True)])
 def test_runtime_over_each_transport_equals_greedy(transport, colocate):
-    from spd_engine.engine.runtime.launch import launch
     from helpers import CHUNK, random_prompts, reference, tiny_engine_config
+
+    from spd_engine.engine.runtime.launch import launch
 
     ecfg = tiny_engine_config("llama", 3, colocate, threads=1, transport=transport)
     prompts = random_prompts(ecfg.cfg, (1, 2 * CHUNK + 5, 9), seed=2)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import Policy, check_run, random_prompts, reference, summary, tiny_engine_config
 
+from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.runtime.launch import launch
 from spd_engine.engine.runtime.reference import ReferenceExecutor
-from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.runtime.stage0_overlap import Stage0Runner
-from helpers import Policy, check_run, random_prompts, reference, summary, tiny_engine_config
 
 NEW = 40
 

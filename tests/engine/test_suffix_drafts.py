@@ -6,12 +6,12 @@ from __future__ import annotations
 import math
 
 import pytest
+from helpers import full_model, random_prompts, reference, tiny_engine_config
 
 from spd_engine.engine.protocol.drafting import PDM, SUFFIX, DraftChooser
-from spd_engine.engine.runtime.reference import ReferenceExecutor
 from spd_engine.engine.protocol.suffix import SuffixIndex, SuffixSettings
+from spd_engine.engine.runtime.reference import ReferenceExecutor
 from spd_engine.train.fast_eval import fast_generate
-from helpers import full_model, random_prompts, reference, tiny_engine_config
 
 NEW = 48
 

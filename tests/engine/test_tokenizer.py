@@ -177,7 +177,8 @@ def test_sentencepiece_only_directory_without_the_package_names_it(tmp_path, mon
 
 def test_incremental_detokenizer_on_a_metaspace_tokenizer() -> None:
     """A SentencePiece-style decoder (Metaspace: a leading '▁' becomes a space, the first one dropped)."""
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers
 
     vocab = {"<unk>": 0, "</s>": 1, "▁hello": 2, "▁wor": 3, "ld": 4, "▁": 5, "<0xE4>": 6, "<0xB8>": 7, "<0x96>": 8}
     backend = Backend(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tp_cases import tp_cfg, tp_reference
 
 from spd_engine.checkpoint_tools.shard import write_engine
-from spd_engine.engine.runtime.build import build_tp_stage_model
+from spd_engine.engine.comm.tp_group import LocalTPHub
 from spd_engine.engine.model.greedy import greedy_generate
 from spd_engine.engine.model.model import StageModel, init_random_
+from spd_engine.engine.model.tp_shard import shard_tensor
+from spd_engine.engine.protocol.topology import Topology
+from spd_engine.engine.runtime.build import build_tp_stage_model
 from spd_engine.engine.runtime.reference import ReferenceExecutor
 from spd_engine.engine.runtime.run_config import RunConfig
-from spd_engine.engine.protocol.topology import Topology
-from spd_engine.engine.comm.tp_group import LocalTPHub
-from spd_engine.engine.model.tp_shard import shard_tensor
-from tp_cases import tp_cfg, tp_reference
 
 
 @pytest.mark.parametrize("ckpt_tp", [1, 2])

@@ -8,11 +8,11 @@ import signal
 import time
 
 import pytest
-
-from spd_engine.engine.runtime.launch import FAULT_ENV
 from helpers import random_prompts, run_ranks
 from test_faults import TIMEOUT_S, cli, generate_once, reported, wait_group_gone
 from tp_cases import tp_engine_config
+
+from spd_engine.engine.runtime.launch import FAULT_ENV
 
 KILLED = 4  # n=2, T=2, separate driver: ranks 1, 2 are stage 0, ranks 3, 4 stage 1; 4 is TP rank 1 of stage 1
 

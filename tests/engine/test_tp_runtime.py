@@ -5,16 +5,15 @@ the outputs agree except where the reduction order decides a near-tie."""
 from __future__ import annotations
 
 import pytest
-import torch
-
-from spd_engine.engine.runtime.build import build_stage_model
-from spd_engine.engine.runtime.launch import launch
-from spd_engine.engine.runtime.reference import ReferenceExecutor
-from spd_engine.engine.protocol.sampling import SamplingParams
-from spd_engine.engine.model.tp_model import resident_bytes
 from helpers import CHUNK, Policy, check_run, full_model, random_prompts, reference, summary
 from near_ties import assert_greedy_agrees, teacher_forced
 from tp_cases import tp_engine_config, tp_reference
+
+from spd_engine.engine.model.tp_model import resident_bytes
+from spd_engine.engine.protocol.sampling import SamplingParams
+from spd_engine.engine.runtime.build import build_stage_model
+from spd_engine.engine.runtime.launch import launch
+from spd_engine.engine.runtime.reference import ReferenceExecutor
 
 NEW = 24
 

@@ -17,16 +17,16 @@ import threading
 import numpy as np
 import pytest
 import torch
-
-from spd_engine.engine.model import tp_sampling
-from spd_engine.engine.model.greedy import prefill
-from spd_engine.engine.runtime.reference import ReferenceExecutor
-from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs
-from spd_engine.engine.comm.tp_group import LocalTPHub
 from helpers import in_shares, seed_pool  # noqa: F401
 from stats import TEST_LEVEL, chi_square_pvalue
 from test_sampling_distribution import POWER, judge, power
 from tp_cases import serial_tp, tp_cfg, tp_engine_config
+
+from spd_engine.engine.comm.tp_group import LocalTPHub
+from spd_engine.engine.model import tp_sampling
+from spd_engine.engine.model.greedy import prefill
+from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs
+from spd_engine.engine.runtime.reference import ReferenceExecutor
 
 V, NEW, PROMPT = 6, 3, (1, 4, 3, 5)
 TOPK2 = SamplingParams(temperature=1.0, top_k=2)

@@ -9,16 +9,15 @@ import threading
 import pytest
 import torch
 
-from spd_engine.engine.runtime.build import build_stage_model, build_tp_stage_model
+from spd_engine.engine.comm.tp_group import LocalTPHub, reduce_parts
 from spd_engine.engine.model.greedy import greedy_generate
 from spd_engine.engine.model.model_config import tiny_config
-from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
+from spd_engine.engine.model.tp_model import SerialTP, resident_bytes
+from spd_engine.engine.model.tp_shard import check_tp, merge_tensor, reshard_piece, shard_config, shard_tensor, vocab_range
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.protocol.topology import Topology
-from spd_engine.engine.comm.tp_group import LocalTPHub, reduce_parts
-from spd_engine.engine.model.tp_model import SerialTP, resident_bytes
-from spd_engine.engine.model.tp_shard import (check_tp, merge_tensor, reshard_piece, shard_config, shard_tensor,
-                                        vocab_range)
+from spd_engine.engine.runtime.build import build_stage_model, build_tp_stage_model
+from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
 
 
 def run_config(preset: str, **cfg_overrides) -> RunConfig:

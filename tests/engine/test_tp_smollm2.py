@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from near_ties import assert_greedy_agrees, teacher_forced
+from tp_cases import tp_reference
 
-from spd_engine.engine.runtime.build import build_stage_model
 from spd_engine.engine.model.checkpoint import read_index
 from spd_engine.engine.model.greedy import greedy_generate
+from spd_engine.engine.model.tp_model import resident_bytes
+from spd_engine.engine.protocol.topology import Topology
+from spd_engine.engine.runtime.build import build_stage_model
 from spd_engine.engine.runtime.launch import launch
 from spd_engine.engine.runtime.reference import ReferenceExecutor
 from spd_engine.engine.runtime.run_config import RunConfig
-from spd_engine.engine.protocol.topology import Topology
-from spd_engine.engine.model.tp_model import resident_bytes
-from near_ties import assert_greedy_agrees, teacher_forced
-from tp_cases import tp_reference
 
 pytestmark = pytest.mark.slow
 NEW = 24

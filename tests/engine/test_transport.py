@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from spd_engine.engine.protocol.messages import Header, Kind
 from spd_engine.engine.comm.transport import LocalHub, LoopbackTransport, TransportError, loopback_pair
+from spd_engine.engine.protocol.messages import Header, Kind
 
 
 def token(position: int, epoch: int = 0) -> Header:

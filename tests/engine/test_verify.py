@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from stats import TEST_LEVEL, chi_square_pvalue, tv_distance
 
 from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs, uniform
 from spd_engine.engine.protocol.verify import verify_greedy, verify_sampled
-from stats import TEST_LEVEL, chi_square_pvalue, tv_distance
 
 pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
 

@@ -7,12 +7,11 @@ import itertools
 
 import pytest
 import torch
-
 from stats import TEST_LEVEL, chi_square_pvalue
+
 from spd_engine.engine.protocol.sampling import keyed_generator
 from spd_engine.engine.protocol.verify import verify_sampled
-from spd_engine.engine.protocol.verify_multi import (Candidate, committed_distribution, verify_candidates,
-                                            verify_candidates_greedy)
+from spd_engine.engine.protocol.verify_multi import Candidate, committed_distribution, verify_candidates, verify_candidates_greedy
 
 pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
 

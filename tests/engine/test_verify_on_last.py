@@ -5,12 +5,12 @@ T > 0 and branch chains still verify on the driver, and the setting is validated
 from __future__ import annotations
 
 import pytest
+from helpers import Policy, check_run, random_prompts, reference, tiny_engine_config
 
 from spd_engine.engine.protocol.drafting import SUFFIX_RUN
 from spd_engine.engine.protocol.messages import WireFormat
-from spd_engine.engine.runtime.reference import ReferenceExecutor
 from spd_engine.engine.protocol.sampling import SamplingParams
-from helpers import Policy, check_run, random_prompts, reference, tiny_engine_config
+from spd_engine.engine.runtime.reference import ReferenceExecutor
 
 NEW = 40
 WRONG = frozenset({1, 9, 10, NEW - 1})  # forced rejections: the first draft, two in a row, the last token

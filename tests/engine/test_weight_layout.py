@@ -7,6 +7,8 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import tiny_cfg, tiny_engine_config
+from near_ties import assert_greedy_agrees, teacher_forced
 
 from spd_engine.engine.model.greedy import greedy_generate
 from spd_engine.engine.model.linear import is_col_major, resolve_layout, set_weight_layout_
@@ -15,8 +17,6 @@ from spd_engine.engine.runtime.build import build_pdm, build_stage_model
 from spd_engine.engine.runtime.run_config import RunConfig
 from spd_engine.kernels.packed_linear import packed_kernel_available
 from spd_engine.train.reference_cache import ReferenceCache
-from helpers import tiny_cfg, tiny_engine_config
-from near_ties import assert_greedy_agrees, teacher_forced
 
 
 def test_resolve_layout():

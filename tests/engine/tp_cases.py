@@ -8,12 +8,12 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
-
-from spd_engine.engine.runtime.build import build_driver_head, build_tp_stage_model
-from spd_engine.engine.model.greedy import greedy_generate
-from spd_engine.engine.runtime.run_config import RunConfig
-from spd_engine.engine.model.tp_model import SerialTP
 from helpers import tiny_cfg, tiny_engine_config
+
+from spd_engine.engine.model.greedy import greedy_generate
+from spd_engine.engine.model.tp_model import SerialTP
+from spd_engine.engine.runtime.build import build_driver_head, build_tp_stage_model
+from spd_engine.engine.runtime.run_config import RunConfig
 
 
 def tp_cfg(tp: int, **overrides):

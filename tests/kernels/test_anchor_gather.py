@@ -16,8 +16,13 @@ import sys
 import pytest
 import torch
 
-from spd_engine.kernels.anchor_gather import (anchor_rows, num_types_of, pack_projection_weights, type_weight_t,
-                                   unpack_projection_weights)
+from spd_engine.kernels.anchor_gather import (
+    anchor_rows,
+    num_types_of,
+    pack_projection_weights,
+    type_weight_t,
+    unpack_projection_weights,
+)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import random_prompts, reference, tiny_engine_config
 from torch import nn
 
 from spd_engine.engine.runtime.build import build_pdm
 from spd_engine.engine.runtime.reference import ReferenceExecutor
 from spd_engine.kernels.int8_linear import Int8Linear, int8_linear_reference, quantize_rows, to_int8_linears_
-from helpers import random_prompts, reference, tiny_engine_config
 
 
 def test_quantized_rows_are_within_a_rounding_step():

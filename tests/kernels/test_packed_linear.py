@@ -8,16 +8,21 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import tiny_cfg, tiny_engine_config
+from near_ties import assert_greedy_agrees, teacher_forced
 from torch import nn
 
 from spd_engine.engine.model.greedy import greedy_generate
 from spd_engine.engine.model.linear import resolve_layout, set_weight_layout_
 from spd_engine.engine.model.model import StageModel, init_random_
 from spd_engine.engine.runtime.build import build_pdm, build_stage_model
-from spd_engine.kernels.packed_linear import (MIN_ROWS, PackedLinear, packed_kernel_available,
-                                              packed_linear_reference, to_packed_linears_)
-from helpers import tiny_cfg, tiny_engine_config
-from near_ties import assert_greedy_agrees, teacher_forced
+from spd_engine.kernels.packed_linear import (
+    MIN_ROWS,
+    PackedLinear,
+    packed_kernel_available,
+    packed_linear_reference,
+    to_packed_linears_,
+)
 
 needs_kernel = pytest.mark.skipif(not packed_kernel_available(), reason="this torch has no oneDNN CPU linear")
 

@@ -5,8 +5,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spd_engine.kernels.screened_argmax import (ROWS_INT8_MIN, ScreenedHead, int8_digits, quantize_rows,
-                                                reference_argmax, supported)
+from spd_engine.kernels.screened_argmax import (
+    ROWS_INT8_MIN,
+    ScreenedHead,
+    int8_digits,
+    quantize_rows,
+    reference_argmax,
+    supported,
+)
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_weight_int8pack_mm"), reason="torch lacks its int8 kernel")
 

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from spd_engine.engine.comm.iface import (GLOO_ENV, IFACE_ENV, NCCL_ENV, apply_iface, choose_iface, iface_of,
-                                          master_host, parse_if_inet6, use_iface)
+from spd_engine.engine.comm.iface import (
+    GLOO_ENV,
+    IFACE_ENV,
+    NCCL_ENV,
+    apply_iface,
+    choose_iface,
+    iface_of,
+    master_host,
+    parse_if_inet6,
+    use_iface,
+)
 
 pytestmark = pytest.mark.pure
 

@@ -7,7 +7,6 @@ the same link without it."""
 from __future__ import annotations
 
 import pytest
-
 from test_two_nodes import _netbench, nodes  # noqa: F401  (nodes: the fixture)
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 import two_node_links
 from nodes import namespaces_unusable
 

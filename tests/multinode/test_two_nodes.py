@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from nodes import IFNAME, Lines, Nodes, namespaces_unusable
 
 from spd_engine.engine.comm.iface import GLOO_ENV, IFACE_ENV, NCCL_ENV
 from spd_engine.engine.runtime.launch import spd_script
-from nodes import IFNAME, Lines, Nodes, namespaces_unusable
 
 PORT = "29500"  # each namespace has its own ports: no clash with anything else on the host
 TINY = ["--model", "random:tiny-llama", "--threads", "1", "--timeout", "20"]

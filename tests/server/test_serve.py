@@ -17,14 +17,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from helpers import reference
 
-from spd_engine.engine.runtime.launch import spd_command
+from spd_engine.engine.protocol.topology import Topology
+from spd_engine.engine.runtime.launch import FAULT_ENV, spd_command
+from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
 from spd_engine.server.exporter import without_model_name
 from spd_engine.server.process import ServerProcess, group_members
-from spd_engine.engine.runtime.launch import FAULT_ENV
-from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
-from spd_engine.engine.protocol.topology import Topology
-from helpers import reference
 
 pytestmark = pytest.mark.multiproc
 REPO = Path(__file__).resolve().parents[2]
@@ -77,8 +76,8 @@ def tiny_reference(prompt: list[int], max_new: int) -> list[int]:
 def tiny_tp_model(tp: int):
     """The server's model as its TP split (the T shards in one thread, partial sums in the
     all-reduce's order; the driver's unsharded head, as SPD x TP verifies with it)."""
-    from spd_engine.engine.runtime.build import build_driver_head, build_tp_stage_model
     from spd_engine.engine.model.tp_model import SerialTP
+    from spd_engine.engine.runtime.build import build_driver_head, build_tp_stage_model
 
     cfg = PRESETS["tiny-llama"]
     ecfg = RunConfig(model=TINY, cfg=cfg, topology=Topology.build(cfg.num_layers, 2, tp=tp), capacity=512,
@@ -125,8 +124,9 @@ def test_spd_x_tp_server_with_branch_width_2_equals_greedy_with_its_split():
     completions are greedy decoding with the same TP split (up to a near-tie: a chain step is a
     W-row matmul, docs/testing.md), and the untrained head's refills do start branch points
     (they are counted in /metrics)."""
-    from spd_engine.engine.model.greedy import greedy_generate
     from near_ties import assert_greedy_agrees, teacher_forced
+
+    from spd_engine.engine.model.greedy import greedy_generate
 
     model, eos = tiny_tp_model(2), PRESETS["tiny-llama"].eos_token_ids
     server = ServerProcess([*TINY_ARGS, "--tp", "2", "--branches", "2"])

@@ -14,7 +14,7 @@ import pytest
 
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.server.engine_loop import EngineLoop
-from spd_engine.server.job import Job, SPD_FIELDS
+from spd_engine.server.job import SPD_FIELDS, Job
 from spd_engine.server.openai_api import ApiError, ParsedRequest
 from spd_engine.server.request import ServeRequest
 

@@ -13,9 +13,9 @@ import threading
 import time
 
 import httpx
-import torch
 import openai
 import pytest
+import torch
 
 from spd_engine.server.process import ServerProcess
 from spd_engine.tools.cli import version
@@ -183,7 +183,8 @@ def test_what_the_engine_cannot_honour_is_a_400_naming_it(tiny, kwargs, param):
 
 CHAT_ASKING = [(dict(n=17), "n"), (dict(top_logprobs=21, logprobs=True), "top_logprobs"),
                (dict(top_logprobs=2), "top_logprobs"), (dict(logprobs="yes"), "logprobs"),
-               (dict(logprobs=True, top_logprobs=1.5), "top_logprobs"), (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+               (dict(logprobs=True, top_logprobs=1.5), "top_logprobs"),
+               (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
                (dict(tool_choice="auto"), "tool_choice"), (dict(response_format={"type": "json_object"}),
                                                             "response_format"),
                (dict(extra_body={"add_generation_prompt": False}), "add_generation_prompt"),

@@ -9,15 +9,15 @@ import re
 import threading
 
 import pytest
+from helpers import random_prompts, reference, tiny_engine_config
 
-from spd_engine.engine.runtime.reference import ReferenceExecutor
 from spd_engine.engine.protocol.sampling import SamplingParams
+from spd_engine.engine.runtime.reference import ReferenceExecutor
 from spd_engine.server.engine_loop import EngineLoop
-from spd_engine.server.job import Job
 from spd_engine.server.exporter import ServeMetrics
+from spd_engine.server.job import Job
 from spd_engine.server.openai_api import ParsedRequest
 from spd_engine.server.request import ServeRequest
-from helpers import random_prompts, reference, tiny_engine_config
 
 NEW = 40
 

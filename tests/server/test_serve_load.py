@@ -9,6 +9,7 @@ import pytest
 
 from spd_engine.tools.experiments.serve_load import Outcome, check, main
 
+
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_load_test_passes_on_the_tiny_model(tmp_path):

@@ -16,8 +16,8 @@ from spd_engine.engine.protocol.metrics import GenerationResult
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.server.app import build_app
 from spd_engine.server.engine_loop import EngineLoop
-from spd_engine.server.job import Job
 from spd_engine.server.exporter import ServeMetrics, without_model_name
+from spd_engine.server.job import Job
 from spd_engine.server.openai_api import ParsedRequest
 from spd_engine.server.request import ModelInfo, ServeRequest
 

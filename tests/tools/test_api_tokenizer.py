@@ -3,13 +3,13 @@ model with real weights refuses text (token ids still run)."""
 from __future__ import annotations
 
 import pytest
+from ckpt_helpers import tiny_state
+from tiny_tokenizer import write_tiny_tokenizer
 
 from spd_engine import LLM, SamplingParams
 from spd_engine.checkpoint_tools import shard
 from spd_engine.engine.model.model_config import tiny_config
 from spd_engine.engine.model.tokenizer import Tokenizer
-from ckpt_helpers import tiny_state
-from tiny_tokenizer import write_tiny_tokenizer
 
 OPTIONS = dict(stages=2, threads=1, capacity=64)
 

@@ -99,7 +99,8 @@ def test_bench_hf_rows_beside_the_engine(tmp_path, eos_first_model, monkeypatch,
     monkeypatch.setenv("SPD_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "hf.json"
     assert main(["bench", "--model", str(eos_first_model), "--stages", "2", "--threads", "1", "--prompt", "hello",
-                 "--ignore-eos", "--max-new-tokens", "24", "--repeats", "1", "--configs", "ar,hf,hf-lookup", "--lookup-tokens", "4",
+                 "--ignore-eos", "--max-new-tokens", "24", "--repeats", "1", "--configs", "ar,hf,hf-lookup",
+                 "--lookup-tokens", "4",
                  "--json", str(out)]) == 0
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     # every row against each hf row too; from one repeat every ratio but a row's own is noisy

@@ -109,6 +109,7 @@ def test_pdm_layers_with_a_trained_head_is_refused(tmp_path, capsys):
 
 def test_seed_with_real_weights_and_a_trained_head_is_refused(tmp_path, capsys, monkeypatch):
     from ckpt_helpers import write_tiny_hf
+
     from spd_engine.engine.model.model_config import tiny_config
 
     monkeypatch.setenv("SPD_CACHE", str(tmp_path / "cache"))

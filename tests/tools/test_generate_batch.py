@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from spd_engine.tools.cli import main
 
 ARGS = ["generate", "--model", "random:tiny-llama", "--capacity", "64", "--prefill-chunk", "16", "--threads", "1",

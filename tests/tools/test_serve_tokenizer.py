@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from ckpt_helpers import tiny_state
+from tiny_tokenizer import write_tiny_tokenizer
 
 from spd_engine.checkpoint_tools import shard
 from spd_engine.engine.model.model_config import tiny_config
 from spd_engine.server.openai_api import ApiError, ParsedRequest
 from spd_engine.server.process import ServerProcess
 from spd_engine.server.tokenizing import PromptEncoder
-from ckpt_helpers import tiny_state
-from tiny_tokenizer import write_tiny_tokenizer
 
 ARGS = ["--mode", "ar", "--stages", "1", "--threads", "1", "--capacity", "128", "--port", "0"]
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from spd_engine.engine.runtime.run_config import PRESETS
 from spd_engine.engine.model.pdm import random_pdm, save_pdm
+from spd_engine.engine.runtime.run_config import PRESETS
 from spd_engine.tools import generate
 from spd_engine.tools.cli import main
 from spd_engine.tools.engine_args import engine_config

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from spd_engine.engine.model.pdm import load_pdm, read_pdm_config
-from spd_engine.engine.runtime.launch import spd_script
 from helpers import full_model, tiny_engine_config
 from test_corpus import build
+
+from spd_engine.engine.model.pdm import load_pdm, read_pdm_config
+from spd_engine.engine.protocol.topology import Topology
+from spd_engine.engine.runtime.launch import spd_script
 from spd_engine.train.corpus import Corpus
 from spd_engine.train.data_parallel import DataParallel
 from spd_engine.train.distill import TrainConfig, Trainer, distill_loss
 from spd_engine.train.head_transplant import anchor_map
-from spd_engine.engine.protocol.topology import Topology
 from spd_engine.train.self_distill import pick_prompts
 
 ECFG = tiny_engine_config("llama", n=2)

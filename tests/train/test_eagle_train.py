@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import Policy, full_model, random_prompts, reference, tiny_engine_config
+from test_corpus import build
+from test_distill import ModTokenizer, json_steps
 
-from spd_engine.engine.runtime.eagle_driver import EagleDriver
 from spd_engine.engine.model.eagle_head import load_eagle, random_eagle
 from spd_engine.engine.model.greedy import greedy_generate_batch
-from spd_engine.train.eagle import EagleTrainConfig, EagleTrainer, eagle_loss, ttt_mask, unrolled_hidden
-from helpers import Policy, full_model, random_prompts, reference, tiny_engine_config
-from test_distill import ModTokenizer, json_steps
-from test_corpus import build
+from spd_engine.engine.runtime.eagle_driver import EagleDriver
+from spd_engine.train.eagle import EagleTrainConfig, EagleTrainer, ttt_mask, unrolled_hidden
 
 ECFG = tiny_engine_config("llama", 1, mode="eagle", threads=1)
 S = 24
@@ -68,7 +68,7 @@ def test_training_logits_equal_the_runtime_chain(one_thread):
     want = reference(ECFG, prompt, 20)
     drv = EagleDriver(model, head, k, 64, 16)
     seen: dict[int, tuple[int, torch.Tensor]] = {}
-    draft, chain_at = drv._draft, {}
+    draft = drv._draft
 
     def spy(h, pos):
         c = len(drv.req.context)

@@ -6,12 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 import spd_engine.train.evaluate as ev
-from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
 from spd_engine.engine.model.pdm import random_pdm
 from spd_engine.engine.protocol.topology import Topology
+from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
 from spd_engine.tools.cli import main
 from spd_engine.train.fast_eval import Acceptance
 

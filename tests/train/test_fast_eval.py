@@ -13,17 +13,15 @@ from collections import Counter
 
 import pytest
 import torch
-
 from helpers import full_model, random_prompts, reference, tiny_engine_config
 
-from spd_engine.engine.runtime.build import build_pdm
-from spd_engine.engine.runtime.run_config import RunConfig
 from spd_engine.engine.model.pdm import PDM, random_pdm
-from spd_engine.engine.runtime.reference import ReferenceExecutor
 from spd_engine.engine.protocol.schedule import decode_ticks, simulate
 from spd_engine.engine.protocol.topology import Topology
+from spd_engine.engine.runtime.build import build_pdm
+from spd_engine.engine.runtime.reference import ReferenceExecutor
+from spd_engine.engine.runtime.run_config import RunConfig
 from spd_engine.train.fast_eval import Acceptance, fast_generate, replay
-
 
 # ---- replay: pure ----
 
@@ -210,8 +208,8 @@ CHAT = ["What is the capital of France? Answer in one sentence.",
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4])
 def test_fast_path_equals_reference_on_smollm2(n):
-    from spd_engine.engine.runtime.build import build_stage_model
     from spd_engine.engine.model.tokenizer import Tokenizer
+    from spd_engine.engine.runtime.build import build_stage_model
     from spd_engine.tools.model_args import model_config, resolve_model
 
     spec, tok_dir = resolve_model("smollm2-135m")

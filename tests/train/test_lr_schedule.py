@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_distill import params, stream, target, tcfg
 
 from spd_engine.train.distill import Trainer
 from spd_engine.train.lr_schedule import decay_start, draw_fill, schedule_lr
-from test_distill import params, stream, target, tcfg
 
 pytestmark = pytest.mark.pure  # the fast tier: logic only, no process, no model file
 

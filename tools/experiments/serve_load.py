@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from spd_engine.server.process import ServerProcess
 from spd_engine.bench.stats import percentile
+from spd_engine.server.process import ServerProcess
 from spd_engine.tools.cli import HelpFormatter
 
 

@@ -79,15 +79,15 @@ def start_server(serve_argv: list[str]):
 
     import uvicorn
 
-    from spd_engine.engine.runtime.launch import launch
     from spd_engine.engine.model.tokenizer import Tokenizer
-    from spd_engine.tools import serve
-    from spd_engine.tools.engine_args import engine_config
+    from spd_engine.engine.runtime.launch import launch
     from spd_engine.server.app import build_app
     from spd_engine.server.engine_loop import EngineLoop
     from spd_engine.server.exporter import ServeMetrics
     from spd_engine.server.request import ModelInfo
     from spd_engine.server.runner import bind
+    from spd_engine.tools import serve
+    from spd_engine.tools.engine_args import engine_config
 
     p = argparse.ArgumentParser()
     serve.add_arguments(p)

@@ -22,11 +22,11 @@ import sys
 
 import torch
 
-from spd_engine.engine.runtime.build import build_stage_model, build_tp_stage_model
 from spd_engine.engine.model.greedy import greedy_generate, prefill
-from spd_engine.engine.runtime.run_config import RunConfig, random_preset
-from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.model.tp_model import SerialTP
+from spd_engine.engine.protocol.topology import Topology
+from spd_engine.engine.runtime.build import build_stage_model, build_tp_stage_model
+from spd_engine.engine.runtime.run_config import RunConfig, random_preset
 from spd_engine.tools.cli import HelpFormatter
 
 SETS = ("mt_bench", "humaneval", "gsm8k")

@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from spd_engine.engine.runtime.run_config import PRESETS
 from spd_engine.engine.model.model import StageModel, init_random_
 from spd_engine.engine.protocol.topology import Topology
+from spd_engine.engine.runtime.run_config import PRESETS
 from spd_engine.tools.cli import HelpFormatter
 from spd_engine.train.distill import TrainConfig, distill_loss, new_pdm
 
