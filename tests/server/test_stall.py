@@ -181,7 +181,7 @@ def test_real_processes_starved_of_a_core_and_polling(caplog):
 
 @pytest.mark.multiproc
 def test_serve_neighbour_streams_alone_beside_a_neighbour_and_alone_again(tmp_path):
-    """`spd measure serve-neighbour` end to end on the tiny model (its figures: docs/serve.md)."""
+    """`spd measure serve-neighbour` end to end on the tiny model (its figures: docs/results/serve-shared-host.md)."""
     from spd_engine.tools.experiments.serve_neighbour import main
 
     out = tmp_path / "neighbour.json"
