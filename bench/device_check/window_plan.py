@@ -60,7 +60,7 @@ class WindowPlan:
 def gpu_window_plan(budget_s: float = 540.0, device: str = "cuda", check: bool = True) -> WindowPlan:
     """The window: the GPU check, then the shipped n = 4 head trained on (the one head the tracked
     tree has room to replace), a deeper n = 4 head (K = 4: on the H200 profiles the PDM hides
-    behind a stage up to K = 6 at n = 4, docs/heads.md), and n = 2 and n = 8 heads warm-started
+    behind a stage up to K = 6 at n = 4, docs/results/head-smollm2-n4.md), and n = 2 and n = 8 heads warm-started
     from the shipped one (train/head_transplant.py; the anchors of their carried heads)."""
     runs = (
         HeadRun("n4-k2", (8, 8, 7, 7), (0, 8, 23, 29), 2, 0.5, 3e-4, SHIPPED_N4, SHIPPED_FILL_WEIGHTS),
