@@ -4,7 +4,7 @@ megatron-core's `GPTModel` (local layer spec, CPU, a single-rank gloo group) is 
 checkpoint's Megatron-LM args (or from the engine config our export records), its weights are read
 by megatron-core's own `dist_checkpointing.load`, and its forward gives the logits: nothing of the
 engine's importer is involved, so a tensor the importer dropped or misread shows up as a difference.
-It runs in a subprocess (`python -m spd_engine.checkpoint_tools.megatron_reference`), which owns the
+It runs in a subprocess of its own (this module's `_main`, started by `megatron_logits`), which owns the
 process group and the CPU shims (`cpu_shims`).
 
 Nothing is unpickled on the way: before megatron-core (whose reader calls `pickle.load` on
@@ -199,14 +199,14 @@ def megatron_logits(ckpt: Path, args: dict, vocab_rows: int, prompts: list[list[
         request.write_text(json.dumps({"args": args, "vocab_rows": vocab_rows, "prompts": prompts,
                                        "rendezvous": str(Path(tmp) / "rendezvous")}))
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-        run = subprocess.run([sys.executable, "-m", "spd_engine.checkpoint_tools.megatron_reference", str(ckpt),
-                              str(request), str(out)], capture_output=True, text=True, timeout=timeout_s, env=env,
-                             cwd=tmp)  # not the caller's directory: python -m puts it on sys.path
+        run = subprocess.run([sys.executable, "-c", _CHILD, str(ckpt), str(request), str(out)], capture_output=True,
+                             text=True, timeout=timeout_s, env=env, cwd=tmp)
         if run.returncode != 0:
             last = (run.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise ValueError(f"megatron-core could not run {ckpt}: {last}")
         return torch.load(out, weights_only=True)
 
 
-if __name__ == "__main__":
-    _main(*sys.argv[1:4])
+# the child: this module's _main, with no directory on sys.path that could shadow installed packages
+_CHILD = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
+          "from spd_engine.checkpoint_tools.megatron_reference import _main; _main(*sys.argv[1:4])")

@@ -25,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PYTEST = ["-q", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider"]
 BUSY = "while True:\n    pass\n"  # one core's worth of a neighbour
+PYTEST = str(Path(sys.executable).with_name("pytest"))  # the environment's, never `python -m` from the root
 
 
 def failed_tests(junit: Path) -> list[str]:
@@ -44,7 +45,7 @@ def run_once(k: int, out: Path, pytest_args: list[str], neighbours: int) -> tupl
     t0 = time.monotonic()
     try:
         with (out / f"run-{k}.log").open("w") as log:
-            code = subprocess.run([sys.executable, "-m", "pytest", *pytest_args, f"--junitxml={junit}"],
+            code = subprocess.run([PYTEST, *pytest_args, f"--junitxml={junit}"],
                                   cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode
     finally:
         for p in busy:

@@ -68,7 +68,8 @@ TRANSPORTS = ("auto", "gloo", "shm")
 DEFAULT_BRANCHES = 1
 # tokens a suffix draft may carry as one entry where runs can travel (SPD, suffix drafts, n >= 2, one
 # chain, one TP rank): at n=2 on all 120 dev prompts pooled EAL is 1.51 / 2.06 / 2.18 / 2.24 at K = 1 / 4 /
-# 8 / 16 for 1 / 1.73 / 2.26 / 3.14 tokens per stage step (docs/results/heads-smollm2-n2-n8.md); timed at 8 (docs/results/speed-2core-epyc.md)
+# 8 / 16 for 1 / 1.73 / 2.26 / 3.14 tokens per stage step (docs/results/heads-smollm2-n2-n8.md); timed at 8
+# (docs/results/speed-2core-epyc.md)
 DEFAULT_SUFFIX_RUN = 8
 EAGLE_K = 2  # draft chain length of --mode eagle: the shipped head accepts nothing past step 2 (docs/results/eagle-baseline.md)
 
