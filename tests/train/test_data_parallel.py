@@ -13,7 +13,7 @@ import pytest
 # run under torchrun: join, build an optimizer after joining (it imports torch._dynamo, which
 # imports the module whose default arguments capture the world group), step once, leave
 RANK = """
-import os, torch
+import os, sys, torch
 from spd_engine.train.data_parallel import DataParallel
 
 def gloo_threads():
@@ -28,7 +28,8 @@ model(torch.ones(2, 4)).sum().backward()
 dp.average_gradients(model.parameters())
 opt.step()
 dp.close()
-print("left", gloo_threads(), flush=True)
+with open(os.path.join(sys.argv[1], f"rank{dp.rank}.txt"), "w") as f:  # a file per rank: stdout interleaves
+    f.write(repr(gloo_threads()))
 """
 
 
@@ -38,6 +39,7 @@ def test_close_ends_every_gloo_thread(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script)], capture_output=True, text=True, timeout=300)
+                           str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("left []") == 2, proc.stdout + proc.stderr[-2000:]
+    left = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert left == ["[]", "[]"], left
