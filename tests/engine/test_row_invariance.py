@@ -39,6 +39,13 @@ def test_probe_finds_the_floor_a_kernel_needs_and_its_ceiling():
     assert probe_rows(by_rows, 16, torch.float32, "cpu") == (MAX_FLOOR, MAX_FLOOR)  # all padded to the floor
 
 
+def _needs_invariance(report, rows: int) -> None:
+    """The bit-identity below is what the probe promises where it finds the kernels row-invariant; a CPU
+    whose BLAS rounds every row count otherwise (the runtime then says so) is skipped, naming why."""
+    if not (report.invariant and report.max_rows >= rows):
+        pytest.skip(f"this CPU's kernels are not row-invariant up to {rows} rows here: {report}")
+
+
 def _stage_rows(model, caches, which: list[int]) -> torch.Tensor:
     """One decode row of each request in `which`, in one step -> outputs [len(which), H]."""
     starts = [len(PROMPTS[i]) for i in which]
@@ -56,7 +63,7 @@ def _stage_rows(model, caches, which: list[int]) -> torch.Tensor:
 def test_a_stage_row_and_its_logits_are_the_same_alone_and_in_a_batch(layout, one_thread):
     ecfg = tiny_engine_config("llama", weight_layout=layout)
     model = build_stage_model(ecfg, range(ecfg.cfg.num_layers), embedding=True, head=True)
-    assert model.row_invariance.invariant and model.row_invariance.max_rows >= 3, model.row_invariance
+    _needs_invariance(model.row_invariance, 3)
     outs = []
     for which in ([0], [0, 1], [0, 1, 2], [2, 0]):
         caches = [model.new_cache(1, 32) for _ in PROMPTS]
@@ -78,7 +85,7 @@ def test_a_stage_row_and_its_logits_are_the_same_alone_and_in_a_batch(layout, on
 def test_a_request_s_pdm_rows_are_the_same_alone_and_in_a_batch(layout, pdm_dtype, one_thread):
     ecfg = dataclasses.replace(tiny_engine_config("llama", weight_layout=layout), pdm_dtype=pdm_dtype)
     pdm = build_pdm(ecfg)
-    assert pdm.row_invariance.invariant and pdm.row_invariance.max_rows >= 4, pdm.row_invariance
+    _needs_invariance(pdm.row_invariance, 4)
     H = ecfg.cfg.hidden_size
     gen = torch.Generator().manual_seed(3)
     rows = [torch.randn(c, H, generator=gen) for c in (1, 2, 3)]  # a request's rows of a tick: 1 to 3
@@ -121,6 +128,12 @@ def test_anchor_rows_are_the_same_for_any_row_count(one_thread):
 def test_mixed_layout_is_reported_not_batch_invariant(one_thread):
     ecfg = tiny_engine_config("llama", weight_layout="mixed")
     model = build_stage_model(ecfg, range(ecfg.cfg.num_layers), embedding=True, head=True)
+    # mixed steps one row through a column-major copy and several through the packed weight: where those two
+    # kernels round a row differently (every host measured), the probe must say the layout is not invariant
+    fc1 = model.get_submodule("decoder.layers.0.mlp.linear_fc1")
+    x = torch.randn(2, ecfg.cfg.hidden_size)
+    if torch.equal(fc1(x[:1]), fc1(x)[:1]):
+        pytest.skip("on this CPU mixed's one-row and several-row kernels round alike")
     assert not model.row_invariance.invariant and "decoder.layers.0.mlp.linear_fc1" in model.row_invariance.variant
 
 
