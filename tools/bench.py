@@ -72,6 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "spd-colocate (else spd) pipeline, against the same requests one at a time: tok/s, TPOT, "
                         "TTFT, stage utilization per B (bench/batch_speed.py)")
     add_json_argument(g, "the full report")
+    g.add_argument("--plot", metavar="SVG", default=None,
+                   help="draw every row's tok/s over ar's with its min-max over repeats as SVG (bench/results_plot.py; "
+                        "with --synthetic-alpha 1.0 the SPD row is drawn as the ceiling; spd plan --results-figure "
+                        "joins saved runs and acceptance)")
     g.add_argument("--timeline", metavar="PNG", help="PNG timeline of a few spd ticks")
     g.add_argument("--chrome-trace", metavar="JSON", help="the first spd request's tick timeline as a Chrome "
                                                          "trace (open in ui.perfetto.dev or chrome://tracing)")
@@ -257,6 +261,20 @@ def split_line(name: str, split: dict) -> str:
             f"ms (--stage-layers {layers})")
 
 
+def check_plot(args: argparse.Namespace) -> None:
+    """--plot refused before the run when it could not be drawn or written after it."""
+    if args.plot is None:
+        return
+    from spd_engine.tools.cli_conventions import check_output_path
+
+    check_output_path(args.plot, "--plot")
+    if args.synthetic_alpha not in (None, 1.0):
+        raise ValueError("--plot draws real acceptance, or the ceiling with --synthetic-alpha 1.0; "
+                         f"not --synthetic-alpha {args.synthetic_alpha}")
+    if args.synthetic_alpha == 1.0 and not any(c.startswith("spd") for c in config_names(args)):
+        raise ValueError("--plot with --synthetic-alpha 1.0 draws the SPD row as the ceiling: --configs has none")
+
+
 def run(args: argparse.Namespace) -> int:
     from spd_engine.engine.model.tokenizer import Tokenizer
     from spd_engine.engine.runtime.request_inputs import encode_prompts
@@ -265,6 +283,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--synthetic-alpha must be in [0, 1], got {args.synthetic_alpha}")
     if args.repeats < 1:
         raise ValueError("--repeats must be >= 1")
+    check_plot(args)
     load = HostLoad.parse(args.host_load) if args.host_load is not None else None
     refuse_ignored(args, ["overlap_stage0"], "by spd bench: its spd-overlap config is the overlapped driver")
     ecfg, tok_dir = engine_config(args, seed_used=args.synthetic_alpha is not None,  # it seeds the policy
@@ -336,6 +355,11 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(format_summary(report["batches"])), file=out)
     if args.json:
         write_json(args.json, report)
+    if args.plot:
+        from spd_engine.bench.results_plot import figure_data, results_svg, write_svg
+
+        write_svg(args.plot, results_svg(figure_data([("this run", report)])))
+        print(f"plot: {args.plot}", file=out)
     if args.profile_out:
         write_profile(report, ecfg, args.profile_out, load)
     if report["peer_mismatches"]:

@@ -42,8 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fast (default at T=0): exact teacher-forced replay, T=0 only; reference (default "
                         "at T>0): the runtime in one process; dist: one process per rank")
     add_json_argument(g, "summaries and per-prompt records")
-    g.add_argument("--plot", default=None, metavar="PNG",
-                   help="also draw alpha by fill and by dataset and the drafts by source to this PNG (matplotlib)")
+    g.add_argument("--plot", default=None, metavar="PNG|SVG",
+                   help="also draw alpha by fill and by dataset and the drafts by source to this PNG (matplotlib); "
+                        "a name ending in .svg: the results figure's acceptance panel, this run's EAL at its n "
+                        "(bench/results_plot.py, no matplotlib; spd plan --results-figure joins several runs)")
     g.add_argument("--reference-cache", default=None, metavar="DIR",
                    help="fast executor: keep greedy reference outputs here and reuse them (several heads, one target)")
 
@@ -87,7 +89,10 @@ def run(args: argparse.Namespace) -> int:
         from spd_engine.tools.cli_conventions import check_output_path
 
         check_output_path(args.plot, "--plot")
-        import matplotlib  # noqa: F401
+        if not args.plot.endswith(".svg"):
+            import matplotlib  # noqa: F401
+        elif args.mode == Mode.EAGLE:
+            raise ValueError("--plot *.svg draws SPD's EAL by n; not with --mode eagle (its PNG does)")
     data_dir, names = _data_dir(args.data_dir), _datasets(args.datasets)
     prompts = [p for name in names for p in load_dataset(data_dir, name, args.limit)]
     ecfg, tok_dir = engine_config(args)
@@ -137,10 +142,15 @@ def run(args: argparse.Namespace) -> int:
             "stage_layers": list(ecfg.topology.stage_layers), "executor": executor,
             "max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
             "top_k": settings.top_k, "top_p": settings.top_p, "seed": settings.seed, "data_dir": str(data_dir), "wall_s": wall,
-            "suffix_run": ecfg.max_run}
+            "suffix_run": ecfg.max_run, "suffix_drafts": ecfg.suffix_drafts}
     if args.json:
         write_json(args.json, report.to_json(meta))
-    if args.plot:
+    if args.plot and args.plot.endswith(".svg"):
+        from spd_engine.bench.results_plot import figure_data, results_svg, write_svg
+
+        write_svg(args.plot, results_svg(figure_data([("this run", report.to_json(meta))])))
+        print(f"spd eval: plot written to {args.plot}", file=sys.stderr)
+    elif args.plot:
         from spd_engine.bench.plot import plot_eval
 
         plot_eval(report.to_json(meta), args.plot)

@@ -77,6 +77,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule-figure", metavar="SVG", default=None,
                    help="write the worked example's tick schedule (n = 4, one rejection; README.md's figure) as SVG "
                         "and exit")
+    p.add_argument("--results-figure", metavar="SVG", default=None,
+                   help="draw the results figure (EAL by n, speed rows against ar, the ceiling) from --results-from "
+                        "as SVG and exit; README.md's: --results-from docs/figures/results.json")
+    p.add_argument("--results-from", metavar="JSON[,JSON...]", default=None,
+                   help="--results-figure's inputs: spd eval --json and spd bench --json reports, or figure-data "
+                        "files (format spd-results/1, bench/results_plot.py)")
     val = p.add_argument_group("validation (--validate)")
     val.add_argument("--validate", action="store_true", help="run tick replays here and compare with the model")
     val.add_argument("--tolerance", type=float, default=0.15, help="allowed relative tick-time error")
@@ -449,6 +455,13 @@ def _batch(args: argparse.Namespace, profile: Profile, links: Links, alpha: Alph
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.results_figure is None) != (args.results_from is None):
+        raise ValueError("--results-figure and --results-from go together: the figure and the reports it is drawn from")
+    if args.results_figure:
+        from spd_engine.bench.results_plot import plot_results
+
+        plot_results([f for f in args.results_from.split(",") if f], args.results_figure)
+        return 0
     if args.schedule_figure:
         from pathlib import Path
 
