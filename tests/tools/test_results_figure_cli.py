@@ -41,6 +41,7 @@ def test_eval_plot_svg_draws_this_runs_eal(tmp_path: Path):
     assert main(["eval", *TINY, "--mode", "eagle", "--data-dir", str(d), "--plot", str(tmp_path / "g.svg")]) == 2
 
 
+@pytest.mark.multiproc
 def test_bench_plot_draws_this_runs_ratios(tmp_path: Path):
     out, svg = tmp_path / "b.json", tmp_path / "b.svg"
     argv = ["bench", *TINY, "--stages", "2", "--prompt", "hello", "--max-new-tokens", "6", "--ignore-eos",
