@@ -122,14 +122,15 @@ def add_figure_data(data: FigureData, doc: dict, where: str) -> None:
     "speed": [{"label", "x_ar", "min", "max", "spd"}], "ceiling": {...} or null}; "source" keys
     (the page a figure comes from) are for the reader."""
     for i, series in enumerate(doc.get("acceptance") or []):
-        if not isinstance(series.get("rule"), str) or not isinstance(series.get("eal"), dict):
+        if not isinstance(series, dict) or not isinstance(series.get("rule"), str) \
+                or not isinstance(series.get("eal"), dict):
             raise ValueError(f"{where}: acceptance[{i}] needs 'rule' and 'eal' ({{n: EAL}})")
         for n, eal in series["eal"].items():
             _add_eal(data, series["rule"], int(n), _number(series["eal"], n, f"{where} acceptance[{i}]"), where)
     speed = [("speed", i, row) for i, row in enumerate(doc.get("speed") or [])]
     for key, i, row in speed + ([("ceiling", 0, doc["ceiling"])] if doc.get("ceiling") else []):
         at = f"{where} {key}[{i}]"
-        if not isinstance(row.get("label"), str):
+        if not isinstance(row, dict) or not isinstance(row.get("label"), str):
             raise ValueError(f"{at}: no 'label'")
         spread = [None if row.get(k) is None else _number(row, k, at) for k in ("min", "max")]
         bar = Bar(row["label"], _number(row, "x_ar", at), *spread, spd=bool(row.get("spd")))

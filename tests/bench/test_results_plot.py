@@ -118,6 +118,8 @@ def test_figure_data_files_give_what_reports_give():
     ({"rows": [{"name": "ar"}, {"name": "spd", "speedup_vs_ar": 1.1}], "synthetic_alpha": 0.5}, "synthetic"),
     ({"format": rp.FORMAT, "speed": [{"x_ar": 1.0}]}, "no 'label'"),
     ({"format": rp.FORMAT, "acceptance": [{"eal": {"2": 1.5}}]}, "needs 'rule' and 'eal'"),
+    ({"format": rp.FORMAT, "speed": ["pp"]}, "no 'label'"),
+    ({"format": rp.FORMAT, "acceptance": [2.5]}, "needs 'rule' and 'eal'"),
     ({"format": rp.FORMAT}, "nothing to draw"),
     ([1, 2], "not a JSON object"),
 ])
