@@ -19,6 +19,11 @@ class SamplingParams:
     seed: int | None = None  # of the keyed random draws: a seed repeats its text for one configuration
     stop: tuple[str, ...] = ()  # the reply ends before the first of these strings
     ignore_eos: bool = False  # generate max_tokens tokens, past EOS
+    # vLLM's penalties and min_tokens, applied to the target's logits (engine/protocol/logits_processing.py)
+    repetition_penalty: float = 1.0  # > 0: prompt and output tokens' logits divided (> 0) or multiplied
+    presence_penalty: float = 0.0  # [-2, 2]: subtracted from every token the output holds
+    frequency_penalty: float = 0.0  # [-2, 2]: times the token's count in the output, subtracted
+    min_tokens: int = 0  # EOS held back until the reply has this many tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -26,13 +31,17 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if isinstance(self.min_tokens, int) and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must not exceed max_tokens ({self.max_tokens}), got {self.min_tokens}")
         object.__setattr__(self, "stop", stop)
         # the engine's checks (finite, ranges) at once, not at the first request
         EngineSampling(**{k: v for k, v in self.overrides().items() if v is not None})
 
     def overrides(self) -> dict:
         """The sampling fields given (None: the model's default), in the engine's names."""
-        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
+        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+                    repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens)
 
 
 @dataclass

@@ -66,17 +66,6 @@ def describe_exit(code: int) -> str:
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
 
-def with_scores(runtime, job: Job) -> Callable[[int], bool]:
-    """The job's on_token, handed each token's log-probabilities too (a stream carries them): the
-    driver records them in its request's result before it calls on_token (RequestState.commit)."""
-    def on_token(token: int) -> bool:
-        scored = runtime.req.res.logprobs[-1]
-        assert scored[0] == token, "log-probabilities recorded for another token"
-        return job.on_token(token, scored)
-
-    return on_token
-
-
 class EngineLoop:
     """The engine thread, its queue and its state: starting, ready, draining, stopped or failed."""
 
@@ -267,9 +256,8 @@ class EngineLoop:
                               param="logprobs"))
             self._count("bad_request")
             return
-        on_token = job.on_token if not asked else with_scores(runtime, job)
-        try:
-            res = runtime.generate(req.prompt_ids, req.max_tokens, tuple(eos), on_token=on_token,
+        try:  # with log-probabilities asked the driver calls on_token(token, scored)
+            res = runtime.generate(req.prompt_ids, req.max_tokens, tuple(eos), on_token=job.on_token,
                                    sampling=req.sampling, **asked)
         except ValueError as err:  # refused before any work: the pipeline is untouched
             job.fail(ApiError(400, str(err)))
@@ -282,23 +270,25 @@ class EngineLoop:
         if self.metrics is not None:
             self.metrics.request_done(job, res)
 
-    def _start(self, job: Job) -> BatchRequest | None:
+    def _start(self, job: Job, gives_logprobs: bool) -> BatchRequest | None:
         """A job about to enter the pipeline as a BatchRequest; None when it ended first (cancelled
-        while queued, or refused: a 400)."""
+        while queued, or refused: a 400; `gives_logprobs`: whether the runtime records them)."""
         if job.cancel_reason is not None:  # gone before its turn
             if job.close():
                 job.finish_reason = job.cancel_reason
                 self._count(job.cancel_reason)
             return None
         req = job.req
-        if req.parsed.logprobs is not None:  # the batch driver does not record them
-            if job.fail(ApiError(400, "logprobs: not given with --max-batch > 1", param="logprobs")):
+        if req.parsed.logprobs is not None and not gives_logprobs:
+            if job.fail(ApiError(400, "logprobs: this server's mode does not give log-probabilities (SPD does)",
+                                 param="logprobs")):
                 self._count("bad_request")
             return None
         eos = set() if req.parsed.ignore_eos else self.eos
         job.eos = eos
+        logprobs = -1 if req.parsed.logprobs is None else req.parsed.logprobs
         return BatchRequest(req.prompt_ids, req.max_tokens, tuple(eos), req.sampling, on_token=job.on_token,
-                            latency=req.latency, priority=req.priority)
+                            latency=req.latency, priority=req.priority, top_logprobs=logprobs)
 
     def _run_batch(self, runtime, first: Job) -> None:
         """Jobs in the pipeline B at a time, from `first` on, while the queue has jobs (a DirectCall
@@ -310,7 +300,7 @@ class EngineLoop:
         def intake() -> BatchRequest | None:
             while pending or (nxt := self.queue.get_nowait(Job)) is not None:
                 job = pending.pop() if pending else nxt
-                request = self._start(job)
+                request = self._start(job, getattr(runtime, "gives_logprobs", False))
                 if request is None:
                     continue
                 batch.jobs.add(job)  # from here on a failure of the engine fails it too

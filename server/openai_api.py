@@ -2,11 +2,12 @@
 
 Every field the engine honours is checked (type and range) and every other field is refused with
 a 400 in OpenAI's error shape naming it, never ignored. Fields OpenAI or vLLM define but the engine
-does not implement (penalties, tools, response formats, min_tokens, ...) are accepted only at their
-neutral value (penalties 0, repetition_penalty 1, ...), which asks for nothing the engine does not
-do. Log-probabilities are asked for by a completion's `logprobs` (0-5 alternatives) or a chat's
-`logprobs: true` with `top_logprobs` (0-20); both are held as ParsedRequest.logprobs, the number of
-alternatives (given at T = 0). `n` (1-16) asks for that many choices of one prompt. `model` may be
+does not implement (tools, response formats, min_p, ...) are accepted only at their neutral value,
+which asks for nothing the engine does not do. The penalties (`presence_penalty`,
+`frequency_penalty` in [-2, 2], vLLM's `repetition_penalty` > 0) and `min_tokens` are honoured
+(engine/protocol/logits_processing.py). Log-probabilities are asked for by a completion's
+`logprobs` (0-5 alternatives) or a chat's `logprobs: true` with `top_logprobs` (0-20); both are
+held as ParsedRequest.logprobs, the number of alternatives. `n` (1-16) asks for that many choices of one prompt. `model` may be
 left out (the served model), and the `developer` role is a chat turn as `system` is. Two extra
 fields choose how a request is scheduled (docs/design.md 3.12): `latency` ("batch", the default,
 or "critical") and `priority` (an integer, default 0, lower served first, as vLLM orders it;
@@ -69,6 +70,16 @@ class ParsedRequest:
     priority: int = 0  # among requests of one class, higher first: the request's `priority` negated
     logprobs: int | None = None  # each token's log-probability and this many alternatives (None: not asked)
     n: int = 1  # choices of the one prompt
+    repetition_penalty: float | None = None  # vLLM's: > 0 (1 = off), over prompt and output tokens
+    presence_penalty: float | None = None  # [-2, 2] (0 = off), over output tokens
+    frequency_penalty: float | None = None  # [-2, 2] (0 = off), over output tokens
+    min_tokens: int | None = None  # vLLM's: EOS held back until the reply has this many tokens
+
+    def processing(self) -> dict:
+        """The penalty and min_tokens fields given, in the engine's SamplingParams names."""
+        values = dict(repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                      frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens)
+        return {k: v for k, v in values.items() if v is not None}
 
 
 def _neutral(*values) -> Callable[[Any], bool]:
@@ -80,14 +91,13 @@ def _neutral(*values) -> Callable[[Any], bool]:
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": _neutral(1), "echo": _neutral(False), "suffix": _neutral(),
     "logprobs": _neutral(False), "top_logprobs": _neutral(0), "logit_bias": _neutral({}),
-    "presence_penalty": _neutral(0, 0.0), "frequency_penalty": _neutral(0, 0.0),
     "tools": _neutral([]), "tool_choice": _neutral("none"), "parallel_tool_calls": _neutral(),
     "functions": _neutral([]), "function_call": _neutral("none"),
     "response_format": _neutral({"type": "text"}), "store": _neutral(False), "metadata": _neutral(),
     "modalities": _neutral(["text"]), "audio": _neutral(), "prediction": _neutral(),
     "reasoning_effort": _neutral(), "service_tier": _neutral(), "web_search_options": _neutral(),
     # vLLM's extra sampling and output fields
-    "repetition_penalty": _neutral(1, 1.0), "min_tokens": _neutral(0), "min_p": _neutral(0, 0.0),
+    "min_p": _neutral(0, 0.0),
     "length_penalty": _neutral(1, 1.0), "use_beam_search": _neutral(False), "stop_token_ids": _neutral([]),
     "bad_words": _neutral([]), "allowed_token_ids": _neutral(), "include_stop_str_in_output": _neutral(False),
     "skip_special_tokens": _neutral(True), "spaces_between_special_tokens": _neutral(True),
@@ -105,8 +115,11 @@ COMPLETION_UNSUPPORTED = {**{k: v for k, v in UNSUPPORTED.items() if k != "logpr
 MAX_LOGPROBS = 5  # OpenAI's bound for /v1/completions
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat's top_logprobs
 MAX_N = 16  # choices per request: each is a request of its own in the engine
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (sampling.PENALTY_LIMIT)
+MAX_REPETITION_PENALTY = 1e6  # finite, as the engine requires: a larger one is no different in effect
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-          "user", "ignore_eos", "latency", "priority", "n"}
+          "user", "ignore_eos", "latency", "priority", "n", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "min_tokens"}
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 ROLES = ("system", "developer", "user", "assistant")
@@ -305,4 +318,8 @@ def parse_request(body: Any, chat: bool) -> ParsedRequest:
         stop=_stop(body), stream=stream, include_usage=_stream_options(body, stream),
         ignore_eos=_bool(body, "ignore_eos"), latency=_latency(body), priority=_priority(body),
         logprobs=_chat_logprobs(body) if chat else _logprobs(body),
-        n=_int(body, "n", 1, MAX_N + 1) or 1)
+        n=_int(body, "n", 1, MAX_N + 1) or 1,
+        repetition_penalty=_number(body, "repetition_penalty", 0.0, MAX_REPETITION_PENALTY, lo_open=True),
+        presence_penalty=_number(body, "presence_penalty", -MAX_PENALTY, MAX_PENALTY),
+        frequency_penalty=_number(body, "frequency_penalty", -MAX_PENALTY, MAX_PENALTY),
+        min_tokens=_int(body, "min_tokens", 0))

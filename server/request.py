@@ -75,7 +75,8 @@ def _sampling(parsed: ParsedRequest, info: ModelInfo) -> SamplingParams:
     """generation_config.json defaults with the request's values on top (as `spd generate` does).
     An unseeded sampled request gets a fresh random seed, as OpenAI servers draw fresh samples."""
     seed = parsed.seed if parsed.seed is not None else secrets.randbelow(info.seed_limit)
-    overrides = dict(temperature=parsed.temperature, top_k=parsed.top_k, top_p=parsed.top_p, seed=seed)
+    overrides = dict(temperature=parsed.temperature, top_k=parsed.top_k, top_p=parsed.top_p, seed=seed,
+                     **parsed.processing())
     try:
         params = sampling_params(overrides, info.tok_dir)
     except ValueError as err:  # "sampling: top_p must be ..." names the field first
@@ -111,8 +112,8 @@ def prepare(parsed: ParsedRequest, info: ModelInfo, ids: list[int] | None = None
         raise bad("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the KV "
                                 f"capacity of {info.capacity} positions")
     sampling = _sampling(parsed, info)
-    if parsed.logprobs is not None and not sampling.greedy:
-        raise bad("logprobs", "log-probabilities are given at temperature 0 (greedy) only by this server")
+    if sampling.min_tokens > max_tokens:
+        raise bad("min_tokens", f"must not exceed max_tokens ({max_tokens}), got {sampling.min_tokens}")
     return ServeRequest(ids, max_tokens, sampling, parsed.stop, parsed)
 
 

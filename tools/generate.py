@@ -15,6 +15,8 @@ that file the default is greedy and unset filters are off. Draws are keyed by
 (seed, position, purpose), so a seed repeats its text for one configuration (mode, n, head),
 whether the ranks are threads or processes; another configuration draws other, equally exact
 samples (SPD's drafts depend on n and the head, and ar / pp draw without drafts).
+--repetition-penalty, --presence-penalty, --frequency-penalty and --min-tokens (vLLM's) change the
+target's logits before temperature and the filters (--mode spd).
 """
 from __future__ import annotations
 
@@ -50,18 +52,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--top-p", type=float, default=None, help="keep the smallest head with mass > p, in (0, 1]")
     s.add_argument("--sampling-seed", type=int, default=None,
                    help="seed of the keyed random draws (--seed seeds random weights and untrained heads)")
+    s.add_argument("--repetition-penalty", type=float, default=None,
+                   help="vLLM's: > 0, 1 = off; prompt and output tokens' logits divided (> 0) or multiplied")
+    s.add_argument("--presence-penalty", type=float, default=None, help="in [-2, 2]; 0 = off; over output tokens")
+    s.add_argument("--frequency-penalty", type=float, default=None,
+                   help="in [-2, 2]; 0 = off; times each output token's count")
+    s.add_argument("--min-tokens", type=int, default=None, help="EOS held back until this many tokens (--mode spd)")
 
 
 def sampling_overrides(args: argparse.Namespace) -> dict:
     """The sampling flags given on the command line (None = not given)."""
-    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.sampling_seed)
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.sampling_seed,
+                repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens)
+
+
+def sampling_json(sampling: SamplingParams) -> dict:
+    """The record's sampling: temperature, top_k, top_p and seed, and the penalties and min_tokens where set."""
+    neutral = asdict(SamplingParams())
+    return {k: v for k, v in asdict(sampling).items()
+            if k in ("temperature", "top_k", "top_p", "seed") or v != neutral[k]}
 
 
 def result_json(i: int, ecfg, res, tok, sampling: SamplingParams) -> dict:
     """The --json record of one prompt: what was generated, by which model and head, and the stats."""
     return {"prompt": i, "text": tok.text(res.tokens) if tok is not None else None, "token_ids": list(res.tokens),
             "model": ecfg.model, "head": {"spd": ecfg.pdm, "eagle": ecfg.eagle_head}.get(ecfg.mode), "mode": ecfg.mode,
-            "n": ecfg.topology.n, "tp": ecfg.topology.tp, "colocate": ecfg.topology.colocate, "sampling": asdict(sampling),
+            "n": ecfg.topology.n, "tp": ecfg.topology.tp, "colocate": ecfg.topology.colocate, "sampling": sampling_json(sampling),
             **res.to_json()}
 
 

@@ -29,18 +29,27 @@ _MASK64 = (1 << 64) - 1
 # overflow the int64 the ranks receive them in.
 TOP_K_LIMIT = 1 << 31
 
+# presence and frequency penalties lie in [-PENALTY_LIMIT, PENALTY_LIMIT] (OpenAI's and vLLM's bound)
+PENALTY_LIMIT = 2.0
+
 # HF generation defaults for fields a generation_config.json leaves out.
 _HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How tokens are chosen. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
+    """How tokens are chosen. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters.
+    The penalties and min_tokens (vLLM's) change the logits first (engine/protocol/logits_processing.py);
+    their defaults leave them unchanged."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    repetition_penalty: float = 1.0  # > 0: prompt and output tokens' logits divided (> 0) or multiplied
+    presence_penalty: float = 0.0  # [-2, 2]: subtracted from the logit of every token the output holds
+    frequency_penalty: float = 0.0  # [-2, 2]: times the token's count in the output, subtracted
+    min_tokens: int = 0  # EOS is masked until the output holds this many tokens
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p"):
@@ -55,10 +64,27 @@ class SamplingParams:
             raise ValueError(f"sampling: top_k must be an integer >= 0 and below 2**31 (0 = off), got {self.top_k!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= _MASK64:
             raise ValueError(f"sampling: seed must be an integer in [0, 2**64), got {self.seed!r}")
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"sampling: {name} must be a finite number, got {value!r}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"sampling: repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -PENALTY_LIMIT <= getattr(self, name) <= PENALTY_LIMIT:
+                raise ValueError(f"sampling: {name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"sampling: min_tokens must be an integer >= 0, got {self.min_tokens!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def processes(self) -> bool:
+        """Whether the logits are changed before temperature and the filters (a penalty or min_tokens)."""
+        return (self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.min_tokens > 0)
 
     @classmethod
     def from_generation_config(cls, config: dict, **overrides) -> "SamplingParams":

@@ -14,6 +14,7 @@ import torch
 
 from spd_engine.engine.comm.transport import Transport
 from spd_engine.engine.model.greedy import check_request, prefill_chunks
+from spd_engine.engine.protocol.logits_processing import refuse_processing
 from spd_engine.engine.protocol.messages import Header, Kind, sampling_payload
 from spd_engine.engine.protocol.metrics import GenerationResult
 from spd_engine.engine.protocol.sampling import SamplingParams
@@ -51,6 +52,7 @@ class PipelineDriver:
                  draft_policy=None, on_token: Callable[[int], None] | None = None,
                  sampling: SamplingParams = SamplingParams()) -> GenerationResult:
         check_request(prompt, max_new_tokens, self.capacity, self.vocab)
+        refuse_processing(sampling, "the pp / ar baselines")
         if sampling.seed >= 1 << 63:
             raise ValueError("the pp/ar baselines take seeds below 2**63")
         res = GenerationResult(tokens=[], n=self.topo.n)

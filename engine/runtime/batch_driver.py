@@ -71,6 +71,7 @@ class BatchRequest:
     on_token: OnToken | None = None
     latency: str = BATCH  # batch_policy.CRITICAL: keeps its single-stream schedule (docs/design.md 3.12)
     priority: int = 0  # among batch-class requests: higher enters first
+    top_logprobs: int = -1  # >= 0: each token's log-probability and this many alternatives (Driver.generate)
 
 
 @dataclass
@@ -297,7 +298,8 @@ class BatchDriver:
     def _first_token(self, live: _Live) -> None:
         d, req = self.driver, live.req
         P = len(live.request.prompt)
-        first = live.lane.verifier.sample_target(d.head.logits(live.prefill_exit), P, req.sampling)
+        req.top_logprobs = live.request.top_logprobs
+        first = req.first_token(live.lane.verifier, d.head.logits(live.prefill_exit), live.request.prompt)
         live.t_first = time.perf_counter()
         req.res.prefill_s = live.t_first - live.t_slot  # from taking its slot: the queue's wait is not prefill
         req.start_decode(P, first, d.anchor_stages)

@@ -49,7 +49,7 @@ GREEDY = SamplingParams()
 
 
 class Driver:
-    gives_logprobs = True  # generate(top_logprobs=k): the verification's log-probabilities (T = 0)
+    gives_logprobs = True  # generate(top_logprobs=k): the verification's log-probabilities
     def __init__(self, topo: Topology, plan: AnchorPlan, head: StageModel, pdm: PDM, transport: Transport,
                  opts: RankOptions, local_stage0: StageWorker | None = None) -> None:
         assert head.has_embedding and head.has_head
@@ -139,11 +139,9 @@ class Driver:
     def generate(self, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int] = (),
                  draft_policy: DraftPolicy | None = None, on_token: OnToken | None = None,
                  sampling: SamplingParams = GREEDY, top_logprobs: int = -1) -> GenerationResult:
-        """top_logprobs >= 0 (T = 0 only): res.logprobs holds each committed token's log-probability
-        under the target and that many alternatives, from the logits its verification used."""
+        """top_logprobs >= 0: res.logprobs holds each committed token's log-probability under the
+        target and that many alternatives, from the raw logits its verification used."""
         check_request(prompt, max_new_tokens, self.capacity, self.head.cfg.vocab_size)
-        if top_logprobs >= 0 and not sampling.greedy:
-            raise ValueError("log-probabilities are given at temperature 0 only")
         self.epoch += 1  # fresh epoch per request
         if self.trace is not None:
             self.trace.clear()
@@ -159,11 +157,10 @@ class Driver:
                                                                         sampling.top_p, 0)], req=req)
             t0 = time.perf_counter()
             logits = self._prefill(prompt)
-            first = self.verifier.sample_target(logits, len(prompt), sampling)
+            first = req.first_token(self.verifier, logits, prompt)
             res.prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             req.start_decode(len(prompt), first, self.anchor_stages)
-            req.score(len(prompt), first, logits)
             if req.commit(first):
                 self._decode(req)
             res.decode_s = time.perf_counter() - t1

@@ -27,6 +27,7 @@ from spd_engine.engine.model.eagle_head import EagleHead, load_eagle, random_eag
 from spd_engine.engine.model.greedy import check_request, prefill_chunks
 from spd_engine.engine.model.model import StageModel
 from spd_engine.engine.model.pdm import draft_probs_full, greedy_draft
+from spd_engine.engine.protocol.logits_processing import refuse_processing
 from spd_engine.engine.protocol.metrics import GenerationResult
 from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs
 from spd_engine.engine.protocol.verify import verify_sampled
@@ -70,6 +71,7 @@ class EagleDriver:
                  draft_policy: DraftPolicy | None = None, on_token: Callable[[int], object] | None = None,
                  sampling: SamplingParams = SamplingParams()) -> GenerationResult:
         check_request(prompt, max_new_tokens, self.capacity, self.target.cfg.vocab_size)
+        refuse_processing(sampling, "--mode eagle")
         res = GenerationResult(tokens=[], n=1)
         self.req = req = _Request(res, max_new_tokens, frozenset(eos_ids), sampling, draft_policy, on_token,
                                   list(prompt))

@@ -12,7 +12,13 @@ from spd_engine.engine.runtime.branch_chains import BranchChains
 from spd_engine.engine.runtime.draft_records import DraftRecord
 from spd_engine.engine.runtime.drafter import Drafter
 from spd_engine.engine.runtime.request_state import RequestState
-from spd_engine.engine.runtime.verifier import Verifier
+from spd_engine.engine.runtime.verifier import Processing, Verifier
+
+
+def _processing(proc: Processing | None) -> dict:
+    """The verifier's `proc` argument, given only when the request processes its logits (a plain
+    request's call is the verifier's plain signature)."""
+    return {} if proc is None else {"proc": proc}
 
 
 class Lane:
@@ -37,6 +43,7 @@ class Lane:
     def verify_exit(self, req: RequestState, plan: TickPlan, drafts: list[Draft], reply: int) -> Verdict:
         """The verdict of a tick whose entry left the pipeline: its run's tokens first (exit rows
         0 .., docs/design.md 3.13), then the draft behind it, each counted by its source."""
+        self.verifier.forget()
         ex, row = plan.exit, plan.exit.row
         if ex.run:
             verdict, reply = self._verify_run(req, ex, reply)
@@ -57,8 +64,10 @@ class Lane:
         row's argmax at once, the last stage's when it replied, `reply` >= 0): the verdict at the
         first rejection, else None and the argmax behind the last row (-1 at T>0). A token that
         ends the request (EOS) ends the verification: the next is counted rejected, as the exact
-        replay counts it."""
-        greedy = self.verifier.greedy_rows(len(ex.tokens), reply >= 0) if req.sampling.greedy else None  # rows 0..L-1
+        replay counts it. A request that processes its logits verifies each row on its own (its
+        output before row i holds run[:i])."""
+        at_once = req.sampling.greedy and req.history is None
+        greedy = self.verifier.greedy_rows(len(ex.tokens), reply >= 0) if at_once else None  # rows 0..L-1
         for i, tok in enumerate(ex.run):
             pos = ex.pos + 1 + i
             rec = req.drafts.take(pos)
@@ -67,7 +76,8 @@ class Lane:
             elif greedy is not None:
                 accepted, target = greedy[i] == tok, greedy[i]
             else:
-                accepted, target = self.verifier.verify(pos, tok, rec.qs[0], req.sampling, i)
+                accepted, target = self.verifier.verify(pos, tok, rec.qs[0], req.sampling, i,
+                                                        **_processing(req.processing(ex.run[:i])))
             if req.top_logprobs >= 0 and not (i > 0 and ex.run[i - 1] in req.eos):
                 req.score(pos, target, self.verifier.logits(i))
             req.count_verified(rec.sources[0], accepted)
@@ -79,7 +89,10 @@ class Lane:
                reply: int) -> Verdict:
         """The verdict on the draft behind the exiting token, `rec` its record, on the exit hidden
         state in the verifier's exit_buf[row] (`reply`: the last stage's argmax, or -1)."""
+        if not plan.exit.run:  # else verify_exit began this verification with the run's rows
+            self.verifier.forget()
         pos = plan.verify_pos
+        proc = _processing(req.processing(plan.exit.run))  # the exiting run's tokens come before pos
         if plan.proposed is not None:
             at_branch = plan.proposed.pos == plan.branch
             tokens = plan.proposed.chains if at_branch else (plan.proposed.token,)
@@ -87,10 +100,10 @@ class Lane:
             tokens = tuple(d.token for d in drafts)
         if len(tokens) == 1:
             assert rec.width == 1, f"position {pos}: a chain's draft verified before its branch point resolved"
-            accepted, target = self.verifier.verify(pos, tokens[0], rec.qs[0], req.sampling, row, reply)
+            accepted, target = self.verifier.verify(pos, tokens[0], rec.qs[0], req.sampling, row, reply, **proc)
             chain = 0
         else:
-            index, target = self.verifier.verify_branch(pos, tokens, rec.cands, req.sampling, row, reply)
+            index, target = self.verifier.verify_branch(pos, tokens, rec.cands, req.sampling, row, reply, **proc)
             accepted, chain = index is not None, index or 0
         if req.top_logprobs >= 0:
             req.score(pos, target, self.verifier.logits(row))

@@ -5,15 +5,17 @@ timers. The driver holds the live request's; nothing of a request is kept on the
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
+from spd_engine.engine.protocol.logits_processing import TokenHistory
 from spd_engine.engine.protocol.metrics import GenerationResult
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.protocol.suffix import SuffixIndex
 from spd_engine.engine.protocol.tick import TickState
 from spd_engine.engine.runtime.draft_records import DraftRecords
+from spd_engine.engine.runtime.verifier import Processing, Verifier
 
 # (position, PDM draft) -> token to send. Lets benchmarks and tests steer acceptance
 # (synthetic alpha, forced rejections) without touching the verification path. At T > 0 the
@@ -21,8 +23,9 @@ from spd_engine.engine.runtime.draft_records import DraftRecords
 DraftPolicy = Callable[[int, object], object]
 # Called with every committed token; returning False ends the request after that token (the
 # pipeline is drained as at any end, so the next request is unaffected): cancellation, stop
-# strings, deadlines.
-OnToken = Callable[[int], "bool | None"]
+# strings, deadlines. With log-probabilities asked it is called as on_token(token, scored), scored
+# being the token's entry of GenerationResult.logprobs.
+OnToken = Callable[..., "bool | None"]
 # the parts of a tick the driver times: send (posting to stage 0), stage0 (a co-located stage 0),
 # wait (receiving what the plan needs), pdm (rows + PDM step + draft), verify
 TIMERS = ("send", "stage0", "wait", "pdm", "verify")
@@ -47,6 +50,7 @@ class RequestState:
         self.trace = trace  # (tick, what, t0, t1), when tracing
         self.top_logprobs = -1  # >= 0: each committed token's log-probability and this many alternatives
         self.first_pos = 0  # the position of the first generated token
+        self.history: TokenHistory | None = None  # prompt and output, when the sampling processes logits
         self._scored: dict[int, tuple[int, float, list[tuple[int, float]]]] = {}
 
     def start_decode(self, first_pos: int, first_token: int, anchor_stages: list[int]) -> TickState:
@@ -57,9 +61,27 @@ class RequestState:
         self.state = TickState(self.n, first_pos, first_token, anchor_stages, epoch=self.epoch, counters=self.res)
         return self.state
 
+    def first_token(self, verifier: Verifier, logits: torch.Tensor, prompt: Sequence[int]) -> int:
+        """The first generated token from the prefill's logits [V] (`verifier`: the lane's Verifier),
+        processed and scored as every later one."""
+        pos = len(prompt)
+        if self.sampling.processes:
+            self.history = TokenHistory(self.sampling, prompt, self.eos)
+        token = verifier.sample_target(logits, pos, self.sampling, self.processing())
+        self.score(pos, token, logits)
+        return token
+
+    def processing(self, pending: Sequence[int] = ()) -> Processing | None:
+        """How the logits of a position are processed (None: they are not), the output before it
+        being the committed tokens and then `pending` (a suffix run's tokens verified before it)."""
+        history = self.history
+        if history is None:
+            return None
+        return lambda logits, pos: history.process(logits, pos, pending)
+
     def score(self, pos: int, token: int, logits: torch.Tensor) -> None:
-        """When log-probabilities are asked: the target's logits [V] that chose `token` at `pos`
-        (T = 0: its argmax), kept until the token is committed."""
+        """When log-probabilities are asked: the target's raw logits [V] behind the choice of `token`
+        at `pos` (before any processing, temperature or filter), kept until the token is committed."""
         if self.top_logprobs < 0:
             return
         logp = torch.log_softmax(logits.float(), dim=-1)
@@ -69,6 +91,7 @@ class RequestState:
 
     def commit(self, token: int) -> bool:
         """Commit a token; False when the request ends here (EOS, max tokens, or on_token said stop)."""
+        scored = None
         if self.top_logprobs >= 0:
             scored = self._scored.pop(self.first_pos + len(self.res.tokens), None)
             assert scored is not None and scored[0] == token, "a committed token was verified first"
@@ -76,7 +99,11 @@ class RequestState:
         self.res.tokens.append(token)
         if self.suffix is not None:
             self.suffix.extend((token,))
-        go_on = self.on_token(token) if self.on_token is not None else None
+        if self.history is not None:
+            self.history.extend((token,))
+        go_on = None
+        if self.on_token is not None:
+            go_on = self.on_token(token) if scored is None else self.on_token(token, scored)
         return token not in self.eos and len(self.res.tokens) < self.max_new and go_on is not False
 
     def account(self, what: str, t0: float) -> None:

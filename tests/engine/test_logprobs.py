@@ -1,7 +1,8 @@
-"""Log-probabilities of the committed tokens (Driver.generate(top_logprobs=k), T = 0): taken from the
+"""Log-probabilities of the committed tokens (Driver.generate(top_logprobs=k)): taken from the raw
 logits each token's verification used, they equal a plain forward pass of the target over the prompt
 and the output within 1e-4, at n = 2 and n = 4, with suffix runs (their rows verified together),
-with the last stage computing the argmax, with branch chains and with forced rejections."""
+with the last stage computing the argmax, with branch chains and forced rejections, at T > 0 and
+with several requests in one pipeline."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,7 @@ from helpers import Policy, full_model, random_prompts, reference, tiny_engine_c
 
 from spd_engine.engine.protocol.drafting import SUFFIX_RUN
 from spd_engine.engine.protocol.sampling import SamplingParams
+from spd_engine.engine.runtime.batch_driver import BatchRequest
 from spd_engine.engine.runtime.reference import ReferenceExecutor
 
 NEW = 40
@@ -26,16 +28,17 @@ def plain_log_probs(ecfg, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.double(), dim=-1)[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
 
 
-def check(ecfg, res, prompt: list[int]) -> None:
+def check(ecfg, res, prompt: list[int], greedy: bool = True, top: int = TOP) -> None:
     assert len(res.logprobs) == len(res.tokens)
     want = plain_log_probs(ecfg, prompt, res.tokens)
-    for k, (token, logprob, top) in enumerate(res.logprobs):
+    for k, (token, logprob, alts) in enumerate(res.logprobs):
         assert token == res.tokens[k]
         assert abs(logprob - float(want[k, token])) < 1e-4, k
-        best = want[k].topk(TOP)
-        assert [i for i, _ in top] == best.indices.tolist(), k
-        assert max(abs(lp - float(w)) for (_, lp), w in zip(top, best.values)) < 1e-4, k
-        assert top[0] == (token, logprob)  # T = 0: the committed token is the likeliest
+        best = want[k].topk(top)
+        assert [i for i, _ in alts] == best.indices.tolist(), k
+        assert max((abs(lp - float(w)) for (_, lp), w in zip(alts, best.values)), default=0) < 1e-4, k
+        if greedy and top:
+            assert alts[0] == (token, logprob)  # T = 0: the committed token is the likeliest
 
 
 @pytest.mark.parametrize("n,verify_at", [(2, "driver"), (2, "last"), (4, "driver"), (4, "last")])
@@ -64,12 +67,26 @@ def test_logprobs_with_forced_rejections_and_branch_chains(n, one_thread):
         check(ecfg, res, prompt)
 
 
-def test_logprobs_need_temperature_0():
-    ecfg = tiny_engine_config("llama", 2)
+@pytest.mark.parametrize("n", [2, 4])
+def test_logprobs_at_temperature_above_0_and_in_a_batch(n, one_thread):
+    """T > 0 (suffix runs on) and several requests in one pipeline: the raw target's, as at T = 0."""
+    ecfg = tiny_engine_config("llama", n, suffix_run=4, suffix_min_match=1)
+    prompt = random_prompts(ecfg.cfg, [12], seed=1)[0] * 3
+    sp = SamplingParams(temperature=0.8, top_k=20, seed=3)
     with ReferenceExecutor(ecfg) as ex:
-        with pytest.raises(ValueError, match="temperature 0"):
-            ex.generate([5, 6, 7], 4, sampling=SamplingParams(temperature=0.7, seed=1), top_logprobs=2)
-        assert ex.generate([5, 6, 7], 4).tokens == reference(ecfg, [5, 6, 7], 4)  # the pipeline is untouched
+        res = ex.generate(prompt, NEW, sampling=sp, top_logprobs=TOP)
+        assert res.tokens == ex.generate(prompt, NEW, sampling=sp).tokens  # asking changes nothing
+    assert res.tokens != reference(ecfg, prompt, NEW)  # sampled, not the argmax
+    check(ecfg, res, prompt, greedy=False)
+    ecfg = tiny_engine_config("llama", n)
+    prompts = random_prompts(ecfg.cfg, [12, 5], seed=2)
+    reqs = [BatchRequest(prompts[0], NEW, (), sp, top_logprobs=TOP), BatchRequest(prompts[1], NEW, (), top_logprobs=0)]
+    with ReferenceExecutor(ecfg) as ex:
+        out = ex.generate_batch(reqs, max_batch=2)
+        alone = [ex.generate(r.prompt, NEW, sampling=r.sampling).tokens for r in reqs]
+    assert [r.tokens for r in out.results] == alone and alone[1] == reference(ecfg, prompts[1], NEW)
+    check(ecfg, out.results[0], prompts[0], greedy=False)
+    check(ecfg, out.results[1], prompts[1], top=0)
 
 
 # ---- the real model ----

@@ -172,7 +172,7 @@ def test_stop_string_cuts_the_reply_and_says_stop(tiny):
 
 ERRORS = [  # (kwargs of completions.create, the field the 400 names)
     (dict(n=17), "n"), (dict(logprobs=6), "logprobs"), (dict(echo=True), "echo"), (dict(best_of=2), "best_of"),
-    (dict(presence_penalty=0.5), "presence_penalty"), (dict(frequency_penalty=0.5), "frequency_penalty"),
+    (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
     (dict(logit_bias={"5": 1}), "logit_bias"), (dict(suffix="x"), "suffix"), (dict(temperature=-1), "temperature"),
     (dict(temperature=3), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(seed=-5), "seed"), (dict(max_tokens=0), "max_tokens"), (dict(stop=["a"] * 5), "stop"),

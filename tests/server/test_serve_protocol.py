@@ -20,13 +20,13 @@ INFO = ModelInfo(name="m", tok=None, tok_dir=None, vocab_size=100, capacity=32, 
 
 # A value that asks for something the engine does not do, per unsupported field.
 ASKING = {"best_of": 3, "echo": True, "suffix": "x", "logprobs": True, "top_logprobs": 2,
-          "logit_bias": {"5": 10}, "presence_penalty": 0.5, "frequency_penalty": -1.0,
+          "logit_bias": {"5": 10},
           "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
           "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
           "response_format": {"type": "json_object"}, "store": True, "metadata": {"a": "b"},
           "modalities": ["text", "audio"], "audio": {"voice": "x"}, "prediction": {"type": "content"},
           "reasoning_effort": "low", "service_tier": "flex", "web_search_options": {},
-          "repetition_penalty": 1.2, "min_tokens": 3, "min_p": 0.05, "length_penalty": 0.5,
+          "min_p": 0.05, "length_penalty": 0.5,
           "use_beam_search": True, "stop_token_ids": [5], "bad_words": ["x"], "allowed_token_ids": [5, 6],
           "include_stop_str_in_output": True, "skip_special_tokens": False, "spaces_between_special_tokens": False,
           "prompt_logprobs": 1, "truncate_prompt_tokens": 8, "return_tokens_as_token_ids": True,
@@ -40,6 +40,8 @@ BAD_VALUES = [  # (field, value) that must be refused, naming the field
     ("stop", ["a", "b", "c", "d", "e"]), ("stop", 5), ("stream_options", {"include_usage": True}),
     ("user", 5), ("model", ""), ("priority", 1.5), ("priority", True), ("priority", "3"), ("latency", "fast"),
     ("latency", 1), ("latency", ["critical"]), ("latency", "Critical"),
+    ("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("frequency_penalty", "1"), ("repetition_penalty", 0),
+    ("repetition_penalty", -1.0), ("min_tokens", -1), ("min_tokens", 1.5), ("min_tokens", 40),
 ]
 
 
