@@ -99,21 +99,22 @@ def add_batch_arguments(g, what: str) -> None:
                         "it gets alone (batch-invariant, 3.16), but not with --weight-layout mixed, on CUDA-graph "
                         "steps, or in steps of more rows than the kernels' probed ceiling (16 or 15 on CPUs measured)")
     g.add_argument("--max-rows", type=int, default=None, metavar="R",
-                   help="with --max-batch: at most R decode rows per stage step (default B, every live request "
-                        "every tick); a request whose pipeline holds no live token of it waits for a row")
+                   help="with --max-batch: at most R decode rows per stage step (default: every live request's "
+                        "entry every tick, suffix runs included); a request whose pipeline holds no live token of it "
+                        "waits for a row; under R, entries carry one token (no suffix runs)")
 
 
 def check_batch_arguments(args: argparse.Namespace) -> None:
-    """--max-batch / --max-rows, before any model loads; --suffix-run K > 1 with --max-batch B > 1 is
-    refused, since entries inside a batch carry one token (docs/design.md 3.12)."""
+    """--max-batch / --max-rows, before any model loads; --suffix-run K > 1 with --max-rows is
+    refused: under a row bound the user set, entries inside a batch carry one token (docs/design.md 3.12)."""
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_rows is not None and (args.max_rows < 1 or args.max_batch < 2):
         raise ValueError(f"--max-rows {args.max_rows}: needs --max-batch B >= 2 and R >= 1")
     run = getattr(args, "suffix_run", None)
-    if args.max_batch > 1 and run is not None and run > 1:
-        raise ValueError(f"--suffix-run {run}: not used with --max-batch {args.max_batch} (entries inside a "
-                         "batch carry one token)")
+    if args.max_rows is not None and run is not None and run > 1:
+        raise ValueError(f"--suffix-run {run}: not used with --max-rows {args.max_rows} (under a row bound "
+                         "entries inside a batch carry one token)")
 
 
 def finite_float(text: str) -> float:

@@ -29,8 +29,8 @@ are not exact there). Fields:
 - slot: with several requests in the pipeline (docs/design.md 3.12), a PREFILL chunk's request
   slot, whose KV cache it fills (its `epoch` is then the request's serial); 0 otherwise
 
-A BATCH message carries one token of each of several requests (a request with a branch point in
-flight: its W chains' tokens); its first payload is an int64 [rows, META_LEN] table, one row per
+A BATCH message carries the entry of each of several requests (a request with a branch point in
+flight: its W chains' tokens; a suffix run: a row per token, consecutive positions); its first payload is an int64 [rows, META_LEN] table, one row per
 token (META_FIELDS): the request slot whose KV cache the token uses, the request's serial (which
 request holds that slot), its epoch in that request, its position, its id (stage 0 embeds it),
 the last stage's T=0 argmax behind it (-1: not computed), and as the header's fields of a TOKEN

@@ -123,13 +123,19 @@ class _SlotParts:
     the lane over them. Every entry is written before it is read, by position."""
 
     def __init__(self, d) -> None:
-        W = d.branches.width
-        self.buf = DriverBuffers(d.n, d.plan, d.wire, d.head.cfg.hidden_size, 1, W, d.t, d.device, d.dtype)
+        W, H = d.branches.width, d.head.cfg.hidden_size
+        self.buf = DriverBuffers(d.n, d.plan, d.wire, H, 1, W, d.t, d.device, d.dtype, d.max_run)
         # a pass over every chain writes (W - 1) n rows past the staircase's (BranchChains.chain_inputs)
         self.pdm_cache = d.pdm.new_cache(d.capacity + (W - 1) * d.n)
-        self.exits = torch.empty(self.buf.num_slots * W, d.head.cfg.hidden_size, device=d.device, dtype=d.dtype)
+        self.exits = torch.empty(self.buf.num_slots * W, H, device=d.device, dtype=d.dtype)
+        # the exiting entry's exit rows gathered in the order the lane verifies them (Lane.verify_exit:
+        # a suffix run's rows 0 .. L, or a branch point's chain rows), and the last stage's argmaxes
+        rows = max(W, d.max_run)
+        self.verify_rows = torch.empty(rows, H, device=d.device, dtype=d.dtype)  # [rows, H]
+        self.verify_replies = torch.full((rows,), -1, dtype=torch.int64)  # [rows]
         drafter = Drafter(d.pdm, self.pdm_cache, self.buf, d.drafter.chooser, d.drafter.cross, {})
-        self.lane = Lane(drafter, BranchChains(d.branches.policy, drafter), Verifier(d.head, self.exits, None))
+        verifier = Verifier(d.head, self.verify_rows, None, self.verify_replies)
+        self.lane = Lane(drafter, BranchChains(d.branches.policy, drafter), verifier)
 
 
 class _Live:
@@ -140,11 +146,12 @@ class _Live:
         self.index, self.slot, self.serial, self.request = index, slot, serial, request
         self.req = RequestState(d.n, request.max_new_tokens, frozenset(request.eos_ids), request.sampling, 0,
                                 request.draft_policy, request.on_token,
-                                d.drafter.chooser.new_index(request.prompt))
+                                d.drafter.chooser.new_index(request.prompt), max_run=run.max_run)
         parts = run.parts.get(slot)
         if parts is None:
             parts = run.parts[slot] = _SlotParts(d)
         self.buf, self.pdm_cache, self.exits, self.lane = parts.buf, parts.pdm_cache, parts.exits, parts.lane
+        self.verify_rows, self.verify_replies = parts.verify_rows, parts.verify_replies
         self.width = d.branches.width
         self.replies = [-1] * len(self.exits)  # the last stage's argmax behind each exit row
         self.chain_width = 1  # chains of its last branch point sent: a survivor row names its width
@@ -167,7 +174,8 @@ class _Live:
         r = self.request
         fill = len(self.req.state.inflight) if self.decoding else 0
         prompt_left = sum(count for _, count in self.chunks[self.sent_chunks:])
-        return RequestView(self.serial, self.serial, r.latency, r.priority, fill, width, prompt_left, self.decoding)
+        rows = max(width, self.req.state.entry.rows) if self.decoding else width  # a suffix run's rows (3.13)
+        return RequestView(self.serial, self.serial, r.latency, r.priority, fill, rows, prompt_left, self.decoding)
 
     def current(self, serial: int, epoch: int | None = None) -> bool:
         """Whether a report's row of (serial, epoch) is this request's live one (epoch None: any of
@@ -213,14 +221,28 @@ class _Live:
         return next((e.row for e in self.req.state.inflight if e.pos == pos), 0)
 
     def meta_rows(self, e: Entry) -> list[list[int]]:
-        """Its entering token's rows of a BATCH table (META_FIELDS): one, or the W chains of its
-        branch point, whose width a later survivor row names again."""
-        assert e.rows == max(1, len(e.chains)), f"an entry of {e.rows} rows at {e.pos} cannot travel in a batch"
-        head = [self.slot, self.serial, e.epoch, e.pos]
+        """Its entering entry's rows of a BATCH table (META_FIELDS): one; the W chains of its
+        branch point, whose width a later survivor row names again; or a suffix run's tokens, one
+        row per position (3.13), which a stage steps as one causal span of its slot's cache."""
+        head = [self.slot, self.serial, e.epoch]
         if e.chains:
             self.chain_width = e.rows
-            return [head + [tok, -1, e.branch, c, e.rows, -1] for c, tok in enumerate(e.chains)]
-        return [head + [e.token, -1, e.branch, 0, self.chain_width if e.survivor >= 0 else 1, e.survivor]]
+            return [head + [e.pos, tok, -1, e.branch, c, e.rows, -1] for c, tok in enumerate(e.chains)]
+        if e.run:
+            assert e.branch < 0 and e.survivor < 0, f"a suffix run at {e.pos} beside a branch point"
+            return [head + [e.pos + i, tok, -1, -1, 0, 1, -1] for i, tok in enumerate(e.tokens)]
+        return [head + [e.pos, e.token, -1, e.branch, 0, self.chain_width if e.survivor >= 0 else 1, e.survivor]]
+
+    def gather_exit(self, ex: Entry, greedy_reply: bool) -> int:
+        """The exiting entry's exit rows into verify_rows as Lane.verify_exit reads them (a suffix
+        run's rows 0 .. L, each at its position; else its representative chain's at row ex.row) and
+        the last stage's argmaxes into verify_replies; returns the reply the lane takes (-1: none)."""
+        rows = [(i, self.exit_row(ex.pos + i, 0)) for i in range(len(ex.tokens))] if ex.run else \
+            [(ex.row, self.exit_row(ex.pos, ex.row))]
+        for dest, src in rows:
+            self.verify_rows[dest] = self.exits[src]
+            self.verify_replies[dest] = self.replies[src]
+        return int(self.verify_replies[rows[0][0]]) if greedy_reply else -1
 
 
 class StageCounts:
@@ -429,7 +451,10 @@ class BatchDriver:
         self._send(Header(Kind.BATCH, rows=len(meta)), [meta])
         emb = d.head.embed(meta[None, :, _TOKEN].to(d.device))[0]  # [R, H]
         for live, e, mine in zip(decoding, entries, emb.split([len(table) for table in tables])):
-            live.buf.rings[:len(mine), live.buf.slot(e.pos), 0] = mine  # every chain's anchor 0
+            if e.run:  # a suffix run: each position's anchor 0 to its ring slot
+                live.buf.ring[live.buf.row_slots[(live.buf.slot(e.pos), len(mine))], 0] = mine
+            else:
+                live.buf.rings[:len(mine), live.buf.slot(e.pos), 0] = mine  # every chain's anchor 0
         self.unsealed.append((self.tick, [(x, e.epoch) for x, e, table in zip(decoding, entries, tables)
                                           for _ in table]))
         return len(meta)
@@ -438,15 +463,12 @@ class BatchDriver:
         req, state = live.req, live.req.state
         verdict = None
         if plan.exit is not None:
-            self._need(self.n - 1, live, plan.exit.pos)
-            rec = req.drafts.take(plan.verify_pos)
-            row = live.exit_row(plan.exit.pos, plan.exit.row)
+            self._need(self.n - 1, live, plan.exit.end)
             tv = time.perf_counter()
             # the last stage's argmax is every row's; a sampled request verifies against its q here
-            reply = live.replies[row] if self.driver.wire.verify_on_last and req.sampling.greedy else -1
-            verdict = live.lane.verify(req, plan, drafts, rec, row, reply)
+            reply = live.gather_exit(plan.exit, self.driver.wire.verify_on_last and req.sampling.greedy)
+            verdict = live.lane.verify_exit(req, plan, drafts, reply)
             req.account("verify", tv)
-            req.count_verified(rec.sources[verdict.chain], verdict.accepted)
         epoch = state.epoch
         committed = state.advance(drafts, verdict)
         if state.entry.survivor >= 0:  # a branch point resolved: the entry names its survivor
@@ -454,7 +476,8 @@ class BatchDriver:
         if state.epoch != epoch:
             live.epoch_end[epoch] = self.tick
         req.epoch = state.epoch
-        if committed is not None and not req.commit(committed.token):
+        # all() stops at the token that ends the request: a run's tokens after it are dropped
+        if committed is not None and not all(req.commit(tok) for tok in committed.tokens):
             state.finish()
             self._finish(live)
 
@@ -485,7 +508,10 @@ class BatchDriver:
         self.width = d.branches.width
         if max_rows is not None and max_rows < self.width:
             raise ValueError(f"max_rows {max_rows} is below the branch width {self.width}: no request could enter")
-        self.limits = BatchLimits(max_batch, max_rows or max_batch * self.width, d.chunk)
+        # suffix runs (3.13) ride in the default row bound, every request's longest entry; under a
+        # bound the user set, a running request's run could overrun it, so entries carry one token
+        self.max_run = d.max_run if max_rows is None else 1
+        self.limits = BatchLimits(max_batch, max_rows or max_batch * max(self.width, self.max_run), d.chunk)
         self.max_batch = max_batch
         self.intake, self.on_done, self.count = intake, on_done, len(requests)
         for r in requests:

@@ -101,7 +101,7 @@ class Drafter:
 
     def _run(self, req: RequestState, plan: TickPlan, proposal: SuffixProposal) -> tuple[int, ...]:
         """The suffix draft's run as carried: none while a branch point is in flight or starts, at
-        most the request's max_run tokens in all (1 with several requests in the pipeline), never
+        most the request's max_run tokens in all, never
         past the request's last position."""
         if plan.branch is not None or not proposal.run:
             return ()

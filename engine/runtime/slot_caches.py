@@ -35,7 +35,8 @@ class SlotCaches:
 
     def batch_rows(self, meta: torch.Tensor, device: torch.device) -> RowCaches:
         """Where a BATCH step's rows (table meta [R, META_LEN]) go: a request's token at its position
-        in its slot's cache; the W chains of its branch point (consecutive rows) as one group at
+        in its slot's cache (a suffix run's consecutive rows as one causal span); the W chains of its
+        branch point (consecutive rows) as one group at
         their chain slots under the tree mask (3.11). A survivor row first moves the surviving
         chain's entries down, as a TOKEN message naming it does: FIFO links brought every chain
         row of its branch point first."""
@@ -44,8 +45,13 @@ class SlotCaches:
             cache = self.of(slot)
             if survivor >= 0:
                 cache.keep_chain(branch, width, survivor, pos - branch)
-            if branch < 0 or survivor >= 0:  # one token
-                groups.append((cache, pos, 1, None))
+            if branch < 0 or survivor >= 0:  # one token, or the next of a suffix run's (3.13): one causal span
+                last = groups[-1] if groups else None
+                if survivor < 0 and last is not None and last[0] is cache and last[3] is None and \
+                        last[1] + last[2] == pos:
+                    groups[-1] = (cache, last[1], last[2] + 1, None)
+                else:
+                    groups.append((cache, pos, 1, None))
             elif chain == 0:
                 groups.append((cache, chain_slot0(branch, pos, width), width,
                                chain_mask(branch, pos, width, device)[0, 0]))  # [W, slot0 + W]

@@ -19,7 +19,8 @@ What each message carries is engine/protocol/messages.py's WireFormat: every tok
 reporting stage computes produces exactly one message to the driver, which the driver counts
 on to drain its links at the end of a request.
 Several requests in the pipeline (docs/design.md 3.12): each request slot has its own KV cache;
-a BATCH message carries one token of each of several requests, computed as one step whose
+a BATCH message carries each of several requests' entry (a suffix run's tokens as consecutive rows,
+one causal span of its slot's cache), computed as one step whose
 matmuls run over all its rows while each row attends to its own request's cache
 (engine/model/kv_cache.py RowCaches). On a TP stage a BATCH message travels as a TOKEN does (TP rank t
 from TP rank t of the stage before): every TP rank computes the same rows on its shard of each

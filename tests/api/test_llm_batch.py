@@ -13,7 +13,7 @@ pytestmark = pytest.mark.multiproc
 
 def test_several_requests_at_once_equal_greedy_then_close():
     prompts = random_prompts(PRESETS["tiny-llama"], [3, 7, 5], seed=8)
-    llm = LLM("random:tiny-llama", stages=2, threads=1, suffix_run=1, prefill_chunk=16, max_batch=2)
+    llm = LLM("random:tiny-llama", stages=2, threads=1, prefill_chunk=16, max_batch=2)
     try:
         outs = llm.generate(prompts, SamplingParams(max_tokens=14, ignore_eos=True))
         assert [o.outputs[0].token_ids for o in outs] == [reference(llm.config, p, 14) for p in prompts]

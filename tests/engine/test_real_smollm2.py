@@ -176,7 +176,7 @@ def test_several_requests_at_once_agree_with_greedy_on_smollm2(B, smollm2, refs,
     reqs = [BatchRequest(refs(t, 24)[0], 24, cfg.eos_token_ids, arrival_tick=1 + 5 * i) for i, t in enumerate(texts)]
     with ReferenceExecutor(engine_config(smollm2, 2, colocate=True)) as ex:
         out = ex.generate_batch(reqs, B)
-    assert max(out.rows) == B
+    assert max(out.rows) >= B  # every request's entry in one step (a suffix run's: a row per token)
     parted = 0
     for r, t, res in zip(reqs, texts, out.results):
         want = refs(t, 24)[1]

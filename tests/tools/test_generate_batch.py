@@ -26,13 +26,26 @@ def test_max_batch_answers_equal_one_at_a_time(capsys, one_thread):
     assert answers(capsys.readouterr().out) == alone
 
 
+def test_suffix_runs_travel_in_a_batch_and_keep_the_answers(capsys, one_thread):
+    """--suffix-run 4 at --max-batch 2: each answer and tick count as alone, and runs were verified."""
+    argv = [*ARGS, "--suffix-run", "4", "--max-new-tokens", "24"]
+    got = {}
+    for batch in ("1", "2"):
+        assert main([*argv, "--max-batch", batch]) == 0
+        lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+        got[batch] = [(d["token_ids"], d["ticks"], d["by_source"].get("suffix-run", {}).get("verified", 0))
+                      for d in lines]
+    assert got["2"] == got["1"] and len(got["1"]) == 3
+    assert sum(v for _, _, v in got["2"]) > 0, "no suffix run travelled in the batch"
+
+
 def test_bad_max_batch_is_refused(capsys):
     assert main([*ARGS, "--max-batch", "0"]) == 2
     assert "--max-batch must be >= 1" in capsys.readouterr().err
     assert main([a for a in ARGS if a != "--colocate"] + ["--mode", "pp", "--max-batch", "2"]) == 2
     assert "--max-batch > 1 needs --mode spd, got --mode pp" in capsys.readouterr().err
-    assert main([*ARGS, "--max-batch", "2", "--suffix-run", "4"]) == 2  # entries in a batch carry one token
-    assert "--suffix-run 4: not used with --max-batch 2" in capsys.readouterr().err
+    assert main([*ARGS, "--max-batch", "2", "--max-rows", "2", "--suffix-run", "4"]) == 2  # one token per entry
+    assert "--suffix-run 4: not used with --max-rows 2" in capsys.readouterr().err
     for bad in (["--max-rows", "2"], ["--max-batch", "2", "--max-rows", "0"]):
         assert main([*ARGS, *bad]) == 2
         assert "--max-rows" in capsys.readouterr().err
