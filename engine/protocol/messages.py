@@ -30,13 +30,13 @@ are not exact there). Fields:
   slot, whose KV cache it fills (its `epoch` is then the request's serial); 0 otherwise
 
 A BATCH message carries the entry of each of several requests (a request with a branch point in
-flight: its W chains' tokens; a suffix run: a row per token, consecutive positions); its first payload is an int64 [rows, META_LEN] table, one row per
-token (META_FIELDS): the request slot whose KV cache the token uses, the request's serial (which
-request holds that slot), its epoch in that request, its position, its id (stage 0 embeds it),
-the last stage's T=0 argmax behind it (-1: not computed), and as the header's fields of a TOKEN
-message do for one request (docs/design.md 3.11): the branch point's position (-1: none), the
-row's chain and the branch point's width W (on a survivor row: the resolved one's), and the
-surviving chain (-1: none).
+flight: its W chains' tokens; a suffix run: a row per token, consecutive positions); its first
+payload is an int64 [rows, META_LEN] table, one row per token (META_FIELDS): the request slot whose
+KV cache the token uses, the request's serial (which request holds that slot), its epoch in that
+request, its position, its id (stage 0 embeds it), the last stage's T=0 argmax behind it (-1: not
+computed), and as the header's fields of a TOKEN message do for one request (docs/design.md 3.11):
+the branch point's position (-1: none), the row's chain and the branch point's width W (on a
+survivor row: the resolved one's), and the surviving chain (-1: none).
 """
 from __future__ import annotations
 

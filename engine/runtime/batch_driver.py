@@ -2,16 +2,16 @@
 B live requests, each in a request slot with its own tick protocol, drafts, PDM cache, anchor
 ring, verification and counters, sharing the stages.
 
-Every tick, each decoding request's entering token travels in one BATCH message (one row each:
-engine/protocol/messages.py), so every stage step carries one row of every request that has a
-token there, stale rows of flushed requests included; a rejection flushes only its own request
-(its epoch), and the other requests' rows keep the stages busy. A request joins when a slot is
-free and its arrival tick has come: its prompt goes through the same stages in PREFILL chunks,
-one chunk per tick, between the BATCH messages, so a newcomer's prefill never stalls the others
-for more than a chunk; it decodes from the tick after its first token is known, and leaves at its
-end, freeing the slot. The stages report in the order the driver sent; reports are read in that
-order and each row lands in its request's ring (stale rows are dropped by (serial, epoch);
-engine/runtime/batch_links.py).
+Every tick, each decoding request's entry travels in one BATCH message (one row per token:
+engine/protocol/messages.py; a suffix run's tokens, 3.13, as consecutive rows verified as alone by
+Lane.verify_exit), so every stage step carries the rows of every request that has an entry there,
+stale rows of flushed requests included; a rejection flushes only its own request (its epoch), and
+the other requests' rows keep the stages busy. A request joins when a slot is free and its arrival
+tick has come: its prompt goes through the same stages in PREFILL chunks, one chunk per tick,
+between the BATCH messages, so a newcomer's prefill never stalls the others for more than a chunk;
+it decodes from the tick after its first token is known, and leaves at its end, freeing the slot.
+The stages report in the order the driver sent; reports are read in that order and each row lands in
+its request's ring (stale rows are dropped by (serial, epoch); engine/runtime/batch_links.py).
 
 Who enters stage 0 each tick is engine/protocol/batch_policy.py's `plan_rows` over the live
 requests (`max_rows` decode rows per stage step, latency-critical requests first): a request with
