@@ -25,11 +25,12 @@ PENALTIES = SamplingParams(repetition_penalty=1.6, frequency_penalty=0.4, presen
 
 
 @torch.no_grad()
-def processed_generate(ecfg, prompt: Sequence[int], max_new: int, sp: SamplingParams, eos: Sequence[int] = ()
-                       ) -> list[int]:
-    """Plain decoding on the full target: each position's logits processed with the request's
-    history, then the argmax (T = 0) or the keyed "target" draw from target_probs (T > 0)."""
-    model = full_model(ecfg)
+def processed_generate(ecfg, prompt: Sequence[int], max_new: int, sp: SamplingParams, eos: Sequence[int] = (),
+                       model=None) -> list[int]:
+    """Plain decoding on the full target (`model`, default helpers.full_model): each position's logits
+    processed with the request's history, then the argmax (T = 0) or the keyed "target" draw from
+    target_probs (T > 0)."""
+    model = model if model is not None else full_model(ecfg)
     before = torch.get_num_threads()
     torch.set_num_threads(ecfg.threads or before)  # as helpers.reference: the ranks' BLAS bits
     try:
@@ -139,3 +140,52 @@ def test_other_modes_refuse_penalties():
         with pytest.raises(ValueError, match="--mode spd"):
             ex.generate([5, 6, 7], 4, sampling=SamplingParams(repetition_penalty=1.2))
         assert ex.generate([5, 6, 7], 4).tokens == reference(ecfg, [5, 6, 7], 4)
+
+
+# ---- the real model ----
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir):
+    """(engine checkpoint dir, model config, full model, tokenizer) of SmolLM2-135M-Instruct."""
+    from spd_engine.engine.model.checkpoint import load_stage_model, read_index
+    from spd_engine.engine.model.tokenizer import Tokenizer
+    from spd_engine.tools.model_args import resolve_model
+
+    engine_dir, tok_dir = resolve_model("smollm2-135m")
+    cfg = read_index(engine_dir).cfg
+    return engine_dir, cfg, load_stage_model(engine_dir, range(0, cfg.num_layers)).eval(), Tokenizer.from_dir(tok_dir)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_penalties_on_smollm2(n, smollm2, one_thread):
+    """With the head the repository ships for n (drafts accepted at n = 4), min_tokens past an early
+    end of the unprocessed reply."""
+    from spd_engine.engine.protocol.topology import Topology
+    from spd_engine.engine.runtime.run_config import RunConfig
+    from spd_engine.tools.model_args import default_head
+
+    engine_dir, cfg, full, tok = smollm2
+    ecfg = RunConfig(model=str(engine_dir), cfg=cfg, topology=Topology.build(cfg.num_layers, n), capacity=160,
+                     prefill_chunk=16, timeout_s=120.0, threads=1, pdm=default_head("smollm2-135m", n))
+    prompt = tok.chat_ids("What is 2+2? Reply with the number only.")  # 8 tokens, EOS last
+    eos = cfg.eos_token_ids
+    sp = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.2, min_tokens=12)
+    want = processed_generate(ecfg, prompt, 24, sp, eos, model=full)
+    plain = processed_generate(ecfg, prompt, 24, SamplingParams(), eos, model=full)
+    assert len(plain) < 12 <= len(want) and want[:len(plain) - 1] != plain[:-1]  # processing changed it
+    with ReferenceExecutor(ecfg) as ex:
+        res = ex.generate(prompt, 24, eos, sampling=sp)
+    assert res.tokens == want
+    assert n == 2 or res.accepted > 0  # the trained head's drafts were verified against the penalised logits
+
+
+# ---- spd generate ----
+
+def test_generate_flags_reach_the_sampling(capsys):
+    from spd_engine.tools.cli import main
+
+    args = ["generate", "--model", "random:tiny-llama", "--capacity", "64", "--prompt", "hi", "--max-new-tokens", "4"]
+    assert main([*args, "--presence-penalty", "3"]) != 0
+    assert "presence_penalty must be in [-2, 2]" in capsys.readouterr().err  # refused before any model loads
+    assert main([*args, "--mode", "ar", "--stages", "1", "--repetition-penalty", "1.2", "--min-tokens", "2"]) != 0
+    assert "--mode spd" in capsys.readouterr().err  # the baselines do not apply them
