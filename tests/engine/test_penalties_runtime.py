@@ -105,10 +105,13 @@ def test_penalties_with_rejections_and_branch_chains(branches, one_thread):
     assert (res.branch_points > 0) == (branches == 2)
 
 
-def test_penalties_in_a_batch(one_thread):
-    """Several requests in one pipeline (BatchDriver), processed and plain side by side."""
-    ecfg = tiny_engine_config("llama", 2)
+@pytest.mark.parametrize("kw", [{}, dict(verify_at="last", suffix_run=4, suffix_min_match=1)], ids=["driver", "last-runs"])
+def test_penalties_in_a_batch(kw, one_thread):
+    """Several requests in one pipeline (BatchDriver), processed and plain side by side; with the
+    last stage replying argmaxes (unused for processed requests) and suffix runs."""
+    ecfg = tiny_engine_config("llama", 2, bool(kw), **kw)
     prompts = random_prompts(ecfg.cfg, [14, 7, 11], seed=5)
+    prompts[1] = prompts[1] * 3  # repeated: suffix matches
     params = [PENALTIES, SamplingParams(), SamplingParams(min_tokens=5, presence_penalty=-0.5)]
     eos = [reference(ecfg, prompts[2], 3)[-1]]
     reqs = [BatchRequest(p, NEW, eos, sp, top_logprobs=1) for p, sp in zip(prompts, params)]
@@ -118,6 +121,8 @@ def test_penalties_in_a_batch(one_thread):
         out = ex.generate_batch(reqs, max_batch=3)
     assert [r.tokens for r in out.results] == wants
     assert [len(r.logprobs) for r in out.results] == [len(w) for w in wants]
+    runs = sum(r.by_source.get(SUFFIX_RUN, [0, 0, 0])[1] for r in out.results)
+    assert (runs > 0) == bool(kw)  # run tokens verified in the batch
 
 
 def test_sampled_penalties_top_k_1_and_the_first_draw(one_thread):
