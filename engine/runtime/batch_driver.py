@@ -397,7 +397,10 @@ class BatchDriver:
         if self.driver.stage0.runner is not None:  # a co-located stage 0's step of this tick's rows
             self.driver.stage0.runner.join()
         if rows.prefill:  # after the join: a co-located stage 0 steps on the chunk inline
-            self._send_chunk(next(x for x in lives if x.serial == rows.prefill[0][0]))
+            newcomer = next(x for x in lives if x.serial == rows.prefill[0][0])
+            self._send_chunk(newcomer)
+            while not decoding and newcomer.sent_chunks < len(newcomer.chunks):
+                self._send_chunk(newcomer)  # nobody decodes: its chunks pipeline as one request's do (3.2)
         for live in lives:
             if not live.decoding and not live.finished:
                 self._advance_prefill(live, block=not decoding)
