@@ -289,7 +289,10 @@ class LocalHub:
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self.links = {(s, d): queue.Queue() for s in range(world_size) for d in range(world_size)}
+        # SimpleQueue, not Queue: its put and get are C calls, where Queue's take a Python Condition
+        # each; with the ranks as threads every message crosses one (about a tenth of a tiny
+        # model's CPU time per request, docs/results/test-durations.md)
+        self.links = {(s, d): queue.SimpleQueue() for s in range(world_size) for d in range(world_size)}
         self.dead: set[int] = set()
         self.lock = threading.Lock()
 
