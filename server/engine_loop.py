@@ -325,7 +325,9 @@ class EngineLoop:
 
         self.current = batch
         try:
-            runtime.generate_batch([], self.max_batch, intake=intake, on_done=on_done, max_rows=self.max_rows)
+            out = runtime.generate_batch([], self.max_batch, intake=intake, on_done=on_done, max_rows=self.max_rows)
+            if self.metrics is not None and out is not None:
+                self.metrics.stages_done(out.stages)
         except (TransportError, RuntimeError, AssertionError) as err:
             self._fail(describe_failure(err))
             raise

@@ -141,6 +141,9 @@ class ServeMetrics:
                            registry=r)
         self.stage_compute = Counter("spd:stage_compute_seconds", "Stage compute time", ["stage"], registry=r)
         self.stage_steps = Counter("spd:stage_steps", "Messages a stage computed", ["stage"], registry=r)
+        for s in range(n):  # every stage's series from the start: with --max-batch they count at a run's end
+            self.stage_compute.labels(stage=str(s))
+            self.stage_steps.labels(stage=str(s))
         # several requests in the pipeline (--max-batch): engine/runtime/batch_driver.py StageCounts
         Gauge("spd:stage_utilization", "Share of stage-ticks that computed a live row, over every run of "
               "--max-batch requests since start", registry=r).set_function(
@@ -208,14 +211,19 @@ class ServeMetrics:
             self.eal.set(self.n * t["decode"] / t["ticks"])
         if t["drafts"]:
             self.alpha.set(t["accepted"] / t["drafts"])
-        for s, st in enumerate(res.stages):
-            self.stage_compute.labels(stage=str(s)).inc(st.get("compute_s", 0.0))
-            self.stage_steps.labels(stage=str(s)).inc(st.get("messages", 0.0))
+        self.stages_done(res.stages)
         for part, seconds in res.driver.items():
             self.driver.labels(part=part).inc(seconds)
         slack = res.breakdown_ms_per_tick().get("driver_slack_ms")
         if slack is not None:
             self.slack.observe(slack / 1e3)
+
+    def stages_done(self, stages: list[dict]) -> None:
+        """Each stage's statistics of a request (one at a time) or of a run of several (--max-batch,
+        whose requests' results carry none when they end)."""
+        for s, st in enumerate(stages):
+            self.stage_compute.labels(stage=str(s)).inc(st.get("compute_s", 0.0))
+            self.stage_steps.labels(stage=str(s)).inc(st.get("messages", 0.0))
 
     def exposition(self) -> bytes:
         labelled = CollectorRegistry()

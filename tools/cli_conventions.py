@@ -92,12 +92,19 @@ def refuse_ignored(args: argparse.Namespace, dests: list[str], why: str) -> None
         raise ValueError(f"{flags}: not used {why}")
 
 
-def add_batch_arguments(g, what: str) -> None:
-    """--max-batch and --max-rows (generate, serve): `what` says what joins the pipeline."""
-    g.add_argument("--max-batch", type=int, default=1, metavar="B",
+SERVE_CPU_BATCH = 4  # spd serve's --max-batch on a CPU: a lone request measured as fast as at B = 1 (docs/serve.md)
+
+
+def add_batch_arguments(g, what: str, auto: bool = False) -> None:
+    """--max-batch and --max-rows (generate, serve): `what` says what joins the pipeline; `auto`: the
+    default B is resolve_max_batch's."""
+    default = "auto: %d for SPD on a CPU, else 1 (batch steps run without CUDA graphs)" % SERVE_CPU_BATCH \
+        if auto else "1"
+    g.add_argument("--max-batch", type=int, default=None if auto else 1, metavar="B",
                    help=f"SPD: up to B {what} in the pipeline at once (docs/design.md 3.12); each gets the tokens "
                         "it gets alone (batch-invariant, 3.16), but not with --weight-layout mixed, on CUDA-graph "
-                        "steps, or in steps of more rows than the kernels' probed ceiling (16 or 15 on CPUs measured)")
+                        "steps, or in steps of more rows than the kernels' probed ceiling (16 or 15 on CPUs "
+                        f"measured) (default {default})")
     g.add_argument("--max-rows", type=int, default=None, metavar="R",
                    help="with --max-batch: at most R decode rows per stage step (default: every live request's "
                         "entry every tick, suffix runs included); a request whose pipeline holds no live token of it "
@@ -107,14 +114,24 @@ def add_batch_arguments(g, what: str) -> None:
 def check_batch_arguments(args: argparse.Namespace) -> None:
     """--max-batch / --max-rows, before any model loads; --suffix-run K > 1 with --max-rows is
     refused: under a row bound the user set, entries inside a batch carry one token (docs/design.md 3.12)."""
-    if args.max_batch < 1:
+    if args.max_batch is not None and args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
-    if args.max_rows is not None and (args.max_rows < 1 or args.max_batch < 2):
+    if args.max_rows is not None and (args.max_rows < 1 or (args.max_batch or SERVE_CPU_BATCH) < 2):
         raise ValueError(f"--max-rows {args.max_rows}: needs --max-batch B >= 2 and R >= 1")
     run = getattr(args, "suffix_run", None)
     if args.max_rows is not None and run is not None and run > 1:
         raise ValueError(f"--suffix-run {run}: not used with --max-rows {args.max_rows} (under a row bound "
                          "entries inside a batch carry one token)")
+
+
+def resolve_max_batch(args: argparse.Namespace, mode: object, device: str) -> int:
+    """--max-batch as given, else (serve's auto) SERVE_CPU_BATCH for SPD on a CPU and 1 otherwise:
+    on a GPU a lone request's one-row steps run as CUDA graphs, a batch's steps eagerly."""
+    if args.max_batch is not None:
+        return args.max_batch
+    from spd_engine.engine.runtime.run_config import Mode
+
+    return SERVE_CPU_BATCH if mode is Mode.SPD and device == "cpu" else 1
 
 
 def finite_float(text: str) -> float:

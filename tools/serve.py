@@ -2,8 +2,8 @@
 
 Starts the ranks once (spawned, or under `torchrun`, where rank 0 serves and the other ranks run
 their stages) and keeps them, KV caches and CUDA graphs included, for the life of the server.
-One request at a time goes through the pipeline (up to `--max-batch B`); others wait in a bounded
-queue, latency-critical ones first, then lower `priority` (as vLLM orders it), then in arrival order.
+Up to `--max-batch B` requests share the pipeline (auto: 4 for SPD on a CPU, else 1); others wait in a
+bounded queue, latency-critical ones first, then lower `priority` (as vLLM orders it), then in arrival order.
 Its optional dependencies (the `serve` extra) are checked before anything starts: nothing here
 imports them at module level, so without them the command still says so in one line.
 """
@@ -18,7 +18,7 @@ import sys
 from spd_engine.engine.runtime.run_config import Mode
 from spd_engine.server import limits
 from spd_engine.server.request_log import DEFAULT_LEVEL, LEVELS
-from spd_engine.tools.cli_conventions import add_batch_arguments, check_batch_arguments, finite_float
+from spd_engine.tools.cli_conventions import add_batch_arguments, check_batch_arguments, finite_float, resolve_max_batch
 from spd_engine.tools.engine_args import add_engine_arguments, engine_config
 
 SERVE_MODULES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus_client"}
@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None, help="model id of the API (default: --model)")
     g.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the one in the pipeline; "
                                                              "one more is answered 429 (0: one request at a time)")
-    add_batch_arguments(g, "requests (a queued one joins when a slot is free)")
+    add_batch_arguments(g, "requests (a queued one joins when a slot is free)", auto=True)
     g.add_argument("--request-timeout", type=finite_float, default=600.0,
                    help="deadline of a request from its arrival, queue wait included (s)")
     g.add_argument("--drain-timeout", type=finite_float, default=30.0,
@@ -154,6 +154,9 @@ def run(args: argparse.Namespace) -> int:
     if swept:
         print(f"spd serve: removed {swept} semaphore(s) in /dev/shm that killed processes left", file=sys.stderr)
     ecfg, tok_dir = engine_config(args)
+    args.max_batch = resolve_max_batch(args, ecfg.mode, ecfg.device)
+    if args.max_rows is not None and args.max_batch < 2:
+        raise ValueError(f"--max-rows {args.max_rows}: needs --max-batch B >= 2")
     if args.max_batch > 1 and ecfg.mode is not Mode.SPD:
         raise ValueError(f"--max-batch > 1 needs --mode spd, got --mode {ecfg.mode}")
     if under_torchrun() and int(os.environ["RANK"]) != 0:

@@ -28,9 +28,11 @@ from spd_engine.server.process import ServerProcess, group_members
 pytestmark = pytest.mark.multiproc
 REPO = Path(__file__).resolve().parents[2]
 TINY = "random:tiny-llama"
-# one token per entry (--suffix-run 1); the real-model server below serves with runs
+# one token per entry (--suffix-run 1); the real-model server below serves with runs; one request in
+# the pipeline at a time (--max-batch 1), as the queueing and fault checks count on (test_serve_engine.py
+# and test_serve_penalties.py serve several at once)
 TINY_ARGS = ["--model", TINY, "--stages", "2", "--threads", "1", "--capacity", "512", "--prefill-chunk", "16",
-             "--suffix-run", "1"]
+             "--suffix-run", "1", "--max-batch", "1"]
 # the queueing, cancellation and deadline tests need a 480-token request still running seconds later on any
 # host: every stage step lasts at least 20 ms, so 480 tokens take at least 480 ticks (9.6 s), by construction
 SLOW_STEPS = ["--stage-ms", "20"]
@@ -442,7 +444,7 @@ def test_deadline_then_sigterm_drains_to_exit_0():
 def test_killed_stage_fails_the_request_in_flight_and_the_server_exits_within_30s(stream):
     killed = 2  # stage 1 of 3: a stage on either side and the driver
     server = ServerProcess(["--model", TINY, "--stages", "3", "--threads", "1", "--capacity", "512",
-                            "--timeout", "10"], env={FAULT_ENV: f"{killed}:120"})
+                            "--timeout", "10", "--max-batch", "1"], env={FAULT_ENV: f"{killed}:120"})
     try:
         results: list = []
 

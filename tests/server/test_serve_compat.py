@@ -22,9 +22,10 @@ from spd_engine.tools.cli import version
 
 pytestmark = pytest.mark.multiproc
 TINY = "random:tiny-llama"
-# every stage step lasts at least 20 ms: a 480-token request keeps the pipeline busy for seconds
+# every stage step lasts at least 20 ms: a 480-token request keeps the pipeline busy for seconds; one
+# request in the pipeline at a time (--max-batch 1): the priority check orders the queue behind it
 TINY_ARGS = ["--model", TINY, "--stages", "2", "--threads", "1", "--capacity", "512", "--prefill-chunk", "16",
-             "--suffix-run", "1", "--stage-ms", "20"]
+             "--suffix-run", "1", "--stage-ms", "20", "--max-batch", "1"]
 SMOL = "smollm2-135m"
 SMOL_ARGS = ["--model", SMOL, "--stages", "2", "--threads", "1", "--capacity", "512"]
 

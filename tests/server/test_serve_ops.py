@@ -24,9 +24,10 @@ from spd_engine.server.process import ServerProcess, group_members
 pytestmark = pytest.mark.multiproc
 TINY = "random:tiny-llama"
 # the queueing, stall and drain tests need a 480-token request still running seconds later on any host:
-# one token per entry (--suffix-run 1) and every stage step at least 10 ms long (480 tokens: at least 4.8 s)
+# one token per entry (--suffix-run 1) and every stage step at least 10 ms long (480 tokens: at least 4.8 s);
+# one request in the pipeline at a time (--max-batch 1): the queue and drain checks count what waits
 TINY_ARGS = ["--model", TINY, "--stages", "2", "--threads", "1", "--capacity", "512", "--prefill-chunk", "16",
-             "--suffix-run", "1", "--stage-ms", "10"]
+             "--suffix-run", "1", "--stage-ms", "10", "--max-batch", "1"]
 
 
 def post(server: ServerProcess, body: dict, **kw) -> httpx.Response:
