@@ -96,8 +96,10 @@ BRANCH_TOPK = Setup("branch-w2-topk3", 3, SamplingParams(temperature=1.0, top_k=
 # behind it carries the next one, verified on its own exit row when the entry leaves (the third token)
 RUN_TOPK = Setup("suffix-run-topk2", 2, SamplingParams(temperature=1.0, top_k=2), "pdm", suffix=True, run=3,
                  prompt=(0, 5, 1, 5, 0, 4, 3))
-# two requests live in one pipeline (docs/design.md 3.12), the untrained PDM's own q
-BATCH_TOPK = Setup("batch-2-topk2", 2, SamplingParams(temperature=1.0, top_k=2), "pdm")
+# two requests live in one pipeline (docs/design.md 3.12), the untrained PDM's own q, with RUN_TOPK's
+# suffix runs (3.13), which travel in the batch as a row per token
+BATCH_TOPK = Setup("batch-2-run-topk2", 2, SamplingParams(temperature=1.0, top_k=2), "pdm", suffix=True, run=3,
+                   prompt=RUN_TOPK.prompt)
 
 
 # ---- the exact distribution ----
@@ -473,7 +475,7 @@ def draw_batch(setup: Setup, seeds: Sequence[int], broken: bool = False) -> tupl
     torch.set_num_threads(1)
     counts = [np.zeros(CELLS, dtype=np.int64), np.zeros(CELLS, dtype=np.int64)]
     outputs: list[list[tuple[int, ...]]] = [[], []]
-    verified, accepted = [0, 0], [0, 0]
+    verified, accepted, runs = [0, 0], [0, 0], [0, 0]
     t0 = time.perf_counter()
     init = batch_driver._Live.__init__
     if broken:
@@ -481,17 +483,19 @@ def draw_batch(setup: Setup, seeds: Sequence[int], broken: bool = False) -> tupl
     try:
         with ReferenceExecutor(setup.engine_config()) as ex:
             for a, b in zip(seeds[0::2], seeds[1::2]):
-                reqs = [batch_driver.BatchRequest(list(PROMPT), NEW, sampling=dataclasses.replace(setup.params, seed=s))
-                        for s in (a, b)]
+                reqs = [batch_driver.BatchRequest(list(setup.prompt), NEW,
+                                                  sampling=dataclasses.replace(setup.params, seed=s)) for s in (a, b)]
                 for k, res in enumerate(ex.generate_batch(reqs, 2).results):
                     counts[k][np.ravel_multi_index(res.tokens, (V,) * NEW)] += 1
                     outputs[k].append(tuple(res.tokens))
                     verified[k] += res.verified
                     accepted[k] += res.accepted
+                    runs[k] += res.by_source.get(SUFFIX_RUN, [0, 0, 0])[1]
     finally:
         batch_driver._Live.__init__ = init
     dt = time.perf_counter() - t0
-    first, second = (Draws(counts[k], outputs[k], verified[k], accepted[k], 0, 0, dt) for k in (0, 1))
+    first, second = (Draws(counts[k], outputs[k], verified[k], accepted[k], 0, 0, dt, run_verified=runs[k])
+                     for k in (0, 1))
     return first, second
 
 
@@ -505,15 +509,17 @@ def draw_batch_parallel(pool, setup: Setup, seeds: Sequence[int], broken: bool =
 
 
 def test_two_live_requests_sample_the_target_distribution_small(seed_pool, one_thread):
-    """Two requests share every stage step (B = 2): 2,500 requests (1,250 runs) pass, and each
-    request's output is its own solo seeded output; a driver whose second request verifies against
-    the first request's exit rows fails on the second requests of 500 runs."""
+    """Two requests share every stage step (B = 2), suffix runs travelling in the batch: 2,500
+    requests (1,250 runs) pass, and each request's output is its own solo seeded output; a driver
+    whose second request verifies against the first request's exit rows fails on the second
+    requests of 500 runs."""
     joint = exact_joint(conditionals(BATCH_TOPK))
     good, _ = draw_batch_parallel(seed_pool, BATCH_TOPK, range(SMALL))
     verdict = judge(good, joint)
     report(f"{BATCH_TOPK.name} correct", good, verdict)
     assert verdict.passes, verdict
     assert good.accepted < 0.8 * good.verified  # rejections, so residual draws happen
+    assert good.run_verified > 0.15 * SMALL  # runs really travel inside the batch
     solo = draw(BATCH_TOPK, range(0, 200))
     assert good.outputs[:100] == solo.outputs[0::2][:100] and good.outputs[SMALL // 2:][:100] == solo.outputs[1::2][:100]
     _, bad = draw_batch_parallel(seed_pool, BATCH_TOPK, range(2 * STALE_PREFIX), broken=True)
