@@ -242,7 +242,8 @@ def test_bench_max_batch_table_beside_the_rows(tmp_path, capsys):
     rows = json.loads(out.read_text())["batches"]
     assert [r["config"] for r in rows] == ["one at a time", "B=1", "B=2"]
     assert all(r["equal"] == r["requests"] == 3 and r["pipeline"] == "spd-colocate" for r in rows)
-    assert rows[2]["rows_per_step"] > 1 >= rows[1]["rows_per_step"]
+    # one request's entries are one row, or a suffix run's several; two requests fill steps with more
+    assert rows[2]["rows_per_step"] > rows[1]["rows_per_step"] >= 1
     assert 0 < rows[2]["utilization"]["overall"] <= 1 and len(rows[2]["utilization"]["per_stage"]) == 2
     printed = capsys.readouterr().out
     assert "several requests in the spd-colocate pipeline" in printed and "| B=2 |" in printed
