@@ -308,3 +308,15 @@ def idle_wait_rank(rank: int, port: int, pause_s: float, out: str) -> None:
         directions = sorted(t._groups) if t._groups[(0, 1)] is not t._groups[(1, 0)] else []
         Path(out).write_text(f"{t.recv_header(0, None).position} {directions}")
     dist.destroy_process_group()
+
+
+def load_smollm2() -> tuple:
+    """(engine checkpoint dir, model config, full model, tokenizer) of SmolLM2-135M-Instruct, once the
+    `smollm2_dir` fixture fetched it: what the real-model runtime checks compare against."""
+    from spd_engine.engine.model.checkpoint import load_stage_model, read_index
+    from spd_engine.engine.model.tokenizer import Tokenizer
+    from spd_engine.tools.model_args import resolve_model
+
+    engine_dir, tok_dir = resolve_model("smollm2-135m")
+    cfg = read_index(engine_dir).cfg
+    return engine_dir, cfg, load_stage_model(engine_dir, range(0, cfg.num_layers)).eval(), Tokenizer.from_dir(tok_dir)

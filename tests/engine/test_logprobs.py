@@ -94,13 +94,9 @@ def test_logprobs_at_temperature_above_0_and_in_a_batch(n, one_thread):
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
     """(engine checkpoint dir, model config, full model, tokenizer) of SmolLM2-135M-Instruct."""
-    from spd_engine.engine.model.checkpoint import load_stage_model, read_index
-    from spd_engine.engine.model.tokenizer import Tokenizer
-    from spd_engine.tools.model_args import resolve_model
+    from helpers import load_smollm2
 
-    engine_dir, tok_dir = resolve_model("smollm2-135m")
-    cfg = read_index(engine_dir).cfg
-    return engine_dir, cfg, load_stage_model(engine_dir, range(0, cfg.num_layers)).eval(), Tokenizer.from_dir(tok_dir)
+    return load_smollm2()
 
 
 @pytest.mark.parametrize("n", [2, 4])

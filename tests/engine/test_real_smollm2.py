@@ -29,15 +29,10 @@ NEW = 32
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
-    """(engine checkpoint dir, model config, full model, tokenizer)."""
-    from spd_engine.engine.model.checkpoint import load_stage_model, read_index
-    from spd_engine.engine.model.tokenizer import Tokenizer
-    from spd_engine.tools.model_args import resolve_model
+    """(engine checkpoint dir, model config, full model, tokenizer) of SmolLM2-135M-Instruct."""
+    from helpers import load_smollm2
 
-    engine_dir, tok_dir = resolve_model("smollm2-135m")
-    cfg = read_index(engine_dir).cfg
-    full = load_stage_model(engine_dir, range(0, cfg.num_layers)).eval()
-    return engine_dir, cfg, full, Tokenizer.from_dir(tok_dir)
+    return load_smollm2()
 
 
 @pytest.fixture(scope="module")
