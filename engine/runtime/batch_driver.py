@@ -72,6 +72,7 @@ class BatchRequest:
     latency: str = BATCH  # batch_policy.CRITICAL: keeps its single-stream schedule (docs/design.md 3.12)
     priority: int = 0  # among batch-class requests: higher enters first
     top_logprobs: int = -1  # >= 0: each token's log-probability and this many alternatives (Driver.generate)
+    trace: list[tuple[int, str, float, float]] | None = None  # its ticks' (tick, what, t0, t1), when traced
 
 
 @dataclass
@@ -120,14 +121,19 @@ class _SlotParts:
     """A request slot's driver-side buffers, made once and kept for every request that takes the
     slot (the transport pins the rings: they must live as long as it): its anchor rings (one per
     chain of a branch point, 3.11), exit rows (ring slot s, chain c at row s W + c), PDM cache and
-    the lane over them. Every entry is written before it is read, by position."""
+    the lane over them. Every entry is written before it is read, by position. Slot 0's are the
+    driver's own, with its static PDM and verification steps (engine/runtime/driver.py)."""
 
-    def __init__(self, d) -> None:
+    def __init__(self, d, slot: int) -> None:
         W, H = d.branches.width, d.head.cfg.hidden_size
-        self.buf = DriverBuffers(d.n, d.plan, d.wire, H, 1, W, d.t, d.device, d.dtype, d.max_run)
+        self.exits = torch.empty(d.buf.num_slots * W, H, device=d.device, dtype=d.dtype)
+        if slot == 0:
+            self.buf, self.pdm_cache, self.lane = d.buf, d.pdm_cache, d.lane
+            self.verify_rows, self.verify_replies = d.verify_rows, d.verify_replies
+            return
+        self.buf = DriverBuffers(d.n, d.plan, H, W, d.device, d.dtype, d.max_run)
         # a pass over every chain writes (W - 1) n rows past the staircase's (BranchChains.chain_inputs)
         self.pdm_cache = d.pdm.new_cache(d.capacity + (W - 1) * d.n)
-        self.exits = torch.empty(self.buf.num_slots * W, H, device=d.device, dtype=d.dtype)
         # the exiting entry's exit rows gathered in the order the lane verifies them (Lane.verify_exit:
         # a suffix run's rows 0 .. L, or a branch point's chain rows), and the last stage's argmaxes
         rows = max(W, d.max_run)
@@ -146,13 +152,16 @@ class _Live:
         self.index, self.slot, self.serial, self.request = index, slot, serial, request
         self.req = RequestState(d.n, request.max_new_tokens, frozenset(request.eos_ids), request.sampling, 0,
                                 request.draft_policy, request.on_token,
-                                d.drafter.chooser.new_index(request.prompt), max_run=run.max_run)
+                                d.drafter.chooser.new_index(request.prompt), request.trace, run.max_run)
         parts = run.parts.get(slot)
         if parts is None:
-            parts = run.parts[slot] = _SlotParts(d)
+            parts = run.parts[slot] = _SlotParts(d, slot)
         self.buf, self.pdm_cache, self.exits, self.lane = parts.buf, parts.pdm_cache, parts.exits, parts.lane
         self.verify_rows, self.verify_replies = parts.verify_rows, parts.verify_replies
         self.width = d.branches.width
+        # the table's reply field: -1 asks a verifying last stage for the row's T=0 argmax, -2 does
+        # not (a sampled request, or one processing its logits, never uses it)
+        self.ask_reply = -1 if request.sampling.greedy and not request.sampling.processes else -2
         self.replies = [-1] * len(self.exits)  # the last stage's argmax behind each exit row
         self.chain_width = 1  # chains of its last branch point sent: a survivor row names its width
         self.got = [(-1, -1)] * d.n  # per stage: (epoch, position) of its newest report for this request
@@ -227,11 +236,12 @@ class _Live:
         head = [self.slot, self.serial, e.epoch]
         if e.chains:
             self.chain_width = e.rows
-            return [head + [e.pos, tok, -1, e.branch, c, e.rows, -1] for c, tok in enumerate(e.chains)]
+            return [head + [e.pos, tok, self.ask_reply, e.branch, c, e.rows, -1] for c, tok in enumerate(e.chains)]
         if e.run:
             assert e.branch < 0 and e.survivor < 0, f"a suffix run at {e.pos} beside a branch point"
-            return [head + [e.pos + i, tok, -1, -1, 0, 1, -1] for i, tok in enumerate(e.tokens)]
-        return [head + [e.pos, e.token, -1, e.branch, 0, self.chain_width if e.survivor >= 0 else 1, e.survivor]]
+            return [head + [e.pos + i, tok, self.ask_reply, -1, 0, 1, -1] for i, tok in enumerate(e.tokens)]
+        width = self.chain_width if e.survivor >= 0 else 1
+        return [head + [e.pos, e.token, self.ask_reply, e.branch, 0, width, e.survivor]]
 
     def gather_exit(self, ex: Entry, greedy_reply: bool) -> int:
         """The exiting entry's exit rows into verify_rows as Lane.verify_exit reads them (a suffix
@@ -280,12 +290,22 @@ class BatchDriver:
         self.parts: dict[int, _SlotParts] = {}  # request slot -> its buffers, kept over runs
         self.lifetime = StageCounts(self.n)  # over every run (a server's /metrics)
 
-    def _need(self, s: int, live: _Live, pos: int) -> None:
-        """Read stage s's reports until the one carrying `live`'s token at `pos` has arrived."""
+    def _need(self, s: int, live: _Live, pos: int, arrived_only: bool = False) -> None:
+        """Read stage s's reports until the one carrying `live`'s token at `pos` has arrived (arrived_only:
+        only those already there)."""
         t0 = time.perf_counter()
         while not live.arrived(s, pos):
+            if arrived_only and not self.links.ready(s):
+                return
             self.links.pump(s, self.tick)
         live.req.account("wait", t0)
+
+    @staticmethod
+    def _spend(lives: Sequence[_Live], what: str, span: tuple[float, float] | None) -> None:
+        """A span of work the decoding requests share (stage 0's step, a BATCH message's send), a share each."""
+        if span is not None:
+            for x in lives:
+                x.req.spend(what, span[0], span[1], 1.0 / len(lives))
 
     # ---- prefill: one chunk per tick, between the BATCH messages ----
     def _send_chunk(self, live: _Live) -> None:
@@ -331,9 +351,12 @@ class BatchDriver:
             self._finish(live)
 
     # ---- the tick ----
-    def _send(self, hdr: Header, payloads: list[torch.Tensor]) -> None:
-        self.driver.stage0.send(hdr, payloads, overlap=hdr.kind == Kind.BATCH)
+    def _send(self, hdr: Header, payloads: list[torch.Tensor], lives: Sequence[_Live] = ()) -> None:
+        t0 = time.perf_counter()
+        step = self.driver.stage0.send(hdr, payloads, overlap=hdr.kind == Kind.BATCH)
         self.sent += 1
+        self._spend(lives, "send", (t0, step[0] if step else time.perf_counter()))
+        self._spend(lives, "stage0", step)
 
     def _admit(self) -> None:
         now = time.perf_counter()
@@ -391,11 +414,16 @@ class BatchDriver:
         for live, plan in zip(decoding, plans):
             for s, e in plan.anchor_reads:  # the token at lag j finished stage j-1 last tick
                 self._need(s, live, e.pos)
+            # The exit is read before the PDM when it has already arrived: this tick's rows do not use
+            # it (its anchors are next tick's pending row), and on a CPU the read is then not the first
+            # code to run after the PDM's weights went through the caches. When it has not arrived the
+            # PDM runs first, as it must: it overlaps the wait.
+            if plan.exit is not None:
+                self._need(self.n - 1, live, plan.exit.end, arrived_only=True)
         drafts = self._draft(decoding, plans) if decoding else []
         for live, plan, ds in zip(decoding, plans, drafts):
             self._verify_and_advance(live, plan, ds)
-        if self.driver.stage0.runner is not None:  # a co-located stage 0's step of this tick's rows
-            self.driver.stage0.runner.join()
+        self._spend(decoding, "stage0", self.driver.stage0.join())  # a co-located stage 0's step of this tick
         if rows.prefill:  # after the join: a co-located stage 0 steps on the chunk inline
             newcomer = next(x for x in lives if x.serial == rows.prefill[0][0])
             self._send_chunk(newcomer)
@@ -420,6 +448,11 @@ class BatchDriver:
         """One PDM pass over every decoding request's rows (each on its own PDM cache), then each
         request's drafts: from its last row, or with a branch point in flight from each chain's."""
         d, t0 = self.driver, time.perf_counter()
+        if len(decoding) == 1:  # alone: its lane's own pass (slot 0's on the static PDM steps)
+            x, plan = decoding[0], plans[0]
+            drafts = x.lane.drafts(x.req, plan)
+            x.req.account("pdm", t0)
+            return [drafts]
         inputs = [self._pdm_inputs(x, plan) for x, plan in zip(decoding, plans)]  # (rows, positions, mask)
         rows = torch.cat([i[0] for i in inputs])  # [N, H]
         spans = RowCaches([x.pdm_cache for x in decoding], [plan.pdm_pos for plan in plans],
@@ -431,9 +464,7 @@ class BatchDriver:
                 out.append(x.lane.drafts_from(x.req, plan, mine[-1]))
             else:
                 out.append(x.lane.branches.chain_drafts(x.req, plan, x.lane.branches.chain_lasts(plan, mine)))
-        share = (time.perf_counter() - t0) / len(decoding)  # the pass is shared: each request its share
-        for x in decoding:
-            x.req.timers["pdm"] += share
+        self._spend(decoding, "pdm", (t0, time.perf_counter()))  # the pass is shared: each request its share
         return out
 
     def _pdm_inputs(self, live: _Live, plan: TickPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -451,7 +482,7 @@ class BatchDriver:
         entries: list[Entry] = [plan.enter[0] for plan in plans]
         tables = [x.meta_rows(e) for x, e in zip(decoding, entries)]
         meta = torch.tensor([row for table in tables for row in table], dtype=torch.int64)  # [R, META_LEN]
-        self._send(Header(Kind.BATCH, rows=len(meta)), [meta])
+        self._send(Header(Kind.BATCH, rows=len(meta)), [meta], decoding)
         emb = d.head.embed(meta[None, :, _TOKEN].to(d.device))[0]  # [R, H]
         for live, e, mine in zip(decoding, entries, emb.split([len(table) for table in tables])):
             if e.run:  # a suffix run: each position's anchor 0 to its ring slot
@@ -491,6 +522,8 @@ class BatchDriver:
         res = live.req.res
         res.decode_s = live.t_last - live.t_first
         res.driver = dict(live.req.timers)
+        if self.driver.drafter.cross is not None:  # later requests may draft from this one's text
+            self.driver.drafter.cross.add(live.request.prompt, res.tokens)
         self.done[live.index] = live
         self.slots[live.slot] = None
         if self.on_done is not None:

@@ -108,8 +108,12 @@ class RequestState:
 
     def account(self, what: str, t0: float) -> None:
         """The time since t0 to one of the tick's parts."""
-        t1 = time.perf_counter()
-        self.timers[what] += t1 - t0
+        self.spend(what, t0, time.perf_counter())
+
+    def spend(self, what: str, t0: float, t1: float, share: float = 1.0) -> None:
+        """`share` of the span t0 .. t1 to one of the tick's parts (a part several requests share,
+        such as the PDM pass or stage 0's step over a batch, counts a share to each)."""
+        self.timers[what] += (t1 - t0) * share
         if self.trace is not None:
             self.trace.append((self.tick, what, t0, t1))
 

@@ -1,8 +1,9 @@
 """A stage step's middle part: its rows through the stage's layers.
 
-A one-token decode step runs on the static (CUDA-graph) step when the run has one; prefill
-chunks, suffix runs (docs/design.md 3.13), the W chains of a branch point (3.11) and BATCH steps
-over several requests (3.12) run eagerly. Rollback is lazy (3.4): a row at position `q` writes
+A one-token decode step (a TOKEN message, or a BATCH message of one plain token of slot 0: a
+request alone) runs on the static (CUDA-graph) step when the run has one; prefill chunks, suffix
+runs (docs/design.md 3.13), the W chains of a branch point (3.11) and BATCH steps over several
+requests (3.12) run eagerly. Rollback is lazy (3.4): a row at position `q` writes
 its K/V at slot `q`, over whatever a stale token left there.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from spd_engine.engine.runtime.run_config import StepMode
 from spd_engine.engine.runtime.slot_caches import SlotCaches
 from spd_engine.engine.runtime.stage_buffers import StageBuffers
 
-_POSITION = META_FIELDS.index("position")
+_SLOT, _POSITION, _BRANCH = (META_FIELDS.index(f) for f in ("slot", "position", "branch"))
 
 
 class StepOut(NamedTuple):
@@ -29,7 +30,6 @@ class StepOut(NamedTuple):
     caps: dict[int, torch.Tensor]  # captured layer -> its output [1, T, H] (the anchors)
     greedy: torch.Tensor | None  # a static step's head argmax [1] (device), else None
     written: bool  # the eager layers wrote out and the anchors into the pinned rows already
-    emb: torch.Tensor | None  # stage 0's eager embedding [1, T, H]: a local report's anchor 0
 
 
 class StageCompute:
@@ -60,16 +60,15 @@ class StageCompute:
             # out by this message's emit step (out1 and anchors1 into the transport, anchors into
             # the co-located driver's ring), so no clone is needed
             out, caps, greedy = self.static.run(hdr.position, h=None if self.stage == 0 else h, token=ids)
-            return StepOut(out, caps, greedy, False, None)
-        emb = self.model.embed(ids) if self.stage == 0 else None  # [1, T, H]
-        h = emb if self.stage == 0 else h
+            return StepOut(out, caps, greedy, False)
+        h = self.model.embed(ids) if self.stage == 0 else h  # [1, T, H]
         into = self.buf.into1 if one and self.buf.pinned else None
         if chains:
             out, caps = self._chains(h, hdr)
         else:
             cache = self.caches.first if hdr.slot == 0 else self.caches.of(hdr.slot)
             out, caps = self.model.forward_layers(h, cache, hdr.position, capture=self.capture, into=into)
-        return StepOut(out, caps, None, into is not None, emb)
+        return StepOut(out, caps, None, into is not None)
 
     def _chains(self, h: torch.Tensor, hdr: Header) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The chains of a branch point: h [1, W, H], every row at `position`, each seeing the
@@ -80,9 +79,17 @@ class StageCompute:
         mask = chain_mask(q, pos, W, h.device)  # [1, 1, W, slot0 + W]
         return self.model.forward_layers(h, self.caches.first, chain_slot0(q, pos, W), positions, mask, self.capture)
 
-    def batch(self, meta: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """A BATCH step (eager): the rows h [1, R, H] of table meta [R, META_LEN], each on its
-        request slot's cache -> (out [1, R, H], anchors {layer: [1, R, H]})."""
+    def batch(self, meta: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """A BATCH step: the rows of table meta [R, META_LEN] (stage 0's ids [1, R], a later stage's
+        h [1, R, H]), each on its request slot's cache -> (out [1, R, H], anchors {layer: [1, R, H]}).
+        One plain token of slot 0 (a request alone) runs on the static step when the run has one;
+        every other step runs eagerly."""
+        if self.static is not None and len(meta) == 1 and meta[0, _SLOT] == 0 and meta[0, _BRANCH] < 0:
+            # static buffers that the next step rewrites: the emit step copies out what leaves it
+            out, caps, _ = self.static.run(int(meta[0, _POSITION]), h=None if self.stage == 0 else rows,
+                                           token=rows if self.stage == 0 else None)
+            return out, caps
+        h = self.model.embed(rows) if self.stage == 0 else rows  # [1, R, H]
         caches = self.caches.batch_rows(meta, self.buf.device)
         return self.model.forward_layers(h, caches, 0, positions=meta[None, :, _POSITION].to(self.buf.device),
                                          capture=self.capture)

@@ -2,11 +2,9 @@
 driver (the anchors and, from the last stage, the exit rows and the head's token or argmaxes), as
 engine/protocol/messages.py's WireFormat orders them. Every TOKEN or PREFILL message a reporting
 stage computes produces exactly one report: the driver counts on that to drain its links at the
-end of a request. A co-located stage 0 may hand its report over in-process instead (no message).
+end of a request.
 """
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
@@ -14,10 +12,6 @@ from spd_engine.engine.comm.transport import Transport
 from spd_engine.engine.protocol.messages import Header, WireFormat
 from spd_engine.engine.runtime.stage_buffers import StageBuffers
 from spd_engine.engine.runtime.stage_compute import StepOut
-
-# a co-located driver's in-process report: (header, captured layer outputs, stage 0's embedding
-# [1, T, H] or None from a static step); the anchors go straight to its ring
-LocalReports = Callable[[Header, dict[int, torch.Tensor], torch.Tensor | None], None]
 
 
 class StageEmit:
@@ -30,17 +24,13 @@ class StageEmit:
         self.stage, self.t, self.next, self.driver, self.wire = stage, transport, next_rank, driver, wire
         self.buf, self.reports, self.has_head = buffers, reports, has_head
 
-    def token(self, hdr: Header, step: StepOut, token: int, replies: torch.Tensor | None,
-              local: LocalReports | None) -> None:
-        """A TOKEN or PREFILL step's output and report; `local`: hand the report over in-process.
-        token: the head's (a head stage); replies: a suffix run's argmaxes [T]."""
-        via_report = self.reports and local is None
-        row = self.buf.rows_out(step.out, step.caps, hdr.num_tokens, via_report, step.written)  # [T, H]
+    def token(self, hdr: Header, step: StepOut, token: int, replies: torch.Tensor | None) -> None:
+        """A TOKEN or PREFILL step's output and report. token: the head's (a head stage); replies:
+        a suffix run's argmaxes [T]."""
+        row = self.buf.rows_out(step.out, step.caps, hdr.num_tokens, self.reports, step.written)  # [T, H]
         if self.next is not None:
             self.t.send(self.next, hdr, [row])
-        if local is not None:
-            local(hdr, step.caps, step.emb)
-        elif via_report:
+        if self.reports:
             self._report(hdr.with_reply(token) if self.has_head else hdr, row, step.caps, replies)
 
     def batch(self, hdr: Header, meta: torch.Tensor, out: torch.Tensor, caps: dict[int, torch.Tensor]) -> None:

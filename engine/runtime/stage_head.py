@@ -62,10 +62,19 @@ class StageHead:
         return token, replies
 
     def reply_rows(self, meta: torch.Tensor, out: torch.Tensor, stats: StageStats) -> None:
-        """A BATCH step's every row's T=0 argmax into its table meta [R, META_LEN], from out [1, R, H];
-        the driver uses those of its greedy requests."""
+        """A BATCH step's T=0 argmax of each row whose reply field asks for one (-1; -2: a sampled
+        request's row) into its table meta [R, META_LEN], from out [1, R, H]."""
+        asked = meta[:, _REPLY] == -1  # [R]
+        if not bool(asked.any()):
+            return
         tv = time.perf_counter()
-        meta[:, _REPLY] = self.argmax_rows(out[0])
+        if len(meta) == 1 and self.verify_step is not None:  # a request alone: the static head step
+            meta[0, _REPLY] = int(self.verify_step.run(out[0, -1]))  # host sync: the id goes in the table
+        elif bool(asked.all()):
+            meta[:, _REPLY] = self.argmax_rows(out[0])
+        else:
+            rows = asked.nonzero()[:, 0]  # [r]
+            meta[rows, _REPLY] = self.argmax_rows(out[0, rows.to(out.device)])
         stats.verify_s += time.perf_counter() - tv
 
     def argmax_rows(self, out: torch.Tensor) -> torch.Tensor:

@@ -54,12 +54,12 @@ class StageInput:
         return None, self.t.recv_into(self.prev, self.buf.h_in[:T], self.timeout, tick)[None]  # [1, T, H]
 
     def batch_rows(self, hdr: Header, tick: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A BATCH message's table meta [R, META_LEN] (host int64) and its rows h [1, R, H]: stage 0
-        embeds the table's tokens, a later stage receives the hidden states."""
+        """A BATCH message's table meta [R, META_LEN] (host int64) and its rows: stage 0's token ids
+        [1, R] (the table's), a later stage's hidden states h [1, R, H]."""
         R, H = hdr.rows, self.model.cfg.hidden_size
         meta = self.t.recv_into(self.prev, torch.empty(R, META_LEN, dtype=torch.int64), self.timeout, tick)
         if self.stage == 0:
-            return meta, self.model.embed(meta[None, :, _TOKEN].to(self.buf.device))  # [1, R, H]
+            return meta, meta[None, :, _TOKEN].to(self.buf.device)  # [1, R]
         h = self.t.recv_into(self.prev, torch.empty(R, H, device=self.buf.device, dtype=self.buf.dtype),
                              self.timeout, tick)
         return meta, h[None]  # [1, R, H]

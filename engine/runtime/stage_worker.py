@@ -45,7 +45,7 @@ from spd_engine.engine.runtime.run_config import RankOptions
 from spd_engine.engine.runtime.slot_caches import SlotCaches
 from spd_engine.engine.runtime.stage_buffers import StageBuffers
 from spd_engine.engine.runtime.stage_compute import StageCompute
-from spd_engine.engine.runtime.stage_emit import LocalReports, StageEmit
+from spd_engine.engine.runtime.stage_emit import StageEmit
 from spd_engine.engine.runtime.stage_head import StageHead
 from spd_engine.engine.runtime.stage_input import StageInput
 from spd_engine.engine.runtime.stage_timing import StageTiming
@@ -101,9 +101,6 @@ class StageWorker:
         self.cfg_in = torch.empty(CONFIG_LEN, dtype=torch.int64)
         self.in_request = False
         self.handled = 0  # messages handled this request (the tick named in receive errors)
-        # co-located stage 0: a token the driver handed over in-process (step_local) reports
-        # through this, straight into the driver's ring, no message
-        self.local_reports: LocalReports | None = None
         self.compute.prepare()
 
     @property
@@ -176,18 +173,18 @@ class StageWorker:
 
     def step_local(self, hdr: Header, ids: torch.Tensor | None = None) -> None:
         """A decode token (or a suffix run, its ids [T] in `ids`) handed over in-process by the
-        co-located driver: the same computation as a received TOKEN message, without the message
+        co-located pp driver (engine/runtime/baselines.py): the same computation as a received TOKEN message, without the message
         (no loopback header to queue and pop)."""
         assert self.stage == 0 and hdr.kind == Kind.TOKEN and hdr.rows == 1, hdr
         assert (ids is None) == (hdr.num_tokens == 1), hdr
         self.in_request = True
-        self._compute(hdr, time.perf_counter(), local=True, local_ids=ids)
+        self._compute(hdr, time.perf_counter(), local_ids=ids)
 
-    def _compute(self, hdr: Header, t0: float, local: bool = False, local_ids: torch.Tensor | None = None) -> None:
+    def _compute(self, hdr: Header, t0: float, local_ids: torch.Tensor | None = None) -> None:
         """A TOKEN or PREFILL message received from t0: prepare its rows, run them, emit."""
         if torch.is_grad_enabled():  # serve() and the driver run under no_grad already: entering it
             with torch.no_grad():  # again per message costs tens of microseconds after a compute
-                return self._compute(hdr, t0, local, local_ids)
+                return self._compute(hdr, t0, local_ids)
         decode = hdr.kind == Kind.TOKEN
         chains = decode and hdr.rows > 1
         self.rows_in.check(hdr, chains)
@@ -205,7 +202,7 @@ class StageWorker:
         self.handled += 1
         if decode:
             self.timing.step(t0, t1, t2, mark)
-        self.emit.token(hdr, step, token, replies, self.local_reports if local else None)
+        self.emit.token(hdr, step, token, replies)
         if decode:
             self.timing.stats.send_s += time.perf_counter() - t2
 
@@ -216,11 +213,13 @@ class StageWorker:
             with torch.no_grad():
                 return self._compute_batch(hdr, t0)
         mark = self.timing.mark()
-        meta, h = self.rows_in.batch_rows(hdr, self.handled)  # [R, META_LEN], [1, R, H]
+        meta, rows = self.rows_in.batch_rows(hdr, self.handled)  # [R, META_LEN]; ids [1, R] or h [1, R, H]
         t1 = time.perf_counter()
-        out, caps = self.compute.batch(meta, h)  # [1, R, H]
-        if self.head.verifies:  # every row's T=0 argmax; the driver uses those of its greedy requests
+        out, caps = self.compute.batch(meta, rows)  # [1, R, H]
+        if self.head.verifies:  # the T=0 argmax of the rows that ask for it
             self.head.reply_rows(meta, out, self.timing.stats)
+        if self.min_step_s > 0:
+            self.timing.pad(self.min_step_s, t1)
         t2 = time.perf_counter()
         self.handled += 1
         self.timing.step(t0, t1, t2, mark, rows=hdr.rows)

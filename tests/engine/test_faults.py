@@ -235,7 +235,7 @@ def test_bad_requests_are_refused_before_any_work():
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_failing_stage_thread_ends_the_request_with_rank_and_peer(monkeypatch):
-    compute = StageWorker._compute
+    compute = StageWorker._compute_batch  # a decode step
     calls = {"n": 0}
 
     def failing(self, hdr, t0):
@@ -245,7 +245,7 @@ def test_a_failing_stage_thread_ends_the_request_with_rank_and_peer(monkeypatch)
                 raise RuntimeError("stage 1 broke")
         return compute(self, hdr, t0)
 
-    monkeypatch.setattr(StageWorker, "_compute", failing)
+    monkeypatch.setattr(StageWorker, "_compute_batch", failing)
     ecfg = tiny_engine_config("llama", 3, timeout_s=2.0)
     prompt = random_prompts(ecfg.cfg, [5])[0]
     start = time.monotonic()

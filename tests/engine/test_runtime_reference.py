@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 from helpers import ARCHS, CHUNK, Policy, check_run, expected_ticks, full_model, random_prompts, reference, tiny_engine_config  # noqa: F401
 from near_ties import assert_greedy_agrees, teacher_forced
 
@@ -249,68 +248,76 @@ def test_on_token_false_stops_the_request_and_the_next_is_unaffected(mode, n, co
         assert ex.generate(prompts[3], NEW, ()).tokens == refs[3]
 
 
-def test_colocated_decode_tokens_reach_stage0_without_a_loopback_message(one_thread):
-    """Co-located, stage 0 inline: decode tokens are handed to stage 0 in-process and its anchors
-    land in the ring directly (docs/design.md 3.4); only prefill and end-of-request messages
-    still take the loopback. The run stays lossless through forced rejections."""
-    ecfg, prompts, refs = setup("llama", 3, True)
+@pytest.mark.parametrize("step_mode", ["eager", "static"])
+def test_a_request_alone_is_a_batch_of_one_on_the_static_steps(step_mode, one_thread):
+    """Driver.generate runs the one decode loop: a request alone takes slot 0, its decode entries
+    travel as one-row BATCH messages (never TOKEN), and with static steps stage 0 steps each plain
+    token on its static step and the driver drafts on its static PDM steps. Lossless through
+    forced rejections."""
+    ecfg = tiny_engine_config("llama", 3, True, step_mode=step_mode)
+    _, prompts, refs = setup("llama", 3, True)
     with ReferenceExecutor(ecfg) as ex:
         driver = ex.driver
-        assert driver.stage0.direct
-        self_kinds = []
-        send = driver.t.send
+        kinds, slots, static_steps, pdm_steps = [], [], [0], [0]
+        send = driver.stage0.send
 
-        def spy(dst, hdr, payloads=()):
-            if dst == driver.t.rank:
-                self_kinds.append(hdr.kind)
-            return send(dst, hdr, payloads)
+        def spy(hdr, payloads=(), **kw):
+            kinds.append(hdr.kind)
+            if hdr.kind == Kind.BATCH:
+                slots.append(payloads[0][:, 0].tolist())  # each row's request slot
+            return send(hdr, payloads, **kw)
 
-        driver.t.send = spy
+        def counting(step, counter: list[int]) -> None:
+            run = step.run
+
+            def counted(*args, **kw):
+                counter[0] += 1
+                return run(*args, **kw)
+            step.run = counted
+
+        driver.stage0.send = spy
+        stage0 = driver.stage0.local
+        if step_mode == "static":
+            counting(stage0.static, static_steps)
+            for step in driver.pdm_steps.values():
+                counting(step, pdm_steps)
         p, ref = prompts[3], refs[3]
         policy = Policy(ref, len(p), ecfg.cfg.vocab_size, wrong=FORCED[0])
         res = ex.generate(p, NEW, (), draft_policy=policy)
         check_run(res, ref, policy, 3)
-        assert Kind.TOKEN not in self_kinds and Kind.PREFILL in self_kinds and Kind.END in self_kinds
+    assert Kind.TOKEN not in kinds and Kind.PREFILL in kinds and Kind.END in kinds
+    assert len(slots) == res.ticks and all(s == [0] for s in slots)
+    if step_mode == "static":
+        assert static_steps[0] == res.ticks and pdm_steps[0] == res.ticks
+    else:
+        assert stage0.static is None and not driver.pdm_steps
 
 
 def test_colocated_driver_reads_an_arrived_exit_before_the_pdm(one_thread):
     """The exit is read before the PDM when it has already arrived (docs/design.md 3.3): stage 0
     (inline on the driver) is padded to 15 ms and stage 1 is not, so stage 1's exit of a full tick
-    is in by the time stage 0's step returns, and the tick's one receive comes before its PDM."""
+    is in by the time stage 0's step returns, and the tick's read of it comes before its PDM."""
     ecfg = tiny_engine_config("llama", 2, True, stage_ms=(15.0, 0.0), trace=True)
     _, prompts, refs = setup("llama", 2, True)
+    events: list[tuple[str, int]] = []  # ("exit" | "pdm", tick) in the order they happened
     with ReferenceExecutor(ecfg) as ex:
+        loop, lane = ex.driver.batch, ex.driver.lane
+        pump, drafts = loop.links.pump, lane.drafts
+
+        def pump_spy(s, tick):
+            if s == 1:
+                events.append(("exit", loop.tick))
+            return pump(s, tick)
+
+        def drafts_spy(req, plan):
+            events.append(("pdm", loop.tick))
+            return drafts(req, plan)
+
+        loop.links.pump, lane.drafts = pump_spy, drafts_spy
         res = ex.generate(prompts[0], 12, ())
     assert res.tokens == refs[0][:12]
-    first = {}  # (tick, what) -> start of its first event
-    for tick, what, t0, _ in res.trace["driver"]:
-        first.setdefault((tick, what), t0)
-    full = [t for (t, what) in first if what == "verify"]
+    full = sorted({t for (what, t) in events if what == "exit"} & {t for (what, t) in events if what == "pdm"})
     assert len(full) == 11
-    early = [t for t in full if first[(t, "wait")] < first[(t, "pdm")]]
+    early = [t for t in full if events.index(("exit", t)) < events.index(("pdm", t))]
     # a thread the host delays can miss one tick; a driver that never reads early misses them all
     assert len(early) >= len(full) - 2, (early, full)
-
-
-@pytest.mark.parametrize("step_mode", ["eager", "static"])
-def test_colocated_anchor0_is_the_drivers_embedding_of_the_entering_token(step_mode, one_thread):
-    """Direct and eager, stage 0's embedding of the entering token is written as its anchor 0 (the
-    driver does not embed it again); a static stage 0 step keeps its embedding inside, and the
-    driver embeds. Either way the ring holds exactly the driver's embedding."""
-    ecfg = tiny_engine_config("llama", 2, True, step_mode=step_mode)
-    _, prompts, refs = setup("llama", 2, True)
-    with ReferenceExecutor(ecfg) as ex:
-        driver = ex.driver
-        assert driver.stage0.anchor0_from_stage0 == (step_mode == "eager")
-        seen = []
-        entry_send = driver._send_entry
-
-        def spy(entry):
-            entry_send(entry)
-            seen.append((entry.token, driver.buf.ring[driver.buf.slot(entry.pos), 0].clone()))
-
-        driver._send_entry = spy
-        res = ex.generate(prompts[1], 10, ())
-        assert res.tokens == refs[1][:10] and len(seen) == res.ticks
-        for token, anchor0 in seen:
-            assert torch.equal(anchor0, driver.head.embed(torch.tensor([[token]]))[0, 0])

@@ -48,7 +48,7 @@ from stats import TEST_LEVEL, chi_square_pvalue, rejection_rate, tv_distance, wo
 
 from spd_engine.engine.model.greedy import prefill
 from spd_engine.engine.protocol.drafting import SUFFIX, SUFFIX_RUN
-from spd_engine.engine.protocol.messages import Kind
+from spd_engine.engine.protocol.messages import META_FIELDS, Kind
 from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs, uniform
 from spd_engine.engine.runtime.reference import ReferenceExecutor
 from spd_engine.engine.runtime.run_config import RunConfig
@@ -135,6 +135,8 @@ def exact_joint(cond: Conditionals) -> np.ndarray:
 
 # ---- draft distributions ----
 
+_POSITION, _TOKEN, _CHAIN = (META_FIELDS.index(f) for f in ("position", "token", "chain"))
+
 class ContextSpy:
     """Records the token the driver sends into stage 0 at each position (last one wins: a flush
     re-sends the positions after a correction), i.e. the in-flight context of the next draft."""
@@ -144,8 +146,10 @@ class ContextSpy:
         send = driver.stage0.send
 
         def spy(hdr, payloads=(), **kw):
-            if hdr.kind == Kind.TOKEN:
-                self.tokens[hdr.position] = hdr.token
+            if hdr.kind == Kind.BATCH:  # a request alone: its entry's rows (a branch point's chain 0)
+                for row in payloads[0].tolist():
+                    if row[_CHAIN] == 0:
+                        self.tokens[row[_POSITION]] = row[_TOKEN]
             return send(hdr, payloads, **kw)
 
         driver.stage0.send = spy
@@ -233,7 +237,7 @@ def forget_residual(driver) -> None:
     """A multi-draft bug: each candidate of a branch point is tested against p itself instead of
     the residual the candidates before it left (and the last residual is p's)."""
     def broken(pos, tokens, cands, sp, row, reply=-1):
-        p = target_probs(driver.head.logits(driver.buf.exit_buf[row]), sp)
+        p = target_probs(driver.head.logits(driver.verifier.exit_buf[row]), sp)
         accept = keyed_generator(sp.seed, pos, "accept")
         for i, c in enumerate(cands):
             q = c.q_of(p)
