@@ -12,14 +12,11 @@ are not exact there). Fields:
 - position: TOKEN: the token's position; PREFILL: the chunk's first position
 - epoch: the driver's flush count when it sent the token; stale messages are recognised by it
 - token: TOKEN from the driver to stage 0: the token id entering the pipeline
-- length: PREFILL: tokens in the chunk; STATS: float64 values that follow; TOKEN: a suffix run's
-  tokens (docs/design.md 3.13) when 2 or more: the run's ids at position, position + 1, ... follow
-  the driver's header as int64 (0 or 1: one token)
-- reply: a head stage's (pp/ar) token for the position after the message's last one; on an SPD
-  decode report from a last stage that verifies (WireFormat.verify_on_last), the target's argmax
-  for the position after the exiting token, or -1 where that stage did not compute it (T > 0,
-  the chains of a branch point); on a suffix run's report, the argmax behind its last row, its
-  rows' argmaxes following as a `replies` payload (-1 each at T > 0)
+- length: PREFILL: tokens in the chunk; STATS: float64 values that follow; TOKEN: 2 or more, a run
+  of tokens at position, position + 1, ... whose ids follow the driver's header as int64 (0 or 1:
+  one token; SPD's suffix runs travel as BATCH rows)
+- reply: a head stage's (pp/ar) token for the position after the message's last one (-1: none;
+  SPD's decode rows carry a verifying last stage's argmaxes in their BATCH table)
 - rows: TOKEN: token rows the message carries; 1, or W when it carries the chains of a branch
   point (docs/design.md 3.11), which then follow the driver's header as int64 ids
 - branch: the branch point's position, on chain messages and on the message naming the survivor
@@ -136,10 +133,9 @@ class WireFormat:
     stage_anchors[s]: how many anchor states stage s sends the driver per token (0 for pp/ar);
     head_on_last: the last stage holds the head and replies with a token (pp/ar) instead of
     its exit hidden state (spd).
-    verify_on_last: SPD, the last stage holds the head too: its one-row decode reports carry the
-    exit hidden state as always and, at T=0, the target's argmax in the header's `reply`; a
-    suffix run's report also each row's argmax (`replies`, int64 [T]), so that the busiest rank,
-    the co-located driver's, never runs the head over a run's rows.
+    verify_on_last: SPD, the last stage holds the head too: its BATCH reports carry the exit hidden
+    states as always and, in each row's `reply` that asks for it (T=0), the target's argmax, so that
+    the busiest rank, the co-located driver's, never runs the head over the exit rows.
     """
 
     hidden: int
@@ -193,7 +189,7 @@ class WireFormat:
         if hdr.kind == Kind.BATCH:
             return (_meta(hdr), *_token_report(self, stage, hdr.rows))
         assert hdr.kind in (Kind.TOKEN, Kind.PREFILL), hdr
-        return _token_report(self, stage, hdr.num_tokens, hdr.kind == Kind.TOKEN and hdr.length > 1)
+        return _token_report(self, stage, hdr.num_tokens)
 
 
 def _meta(hdr: Header) -> Payload:
@@ -202,17 +198,15 @@ def _meta(hdr: Header) -> Payload:
 
 
 @functools.lru_cache(maxsize=4096)
-def _token_report(wire: WireFormat, stage: int, T: int, run: bool = False) -> tuple[Payload, ...]:
-    """What follows a token or prefill report of T tokens from `stage` (`run`: a suffix run's;
-    built once per shape: it is asked on every tick)."""
+def _token_report(wire: WireFormat, stage: int, T: int) -> tuple[Payload, ...]:
+    """What follows a token or prefill report of T tokens from `stage` (built once per shape: it is
+    asked on every tick)."""
     k = wire.stage_anchors[stage]
     out = []
     if k:
         out.append(Payload("anchors", (T, k, wire.hidden)))  # anchors in ascending order
     if stage == wire.n - 1 and not wire.head_on_last:
         out.append(Payload("exit", (T, wire.hidden)))  # the last stage's output hidden state
-        if run and wire.verify_on_last:
-            out.append(Payload("replies", (T,), "int64"))  # each row's T=0 argmax (-1: not computed)
     return tuple(out)
 
 

@@ -13,7 +13,6 @@ from typing import NamedTuple
 import torch
 
 from spd_engine.engine.model.graphs import StageStep
-from spd_engine.engine.model.kv_cache import chain_mask, chain_slot0
 from spd_engine.engine.model.model import StageModel
 from spd_engine.engine.protocol.messages import META_FIELDS, Header, Kind
 from spd_engine.engine.runtime.run_config import StepMode
@@ -39,7 +38,6 @@ class StageCompute:
                  buffers: StageBuffers, step_mode: StepMode, head: bool) -> None:
         """step_mode: how one-token steps run; head: a static step runs the head's argmax too."""
         self.stage, self.model, self.caches, self.capture, self.buf = stage, model, caches, capture, buffers
-        self.chain_width = 1  # rows of the last chain message: the width of the branch point in flight
         self.static = None if step_mode == StepMode.EAGER else \
             StageStep(model, caches.first, graphs=step_mode == StepMode.GRAPH, capture=capture, head=head)
 
@@ -48,13 +46,9 @@ class StageCompute:
         if self.static is not None:
             self.static.prepare()
 
-    def keep_survivor(self, hdr: Header) -> None:
-        """A message naming its branch point's survivor: keep that chain's entries (3.11)."""
-        self.caches.first.keep_chain(hdr.branch, self.chain_width, hdr.survivor, hdr.position - hdr.branch)
-
-    def token(self, hdr: Header, ids: torch.Tensor | None, h: torch.Tensor | None, chains: bool) -> StepOut:
+    def token(self, hdr: Header, ids: torch.Tensor | None, h: torch.Tensor | None) -> StepOut:
         """A TOKEN or PREFILL message's step on ids [1, T] (stage 0) or h [1, T, H]."""
-        one = hdr.kind == Kind.TOKEN and hdr.num_tokens == 1  # not chains, not a suffix run
+        one = hdr.kind == Kind.TOKEN  # pp / ar decode: one token
         if self.static is not None and one:
             # static buffers that the next step rewrites: everything that leaves this step is copied
             # out by this message's emit step (out1 and anchors1 into the transport, anchors into
@@ -63,21 +57,9 @@ class StageCompute:
             return StepOut(out, caps, greedy, False)
         h = self.model.embed(ids) if self.stage == 0 else h  # [1, T, H]
         into = self.buf.into1 if one and self.buf.pinned else None
-        if chains:
-            out, caps = self._chains(h, hdr)
-        else:
-            cache = self.caches.first if hdr.slot == 0 else self.caches.of(hdr.slot)
-            out, caps = self.model.forward_layers(h, cache, hdr.position, capture=self.capture, into=into)
+        cache = self.caches.first if hdr.slot == 0 else self.caches.of(hdr.slot)
+        out, caps = self.model.forward_layers(h, cache, hdr.position, capture=self.capture, into=into)
         return StepOut(out, caps, None, into is not None)
-
-    def _chains(self, h: torch.Tensor, hdr: Header) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """The chains of a branch point: h [1, W, H], every row at `position`, each seeing the
-        shared prefix and its own chain (engine/model/kv_cache.py chain slots)."""
-        W, q, pos = hdr.rows, hdr.branch, hdr.position
-        self.chain_width = W
-        positions = torch.full((1, W), pos, dtype=torch.long, device=h.device)  # [1, W]
-        mask = chain_mask(q, pos, W, h.device)  # [1, 1, W, slot0 + W]
-        return self.model.forward_layers(h, self.caches.first, chain_slot0(q, pos, W), positions, mask, self.capture)
 
     def batch(self, meta: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """A BATCH step: the rows of table meta [R, META_LEN] (stage 0's ids [1, R], a later stage's

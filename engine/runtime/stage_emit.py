@@ -24,14 +24,13 @@ class StageEmit:
         self.stage, self.t, self.next, self.driver, self.wire = stage, transport, next_rank, driver, wire
         self.buf, self.reports, self.has_head = buffers, reports, has_head
 
-    def token(self, hdr: Header, step: StepOut, token: int, replies: torch.Tensor | None) -> None:
-        """A TOKEN or PREFILL step's output and report. token: the head's (a head stage); replies:
-        a suffix run's argmaxes [T]."""
+    def token(self, hdr: Header, step: StepOut, token: int) -> None:
+        """A TOKEN or PREFILL step's output and report. token: the head's (a head stage)."""
         row = self.buf.rows_out(step.out, step.caps, hdr.num_tokens, self.reports, step.written)  # [T, H]
         if self.next is not None:
             self.t.send(self.next, hdr, [row])
         if self.reports:
-            self._report(hdr.with_reply(token) if self.has_head else hdr, row, step.caps, replies)
+            self._report(hdr.with_reply(token) if self.has_head else hdr, row, step.caps)
 
     def batch(self, hdr: Header, meta: torch.Tensor, out: torch.Tensor, caps: dict[int, torch.Tensor]) -> None:
         """A BATCH step's table meta [R, META_LEN] and rows out [1, R, H] downstream; the report."""
@@ -41,14 +40,13 @@ class StageEmit:
             tensors = {"meta": lambda: meta, "exit": lambda: out[0], "anchors": lambda: self._anchors(caps)}
             self.t.send(self.driver, hdr, [tensors[q.name]() for q in self.wire.to_driver(self.stage, hdr)])
 
-    def _report(self, hdr: Header, row: torch.Tensor, caps: dict[int, torch.Tensor],
-                replies: torch.Tensor | None = None) -> None:
+    def _report(self, hdr: Header, row: torch.Tensor, caps: dict[int, torch.Tensor]) -> None:
         """The message to the driver: the anchors [T, k, H] (ascending) and, from the last stage, the
-        exit `row` [T, H] and a suffix run's `replies` [T], as the wire format orders them."""
+        exit `row` [T, H], as the wire format orders them."""
         if row is self.buf.out1:  # a one-row decode report: the payloads are the pinned rows (rows_out)
             self.t.send(self.driver, hdr, self.buf.report1)
             return
-        tensors = {"exit": lambda: row, "replies": lambda: replies}
+        tensors = {"exit": lambda: row}
         if self.buf.anchor_layers:
             tensors["anchors"] = lambda: self._anchors(caps)
         self.t.send(self.driver, hdr, [tensors[q.name]() for q in self.wire.to_driver(self.stage, hdr)])

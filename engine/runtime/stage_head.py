@@ -12,7 +12,7 @@ import torch
 
 from spd_engine.engine.model.graphs import VerifyStep
 from spd_engine.engine.model.model import StageModel
-from spd_engine.engine.protocol.messages import META_FIELDS, Header, Kind
+from spd_engine.engine.protocol.messages import META_FIELDS, Header
 from spd_engine.engine.protocol.metrics import StageStats
 from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs
 from spd_engine.engine.runtime.run_config import StepMode
@@ -32,34 +32,16 @@ class StageHead:
         self.verify_step = VerifyStep(model, graphs=step_mode == StepMode.GRAPH) \
             if step_mode != StepMode.EAGER and verifies else None
 
-    def reply(self, hdr: Header, out: torch.Tensor, greedy: torch.Tensor | None, stats: StageStats
-              ) -> tuple[int, torch.Tensor | None]:
-        """For the step's output out [1, T, H] (greedy: a static step's argmax [1]): the token its
-        report's header carries (-1: none) and a suffix run's rows' argmaxes [T] (int64, host)."""
-        if self.verifies:
-            return self._verify(hdr, out, stats)
-        if not self.model.has_head:
-            return -1, None
+    def reply(self, hdr: Header, out: torch.Tensor, greedy: torch.Tensor | None) -> int:
+        """The token a TOKEN or PREFILL report's header carries for the step's output out [1, T, H]
+        (greedy: a static step's argmax [1]); -1: none (every SPD stage: a verifying last stage
+        answers the decode rows of BATCH messages, reply_rows, and nothing for a prefill chunk)."""
+        if self.verifies or not self.model.has_head:
+            return -1
         if greedy is not None and self.sampling.greedy:
-            return int(greedy), None  # host sync: the id goes in the header; the step ran the head
+            return int(greedy)  # host sync: the id goes in the header; the step ran the head
         # eager steps, prefill, and sampling (which needs the logits, not the argmax)
-        return self.next_token(out[0, -1], hdr.position + hdr.num_tokens), None
-
-    def _verify(self, hdr: Header, out: torch.Tensor, stats: StageStats) -> tuple[int, torch.Tensor | None]:
-        """The target's argmax behind a one-row decode exit, or each row's of a suffix run, at T=0;
-        else -1 (and a run's rows -1)."""
-        run = hdr.kind == Kind.TOKEN and hdr.length > 1
-        one = hdr.kind == Kind.TOKEN and hdr.num_tokens == 1
-        if not ((one or run) and self.sampling.greedy):
-            return -1, (torch.full((hdr.num_tokens,), -1, dtype=torch.int64) if run else None)
-        tv = time.perf_counter()
-        if run:
-            replies = self.argmax_rows(out[0])
-            token = int(replies[-1])
-        else:
-            replies, token = None, self._verify_token(out, hdr.position)
-        stats.verify_s += time.perf_counter() - tv
-        return token, replies
+        return self.next_token(out[0, -1], hdr.position + hdr.num_tokens)
 
     def reply_rows(self, meta: torch.Tensor, out: torch.Tensor, stats: StageStats) -> None:
         """A BATCH step's T=0 argmax of each row whose reply field asks for one (-1; -2: a sampled
@@ -90,13 +72,6 @@ class StageHead:
         if self.choose is not None:
             return self.model.argmax_rows(logits)
         return logits.argmax(-1).cpu()  # host sync: the ids go in the table
-
-    def _verify_token(self, out: torch.Tensor, pos: int) -> int:
-        """T=0 verification's device work on the exit out [1, 1, H]: the target's argmax for pos + 1.
-        Every TP rank of the stage computes it: a vocab-parallel head picks the token with a collective."""
-        if self.verify_step is not None:
-            return int(self.verify_step.run(out[0, -1]))  # host sync: the id goes in the header
-        return self.next_token(out[0, -1], pos + 1)
 
     def next_token(self, h: torch.Tensor, pos: int) -> int:
         """The head stage's token for position `pos` from the hidden state h [H] (argmax, or a keyed draw from p)."""

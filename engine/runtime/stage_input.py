@@ -1,15 +1,14 @@
 """A stage step's first part: its input rows, received from the previous rank (the driver for
 stage 0) into the stage's buffers, after checking that the message fits them.
 
-Stage 0 takes token ids (a decode token comes in the header, a co-located driver hands a suffix
-run's ids over in-process); a later stage takes the hidden states [T, H] of the stage before.
+Stage 0 takes token ids (a decode token comes in the header, a BATCH message's in its table); a
+later stage takes the hidden states [T, H] of the stage before.
 """
 from __future__ import annotations
 
 import torch
 
 from spd_engine.engine.comm.transport import Transport
-from spd_engine.engine.model.kv_cache import chain_slot0
 from spd_engine.engine.model.model import StageModel
 from spd_engine.engine.protocol.messages import META_FIELDS, META_LEN, Header, Kind
 from spd_engine.engine.runtime.stage_buffers import StageBuffers
@@ -21,32 +20,25 @@ class StageInput:
     """Receives a message's rows from rank `prev` into `buffers`."""
 
     def __init__(self, stage: int, model: StageModel, transport: Transport, prev: int, timeout: float,
-                 buffers: StageBuffers, capacity: int, chain_capacity: int) -> None:
-        """capacity: positions a request may reach; chain_capacity: the slot-0 cache's slots, the
-        chain slots of a branch point included (engine/model/kv_cache.py)."""
+                 buffers: StageBuffers, capacity: int) -> None:
+        """capacity: positions a request may reach."""
         self.stage, self.model, self.t, self.prev, self.timeout = stage, model, transport, prev, timeout
-        self.buf, self.capacity, self.chain_capacity = buffers, capacity, chain_capacity
+        self.buf, self.capacity = buffers, capacity
 
-    def check(self, hdr: Header, chains: bool) -> None:
+    def check(self, hdr: Header) -> None:
         """RuntimeError if a TOKEN or PREFILL message reaches past the KV cache or the buffers."""
         T, pos = hdr.num_tokens, hdr.position
-        end, limit = (chain_slot0(hdr.branch, pos, T) + T, self.chain_capacity) if chains else \
-            (pos + T, self.capacity)
-        if pos >= self.capacity or end > limit or T > self.buf.h_in.shape[0]:
+        if pos >= self.capacity or pos + T > self.capacity or T > self.buf.h_in.shape[0]:
             raise RuntimeError(f"stage {self.stage}: message {hdr} exceeds KV capacity {self.capacity} "
                                f"or prefill chunk {self.buf.h_in.shape[0]}")
 
-    def token_rows(self, hdr: Header, local_ids: torch.Tensor | None, tick: int
-                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def token_rows(self, hdr: Header, tick: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """A TOKEN or PREFILL message's input: (ids [1, T] or [1, 1], None) on stage 0, else (None,
-        the hidden states [1, T, H]); a one-row decode's land in the pinned h_in1. local_ids [T]:
-        a suffix run's ids handed over in-process."""
+        the hidden states [1, T, H]); a one-row decode's land in the pinned h_in1."""
         T = hdr.num_tokens
         if self.stage == 0:
             if hdr.kind == Kind.TOKEN and T == 1:
                 return self.buf.tok.fill_(hdr.token), None  # [1, 1]
-            if local_ids is not None:
-                return local_ids[None], None  # [1, T]
             return self.t.recv_into(self.prev, self.buf.ids_in[:T], self.timeout, tick)[None], None  # [1, T]
         if T == 1:
             self.t.recv_into(self.prev, self.buf.h_in1, self.timeout, tick)

@@ -11,10 +11,8 @@ engine/runtime/stage_timing.py keeps the request's statistics, sent to the drive
 
 Rollback is lazy (docs/design.md 3.4): a message at position `q` writes its K/V at slot `q`, so whatever
 a stale token left there is overwritten; there is no control message, collective or barrier.
-The chains of a branch point (docs/design.md 3.11) travel as one message of W rows at one
-position, written to the chain slots of engine/model/kv_cache.py; the message naming the survivor
-moves that chain's entries down before it is computed. A suffix run (docs/design.md 3.13) travels as
-one TOKEN message of `length` consecutive positions, computed like a prefill chunk (eagerly).
+SPD's decode entries travel as BATCH messages (below), a request alone's as one row; TOKEN messages
+are the pp / ar baselines' one decode token.
 What each message carries is engine/protocol/messages.py's WireFormat: every token or prefill message a
 reporting stage computes produces exactly one message to the driver, which the driver counts
 on to drain its links at the end of a request.
@@ -89,8 +87,7 @@ class StageWorker:
         caches = SlotCaches(model, stage, opts.capacity + ((topo.n - 1) * width if width > 1 else 0))
         self.buffers = StageBuffers(model, self.wire, stage, self.anchor_layers, reports, self.next is not None,
                                     transport, max(opts.prefill_chunk, width))
-        self.rows_in = StageInput(stage, model, transport, self.prev, self.timeout, self.buffers, opts.capacity,
-                                  caches.first.capacity)
+        self.rows_in = StageInput(stage, model, transport, self.prev, self.timeout, self.buffers, opts.capacity)
         self.compute = StageCompute(stage, model, caches, frozenset(self.anchor_layers), self.buffers,
                                     opts.step_mode, head=model.has_head and self.wire.head_on_last)
         verifies = self.wire.verify_on_last and self.next is None  # T=0 verification's argmax here
@@ -171,38 +168,34 @@ class StageWorker:
         self.handled = 0
         self.in_request = False
 
-    def step_local(self, hdr: Header, ids: torch.Tensor | None = None) -> None:
-        """A decode token (or a suffix run, its ids [T] in `ids`) handed over in-process by the
-        co-located pp driver (engine/runtime/baselines.py): the same computation as a received TOKEN message, without the message
-        (no loopback header to queue and pop)."""
-        assert self.stage == 0 and hdr.kind == Kind.TOKEN and hdr.rows == 1, hdr
-        assert (ids is None) == (hdr.num_tokens == 1), hdr
+    def step_local(self, hdr: Header) -> None:
+        """A decode token handed over in-process by the co-located pp driver (engine/runtime/
+        baselines.py): the same computation as a received TOKEN message, without the message (no
+        loopback header to queue and pop)."""
+        assert self.stage == 0 and hdr.kind == Kind.TOKEN, hdr
         self.in_request = True
-        self._compute(hdr, time.perf_counter(), local_ids=ids)
+        self._compute(hdr, time.perf_counter())
 
-    def _compute(self, hdr: Header, t0: float, local_ids: torch.Tensor | None = None) -> None:
-        """A TOKEN or PREFILL message received from t0: prepare its rows, run them, emit."""
+    def _compute(self, hdr: Header, t0: float) -> None:
+        """A TOKEN (pp / ar: one decode token) or PREFILL message received from t0: prepare its
+        rows, run them, emit."""
         if torch.is_grad_enabled():  # serve() and the driver run under no_grad already: entering it
             with torch.no_grad():  # again per message costs tens of microseconds after a compute
-                return self._compute(hdr, t0, local_ids)
+                return self._compute(hdr, t0)
         decode = hdr.kind == Kind.TOKEN
-        chains = decode and hdr.rows > 1
-        self.rows_in.check(hdr, chains)
-        assert not (chains and self.wire.head_on_last), "branch chains travel SPD stages only"
+        self.rows_in.check(hdr)
         mark = self.timing.mark()
-        if hdr.survivor >= 0:  # the branch point resolved: keep the survivor's entries, before the rows
-            self.compute.keep_survivor(hdr)
-        ids, h = self.rows_in.token_rows(hdr, local_ids, self.handled)
+        ids, h = self.rows_in.token_rows(hdr, self.handled)
         t1 = time.perf_counter()
-        step = self.compute.token(hdr, ids, h, chains)
-        token, replies = self.head.reply(hdr, step.out, step.greedy, self.timing.stats)
+        step = self.compute.token(hdr, ids, h)
+        token = self.head.reply(hdr, step.out, step.greedy)
         if decode and self.min_step_s > 0:
             self.timing.pad(self.min_step_s, t1)
         t2 = time.perf_counter()
         self.handled += 1
         if decode:
             self.timing.step(t0, t1, t2, mark)
-        self.emit.token(hdr, step, token, replies)
+        self.emit.token(hdr, step, token)
         if decode:
             self.timing.stats.send_s += time.perf_counter() - t2
 

@@ -9,6 +9,7 @@ from spd_engine.engine.protocol.messages import (
     CONFIG_LEN,
     HEADER_FIELDS,
     HEADER_LEN,
+    META_LEN,
     Header,
     Kind,
     WireFormat,
@@ -51,15 +52,16 @@ def test_spd_layout():
     assert wire.to_driver(1, Header(Kind.STATS, length=6))[0].shape == (6,)
 
 
-def test_a_verifying_last_stage_replies_a_runs_argmaxes():
-    run = Header(Kind.TOKEN, 3, length=4)
+def test_a_verifying_last_stage_replies_in_the_batch_table():
+    """A verifying last stage's argmaxes travel in the BATCH table's reply column: its report is the
+    table, the anchors and the exit rows, as a plain last stage's."""
+    batch = Header(Kind.BATCH, rows=4)
     verifying = WireFormat(hidden=8, stage_anchors=(1, 1), verify_on_last=True)
-    assert [(p.name, p.shape, p.kind) for p in verifying.to_driver(1, run)] == [
-        ("anchors", (4, 1, 8), "act"), ("exit", (4, 8), "act"), ("replies", (4,), "int64")]
-    assert [p.name for p in verifying.to_driver(1, Header(Kind.TOKEN, 3))] == ["anchors", "exit"]
-    assert [p.name for p in verifying.to_driver(0, run)] == ["anchors"]
     plain = WireFormat(hidden=8, stage_anchors=(1, 1))
-    assert [p.name for p in plain.to_driver(1, run)] == ["anchors", "exit"]
+    for wire in (verifying, plain):
+        assert [(p.name, p.shape, p.kind) for p in wire.to_driver(1, batch)] == [
+            ("meta", (4, META_LEN), "int64"), ("anchors", (4, 1, 8), "act"), ("exit", (4, 8), "act")]
+    assert [p.name for p in verifying.to_driver(0, batch)] == ["meta", "anchors"]
 
 
 def test_pipeline_layout_head_stage_replies_a_token_only():
