@@ -38,22 +38,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spd_engine.engine.model.greedy import prefill_chunks
 from spd_engine.engine.model.kv_cache import RowCaches
-from spd_engine.engine.protocol.batch_policy import BATCH, LATENCY_CLASSES, BatchLimits, RequestView, plan_rows
+from spd_engine.engine.protocol.batch_policy import BATCH, LATENCY_CLASSES, BatchLimits, plan_rows
 from spd_engine.engine.protocol.batch_schedule import Utilization
 from spd_engine.engine.protocol.messages import META_FIELDS, Header, Kind
 from spd_engine.engine.protocol.metrics import GenerationResult
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.protocol.tick import Entry, TickPlan
-from spd_engine.engine.runtime.batch_links import BatchLinks, Payloads
-from spd_engine.engine.runtime.branch_chains import BranchChains
-from spd_engine.engine.runtime.drafter import Drafter
-from spd_engine.engine.runtime.driver_buffers import DriverBuffers
-from spd_engine.engine.runtime.lane import Lane
-from spd_engine.engine.runtime.request_state import DraftPolicy, OnToken, RequestState
+from spd_engine.engine.runtime.batch_links import BatchLinks
+from spd_engine.engine.runtime.request_slot import LiveRequest, SlotParts
+from spd_engine.engine.runtime.request_state import DraftPolicy, OnToken
 from spd_engine.engine.runtime.stage_worker import receive_stats
-from spd_engine.engine.runtime.verifier import Verifier
 
 _EPOCH, _POS, _TOKEN, _REPLY, _CHAIN = (META_FIELDS.index(f) for f in ("epoch", "position", "token", "reply", "chain"))
 
@@ -117,144 +112,6 @@ def check_class(r: BatchRequest) -> None:
 Intake = Callable[[], "BatchRequest | None"]
 
 
-class _SlotParts:
-    """A request slot's driver-side buffers, made once and kept for every request that takes the
-    slot (the transport pins the rings: they must live as long as it): its anchor rings (one per
-    chain of a branch point, 3.11), exit rows (ring slot s, chain c at row s W + c), PDM cache and
-    the lane over them. Every entry is written before it is read, by position. Slot 0's are the
-    driver's own, with its static PDM and verification steps (engine/runtime/driver.py)."""
-
-    def __init__(self, d, slot: int) -> None:
-        W, H = d.branches.width, d.head.cfg.hidden_size
-        self.exits = torch.empty(d.buf.num_slots * W, H, device=d.device, dtype=d.dtype)
-        if slot == 0:
-            self.buf, self.pdm_cache, self.lane = d.buf, d.pdm_cache, d.lane
-            self.verify_rows, self.verify_replies = d.verify_rows, d.verify_replies
-            return
-        self.buf = DriverBuffers(d.n, d.plan, H, W, d.device, d.dtype, d.max_run)
-        # a pass over every chain writes (W - 1) n rows past the staircase's (BranchChains.chain_inputs)
-        self.pdm_cache = d.pdm.new_cache(d.capacity + (W - 1) * d.n)
-        # the exiting entry's exit rows gathered in the order the lane verifies them (Lane.verify_exit:
-        # a suffix run's rows 0 .. L, or a branch point's chain rows), and the last stage's argmaxes
-        rows = max(W, d.max_run)
-        self.verify_rows = torch.empty(rows, H, device=d.device, dtype=d.dtype)  # [rows, H]
-        self.verify_replies = torch.full((rows,), -1, dtype=torch.int64)  # [rows]
-        drafter = Drafter(d.pdm, self.pdm_cache, self.buf, d.drafter.chooser, d.drafter.cross, {})
-        verifier = Verifier(d.head, self.verify_rows, None, self.verify_replies)
-        self.lane = Lane(drafter, BranchChains(d.branches.policy, drafter), verifier)
-
-
-class _Live:
-    """One request in its slot: its state, its slot's lane and buffers, what arrived for it."""
-
-    def __init__(self, run: "BatchDriver", index: int, slot: int, serial: int, request: BatchRequest) -> None:
-        d = run.driver
-        self.index, self.slot, self.serial, self.request = index, slot, serial, request
-        self.req = RequestState(d.n, request.max_new_tokens, frozenset(request.eos_ids), request.sampling, 0,
-                                request.draft_policy, request.on_token,
-                                d.drafter.chooser.new_index(request.prompt), request.trace, run.max_run)
-        parts = run.parts.get(slot)
-        if parts is None:
-            parts = run.parts[slot] = _SlotParts(d, slot)
-        self.buf, self.pdm_cache, self.exits, self.lane = parts.buf, parts.pdm_cache, parts.exits, parts.lane
-        self.verify_rows, self.verify_replies = parts.verify_rows, parts.verify_replies
-        self.width = d.branches.width
-        # the table's reply field: -1 asks a verifying last stage for the row's T=0 argmax, -2 does
-        # not (a sampled request, or one processing its logits, never uses it)
-        self.ask_reply = -1 if request.sampling.greedy and not request.sampling.processes else -2
-        self.replies = [-1] * len(self.exits)  # the last stage's argmax behind each exit row
-        self.chain_width = 1  # chains of its last branch point sent: a survivor row names its width
-        self.got = [(-1, -1)] * d.n  # per stage: (epoch, position) of its newest report for this request
-        self.ids = torch.tensor(list(request.prompt), dtype=torch.long, device=d.device)
-        self.chunks = prefill_chunks(len(request.prompt), d.chunk)
-        self.sent_chunks = 0
-        self.done_chunks = 0  # chunks whose rows are in the PDM cache
-        self.chunk_anchors: dict[int, torch.Tensor] = {}  # chunk start -> [count, m, H]
-        self.chunk_reports: dict[int, set[int]] = {}  # chunk start -> stages whose report arrived
-        self.prefill_exit: torch.Tensor | None = None  # [H] the last chunk's last exit state
-        self.decoding = False
-        self.finished = False
-        self.held = 0  # ticks it had a token to enter and the row bound held it back
-        self.epoch_end: dict[int, int] = {}  # epoch -> the tick after which its rows are stale
-        self.t_arrival = self.t_slot = self.t_first = self.t_last = 0.0  # arrived, took its slot, first, last token
-
-    def view(self, width: int) -> RequestView:
-        """What the row policy sees of it at the start of a tick (engine/protocol/batch_policy.py)."""
-        r = self.request
-        fill = len(self.req.state.inflight) if self.decoding else 0
-        prompt_left = sum(count for _, count in self.chunks[self.sent_chunks:])
-        rows = max(width, self.req.state.entry.rows) if self.decoding else width  # a suffix run's rows (3.13)
-        return RequestView(self.serial, self.serial, r.latency, r.priority, fill, rows, prompt_left, self.decoding)
-
-    def current(self, serial: int, epoch: int | None = None) -> bool:
-        """Whether a report's row of (serial, epoch) is this request's live one (epoch None: any of
-        its epochs, a prompt chunk's); else it is stale: flushed, or of an earlier request."""
-        return serial == self.serial and epoch in (None, self.req.epoch)
-
-    def take_row(self, s: int, row: list[int], r: int, payloads: Payloads, anchors: slice | None) -> None:
-        """Row r of stage s's BATCH report, table row `row`: its anchors [m_s, H] into the rings
-        (chain c's to rings[c], ring 0 being rings[0], the survivor's to ring 0 too), its exit [H]
-        and the last stage's argmax into every chain's exit row (verification reads the
-        representative's, Entry.row)."""
-        pos, chain = row[_POS], row[_CHAIN]
-        ring = self.buf.slot(pos)
-        if anchors is not None:
-            self.buf.rings[chain, ring, anchors] = payloads["anchors"][r]
-            if chain and chain == self.row_of(pos):  # its branch point resolved before this arrived
-                self.buf.ring[ring, anchors] = payloads["anchors"][r]
-        if "exit" in payloads:
-            self.exits[self.exit_row(pos, chain)] = payloads["exit"][r]
-            self.replies[self.exit_row(pos, chain)] = row[_REPLY]
-        self.got[s] = (row[_EPOCH], pos)
-
-    def take_chunk(self, s: int, start: int, payloads: Payloads, anchors: slice | None) -> None:
-        """Stage s's report of its prompt chunk at `start`: the anchors [count, m_s, H], the last
-        stage's exit of the chunk's last row [H]."""
-        if anchors is not None:
-            self.chunk_anchors[start][:, anchors] = payloads["anchors"]
-        if "exit" in payloads:
-            self.prefill_exit = payloads["exit"][-1].clone()
-        self.chunk_reports[start].add(s)
-
-    def arrived(self, s: int, pos: int) -> bool:
-        epoch, got = self.got[s]
-        return epoch == self.req.epoch and got >= pos
-
-    def exit_row(self, pos: int, chain: int) -> int:
-        """The row of `exits` (and `replies`) holding the exit state of chain `chain`'s token at `pos`."""
-        return self.buf.slot(pos) * self.width + chain
-
-    def row_of(self, pos: int) -> int:
-        """The representative chain of its in-flight token at `pos`: 0, or the survivor's once its
-        branch point resolved (Entry.row)."""
-        return next((e.row for e in self.req.state.inflight if e.pos == pos), 0)
-
-    def meta_rows(self, e: Entry) -> list[list[int]]:
-        """Its entering entry's rows of a BATCH table (META_FIELDS): one; the W chains of its
-        branch point, whose width a later survivor row names again; or a suffix run's tokens, one
-        row per position (3.13), which a stage steps as one causal span of its slot's cache."""
-        head = [self.slot, self.serial, e.epoch]
-        if e.chains:
-            self.chain_width = e.rows
-            return [head + [e.pos, tok, self.ask_reply, e.branch, c, e.rows, -1] for c, tok in enumerate(e.chains)]
-        if e.run:
-            assert e.branch < 0 and e.survivor < 0, f"a suffix run at {e.pos} beside a branch point"
-            return [head + [e.pos + i, tok, self.ask_reply, -1, 0, 1, -1] for i, tok in enumerate(e.tokens)]
-        width = self.chain_width if e.survivor >= 0 else 1
-        return [head + [e.pos, e.token, self.ask_reply, e.branch, 0, width, e.survivor]]
-
-    def gather_exit(self, ex: Entry, greedy_reply: bool) -> int:
-        """The exiting entry's exit rows into verify_rows as Lane.verify_exit reads them (a suffix
-        run's rows 0 .. L, each at its position; else its representative chain's at row ex.row) and
-        the last stage's argmaxes into verify_replies; returns the reply the lane takes (-1: none)."""
-        rows = [(i, self.exit_row(ex.pos + i, 0)) for i in range(len(ex.tokens))] if ex.run else \
-            [(ex.row, self.exit_row(ex.pos, ex.row))]
-        for dest, src in rows:
-            self.verify_rows[dest] = self.exits[src]
-            self.verify_replies[dest] = self.replies[src]
-        return int(self.verify_replies[rows[0][0]]) if greedy_reply else -1
-
-
 class StageCounts:
     """Stage utilization counted as BATCH messages are sealed, as engine/protocol/batch_schedule.py
     counts it: the message sent at tick t is at stage p at tick t + p; a row there is live unless
@@ -265,7 +122,7 @@ class StageCounts:
         self.n, self.ticks = n, 0
         self.useful, self.rows, self.live_rows, self.steps = [0] * n, [0] * n, [0] * n, [0] * n
 
-    def add(self, tick: int, batch: list[tuple[_Live, int]], last: int) -> None:
+    def add(self, tick: int, batch: list[tuple[LiveRequest, int]], last: int) -> None:
         """The rows of the message sent at `tick` ((request, epoch) each), up to tick `last`."""
         for p in range(min(self.n, last - tick + 1)):
             live = sum(1 for x, epoch in batch if tick + p <= x.epoch_end.get(epoch, last))
@@ -278,6 +135,13 @@ class StageCounts:
         return Utilization(self.ticks, tuple(self.useful), tuple(self.rows), tuple(self.live_rows), tuple(self.steps))
 
 
+def _spend(lives: Sequence[LiveRequest], what: str, span: tuple[float, float] | None) -> None:
+    """A span of work the decoding requests share (stage 0's step, a BATCH message's send), a share each."""
+    if span is not None:
+        for x in lives:
+            x.req.spend(what, span[0], span[1], 1.0 / len(lives))
+
+
 class BatchDriver:
     """Runs requests through a Driver's pipeline, up to `max_batch` at once."""
 
@@ -287,10 +151,10 @@ class BatchDriver:
         self.links = BatchLinks(driver.t, driver.stage_rank, driver.wire, driver.buf.stage_anchors, driver.timeout,
                                 driver.device, driver.dtype)  # the stages' reports, read in order
         self.serial = 0  # requests taken so far, over every run
-        self.parts: dict[int, _SlotParts] = {}  # request slot -> its buffers, kept over runs
+        self.parts: dict[int, SlotParts] = {}  # request slot -> its buffers, kept over runs
         self.lifetime = StageCounts(self.n)  # over every run (a server's /metrics)
 
-    def _need(self, s: int, live: _Live, pos: int, arrived_only: bool = False) -> None:
+    def _need(self, s: int, live: LiveRequest, pos: int, arrived_only: bool = False) -> None:
         """Read stage s's reports until the one carrying `live`'s token at `pos` has arrived (arrived_only:
         only those already there)."""
         t0 = time.perf_counter()
@@ -300,15 +164,8 @@ class BatchDriver:
             self.links.pump(s, self.tick)
         live.req.account("wait", t0)
 
-    @staticmethod
-    def _spend(lives: Sequence[_Live], what: str, span: tuple[float, float] | None) -> None:
-        """A span of work the decoding requests share (stage 0's step, a BATCH message's send), a share each."""
-        if span is not None:
-            for x in lives:
-                x.req.spend(what, span[0], span[1], 1.0 / len(lives))
-
     # ---- prefill: one chunk per tick, between the BATCH messages ----
-    def _send_chunk(self, live: _Live) -> None:
+    def _send_chunk(self, live: LiveRequest) -> None:
         d = self.driver
         start, count = live.chunks[live.sent_chunks]
         live.sent_chunks += 1
@@ -319,7 +176,7 @@ class BatchDriver:
         self._send(Header(Kind.PREFILL, start, live.serial, length=count, slot=live.slot),
                    [live.ids[start:start + count]])
 
-    def _advance_prefill(self, live: _Live, block: bool) -> None:
+    def _advance_prefill(self, live: LiveRequest, block: bool) -> None:
         """Put the chunks whose reports have all arrived into the PDM cache, in order; after the
         last, the request's first token. block: wait for the reports of the chunks sent."""
         d = self.driver
@@ -337,7 +194,7 @@ class BatchDriver:
         if live.done_chunks == len(live.chunks):
             self._first_token(live)
 
-    def _first_token(self, live: _Live) -> None:
+    def _first_token(self, live: LiveRequest) -> None:
         d, req = self.driver, live.req
         P = len(live.request.prompt)
         req.top_logprobs = live.request.top_logprobs
@@ -351,12 +208,12 @@ class BatchDriver:
             self._finish(live)
 
     # ---- the tick ----
-    def _send(self, hdr: Header, payloads: list[torch.Tensor], lives: Sequence[_Live] = ()) -> None:
+    def _send(self, hdr: Header, payloads: list[torch.Tensor], lives: Sequence[LiveRequest] = ()) -> None:
         t0 = time.perf_counter()
         step = self.driver.stage0.send(hdr, payloads, overlap=hdr.kind == Kind.BATCH)
         self.sent += 1
-        self._spend(lives, "send", (t0, step[0] if step else time.perf_counter()))
-        self._spend(lives, "stage0", step)
+        _spend(lives, "send", (t0, step[0] if step else time.perf_counter()))
+        _spend(lives, "stage0", step)
 
     def _admit(self) -> None:
         now = time.perf_counter()
@@ -371,7 +228,7 @@ class BatchDriver:
             index, request = self.queue.pop(0)
             slot = self.slots.index(None)
             self.serial += 1
-            live = self.slots[slot] = _Live(self, index, slot, self.serial, request)
+            live = self.slots[slot] = LiveRequest(self, index, slot, self.serial, request)
             live.t_arrival, live.t_slot = self.t_ready[index], time.perf_counter()
 
     def _fits(self, request: BatchRequest) -> bool:
@@ -423,7 +280,7 @@ class BatchDriver:
         drafts = self._draft(decoding, plans) if decoding else []
         for live, plan, ds in zip(decoding, plans, drafts):
             self._verify_and_advance(live, plan, ds)
-        self._spend(decoding, "stage0", self.driver.stage0.join())  # a co-located stage 0's step of this tick
+        _spend(decoding, "stage0", self.driver.stage0.join())  # a co-located stage 0's step of this tick
         if rows.prefill:  # after the join: a co-located stage 0 steps on the chunk inline
             newcomer = next(x for x in lives if x.serial == rows.prefill[0][0])
             self._send_chunk(newcomer)
@@ -444,7 +301,7 @@ class BatchDriver:
             self.counts.add(tick, batch, self.tick)
             self.lifetime.add(tick, batch, self.tick)
 
-    def _draft(self, decoding: list[_Live], plans: list[TickPlan]) -> list[list]:
+    def _draft(self, decoding: list[LiveRequest], plans: list[TickPlan]) -> list[list]:
         """One PDM pass over every decoding request's rows (each on its own PDM cache), then each
         request's drafts: from its last row, or with a branch point in flight from each chain's."""
         d, t0 = self.driver, time.perf_counter()
@@ -453,7 +310,7 @@ class BatchDriver:
             drafts = x.lane.drafts(x.req, plan)
             x.req.account("pdm", t0)
             return [drafts]
-        inputs = [self._pdm_inputs(x, plan) for x, plan in zip(decoding, plans)]  # (rows, positions, mask)
+        inputs = [x.pdm_inputs(plan) for x, plan in zip(decoding, plans)]  # (rows, positions, mask)
         rows = torch.cat([i[0] for i in inputs])  # [N, H]
         spans = RowCaches([x.pdm_cache for x in decoding], [plan.pdm_pos for plan in plans],
                           [len(i[0]) for i in inputs], [i[2] for i in inputs])
@@ -464,18 +321,10 @@ class BatchDriver:
                 out.append(x.lane.drafts_from(x.req, plan, mine[-1]))
             else:
                 out.append(x.lane.branches.chain_drafts(x.req, plan, x.lane.branches.chain_lasts(plan, mine)))
-        self._spend(decoding, "pdm", (t0, time.perf_counter()))  # the pass is shared: each request its share
+        _spend(decoding, "pdm", (t0, time.perf_counter()))  # the pass is shared: each request its share
         return out
 
-    def _pdm_inputs(self, live: _Live, plan: TickPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """A request's rows of the tick's PDM pass, their positions and mask (None: causal): its
-        staircase, or with a branch point in flight every chain's rows (BranchChains.chain_inputs)."""
-        if plan.branch is not None:
-            return live.lane.branches.chain_inputs(plan)
-        rows = live.lane.drafter.tick_rows(plan)  # [R, H]
-        return rows, torch.arange(plan.pdm_pos, plan.pdm_pos + len(rows), device=rows.device), None
-
-    def _send_batch(self, decoding: list[_Live], plans: list[TickPlan]) -> int:
+    def _send_batch(self, decoding: list[LiveRequest], plans: list[TickPlan]) -> int:
         """The entering tokens to stage 0 (one row each; a branch point's chains, W rows); their
         anchor 0 (the embedding) to their rings. Returns the message's rows."""
         d = self.driver
@@ -493,7 +342,7 @@ class BatchDriver:
                                           for _ in table]))
         return len(meta)
 
-    def _verify_and_advance(self, live: _Live, plan: TickPlan, drafts: list) -> None:
+    def _verify_and_advance(self, live: LiveRequest, plan: TickPlan, drafts: list) -> None:
         req, state = live.req, live.req.state
         verdict = None
         if plan.exit is not None:
@@ -515,7 +364,7 @@ class BatchDriver:
             state.finish()
             self._finish(live)
 
-    def _finish(self, live: _Live) -> None:
+    def _finish(self, live: LiveRequest) -> None:
         live.finished, live.decoding = True, False
         live.t_last = time.perf_counter()
         live.epoch_end[live.req.epoch] = self.tick
@@ -556,14 +405,14 @@ class BatchDriver:
                 raise ValueError(f"arrival_tick must be >= 1, got {r.arrival_tick}")
             check_class(r)
         self.queue = sorted(enumerate(requests), key=lambda ir: (ir[1].arrival_tick, ir[0]))
-        self.slots: list[_Live | None] = [None] * self.max_batch
-        self.done: dict[int, _Live] = {}
+        self.slots: list[LiveRequest | None] = [None] * self.max_batch
+        self.done: dict[int, LiveRequest] = {}
         self.t_ready: dict[int, float] = {}  # request index -> when its arrival tick came
         self.tick, self.sent = 0, 0
         self.links.begin(self.slots)
         self.rows: list[int] = []
         self.held: list[int] = []
-        self.unsealed: deque[tuple[int, list[tuple[_Live, int]]]] = deque()  # (tick sent, its rows)
+        self.unsealed: deque[tuple[int, list[tuple[LiveRequest, int]]]] = deque()  # (tick sent, its rows)
         self.counts = StageCounts(self.n)
         t0 = time.perf_counter()
         while self.queue or any(x is not None for x in self.slots) or self._take():

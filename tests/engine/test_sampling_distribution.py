@@ -481,9 +481,9 @@ def draw_batch(setup: Setup, seeds: Sequence[int], broken: bool = False) -> tupl
     outputs: list[list[tuple[int, ...]]] = [[], []]
     verified, accepted, runs = [0, 0], [0, 0], [0, 0]
     t0 = time.perf_counter()
-    init = batch_driver._Live.__init__
+    init = batch_driver.LiveRequest.__init__
     if broken:
-        batch_driver._Live.__init__ = other_exit(batch_driver._Live)
+        batch_driver.LiveRequest.__init__ = other_exit(batch_driver.LiveRequest)
     try:
         with ReferenceExecutor(setup.engine_config()) as ex:
             for a, b in zip(seeds[0::2], seeds[1::2]):
@@ -496,7 +496,7 @@ def draw_batch(setup: Setup, seeds: Sequence[int], broken: bool = False) -> tupl
                     accepted[k] += res.accepted
                     runs[k] += res.by_source.get(SUFFIX_RUN, [0, 0, 0])[1]
     finally:
-        batch_driver._Live.__init__ = init
+        batch_driver.LiveRequest.__init__ = init
     dt = time.perf_counter() - t0
     first, second = (Draws(counts[k], outputs[k], verified[k], accepted[k], 0, 0, dt, run_verified=runs[k])
                      for k in (0, 1))
