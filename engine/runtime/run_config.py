@@ -117,6 +117,7 @@ class RunConfig:
             auto = DEFAULT_BRANCHES if self.mode is Mode.SPD else 1
             object.__setattr__(self, "drafting", dataclasses.replace(draft, branches=auto))
         draft = self.drafting
+        self.branch_policy()  # BranchPolicy names a bad width or policy, the default width resolved
         if draft.branches > 1 and self.mode is not Mode.SPD:
             raise ValueError(f"--branches {draft.branches} needs --mode spd (branch chains are SPD drafts)")
         if draft.suffix_run is not None and draft.suffix_run > 1:

@@ -29,7 +29,7 @@ def test_engine_config_takes_the_recorded_split(tmp_path, capsys):
     advice = {"stage_layers": [3, 3], "busiest_ms": 2.0, "balanced_layers": [2, 4], "balanced_busiest_ms": 1.5}
     split_store().record(split_key(even), advice, head="random")
     got = config(base + ["--stage-layers", "balanced"])
-    assert got.topology.stage_layers == (2, 4) and got.topology.colocate
+    assert got.parallel.topology.stage_layers == (2, 4) and got.parallel.topology.colocate
     assert "stage layers [2, 4], the split balancing" in capsys.readouterr().err
     apart = config(["--model", "random:tiny-llama", "--stages", "2", "--prompt", "x", "--stage-layers", "balanced"])
     assert apart.parallel.topology.stage_layers == (3, 3)  # the driver on a rank of its own: another record
