@@ -4,8 +4,6 @@ weight layout the builders can make row-invariant; the probe finds the floor a k
 refuses one that no floor fixes."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from helpers import tiny_engine_config
@@ -83,7 +81,7 @@ def test_a_stage_row_and_its_logits_are_the_same_alone_and_in_a_batch(layout, on
 @pytest.mark.parametrize("layout", LAYOUTS)
 @torch.no_grad()
 def test_a_request_s_pdm_rows_are_the_same_alone_and_in_a_batch(layout, pdm_dtype, one_thread):
-    ecfg = dataclasses.replace(tiny_engine_config("llama", weight_layout=layout), pdm_dtype=pdm_dtype)
+    ecfg = tiny_engine_config("llama", weight_layout=layout, pdm_dtype=pdm_dtype)
     pdm = build_pdm(ecfg)
     _needs_invariance(pdm.row_invariance, 4)
     H = ecfg.model.cfg.hidden_size

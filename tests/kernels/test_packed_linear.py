@@ -126,7 +126,7 @@ def test_state_dict_keeps_the_linear_names_and_values():
     other = init_random_(StageModel(tiny_cfg("qwen2"), range(2), embedding=True, head=True), seed=5).eval()
     set_weight_layout_(other, "mixed", skip=(other.output_layer,))
     other.load_state_dict(want)
-    h = torch.randn(1, 3, other.model.cfg.hidden_size)
+    h = torch.randn(1, 3, other.cfg.hidden_size)
     with torch.no_grad():
         a, _ = other.forward_layers(h, other.new_cache(1, 4), 0)
         b, _ = model.forward_layers(h, model.new_cache(1, 4), 0)
