@@ -120,7 +120,7 @@ class LLM:
         """Replies to one conversation ([{"role": ..., "content": ...}, ...]) or several, through
         the model's chat template (the prompt `spd generate --chat` builds for one user turn)."""
         if self.tokenizer is None:
-            raise ValueError(f"{self.config.model} has no tokenizer, hence no chat template: use generate()")
+            raise ValueError(f"{self.config.model.source} has no tokenizer, hence no chat template: use generate()")
         chats = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         return self._run_requests([(None, self.tokenizer.chat_ids_messages(list(c))) for c in chats],
                                   sampling_params)
@@ -174,17 +174,17 @@ class LLM:
         """ValueError naming the problem if the run cannot take the request (every mode's runtime)."""
         from spd_engine.engine.model.greedy import check_request
 
-        check_request(prompt, max_new_tokens, self.config.capacity, self.config.cfg.vocab_size)
+        check_request(prompt, max_new_tokens, self.config.runtime.capacity, self.config.model.cfg.vocab_size)
 
     def _eos_ids(self) -> tuple[int, ...]:
-        return tuple(self.tokenizer.eos_ids if self.tokenizer is not None else self.config.cfg.eos_token_ids)
+        return tuple(self.tokenizer.eos_ids if self.tokenizer is not None else self.config.model.cfg.eos_token_ids)
 
     def _encode(self, text: str | None, ids: list[int] | None) -> list[int]:
         if ids is not None:
             return ids
-        if self.tokenizer is None and random_preset(self.config.model) is None:  # as spd generate refuses
-            raise ValueError(text_needs_tokenizer(self.config.model, "LLM(..., tokenizer=PATH)"))
-        out = encode_prompt(text, self.tokenizer, False, self.config.cfg.vocab_size)
+        if self.tokenizer is None and random_preset(self.config.model.source) is None:  # as spd generate refuses
+            raise ValueError(text_needs_tokenizer(self.config.model.source, "LLM(..., tokenizer=PATH)"))
+        out = encode_prompt(text, self.tokenizer, False, self.config.model.cfg.vocab_size)
         if not out:
             raise ValueError(f"prompt {text!r} encodes to no tokens")
         return out

@@ -178,7 +178,7 @@ class NetbenchConfig:
     replay: list[ReplayConfig] = field(default_factory=list)  # tick replay scenarios
     idle_gap_ms: float = 2.0  # idle ping-pong (sizes up to IDLE_MAX_BYTES): peers idle this long first
     timeout_s: float = 30.0
-    # an emulated link latency (RunConfig.link_delay_us): added to the runtime's transport (the
+    # an emulated link latency (RunConfig.parallel.link_delay_us): added to the runtime's transport (the
     # `transport` test) and to each step of the TP all-reduce; the raw p2p, fan-in and library
     # all-reduce rows are the link as it is (a tc-shaped link's bandwidth shows there)
     link_delay_us: float = 0.0

@@ -147,8 +147,8 @@ def profile_from_bench(report: dict, ecfg: RunConfig, cores: int | None, host: s
     traces = report["request_traces"][row["name"]]
     stages = stage_compute_ms(traces)
     drv = driver_tick_ms(traces)
-    n, L = len(stages), ecfg.cfg.num_layers
-    assert n == ecfg.topology.n, (n, ecfg.topology.n)
+    n, L = len(stages), ecfg.model.cfg.num_layers
+    assert n == ecfg.parallel.topology.n, (n, ecfg.parallel.topology.n)
     fixed = drv["other"] + (max(0.0, drv["send"] + drv["stage0"] - stages[0]) if row["colocate"] else 0.0)
     on_last = last_stage_verify_ms(row, n, drv["verify"])
     verify = drv["verify"] if on_last is None else on_last
@@ -156,17 +156,17 @@ def profile_from_bench(report: dict, ecfg: RunConfig, cores: int | None, host: s
         stages[-1] = max(0.0, stages[-1] - on_last)  # the model adds the head back on the last stage
         fixed += drv["verify"]  # the driver's compare of the stage's token: host work, not a head
     ar_ms = rows["ar"]["tick_ms"]
-    plan = AnchorPlan.build(stage_bounds(list(ecfg.topology.stage_layers)), ecfg.anchors)
+    plan = AnchorPlan.build(stage_bounds(list(ecfg.parallel.topology.stage_layers)), ecfg.drafting.anchors)
     out = {
-        "schema": SCHEMA, "name": f"{_short(ecfg.model)}-n{n}-{ecfg.device}",
+        "schema": SCHEMA, "name": f"{_short(ecfg.model.source)}-n{n}-{ecfg.parallel.device}",
         "num_layers": L, "layer_ms": max(0.0, ar_ms - verify) / L,
         "pdm_ms": {str(n): drv["pdm"]}, "verify_ms": verify, "driver_fixed_ms": fixed,
-        "hidden_size": ecfg.cfg.hidden_size, "dtype_bytes": DTYPES[ecfg.dtype].itemsize,
+        "hidden_size": ecfg.model.cfg.hidden_size, "dtype_bytes": DTYPES[ecfg.model.dtype].itemsize,
         "anchors_per_stage": max(1, max(len(plan.anchors_of_stage(s)) for s in range(n))),
         "stage_ms": {str(n): stages},
-        "source": {"from": "spd bench", "model": ecfg.model, "head": ecfg.pdm, "device": ecfg.device,
-                   "dtype": ecfg.dtype, "threads_per_rank": row["threads_per_rank"], "spd_row": row["name"],
-                   "ranks": row["world_size"], "stage_layers": list(ecfg.topology.stage_layers),
+        "source": {"from": "spd bench", "model": ecfg.model.source, "head": ecfg.drafting.pdm, "device": ecfg.parallel.device,
+                   "dtype": ecfg.model.dtype, "threads_per_rank": row["threads_per_rank"], "spd_row": row["name"],
+                   "ranks": row["world_size"], "stage_layers": list(ecfg.parallel.topology.stage_layers),
                    "verify_at": "driver" if on_last is None else "last",
                    "synthetic_alpha": report.get("synthetic_alpha"), "alpha_measured": row["alpha"], "host": host},
         "measured": {"ar_token_ms": ar_ms, "driver_ms_per_tick": drv, "spd_tick_ms": row["tick_ms"],

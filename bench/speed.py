@@ -174,21 +174,21 @@ def run_case(case: BenchCase, prompts: Sequence[list[int]], max_new: int, eos: S
                 clocks.append(TokenClock())
                 results.append(rt.generate(p, max_new, eos, draft_policy=pol, on_token=clocks[-1].on_token))
             runs.append(results)
-        if case.ecfg.trace:
+        if case.ecfg.runtime.trace:
             trace = [r.trace for r in runs[-1]]
-    summary = summarize(runs, case.ecfg.topology.n)
+    summary = summarize(runs, case.ecfg.parallel.topology.n)
     summary.update(latency_summary(clocks))
     if case.name in ("spd-colocate", "spd-colocate-vd"):
         summary.update(colocated_residual(runs, trace))
-    if case.ecfg.mode is Mode.SPD and case.ecfg.topology.n > 1 and summary["breakdown_ms_per_tick"]:
-        summary["split"] = split_advice(summary["breakdown_ms_per_tick"], case.ecfg.topology.stage_layers,
-                                        case.ecfg.topology.colocate)
+    if case.ecfg.mode is Mode.SPD and case.ecfg.parallel.topology.n > 1 and summary["breakdown_ms_per_tick"]:
+        summary["split"] = split_advice(summary["breakdown_ms_per_tick"], case.ecfg.parallel.topology.stage_layers,
+                                        case.ecfg.parallel.topology.colocate)
     if case.ecfg.mode is Mode.EAGLE or (case.peer is not None and (case.peer.lookup_tokens or case.peer.assistant_dir)):
         summary["acceptance_length"] = summary["eal"]  # ticks are target passes and n = 1: tokens per pass
     if case.ecfg.mode is not Mode.SPD:
         summary["eal"] = None  # EAL is SPD's; pp and ar commit one token per pass
-    summary.update(name=case.name, mode=case.mode, n=case.ecfg.topology.n, tp=case.ecfg.topology.tp,
-                   colocate=case.ecfg.topology.colocate, world_size=case.ecfg.world_size,
+    summary.update(name=case.name, mode=case.mode, n=case.ecfg.parallel.topology.n, tp=case.ecfg.parallel.topology.tp,
+                   colocate=case.ecfg.parallel.topology.colocate, world_size=case.ecfg.world_size,
                    threads_per_rank=case.ecfg.threads_per_rank(), synthetic_alpha=synthetic_alpha)
     return summary, [r.tokens for r in runs[0]], trace
 
@@ -202,7 +202,7 @@ def bench(cases: list[BenchCase], prompts: Sequence[list[int]], max_new: int, eo
     rows, traces, request_traces, mismatches, peer_mismatches = [], {}, {}, [], []
     references: dict[int, list[list[int]]] = {}  # TP split -> its greedy output: ar for 1, the first tp row for T
     for case in cases:
-        split = case.ecfg.topology.tp
+        split = case.ecfg.parallel.topology.tp
         reference = references.get(split)
         summary, tokens, trace = run_case(case, prompts, max_new, eos, repeats, references.get(1), synthetic_alpha,
                                           seed, progress)

@@ -59,11 +59,11 @@ def _time_shard(ecfg: RunConfig, tp: int, rank: int, steps: int, warmup: int, ba
     from spd_engine.engine.runtime.build import build_tp_stage_model
 
     torch.set_num_threads(ecfg.threads_per_rank(tp))
-    L = ecfg.cfg.num_layers
+    L = ecfg.model.cfg.num_layers
     group = _group(tp, rank, port, timeout_s)
     model = build_tp_stage_model(ecfg, range(L), False, False, group)
     cache = model.new_cache(1, warmup + steps + 1)
-    h = torch.randn(1, 1, ecfg.cfg.hidden_size, generator=torch.Generator().manual_seed(rank)).to(ecfg.torch_dtype)
+    h = torch.randn(1, 1, ecfg.model.cfg.hidden_size, generator=torch.Generator().manual_seed(rank)).to(ecfg.model.torch_dtype)
     for pos in range(warmup):
         model.forward_layers(h, cache, pos)
     barrier.wait()

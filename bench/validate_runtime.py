@@ -5,7 +5,7 @@ separate runs, compared with an independent measurement.
    `spd-profile/1` (bench/profiling.py) and the measured acceptance alpha;
 2. netbench run: P2P at the runtime's message sizes between n + 1 local ranks -> link model;
 3. measurement run: the same `spd bench` again, in fresh processes.
-The SPD runs verify where `ValidationSettings.verify_at` says (RunConfig.verify_at), and the
+The SPD runs verify where `ValidationSettings.verify_at` says (RunConfig.parallel.verify_at), and the
 model prices the SPD rows the same way (costmodel/cost_model.py `plan`'s verify_at).
 The cost model (costmodel/cost_model.py `plan`) predicts from 1 + 2 the decode tok/s and the time
 per tick of ar, pp and SPD (co-located and separate driver) at this n, and these are compared
@@ -52,7 +52,7 @@ class ValidationSettings:
     # which hops price the runs, and so what the runs use: "p2p" raw gloo P2P (runs on gloo), "gloo"
     # the gloo frame transport's own rows (runs on gloo), "shm" the shared-memory rings' (runs on shm)
     link: str = "p2p"
-    verify_at: str = "auto"  # where the SPD runs verify at T=0 (RunConfig.verify_at), and so how they are priced
+    verify_at: str = "auto"  # where the SPD runs verify at T=0 (RunConfig.parallel.verify_at), and so how they are priced
 
     def __post_init__(self) -> None:
         if self.link not in ("p2p", "gloo", "shm"):
@@ -77,7 +77,7 @@ def bench_cases(ecfg: RunConfig, configs: Sequence[str] = CONFIGS, tp: int = 1, 
                          f"got {list(configs)}")
     if (TP_CONFIG in configs) != (tp > 1):
         raise ValueError(f"the {TP_CONFIG} config needs tp >= 2 and tp >= 2 the {TP_CONFIG} config (got tp={tp})")
-    topo = dataclasses.replace(ecfg.topology, tp=1)
+    topo = dataclasses.replace(ecfg.parallel.topology, tp=1)
     # the transport whose rows the netbench run measures (the link model's input): gloo for its P2P
     # or frame rows, shm for the rings' rows
     ecfg = ecfg.replace(topology=topo, transport=transport, verify_at=verify_at)  # verify_at: SPD's only
@@ -107,12 +107,12 @@ def run_netbench(ecfg: RunConfig, anchors: int, s: ValidationSettings, allreduce
     gloo or shm link also the runtime's own transport at those sizes (`--tests transport`)."""
     from spd_engine.bench.interconnect import NetbenchConfig, default_pairs, launch_local, netbench_rank
 
-    world = max(ecfg.topology.n + 1, s.tp)  # the tp row's group is ranks 0..tp-1, as the runtime's
-    itemsize = ecfg.torch_dtype.itemsize
-    sizes = {HEADER_LEN * 8, *message_bytes(ecfg.cfg.hidden_size, itemsize, anchors).values()}
+    world = max(ecfg.parallel.topology.n + 1, s.tp)  # the tp row's group is ranks 0..tp-1, as the runtime's
+    itemsize = ecfg.model.torch_dtype.itemsize
+    sizes = {HEADER_LEN * 8, *message_bytes(ecfg.model.cfg.hidden_size, itemsize, anchors).values()}
     tests = ("p2p", "allreduce") + (("transport",) if s.link != "p2p" else ())
     cfg = NetbenchConfig(tests=tests, sizes=tuple(sorted(sizes)), pairs=tuple(default_pairs(world)),
-                         iters=s.net_iters, warmup=10, allreduce_bytes=(8, ecfg.cfg.hidden_size * itemsize),
+                         iters=s.net_iters, warmup=10, allreduce_bytes=(8, ecfg.model.cfg.hidden_size * itemsize),
                          allreduce_busy_us=allreduce_busy_us, timeout_s=s.timeout_s)
     return launch_local(netbench_rank, cfg, world, "gloo", s.timeout_s, 600 + 10 * s.timeout_s)
 
@@ -123,7 +123,7 @@ def predict(profile: dict, link: LinkModel, alpha: float, n: int, tokens: int | 
     `tokens`: the bench's tokens per request; SPD's tok/s then uses that request length's EAL
     (its initial fill included, `eal_for_request`) rather than the steady-state one. tp > 1: the
     plan's TP row on tp devices (its shard time from the profile's tp_layer_ms). `verify_at`: where
-    the SPD runs verified, RunConfig.verify_at (a profile's stage times exclude the head either way)."""
+    the SPD runs verified, RunConfig.parallel.verify_at (a profile's stage times exclude the head either way)."""
     result = plan(Profile.from_dict(profile), Links(link), AlphaCurve({0: alpha}), [n], sim_tokens=2000,
                   verify_at=verify_at)
     rows = [r for r in result["rows"] if r["n"] == n]
@@ -233,7 +233,7 @@ def run_round(ecfg: RunConfig, prompts: Sequence[list[int]], s: ValidationSettin
     rnd = {"profile": prof, "netbench": net, "alpha": prof["source"]["alpha_measured"],
            "measured": measured_of(second), "measurement_profile": own, "profile_run": first,
            "measurement_run": second, "load": load_note()}
-    return {**rnd, **predict_round(rnd, ecfg.topology.n, s)}
+    return {**rnd, **predict_round(rnd, ecfg.parallel.topology.n, s)}
 
 
 def predict_round(rnd: dict, n: int, s: ValidationSettings) -> dict:
@@ -274,8 +274,8 @@ def validate(ecfg: RunConfig, prompts: Sequence[list[int]], s: ValidationSetting
             "alpha_used": [r["alpha"] for r in rounds], "host": {"before": load_before,
                                                                  **{f"after round {k + 1}": r["load"]
                                                                     for k, r in enumerate(rounds)}},
-            "settings": dataclasses.asdict(s), "n": ecfg.topology.n, "cores": os.cpu_count(),
-            "model": ecfg.model, "head": ecfg.pdm,
+            "settings": dataclasses.asdict(s), "n": ecfg.parallel.topology.n, "cores": os.cpu_count(),
+            "model": ecfg.model.source, "head": ecfg.drafting.pdm,
             "threads_per_rank": ecfg.threads_per_rank()}
 
 

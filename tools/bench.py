@@ -92,10 +92,10 @@ def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
     bad = set(names) - set(CONFIGS)
     if bad:
         raise ValueError(f"unknown bench configs {sorted(bad)}")
-    T = ecfg.topology.tp
+    T = ecfg.parallel.topology.tp
     if T == 1 and {"tp", "spd-tp"} & set(names):
         raise ValueError("the tp and spd-tp configs need --tp >= 2")
-    topo = dataclasses.replace(ecfg.topology, tp=1)
+    topo = dataclasses.replace(ecfg.parallel.topology, tp=1)
     ecfg = ecfg.replace(topology=topo)  # --tp is for the tp rows only
     one = dataclasses.replace(topo, stage_layers=(topo.num_layers,), colocate=False)
     out = [BenchCase("ar", ecfg.replace(mode="ar", topology=one))]
@@ -137,7 +137,7 @@ def cases(args: argparse.Namespace, ecfg) -> list[BenchCase]:
             if name == "hf-assisted" and args.assistant is None:
                 raise ValueError("the hf-assisted config needs --assistant MODEL (its draft model)")
             assistant = hf_model_dir(args.assistant) if name == "hf-assisted" else None
-            peer = HFPeer(hf_model_dir(args.model), ecfg.torch_dtype, out[0].ecfg.threads_per_rank(), lookup,
+            peer = HFPeer(hf_model_dir(args.model), ecfg.model.torch_dtype, out[0].ecfg.threads_per_rank(), lookup,
                           assistant)
             out.append(BenchCase(name, out[0].ecfg, peer))
     if {"tp", "spd-tp"} & set(names):  # tp runs first of the TP rows: it is their lossless reference
@@ -170,9 +170,9 @@ def eagle_budget(rows: list[dict], ecfg, model: str) -> str | None:
         return None
     shipped = [] if set("/:\\") & set(model) else sorted(REPO_HEADS.glob(f"{model}-n*"))  # built-in names only
     pdm_heads = {f"{d.name} PDM head": str(d) for d in shipped if (d / "pdm.json").is_file()}
-    if ecfg.pdm != "random" and any(r["mode"] == "spd" for r in rows) and ecfg.pdm not in pdm_heads.values():
-        pdm_heads[f"this run's PDM head {ecfg.pdm}"] = ecfg.pdm
-    budget = head_budget_note(ecfg.eagle_head, pdm_heads)
+    if ecfg.drafting.pdm != "random" and any(r["mode"] == "spd" for r in rows) and ecfg.drafting.pdm not in pdm_heads.values():
+        pdm_heads[f"this run's PDM head {ecfg.drafting.pdm}"] = ecfg.drafting.pdm
+    budget = head_budget_note(ecfg.drafting.eagle_head, pdm_heads)
     row["head_budget"], row["note"] = budget, budget["note"]
     if budget["under_trained"] and budget["head_training_source"] is not None:
         return (f"eagle: its head is under-trained, {budget['head_training_tokens'] / 1e6:.2f} M training tokens "
@@ -232,10 +232,10 @@ def batch_rows(args: argparse.Namespace, bench_cases: list[BenchCase], prompts, 
 def measure_layouts(ecfg: RunConfig, out) -> RunConfig:
     """Time and record the weight layouts for each rank thread count of the bench's rows (ar: every
     core; pipelines: a share) and return `ecfg` taking them under `--weight-layout auto`."""
-    topo = ecfg.topology
+    topo = ecfg.parallel.topology
     ranks = (1, topo.n * topo.tp, topo.n * topo.tp + 1)
-    counts = {ecfg.threads} if ecfg.threads else {ecfg.threads_per_rank(w) for w in ranks}
-    record_layouts(ecfg.model, ecfg.cfg, ecfg.device, sorted(counts), out)
+    counts = {ecfg.parallel.threads} if ecfg.parallel.threads else {ecfg.threads_per_rank(w) for w in ranks}
+    record_layouts(ecfg.model.source, ecfg.model.cfg, ecfg.parallel.device, sorted(counts), out)
     return with_measured_layouts(ecfg)
 
 
@@ -244,9 +244,9 @@ def record_splits(rows: list[dict], bench_cases: list[BenchCase], out) -> None:
     store = split_store()
     for row in (r for r in rows if r.get("split") and r["name"] in ("spd", "spd-colocate")):  # the default drivers
         case = next(c for c in bench_cases if c.name == row["name"])
-        if case.ecfg.branches not in (None, 1):  # a branching run's costs are not the default run's
+        if case.ecfg.drafting.branches not in (None, 1):  # a branching run's costs are not the default run's
             continue
-        store.record(split_key(case.ecfg), row["split"], case.ecfg.pdm)
+        store.record(split_key(case.ecfg), row["split"], case.ecfg.drafting.pdm)
         print(f"{row['name']}: its balanced split {row['split']['balanced_layers']} recorded for "
               f"--stage-layers balanced ({store.path})", file=out)
 
@@ -289,11 +289,11 @@ def run(args: argparse.Namespace) -> int:
     ecfg, tok_dir = engine_config(args, seed_used=args.synthetic_alpha is not None,  # it seeds the policy
                                   eagle_used="eagle" in config_names(args))
     tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
-    prompts = encode_prompts(load_prompts(args), tok, args.chat, ecfg.cfg.vocab_size)
-    eos = () if args.ignore_eos else tok.eos_ids if tok is not None else ecfg.cfg.eos_token_ids
+    prompts = encode_prompts(load_prompts(args), tok, args.chat, ecfg.model.cfg.vocab_size)
+    eos = () if args.ignore_eos else tok.eos_ids if tok is not None else ecfg.model.cfg.eos_token_ids
     progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     batches = max_batches(args)
-    if ecfg.weight_layout == "auto" and ecfg.device.startswith("cpu") and load is None:  # the device's own costs
+    if ecfg.model.weight_layout == "auto" and ecfg.parallel.device.startswith("cpu") and load is None:  # the device's own costs
         ecfg = measure_layouts(ecfg, sys.stderr)
     bench_cases = cases(args, ecfg)
     with running(load):
@@ -302,19 +302,19 @@ def run(args: argparse.Namespace) -> int:
         if batches:
             report["batches"] = batch_rows(args, bench_cases, prompts, eos, batches, progress)
     report["host_load"] = load.to_dict() if load is not None else None
-    report["model"], report["head"] = ecfg.model, ecfg.pdm
-    report["link_delay_us"] = ecfg.link_delay_us  # an emulated link latency, when one was asked for
+    report["model"], report["head"] = ecfg.model.source, ecfg.drafting.pdm
+    report["link_delay_us"] = ecfg.parallel.link_delay_us  # an emulated link latency, when one was asked for
     eagle_line = None
     if "eagle" in config_names(args):
-        report["eagle_head"], report["eagle_k"] = ecfg.eagle_head, ecfg.eagle_k
+        report["eagle_head"], report["eagle_k"] = ecfg.drafting.eagle_head, ecfg.drafting.eagle_k
         if args.synthetic_alpha is None:  # synthetic drafts replace the head's: its training does not show
             eagle_line = eagle_budget(report["rows"], ecfg, args.model)
     label = f" (SYNTHETIC acceptance alpha={args.synthetic_alpha})" if args.synthetic_alpha is not None else ""
     out = sys.stderr if args.json == "-" else sys.stdout  # stdout carries only the JSON then
-    print(f"model {ecfg.model}, head {ecfg.pdm}, n={ecfg.topology.n}, {len(prompts)} prompts x "
+    print(f"model {ecfg.model.source}, head {ecfg.drafting.pdm}, n={ecfg.parallel.topology.n}, {len(prompts)} prompts x "
           f"{args.max_new_tokens} tokens{' (EOS ignored)' if args.ignore_eos else ''}, {args.repeats} repeats{label}"
           f"{f', every row under {load.describe()}' if load is not None else ''}"
-          f"{f', EMULATED LINK LATENCY {ecfg.link_delay_us:g} us per message' if ecfg.link_delay_us else ''}",
+          f"{f', EMULATED LINK LATENCY {ecfg.parallel.link_delay_us:g} us per message' if ecfg.parallel.link_delay_us else ''}",
           file=out)
     print(format_table(*table(report["rows"])), file=out)
     for line in [RATIO_LEGEND, *noisy_lines(report["rows"])] + ([eagle_line] if eagle_line else []):
@@ -332,19 +332,19 @@ def run(args: argparse.Namespace) -> int:
     for row in (r for r in report["rows"] if r.get("split")):
         print(split_line(row["name"], row["split"]), file=out)
     # costs measured under a made-up load or an emulated link are not the device's
-    if args.synthetic_alpha is None and load is None and not ecfg.link_delay_us:
+    if args.synthetic_alpha is None and load is None and not ecfg.parallel.link_delay_us:
         record_splits(report["rows"], bench_cases, out)
     if args.timeline and "spd" in report["traces"]:
         from spd_engine.bench.timeline import plot_timeline
 
-        if plot_timeline(report["traces"]["spd"], args.timeline, f"spd n={ecfg.topology.n}{label}"):
+        if plot_timeline(report["traces"]["spd"], args.timeline, f"spd n={ecfg.parallel.topology.n}{label}"):
             print(f"timeline: {args.timeline}", file=out)
     if args.chrome_trace:
         if "spd" not in report["traces"]:
             raise ValueError("--chrome-trace needs spd in --configs")
         from spd_engine.bench.chrome_trace import write_chrome_trace
 
-        write_chrome_trace(report["traces"]["spd"], args.chrome_trace, f"spd n={ecfg.topology.n}{label}")
+        write_chrome_trace(report["traces"]["spd"], args.chrome_trace, f"spd n={ecfg.parallel.topology.n}{label}")
         print(f"chrome trace: {args.chrome_trace}", file=out)
     if batches:
         from spd_engine.bench.batch_speed import format_summary

@@ -11,15 +11,16 @@ import math
 import os
 from pathlib import Path
 
-from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.runtime.run_config import run_fields
 
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def run_default(name: str):
-    """The default of a RunConfig field: the one place run defaults are written."""
-    field = {f.name: f for f in dataclasses.fields(RunConfig)}[name]
+    """The default of a RunConfig setting by its dotted name (`runtime.prefill_chunk`, run_fields): the one
+    place run defaults are written."""
+    field = run_fields()[name]
     assert field.default is not dataclasses.MISSING, f"RunConfig.{name} has no default"
     return field.default.value if hasattr(field.default, "value") else field.default
 

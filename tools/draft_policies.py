@@ -89,15 +89,15 @@ def _run(args) -> int:
     from spd_engine.train.reference_cache import ReferenceCache
 
     ecfg, tok_dir = engine_config(args)
-    if ecfg.topology.tp > 1:
+    if ecfg.parallel.topology.tp > 1:
         raise ValueError("spd draft-policies replays the unsharded model: --tp does not apply")
     tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
-    eos = tok.eos_ids if tok is not None else ecfg.cfg.eos_token_ids
+    eos = tok.eos_ids if tok is not None else ecfg.model.cfg.eos_token_ids
     names = parse_names(args.datasets, DATASETS, "dataset(s)")
     prompts = [p for name in names for p in load_dataset(default_data_dir(), name, args.limit)]
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, pdm, n = full_target(ecfg), build_pdm(ecfg), ecfg.topology.n
+    target, pdm, n = full_target(ecfg), build_pdm(ecfg), ecfg.parallel.topology.n
     cache = ReferenceCache(args.reference_cache, ecfg) if args.reference_cache else None
     policies = _policies()
     probe = DraftChooser(SuffixSettings(16, 2))
@@ -107,10 +107,10 @@ def _run(args) -> int:
     per: dict[str, dict[str, list]] = {}  # group -> policy -> [Acceptance]
     stats: dict[str, StateStats] = {}
     for i, pr in enumerate(prompts):
-        ids = encode_prompt(pr.text, tok, ecfg.cfg.vocab_size)
+        ids = encode_prompt(pr.text, tok, ecfg.model.cfg.vocab_size)
         compute = lambda: greedy_generate(target, ids, args.max_new_tokens, eos_ids=eos,  # noqa: E731
-                                          chunk=ecfg.prefill_chunk)
-        y = cache.get_or_compute(ids, args.max_new_tokens, eos, ecfg.prefill_chunk, compute) if cache else compute()
+                                          chunk=ecfg.runtime.prefill_chunk)
+        y = cache.get_or_compute(ids, args.max_new_tokens, eos, ecfg.runtime.prefill_chunk, compute) if cache else compute()
         if len(y) < 2:
             continue
         table = draft_table(target, pdm, ids, y)
@@ -125,7 +125,7 @@ def _run(args) -> int:
             stats.setdefault(g, StateStats()).merge(st)
         print(f"[{i + 1}/{len(prompts)}] {pr.dataset}#{pr.index}: pdm alpha "
               f"{accs['pdm'].accepted / max(1, accs['pdm'].verified):.3f}", file=sys.stderr, flush=True)
-    report = {"n": n, "head": ecfg.pdm, "max_new_tokens": args.max_new_tokens,
+    report = {"n": n, "head": ecfg.drafting.pdm, "max_new_tokens": args.max_new_tokens,
               "groups": {g: {name: _pooled(a, n) for name, a in pol.items()} for g, pol in per.items()},
               "states": {g: {str(f): row for f, row in sorted(s.by_fill.items())} | {"all": s.total()}
                          for g, s in stats.items()},

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from spd_engine.engine.comm.iface import use_iface
+from spd_engine.engine.model.model_config import ModelConfig
 from spd_engine.engine.protocol.branching import WHEN
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.measured_split import BALANCED
@@ -17,8 +18,12 @@ from spd_engine.engine.runtime.run_config import (
     STEP_MODES,
     TRANSPORTS,
     VERIFY_AT,
+    Drafting,
     Mode,
+    ModelSpec,
+    ParallelLayout,
     RunConfig,
+    Runtime,
     random_preset,
 )
 from spd_engine.tools.cli_conventions import engine_dtype_name, refuse_ignored, resolve_dtype, run_default
@@ -55,71 +60,73 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
                             "--tp ranks, autoregressive), ar (one rank), eagle (serial draft-then-verify with an "
                             "EAGLE-3-style head, one rank)")
         g.add_argument("--colocate", action="store_true", help="driver on the same rank as stage 0 (world size n)")
-    g.add_argument("--pdm-layers", type=int, default=run_default("pdm_layers"), help="K of an untrained head")
+    g.add_argument("--pdm-layers", type=int, default=run_default("drafting.pdm_layers"), help="K of an untrained head")
     g.add_argument("--capacity", "--max-model-len", dest="capacity", type=int, default=None,
                    help=f"KV cache positions per request: prompt + generated tokens (default "
-                        f"min({run_default('capacity')}, the model's max positions))")
-    g.add_argument("--prefill-chunk", type=int, default=run_default("prefill_chunk"), help="prompt tokens per prefill message")
-    g.add_argument("--timeout", type=float, default=run_default("timeout_s"), help="receive timeout inside a request (s)")
+                        f"min({run_default('runtime.capacity')}, the model's max positions))")
+    g.add_argument("--prefill-chunk", type=int, default=run_default("runtime.prefill_chunk"),
+                   help="prompt tokens per prefill message")
+    g.add_argument("--timeout", type=float, default=run_default("runtime.timeout_s"), help="receive timeout inside a request (s)")
     g.add_argument("--stage-ms", default=None, metavar="MS[,MS...]",
                    help="synthetic decode step time per stage: each stage's step is padded with sleep to at least "
                         "this long (one value for every stage, or n values); stands in for a larger model's stages "
                         "(the tokens do not change)")
-    g.add_argument("--threads", type=int, default=run_default("threads"),
+    g.add_argument("--threads", type=int, default=run_default("parallel.threads"),
                    help="torch threads per rank (default cores // ranks)")
     g.add_argument("--dtype", type=engine_dtype_name, default="auto", metavar="{auto,float32,bfloat16,float16}",
                    help="weights and activations: auto = bfloat16 on cuda, float32 elsewhere (aliases fp32, "
                         "bf16, fp16)")
-    g.add_argument("--device", default=run_default("device"), help="cpu, cuda or cuda:N")
+    g.add_argument("--device", default=run_default("parallel.device"), help="cpu, cuda or cuda:N")
     g.add_argument("--backend", default=None, choices=["gloo", "nccl"],
-                   help=f"default: nccl on cuda, else {run_default('backend')}")
-    g.add_argument("--transport", default=run_default("transport"), choices=TRANSPORTS,
+                   help=f"default: nccl on cuda, else {run_default('parallel.backend')}")
+    g.add_argument("--transport", default=run_default("parallel.transport"), choices=TRANSPORTS,
                    help="rank-to-rank messages: shm (shared-memory rings, CPU ranks of one host), gloo (the "
                         "backend), auto (shm for the CPU ranks this command launches, else the backend)")
     g.add_argument("--iface", default=None, metavar="NAME",
                    help="network interface the ranks' process group binds to across nodes (default: the one whose "
                         "route reaches the rendezvous address, unless GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME are set)")
-    g.add_argument("--link-delay-us", type=float, default=run_default("link_delay_us"), metavar="US",
+    g.add_argument("--link-delay-us", type=float, default=run_default("parallel.link_delay_us"), metavar="US",
                    help="emulated link latency: every message between ranks (and each step of a TP collective) is "
                         "delivered this many microseconds after it was sent (default 0: none; for ranks of one host, "
                         "e.g. network-namespace nodes: docs/cluster.md)")
-    g.add_argument("--seed", type=int, default=run_default("seed"), help="seed of random weights / untrained heads")
-    g.add_argument("--step-mode", default=run_default("step_mode"), choices=STEP_MODES,
+    g.add_argument("--seed", type=int, default=run_default("runtime.seed"), help="seed of random weights / untrained heads")
+    g.add_argument("--step-mode", default=run_default("runtime.step_mode"), choices=STEP_MODES,
                    help="one-token decode steps: CUDA graphs (auto on cuda), eager (auto elsewhere; the "
                         "fallback), or static (the graph path's buffers without capture)")
-    g.add_argument("--verify-at", default=run_default("verify_at"), choices=VERIFY_AT,
+    g.add_argument("--verify-at", default=run_default("parallel.verify_at"), choices=VERIFY_AT,
                    help="SPD at T=0: the target's argmax of the token leaving the pipeline is computed by the last "
                         "stage, which then holds the head too (last), or by the driver (driver); auto: last when "
                         "co-located (the driver's rank also runs stage 0), else driver")
-    g.add_argument("--head-screen", choices=("on", "off"), default="on" if run_default("head_screen") else "off",
+    g.add_argument("--head-screen", choices=("on", "off"), default="on" if run_default("model.head_screen") else "off",
                    help="T=0 tokens of the head stage from an int8 screen of the LM head, the few candidate rows "
                         "recomputed in fp32 (same tokens; used where supported: a CPU, fp32 weights)")
-    g.add_argument("--pdm-dtype", default=run_default("pdm_dtype"),
+    g.add_argument("--pdm-dtype", default=run_default("drafting.pdm_dtype"),
                    choices=("auto", "int8", "float32", "bfloat16", "float16"),
                    help="the PDM's dtype: int8 = its matmuls over int8 weight rows, bf16 activations; auto = int8 "
                         "for an fp32 run on a CPU with torch's int8 kernel, else bfloat16 on a CPU with bf16 matmul "
                         "instructions, else the run's (drafting only: the output does not change)")
-    g.add_argument("--weight-layout", default=run_default("weight_layout"), choices=("auto", "row", "col", "packed", "mixed"),
+    g.add_argument("--weight-layout", default=run_default("model.weight_layout"),
+                   choices=("auto", "row", "col", "packed", "mixed"),
                    help="fp32 linear weights in memory (the same values, another kernel): row- or column-major, "
                         "packed (oneDNN's blocked weight: up to ~6 rows for one's price, one step over every thread), "
                         "mixed (packed, one row over a column-major copy; not batch-invariant: a request's rows round "
                         "otherwise in a batch); auto: on a CPU the layout `spd bench` measured fastest there for the "
                         "rank's threads (packed for mixed), else packed (col without oneDNN); row on a GPU")
-    g.add_argument("--overlap-stage0", choices=("on", "off"), default="on" if run_default("overlap_stage0") else "off",
+    g.add_argument("--overlap-stage0", choices=("on", "off"), default="on" if run_default("parallel.overlap_stage0") else "off",
                    help="co-located (n >= 2): stage 0 steps on its own thread while the driver drafts and verifies")
     e = p.add_argument_group("eagle baseline (serial draft-then-verify on one rank)")
     e.add_argument("--eagle-head", default=None,
                    help="EAGLE head directory, or 'random' (default: the shipped head for the model, else an untrained one)")
-    e.add_argument("--eagle-k", type=int, default=run_default("eagle_k"),
+    e.add_argument("--eagle-k", type=int, default=run_default("drafting.eagle_k"),
                    help="drafts per round, verified in one target pass of k+1 tokens")
     d = p.add_argument_group("draft sources")
-    d.add_argument("--suffix-drafts", choices=("on", "off"), default="on" if run_default("suffix_drafts") else "off",
+    d.add_argument("--suffix-drafts", choices=("on", "off"), default="on" if run_default("drafting.suffix_drafts") else "off",
                    help="also draft the token that followed the longest earlier occurrence of the context's suffix")
-    d.add_argument("--suffix-min-match", type=int, default=run_default("suffix_min_match"),
+    d.add_argument("--suffix-min-match", type=int, default=run_default("drafting.suffix_min_match"),
                    help="shortest suffix match (tokens) that may draft")
-    d.add_argument("--suffix-pdm-margin", type=float, default=run_default("suffix_pdm_margin"),
+    d.add_argument("--suffix-pdm-margin", type=float, default=run_default("drafting.suffix_pdm_margin"),
                    help="a suffix draft wins only where the PDM's top-1 minus top-2 logit is below this")
-    d.add_argument("--suffix-run", type=int, default=run_default("suffix_run"), metavar="K",
+    d.add_argument("--suffix-run", type=int, default=run_default("drafting.suffix_run"), metavar="K",
                    help="tokens a suffix draft may carry through the stages as one entry: the tokens after it in "
                         "the matched occurrence, verified together when they leave (docs/design.md 3.13); 1: none "
                         f"(default: {DEFAULT_SUFFIX_RUN} for SPD at n >= 2 with one chain and one TP rank, else 1)")
@@ -127,10 +134,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_mode: str = "spd", 
         d.add_argument("--branches", type=int, default=None, metavar="W",
                        help=f"branch width: a draft position may carry up to W candidate chains (docs/design.md "
                             f"3.11; default {DEFAULT_BRANCHES})")
-        d.add_argument("--branch-when", choices=WHEN, default=run_default("branch_when"),
+        d.add_argument("--branch-when", choices=WHEN, default=run_default("drafting.branch_when"),
                        help="where a branch point may start: after a rejection (refill) or whenever none is in flight")
     d.add_argument("--suffix-cross-request", choices=("on", "off"),
-                   default="on" if run_default("suffix_cross_request") else "off",
+                   default="on" if run_default("drafting.suffix_cross_request") else "off",
                    help="suffix drafts also from this process's earlier requests (prompts and outputs)")
 
 
@@ -174,6 +181,35 @@ def _stage_ms(text: str | None, n: int) -> tuple[float, ...] | None:
     return values
 
 
+def _model_spec(args: argparse.Namespace, engine_spec: str, cfg: ModelConfig) -> ModelSpec:
+    return ModelSpec(source=engine_spec, cfg=cfg, dtype=resolve_dtype(args.dtype, args.device),
+                     head_screen=getattr(args, "head_screen", "on") == "on",
+                     weight_layout=getattr(args, "weight_layout", run_default("model.weight_layout")))
+
+
+def _parallel(args: argparse.Namespace, topo: Topology, backend: str) -> ParallelLayout:
+    return ParallelLayout(topology=topo, device=args.device, backend=backend, transport=args.transport,
+                          link_delay_us=args.link_delay_us, threads=args.threads, verify_at=args.verify_at,
+                          overlap_stage0=args.overlap_stage0 == "on")
+
+
+def _drafting(args: argparse.Namespace, spec: str, eagle_head: str) -> Drafting:
+    """The draft settings; a command without the branch flags (spd draft-policies) gets the defaults."""
+    return Drafting(pdm=spec, pdm_layers=args.pdm_layers, pdm_dtype=getattr(args, "pdm_dtype", run_default("drafting.pdm_dtype")),
+                    suffix_drafts=args.suffix_drafts == "on", suffix_min_match=args.suffix_min_match,
+                    suffix_pdm_margin=args.suffix_pdm_margin, suffix_cross_request=args.suffix_cross_request == "on",
+                    suffix_run=getattr(args, "suffix_run", run_default("drafting.suffix_run")),
+                    branches=getattr(args, "branches", None),
+                    branch_when=getattr(args, "branch_when", run_default("drafting.branch_when")),
+                    eagle_head=eagle_head, eagle_k=args.eagle_k)
+
+
+def _runtime(args: argparse.Namespace, cfg: ModelConfig, n: int) -> Runtime:
+    return Runtime(capacity=args.capacity or min(run_default("runtime.capacity"), cfg.max_position),
+                   prefill_chunk=args.prefill_chunk, timeout_s=args.timeout, seed=args.seed, step_mode=args.step_mode,
+                   stage_ms=_stage_ms(getattr(args, "stage_ms", None), n))
+
+
 def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used: bool = False
                   ) -> tuple[RunConfig, Path | None]:
     """The RunConfig of the engine flags (and the tokenizer directory); `seed_used`: the command reads
@@ -195,25 +231,9 @@ def engine_config(args: argparse.Namespace, seed_used: bool = False, eagle_used:
     spec = carried_or_given(args.spec, args.model) if args.spec else default_head(args.model, topo.n)
     eagle_head = args.eagle_head or default_head(args.model, 1, "eagle")
     _check_ignored_engine_flags(args, mode, spec, seed_used, eagle_head if eagle_used or mode is Mode.EAGLE else None)
-    backend = args.backend or ("nccl" if str(args.device).startswith("cuda") else run_default("backend"))
-    ecfg = RunConfig(model=engine_spec, cfg=cfg, topology=topo, mode=mode, pdm=spec, eagle_head=eagle_head,
-                     eagle_k=args.eagle_k,
-                     pdm_layers=args.pdm_layers, backend=backend, device=args.device,
-                     dtype=resolve_dtype(args.dtype, args.device),
-                     capacity=args.capacity or min(run_default("capacity"), cfg.max_position),
-                     prefill_chunk=args.prefill_chunk, timeout_s=args.timeout, threads=args.threads,
-                     seed=args.seed, step_mode=args.step_mode, suffix_drafts=args.suffix_drafts == "on",
-                     suffix_min_match=args.suffix_min_match, suffix_pdm_margin=args.suffix_pdm_margin,
-                     suffix_cross_request=args.suffix_cross_request == "on",
-                     suffix_run=getattr(args, "suffix_run", run_default("suffix_run")),
-                     overlap_stage0=args.overlap_stage0 == "on", transport=args.transport, verify_at=args.verify_at,
-                     link_delay_us=args.link_delay_us,
-                     head_screen=getattr(args, "head_screen", "on") == "on",
-                     pdm_dtype=getattr(args, "pdm_dtype", run_default("pdm_dtype")),
-                     weight_layout=getattr(args, "weight_layout", run_default("weight_layout")),
-                     branches=getattr(args, "branches", None),
-                     branch_when=getattr(args, "branch_when", run_default("branch_when")),
-                     stage_ms=_stage_ms(getattr(args, "stage_ms", None), topo.n))
+    backend = args.backend or ("nccl" if str(args.device).startswith("cuda") else run_default("parallel.backend"))
+    ecfg = RunConfig(model=_model_spec(args, engine_spec, cfg), parallel=_parallel(args, topo, backend), mode=mode,
+                     drafting=_drafting(args, spec, eagle_head), runtime=_runtime(args, cfg, topo.n))
     ecfg = with_measured_layouts(ecfg)
     if balanced and topo.n > 1:
         ecfg, why = (balanced_split(ecfg, topo.colocate) if mode is Mode.SPD else

@@ -97,18 +97,19 @@ def run(args: argparse.Namespace) -> int:
     prompts = [p for name in names for p in load_dataset(data_dir, name, args.limit)]
     ecfg, tok_dir = engine_config(args)
     tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
-    eos = tok.eos_ids if tok is not None else ecfg.cfg.eos_token_ids
-    encoded = [(p, encode_prompt(p.text, tok, ecfg.cfg.vocab_size)) for p in prompts]
+    eos = tok.eos_ids if tok is not None else ecfg.model.cfg.eos_token_ids
+    encoded = [(p, encode_prompt(p.text, tok, ecfg.model.cfg.vocab_size)) for p in prompts]
     for p, ids in encoded:
-        if len(ids) + settings.max_new_tokens > ecfg.capacity:
+        if len(ids) + settings.max_new_tokens > ecfg.runtime.capacity:
             raise ValueError(f"{p.dataset}#{p.index}: prompt ({len(ids)} tokens) + --max-new-tokens "
-                             f"{settings.max_new_tokens} exceeds --capacity {ecfg.capacity}")
+                             f"{settings.max_new_tokens} exceeds --capacity {ecfg.runtime.capacity}")
     if args.threads and args.executor != "dist":  # dist ranks set their own threads
         torch.set_num_threads(args.threads)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    n = ecfg.topology.n
-    head = f"eagle head {ecfg.eagle_head}, k={ecfg.eagle_k}" if ecfg.mode is Mode.EAGLE else f"head {ecfg.pdm}"
-    log(f"spd eval: {len(encoded)} prompts from {data_dir}, n={n} {list(ecfg.topology.stage_layers)}, "
+    n = ecfg.parallel.topology.n
+    draft = ecfg.drafting
+    head = f"eagle head {draft.eagle_head}, k={draft.eagle_k}" if ecfg.mode is Mode.EAGLE else f"head {draft.pdm}"
+    log(f"spd eval: {len(encoded)} prompts from {data_dir}, n={n} {list(ecfg.parallel.topology.stage_layers)}, "
         f"{head}, executor {executor}")
     t0 = time.perf_counter()
     with open_runner(ecfg, settings, args.reference_cache) as runner, \
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         footer += (f", sampling T={settings.temperature} top-k {settings.top_k} top-p {settings.top_p} "
                    f"seeds {settings.seed}+k (not checked against greedy)")
     if ecfg.mode is Mode.EAGLE:
-        footer = f"eagle k={ecfg.eagle_k}, " + footer
+        footer = f"eagle k={ecfg.drafting.eagle_k}, " + footer
     if ecfg.max_run > 1:
         footer += f", suffix runs of up to {ecfg.max_run} tokens"
         slots = getattr(runner, "stage_slots", 0)  # the fast executor counts what a stage step carries
@@ -137,12 +138,13 @@ def run(args: argparse.Namespace) -> int:
         footer += (f", {total.near_ties} consulted drafts within 1e-4 of a tie, {total.outside_vocab} of "
                    f"{total.verified} verified tokens outside the draft vocabulary")
     print(footer)
-    meta = {"model": args.model, "mode": ecfg.mode, "spec": ecfg.eagle_head if ecfg.mode is Mode.EAGLE else ecfg.pdm,
-            "eagle_k": ecfg.eagle_k if ecfg.mode is Mode.EAGLE else None, "n": n,
-            "stage_layers": list(ecfg.topology.stage_layers), "executor": executor,
+    eagle, draft = ecfg.mode is Mode.EAGLE, ecfg.drafting
+    meta = {"model": args.model, "mode": ecfg.mode, "spec": draft.eagle_head if eagle else draft.pdm,
+            "eagle_k": draft.eagle_k if eagle else None, "n": n,
+            "stage_layers": list(ecfg.parallel.topology.stage_layers), "executor": executor,
             "max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
             "top_k": settings.top_k, "top_p": settings.top_p, "seed": settings.seed, "data_dir": str(data_dir), "wall_s": wall,
-            "suffix_run": ecfg.max_run, "suffix_drafts": ecfg.suffix_drafts}
+            "suffix_run": ecfg.max_run, "suffix_drafts": ecfg.drafting.suffix_drafts}
     if args.json:
         write_json(args.json, report.to_json(meta))
     if args.plot and args.plot.endswith(".svg"):

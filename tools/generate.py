@@ -76,9 +76,10 @@ def sampling_json(sampling: SamplingParams) -> dict:
 
 def result_json(i: int, ecfg, res, tok, sampling: SamplingParams) -> dict:
     """The --json record of one prompt: what was generated, by which model and head, and the stats."""
+    topo = ecfg.parallel.topology
     return {"prompt": i, "text": tok.text(res.tokens) if tok is not None else None, "token_ids": list(res.tokens),
-            "model": ecfg.model, "head": {"spd": ecfg.pdm, "eagle": ecfg.eagle_head}.get(ecfg.mode), "mode": ecfg.mode,
-            "n": ecfg.topology.n, "tp": ecfg.topology.tp, "colocate": ecfg.topology.colocate, "sampling": sampling_json(sampling),
+            "model": ecfg.model.source, "head": {"spd": ecfg.drafting.pdm, "eagle": ecfg.drafting.eagle_head}.get(ecfg.mode),
+            "mode": ecfg.mode, "n": topo.n, "tp": topo.tp, "colocate": topo.colocate, "sampling": sampling_json(sampling),
             **res.to_json()}
 
 
@@ -97,21 +98,21 @@ def run(args: argparse.Namespace) -> int:
     if ecfg.mode is not Mode.SPD and sampling.seed >= 1 << 63:
         raise ValueError(f"--sampling-seed must be below 2**63 with --mode {ecfg.mode}, got {sampling.seed}")
     tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
-    if tok is None and random_preset(ecfg.model) is None:  # never a silent byte encoding of real weights' prompts
+    if tok is None and random_preset(ecfg.model.source) is None:  # never a silent byte encoding of real weights' prompts
         raise ValueError(text_needs_tokenizer(args.model))
     if args.chat and tok is None:
         raise ValueError(f"--chat needs a model with a tokenizer and a chat template; {args.model} has no tokenizer")
-    prompts = encode_prompts(texts, tok, args.chat, ecfg.cfg.vocab_size)
+    prompts = encode_prompts(texts, tok, args.chat, ecfg.model.cfg.vocab_size)
     if any(not ids for ids in prompts):
         raise ValueError(f"prompt {next(i for i, ids in enumerate(prompts) if not ids) + 1} encodes to no tokens")
-    eos = tok.eos_ids if tok is not None else ecfg.cfg.eos_token_ids
+    eos = tok.eos_ids if tok is not None else ecfg.model.cfg.eos_token_ids
     if args.ignore_eos:
         eos = ()
     for ids in prompts:
-        if len(ids) + args.max_new_tokens > ecfg.capacity:
+        if len(ids) + args.max_new_tokens > ecfg.runtime.capacity:
             raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds "
-                             f"--capacity {ecfg.capacity}")
-    if (ecfg.pdm if ecfg.mode is Mode.SPD else ecfg.eagle_head if ecfg.mode is Mode.EAGLE else "") == "random":
+                             f"--capacity {ecfg.runtime.capacity}")
+    if (ecfg.drafting.pdm if ecfg.mode is Mode.SPD else ecfg.drafting.eagle_head if ecfg.mode is Mode.EAGLE else "") == "random":
         print(f"spd: no trained {ecfg.mode} head for this model and n; using an untrained one (lossless, but slow)",
               file=sys.stderr)
     if args.max_batch > 1 and ecfg.mode is not Mode.SPD:

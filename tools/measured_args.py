@@ -49,10 +49,10 @@ def record_layouts(model: str, cfg: ModelConfig, device: str, counts: list[int],
 def with_measured_layouts(ecfg: RunConfig) -> RunConfig:
     """`ecfg` with the layouts `spd bench` measured for its model on this CPU, for every thread count a
     rank may have here (what `--weight-layout auto` takes); unchanged for a given layout or off a CPU."""
-    if ecfg.weight_layout != "auto" or not ecfg.device.startswith("cpu"):
+    if ecfg.model.weight_layout != "auto" or not ecfg.parallel.device.startswith("cpu"):
         return ecfg
-    threads = tuple(range(1, max(os.cpu_count() or 1, ecfg.threads or 1) + 1))
-    return ecfg.replace(measured_layouts=layout_store().layouts_for(ecfg.model, ecfg.device, threads))
+    threads = tuple(range(1, max(os.cpu_count() or 1, ecfg.parallel.threads or 1) + 1))
+    return ecfg.replace(measured_layouts=layout_store().layouts_for(ecfg.model.source, ecfg.parallel.device, threads))
 
 
 def split_key(ecfg: RunConfig):
@@ -61,13 +61,13 @@ def split_key(ecfg: RunConfig):
     flags share a key, also where `--weight-layout auto` resolves to another measured layout in between)."""
     from spd_engine.engine.runtime.measured_split import SplitKey, device_name
 
-    topo = ecfg.topology
-    runs = "default" if ecfg.suffix_run is None else ecfg.suffix_run
-    flags = (f"pdm {ecfg.pdm_dtype}, head screen {'on' if ecfg.head_screen else 'off'}, "
-             f"layout {ecfg.weight_layout}, verify at {ecfg.verify_at}, "
-             f"suffix drafts {'on, runs ' + str(runs) if ecfg.suffix_drafts else 'off'}")
-    return SplitKey(Path(ecfg.model).name, topo.n, topo.tp, topo.colocate,
-                    device_name(ecfg.device, ecfg.threads_per_rank()), flags)
+    topo = ecfg.parallel.topology
+    runs = "default" if ecfg.drafting.suffix_run is None else ecfg.drafting.suffix_run
+    flags = (f"pdm {ecfg.drafting.pdm_dtype}, head screen {'on' if ecfg.model.head_screen else 'off'}, "
+             f"layout {ecfg.model.weight_layout}, verify at {ecfg.parallel.verify_at}, "
+             f"suffix drafts {'on, runs ' + str(runs) if ecfg.drafting.suffix_drafts else 'off'}")
+    return SplitKey(Path(ecfg.model.source).name, topo.n, topo.tp, topo.colocate,
+                    device_name(ecfg.parallel.device, ecfg.threads_per_rank()), flags)
 
 
 def balanced_split(ecfg: RunConfig, colocate: bool) -> tuple[RunConfig, str]:
@@ -77,15 +77,15 @@ def balanced_split(ecfg: RunConfig, colocate: bool) -> tuple[RunConfig, str]:
     from spd_engine.engine.protocol.topology import default_stage_layers
     from spd_engine.engine.runtime.measured_split import balanced_choice
 
-    topo = dataclasses.replace(ecfg.topology, colocate=colocate)
+    topo = dataclasses.replace(ecfg.parallel.topology, colocate=colocate)
     even = default_stage_layers(topo.num_layers, topo.n)
     ecfg = ecfg.replace(topology=dataclasses.replace(topo, stage_layers=tuple(even)))
 
     def head_serves(split: list[int]) -> str | None:
-        if ecfg.mode is not Mode.SPD or ecfg.pdm == "random":
+        if ecfg.mode is not Mode.SPD or ecfg.drafting.pdm == "random":
             return None
         try:
-            check_pdm_matches(read_pdm_config(ecfg.pdm)[0], ecfg.cfg, tuple(split))
+            check_pdm_matches(read_pdm_config(ecfg.drafting.pdm)[0], ecfg.model.cfg, tuple(split))
         except ValueError as err:
             return str(err)
         return None

@@ -327,16 +327,18 @@ def _runtime_config(args: argparse.Namespace) -> tuple[RunConfig, Path | None]:
     --stages stages with --spec (default: the shipped head for that n, else an untrained one),
     --threads per rank, --seed; receives inside a request wait at least a minute."""
     from spd_engine.engine.protocol.topology import Topology
-    from spd_engine.engine.runtime.run_config import RunConfig
+    from spd_engine.engine.runtime.run_config import Drafting, ModelSpec, ParallelLayout, RunConfig, Runtime
     from spd_engine.tools.model_args import default_head, model_config, resolve_model
 
     engine_spec, tok_dir = resolve_model(args.model)
     cfg = model_config(engine_spec)
     topo = Topology.build(cfg.num_layers, n=args.stages)
-    ecfg = RunConfig(model=engine_spec, cfg=cfg, topology=topo, pdm=args.spec or default_head(args.model, topo.n),
-                     threads=args.threads, seed=args.seed, timeout_s=max(args.timeout, 60.0),
-                     capacity=min(RunConfig.capacity, cfg.max_position),
-                     branches=1)  # the runtime the cost model's SPD row prices (W > 1: costmodel/cost_branches.py)
+    ecfg = RunConfig(model=ModelSpec(source=engine_spec, cfg=cfg),
+                     parallel=ParallelLayout(topology=topo, threads=args.threads),
+                     # branches=1: the runtime the cost model's SPD row prices (W > 1: costmodel/cost_branches.py)
+                     drafting=Drafting(pdm=args.spec or default_head(args.model, topo.n), branches=1),
+                     runtime=Runtime(seed=args.seed, timeout_s=max(args.timeout, 60.0),
+                                     capacity=min(Runtime.capacity, cfg.max_position)))
     return ecfg, tok_dir
 
 
@@ -357,13 +359,13 @@ def _validate_runtime(args: argparse.Namespace) -> int:
                          "--repeats >= 1")
     ecfg, tok_dir = _runtime_config(args)
     tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
-    prompts = encode_prompts(list(args.prompt or VALIDATION_PROMPTS), tok, True, ecfg.cfg.vocab_size)
+    prompts = encode_prompts(list(args.prompt or VALIDATION_PROMPTS), tok, True, ecfg.model.cfg.vocab_size)
     if args.nice:
         os.nice(args.nice)  # inherited by every rank this process starts
     from spd_engine.engine.model.tp_shard import check_tp
 
     if args.tp > 1:
-        check_tp(ecfg.cfg, args.tp)
+        check_tp(ecfg.model.cfg, args.tp)
     settings = ValidationSettings(max_new_tokens=args.max_new_tokens, rounds=args.repeats, synthetic_alpha=alpha,
                                   seed=args.seed, tolerance=args.tolerance, latency_stat=args.latency_stat,
                                   timeout_s=max(args.timeout, 60.0), tp=args.tp,

@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     if swept:
         print(f"spd serve: removed {swept} semaphore(s) in /dev/shm that killed processes left", file=sys.stderr)
     ecfg, tok_dir = engine_config(args)
-    args.max_batch = resolve_max_batch(args, ecfg.mode, ecfg.device)
+    args.max_batch = resolve_max_batch(args, ecfg.mode, ecfg.parallel.device)
     if args.max_rows is not None and args.max_batch < 2:
         raise ValueError(f"--max-rows {args.max_rows}: needs --max-batch B >= 2")
     if args.max_batch > 1 and ecfg.mode is not Mode.SPD:
@@ -164,20 +164,20 @@ def run(args: argparse.Namespace) -> int:
             raise AssertionError("only rank 0 enters the runtime")
     tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
     info = ModelInfo(name=args.served_model_name or args.model, tok=tok, tok_dir=tok_dir,
-                     vocab_size=ecfg.cfg.vocab_size, capacity=ecfg.capacity,
-                     eos_ids=tuple(tok.eos_ids if tok is not None else ecfg.cfg.eos_token_ids),
+                     vocab_size=ecfg.model.cfg.vocab_size, capacity=ecfg.runtime.capacity,
+                     eos_ids=tuple(tok.eos_ids if tok is not None else ecfg.model.cfg.eos_token_ids),
                      seed_limit=1 << 64 if ecfg.mode is Mode.SPD else 1 << 63)
     sock = bind(args.host, args.port)  # fail on a taken port before the ranks start
-    if ecfg.pdm == "random" and ecfg.mode is Mode.SPD:
+    if ecfg.drafting.pdm == "random" and ecfg.mode is Mode.SPD:
         print("spd: no trained head for this model and n; using an untrained one (lossless, but slow)",
               file=sys.stderr)
-    refusal = text_needs_tokenizer(args.model) if tok is None and random_preset(ecfg.model) is None else None
-    encoder = PromptEncoder(tok, tok_dir, ecfg.capacity, text_refusal=refusal)  # token-id prompts pass
+    refusal = text_needs_tokenizer(args.model) if tok is None and random_preset(ecfg.model.source) is None else None
+    encoder = PromptEncoder(tok, tok_dir, ecfg.runtime.capacity, text_refusal=refusal)  # token-id prompts pass
     engine = EngineLoop(lambda: launch(ecfg, on_ranks=engine.set_ranks), args.max_queue,
                         () if args.ignore_eos else info.eos_ids,
                         rank_processes=lambda: list(engine.ranks.values()), stall_s=args.stall_timeout,
                         max_batch=args.max_batch, max_rows=args.max_rows)
-    metrics = ServeMetrics(ecfg.topology.n, engine.waiting, engine.running, info.name, engine.stage_counts)
+    metrics = ServeMetrics(ecfg.parallel.topology.n, engine.waiting, engine.running, info.name, engine.stage_counts)
     engine.metrics = metrics
     try:
         encoder.start()

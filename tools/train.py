@@ -88,7 +88,7 @@ def _fill_weights(text: str | None) -> tuple[float, ...] | None:
 
 def run(args: argparse.Namespace) -> int:
     from spd_engine.engine.runtime.build import build_stage_model
-    from spd_engine.engine.runtime.run_config import RunConfig
+    from spd_engine.engine.runtime.run_config import ModelSpec, ParallelLayout, RunConfig, Runtime
     from spd_engine.train.corpus import Corpus
     from spd_engine.train.data_parallel import DataParallel
     from spd_engine.train.distill import TrainConfig, Trainer
@@ -113,8 +113,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"corpus was tokenized for a vocabulary of {corpus.vocab_size}, the model has {cfg.vocab_size}")
     dp = DataParallel.from_env(args.device)
     device = dp.device(args.device)
-    ecfg = RunConfig(model=engine_dir, cfg=cfg, topology=topo, device=device, dtype=args.target_dtype,
-                        capacity=min(2048, cfg.max_position), seed=args.seed)
+    ecfg = RunConfig(model=ModelSpec(source=engine_dir, cfg=cfg, dtype=args.target_dtype),
+                     parallel=ParallelLayout(topology=topo, device=device),
+                     runtime=Runtime(capacity=min(2048, cfg.max_position), seed=args.seed))
     target = build_stage_model(ecfg, range(cfg.num_layers), embedding=True, head=True)  # random:<preset> too
     for p in target.parameters():
         p.requires_grad_(False)

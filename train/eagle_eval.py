@@ -25,7 +25,7 @@ NEAR_TIE = 1e-3  # logit gap under which two computations of fp32 logits may pic
 
 class EagleRunner:
     def __init__(self, ecfg: RunConfig, settings: EvalSettings, cache: ReferenceCache | None = None) -> None:
-        self.driver, self.settings, self.cache, self.chunk = build_eagle_driver(ecfg), settings, cache, ecfg.prefill_chunk
+        self.driver, self.settings, self.cache, self.chunk = build_eagle_driver(ecfg), settings, cache, ecfg.runtime.prefill_chunk
         self.target = self.driver.target  # the whole target: the greedy reference decodes on it
 
     def run(self, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], request: int = 0) -> Outcome:

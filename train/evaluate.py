@@ -123,9 +123,9 @@ def full_target(ecfg: RunConfig):
     """The whole target (embedding, every layer, head) with the weights the stages get; with
     --tp T the same TP split and the driver's head (engine/model/tp_model.py SerialTP), the greedy
     oracle of an SPD x TP run."""
-    L = ecfg.cfg.num_layers
-    if ecfg.topology.tp > 1:
-        return SerialTP.build(lambda g: build_tp_stage_model(ecfg, range(L), True, True, g), ecfg.topology.tp,
+    L = ecfg.model.cfg.num_layers
+    if ecfg.parallel.topology.tp > 1:
+        return SerialTP.build(lambda g: build_tp_stage_model(ecfg, range(L), True, True, g), ecfg.parallel.topology.tp,
                               build_driver_head(ecfg))
     return build_stage_model(ecfg, range(L), embedding=True, head=True)
 
@@ -142,7 +142,7 @@ def runtime_acceptance(driver, prompt: Sequence[int], max_new_tokens: int, eos_i
 
 class FastRunner:
     def __init__(self, ecfg: RunConfig, cache: ReferenceCache | None = None) -> None:
-        self.target, self.pdm, self.chunk, self.cache = full_target(ecfg), build_pdm(ecfg), ecfg.prefill_chunk, cache
+        self.target, self.pdm, self.chunk, self.cache = full_target(ecfg), build_pdm(ecfg), ecfg.runtime.prefill_chunk, cache
         self.chooser = ecfg.chooser()  # the run's draft sources, as the driver would use them
         self.cross = self.chooser.new_history()  # earlier requests' tokens, as a driver keeps them
         self.branching = ecfg.branch_policy()
@@ -188,7 +188,7 @@ class RuntimeRunner:
     """A launched runtime (reference or dist); at T=0 plus the full target for the lossless check."""
 
     def __init__(self, driver, ecfg: RunConfig, settings: EvalSettings = EvalSettings()) -> None:
-        self.driver, self.chunk, self.settings = driver, ecfg.prefill_chunk, settings
+        self.driver, self.chunk, self.settings = driver, ecfg.runtime.prefill_chunk, settings
         self.target = full_target(ecfg) if settings.temperature == 0 else None
 
     def run(self, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int], request: int = 0
@@ -211,7 +211,7 @@ def open_runner(ecfg: RunConfig, settings: EvalSettings, reference_cache: str | 
         return
     if ecfg.mode is not Mode.SPD:
         raise ValueError(f"evaluation measures SPD or eagle acceptance: mode must be spd or eagle, got {ecfg.mode!r}")
-    if settings.executor == "fast" and ecfg.topology.tp > 1:
+    if settings.executor == "fast" and ecfg.parallel.topology.tp > 1:
         raise ValueError("the fast executor replays the unsharded model: with --tp use --executor reference or dist")
     if reference_cache is not None and settings.executor != "fast":
         raise ValueError("--reference-cache applies to the fast executor only (the runtimes decode for real)")

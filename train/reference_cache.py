@@ -18,9 +18,9 @@ from spd_engine.engine.runtime.run_config import RunConfig, random_preset
 
 def weights_identity(ecfg: RunConfig) -> str:
     """What names the target's weights: a random preset + seed, or the checkpoint index bytes."""
-    if random_preset(ecfg.model) is not None:
-        return f"{ecfg.model}|seed={ecfg.seed}|{ecfg.cfg.fingerprint()}"
-    index = Path(ecfg.model) / "index.json"
+    if random_preset(ecfg.model.source) is not None:
+        return f"{ecfg.model.source}|seed={ecfg.runtime.seed}|{ecfg.model.cfg.fingerprint()}"
+    index = Path(ecfg.model.source) / "index.json"
     return hashlib.sha256(index.read_bytes()).hexdigest()
 
 
@@ -30,7 +30,7 @@ class ReferenceCache:
         if self.dir.exists() and not self.dir.is_dir():
             raise ValueError(f"--reference-cache {self.dir} exists and is not a directory")
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.model = f"{weights_identity(ecfg)}|{ecfg.dtype}|{ecfg.device}"
+        self.model = f"{weights_identity(ecfg)}|{ecfg.model.dtype}|{ecfg.parallel.device}"
         if ecfg.resolved_weight_layout != "row":  # another BLAS kernel rounds otherwise (engine/model/linear.py)
             self.model += f"|layout={ecfg.resolved_weight_layout}"
         self.hits = 0

@@ -16,15 +16,16 @@ from spd_engine.bench.device_check.check_plan import CheckPlan, Deadline, Lossle
 
 def case_config(case: LosslessCase, plan: CheckPlan, mode: str, colocate: bool = False, **kw):
     from spd_engine.engine.protocol.topology import Topology
-    from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
+    from spd_engine.engine.runtime.run_config import PRESETS, ModelSpec, ParallelLayout, RunConfig, Runtime
 
     cfg = PRESETS[case.shape]
     if case.layers is not None:
         cfg = dataclasses.replace(cfg, num_layers=case.layers)
     topo = Topology.build(cfg.num_layers, case.n, colocate=colocate)
-    return RunConfig(model=f"random:{case.shape}", cfg=cfg, topology=topo, mode=mode, device=plan.device,
-                     dtype=case.dtype, capacity=plan.capacity, step_mode=case.step_mode, timeout_s=120.0,
-                     seed=0, **kw)
+    base = RunConfig(model=ModelSpec(source=f"random:{case.shape}", cfg=cfg, dtype=case.dtype),
+                     parallel=ParallelLayout(topology=topo, device=plan.device), mode=mode,
+                     runtime=Runtime(capacity=plan.capacity, step_mode=case.step_mode, timeout_s=120.0, seed=0))
+    return base.replace(**kw)  # kw: settings by their own names (RunConfig.replace routes them to their groups)
 
 
 def prompts_for(plan: CheckPlan, vocab: int) -> list[list[int]]:
@@ -63,7 +64,7 @@ def lossless_case(case: LosslessCase, plan: CheckPlan) -> dict:
     out = {"case": dataclasses.asdict(case), "status": "error", "oracle": "pp baseline, same split/steps/dtype",
            "prompts": plan.prompts, "new_tokens": plan.new_tokens}
     ecfg = case_config(case, plan, "spd")
-    prompts = prompts_for(plan, ecfg.cfg.vocab_size)
+    prompts = prompts_for(plan, ecfg.model.cfg.vocab_size)
     with graph_modes() as modes:
         with ReferenceExecutor(case_config(case, plan, "pp")) as ex:
             refs = [ex.generate(p, plan.new_tokens).tokens for p in prompts]
@@ -72,7 +73,7 @@ def lossless_case(case: LosslessCase, plan: CheckPlan) -> dict:
             for p, ref in zip(prompts, refs):
                 r = ex.generate(p, plan.new_tokens)
                 own.append(r.tokens)
-                f = ex.generate(p, plan.new_tokens, draft_policy=ForcedDrafts(ref, len(p), ecfg.cfg.vocab_size))
+                f = ex.generate(p, plan.new_tokens, draft_policy=ForcedDrafts(ref, len(p), ecfg.model.cfg.vocab_size))
                 forced.append(f.tokens)
                 ticks += f.ticks
                 accepted += f.accepted
@@ -98,7 +99,7 @@ def sampling_checks(plan: CheckPlan) -> dict:
 
     case = plan.sampling_case
     ecfg = case_config(case, plan, "spd")
-    prompts = prompts_for(plan, ecfg.cfg.vocab_size)
+    prompts = prompts_for(plan, ecfg.model.cfg.vocab_size)
     sp = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
     out: dict = {"case": dataclasses.asdict(case)}
     with ReferenceExecutor(ecfg) as ex:
@@ -111,7 +112,7 @@ def sampling_checks(plan: CheckPlan) -> dict:
     with ReferenceExecutor(case_config(case, plan, "spd", branches=2)) as ex:
         got, saves = [], 0
         for p, ref in zip(prompts, refs):
-            r = ex.generate(p, plan.new_tokens, draft_policy=ForcedDrafts(ref, len(p), ecfg.cfg.vocab_size))
+            r = ex.generate(p, plan.new_tokens, draft_policy=ForcedDrafts(ref, len(p), ecfg.model.cfg.vocab_size))
             got.append(r.tokens)
             saves += r.branch_points
     diffs = [_first_diff(g, r) for g, r in zip(got, refs)]
@@ -141,8 +142,8 @@ def _logit_gap(ecfg, prompt: list[int], ref: list[int], k: int, other: int | Non
 
     if other is None:
         return None
-    model = build_stage_model(ecfg, range(ecfg.cfg.num_layers), embedding=True, head=True)
-    ids = torch.tensor([list(prompt) + list(ref[:k])], device=ecfg.device)
+    model = build_stage_model(ecfg, range(ecfg.model.cfg.num_layers), embedding=True, head=True)
+    ids = torch.tensor([list(prompt) + list(ref[:k])], device=ecfg.parallel.device)
     h, _ = model.forward_layers(model.embed(ids), model.new_cache(1, ids.shape[1]), 0)
     logits = model.logits(h[:, -1])[0].float()
     return abs(float(logits[ref[k]] - logits[other]))

@@ -40,20 +40,20 @@ def device_random_weights() -> Iterator[None]:
     saved = (build_mod.build_stage_model, roles_mod.build_stage_model, roles_mod.build_pdm)
 
     def stage(ecfg, layers: range, embedding: bool, head: bool):
-        if random_preset(ecfg.model) is None:
+        if random_preset(ecfg.model.source) is None:
             return saved[0](ecfg, layers, embedding, head)
-        model = StageModel(ecfg.cfg, layers, embedding=embedding, head=head, device=ecfg.device,
-                           dtype=ecfg.torch_dtype)
-        return _fill_random_(model, ecfg.seed, ecfg.cfg.tie_embeddings).eval()
+        model = StageModel(ecfg.model.cfg, layers, embedding=embedding, head=head, device=ecfg.parallel.device,
+                           dtype=ecfg.model.torch_dtype)
+        return _fill_random_(model, ecfg.runtime.seed, ecfg.model.cfg.tie_embeddings).eval()
 
     def pdm(ecfg):
-        if ecfg.pdm != "random":
+        if ecfg.drafting.pdm != "random":
             return saved[2](ecfg)
-        layers = tuple(ecfg.topology.stage_layers)
-        plan = AnchorPlan.build(stage_bounds(list(layers)), ecfg.anchors)
-        pcfg = PDMConfig(layers, plan.anchors, ecfg.pdm_layers, None, ecfg.cfg.fingerprint())
-        head = PDM(ecfg.cfg, pcfg, device=ecfg.device, dtype=ecfg.torch_dtype)
-        return _fill_random_(head, ecfg.seed + 1, False).eval()
+        layers = tuple(ecfg.parallel.topology.stage_layers)
+        plan = AnchorPlan.build(stage_bounds(list(layers)), ecfg.drafting.anchors)
+        pcfg = PDMConfig(layers, plan.anchors, ecfg.drafting.pdm_layers, None, ecfg.model.cfg.fingerprint())
+        head = PDM(ecfg.model.cfg, pcfg, device=ecfg.parallel.device, dtype=ecfg.model.torch_dtype)
+        return _fill_random_(head, ecfg.runtime.seed + 1, False).eval()
 
     build_mod.build_stage_model = roles_mod.build_stage_model = stage
     roles_mod.build_pdm = pdm

@@ -37,7 +37,7 @@ def syncs_per_tick(plan: CheckPlan) -> dict:
 
     case = dataclasses.replace(plan.sampling_case, step_mode="graph")
     ecfg = case_config(case, plan, "spd", colocate=True)
-    prompt = prompts_for(plan, ecfg.cfg.vocab_size)[0]
+    prompt = prompts_for(plan, ecfg.model.cfg.vocab_size)[0]
     counts = {}
     with device_random_weights(), ReferenceExecutor(ecfg) as ex:
         ex.generate(prompt, 8)  # warm-up: graphs, allocator
@@ -109,13 +109,13 @@ def colocated_tick(shape: str, n: int, plan: CheckPlan, raw: dict) -> dict:
     ecfg = ecfg.replace(capacity=max(plan.capacity, plan.context + plan.tick_tokens + 64))
     # a prompt that puts the decode near the context the steps were timed at (attention length)
     gen = torch.Generator().manual_seed(99)
-    prompt = torch.randint(3, ecfg.cfg.vocab_size, (max(4, plan.context - plan.tick_tokens - 16),),
+    prompt = torch.randint(3, ecfg.model.cfg.vocab_size, (max(4, plan.context - plan.tick_tokens - 16),),
                            generator=gen).tolist()
     with device_random_weights(), ReferenceExecutor(ecfg) as ex:
         ref = ex.generate(prompt, plan.tick_tokens).tokens  # warm-up; SPD's output is greedy's
         # every draft right: the pipeline stays full, so every tick runs every stage (a rejection's
         # refill ticks would run fewer and flatter the overhead)
-        res = ex.generate(prompt, plan.tick_tokens, draft_policy=ForcedDrafts(ref, len(prompt), ecfg.cfg.vocab_size, 0))
+        res = ex.generate(prompt, plan.tick_tokens, draft_policy=ForcedDrafts(ref, len(prompt), ecfg.model.cfg.vocab_size, 0))
 
     def pick(d: dict) -> float:  # the graphed time where the step was captured, else the eager one
         return d["graphed"] if mode == "graph" and d["graphed"] is not None else d["eager"]

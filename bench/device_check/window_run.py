@@ -93,10 +93,11 @@ def _corpus(plan: WindowPlan, work: Path, vocab_size: int):
 def _build_target(plan: WindowPlan, spec: str, cfg):
     from spd_engine.engine.protocol.topology import Topology
     from spd_engine.engine.runtime.build import build_stage_model
-    from spd_engine.engine.runtime.run_config import RunConfig
+    from spd_engine.engine.runtime.run_config import ModelSpec, ParallelLayout, RunConfig, Runtime
 
-    ecfg = RunConfig(model=spec, cfg=cfg, topology=Topology.build(cfg.num_layers, n=1), device=plan.device,
-                     dtype=plan.dtype, capacity=min(2048, cfg.max_position), seed=0)
+    ecfg = RunConfig(model=ModelSpec(source=spec, cfg=cfg, dtype=plan.dtype),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, n=1), device=plan.device),
+                     runtime=Runtime(capacity=min(2048, cfg.max_position), seed=0))
     target = build_stage_model(ecfg, range(cfg.num_layers), embedding=True, head=True)
     for p in target.parameters():
         p.requires_grad_(False)

@@ -38,7 +38,7 @@ class TPGroup(abc.ABC):
     members: tuple[int, ...]
     calls: int = 0  # collectives made so far (a stage worker reads the decode ones' share)
     collective_s: float = 0.0  # seconds inside them: the transfer and the wait for slower peers
-    # an emulated link latency (RunConfig.link_delay_us): a gather over T ranks ends (T - 1) link
+    # an emulated link latency (RunConfig.parallel.link_delay_us): a gather over T ranks ends (T - 1) link
     # latencies after the last rank's part arrived, as a ring's T - 1 steps would on that link
     link_delay_ns: int = 0
 

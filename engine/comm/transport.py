@@ -417,7 +417,7 @@ def hold_until(due_ns: int) -> None:
 
 
 class DelayedTransport(Transport):
-    """An emulated link latency (RunConfig.link_delay_us): every message to another rank reaches
+    """An emulated link latency (RunConfig.parallel.link_delay_us): every message to another rank reaches
     its receiver `delay_us` later than the underlying link delivers it. The sender stamps its wall
     clock into a leading 8-byte payload and goes on at once (a rank sending to two peers pays the
     delay once, as on a real link). A receiver that waits for a message holds it `delay_us` past

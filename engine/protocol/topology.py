@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# where SPD computes T=0 verification's argmax (RunConfig.verify_at, docs/design.md 3.5)
+# where SPD computes T=0 verification's argmax (RunConfig.parallel.verify_at, docs/design.md 3.5)
 VERIFY_AT = ("auto", "last", "driver")
 
 

@@ -79,7 +79,7 @@ class PipelineDriver:
             pos += 1
         res.decode_s = time.perf_counter() - t1
         res.stages = self._finish()
-        if any(st["trace"] for st in res.stages):  # stages traced (RunConfig.trace): no driver events here
+        if any(st["trace"] for st in res.stages):  # stages traced (RunConfig.runtime.trace): no driver events here
             res.trace = {"driver": [], "stages": [st.pop("trace") for st in res.stages]}
         return res
 

@@ -21,22 +21,24 @@ from spd_engine.engine.runtime.run_config import RunConfig, random_preset
 def build_stage_model(ecfg: RunConfig, layers: range, embedding: bool, head: bool) -> StageModel:
     model = _load_stage_model(ecfg, layers, embedding, head)
     set_weight_layout(model, ecfg)
-    if head and ecfg.head_screen:
+    if head and ecfg.model.head_screen:
         model.use_head_screen()  # stays off where unsupported (kernels/screened_argmax.py)
     return model
 
 
 def _load_stage_model(ecfg: RunConfig, layers: range, embedding: bool, head: bool) -> StageModel:
-    if random_preset(ecfg.model) is not None:
-        model = StageModel(ecfg.cfg, layers, embedding=embedding, head=head, dtype=torch.float32)
-        init_random_(model, seed=ecfg.seed)
-        return model.to(device=ecfg.device, dtype=ecfg.torch_dtype).eval()
-    if read_index(ecfg.model).tp > 1:  # a TP checkpoint: each tensor's pieces merged (engine/model/tp_shard.py)
-        state = load_tp_stage_state(ecfg.model, layers, embedding, head, 1, 0, cfg=ecfg.cfg, dtype=ecfg.torch_dtype)
-        model = StageModel(ecfg.cfg, layers, embedding=embedding, head=head, device="meta")
+    if random_preset(ecfg.model.source) is not None:
+        model = StageModel(ecfg.model.cfg, layers, embedding=embedding, head=head, dtype=torch.float32)
+        init_random_(model, seed=ecfg.runtime.seed)
+        return model.to(device=ecfg.parallel.device, dtype=ecfg.model.torch_dtype).eval()
+    if read_index(ecfg.model.source).tp > 1:  # a TP checkpoint: each tensor's pieces merged (engine/model/tp_shard.py)
+        state = load_tp_stage_state(ecfg.model.source, layers, embedding, head, 1, 0, cfg=ecfg.model.cfg,
+                                    dtype=ecfg.model.torch_dtype)
+        model = StageModel(ecfg.model.cfg, layers, embedding=embedding, head=head, device="meta")
         model.load_state_dict(state, assign=True)
-        return model.to(ecfg.device).eval()
-    model = load_stage_model(ecfg.model, layers, embedding, head, device=ecfg.device, dtype=ecfg.torch_dtype)
+        return model.to(ecfg.parallel.device).eval()
+    model = load_stage_model(ecfg.model.source, layers, embedding, head, device=ecfg.parallel.device,
+                             dtype=ecfg.model.torch_dtype)
     return model.eval()
 
 
@@ -45,15 +47,15 @@ def build_tp_stage_model(ecfg: RunConfig, layers: range, embedding: bool, head: 
     """One TP rank's shard of a stage, holding only its piece of every tensor: a random preset's
     weights are made tensor by tensor (the full model's, by name) and cut; a checkpoint of any TP
     split is read tensor by tensor and re-sharded where the splits differ."""
-    cfg, tp, r = ecfg.cfg, group.size, group.rank
-    if random_preset(ecfg.model) is not None:
-        state = {name: shard_tensor(name, random_tensor(name, shape, cfg, ecfg.seed), cfg, tp)[r]
+    cfg, tp, r = ecfg.model.cfg, group.size, group.rank
+    if random_preset(ecfg.model.source) is not None:
+        state = {name: shard_tensor(name, random_tensor(name, shape, cfg, ecfg.runtime.seed), cfg, tp)[r]
                  for name, shape in expected_shapes(cfg, layers, embedding, head).items()}
     else:
-        state = load_tp_stage_state(ecfg.model, layers, embedding, head, tp, r, cfg=cfg)
+        state = load_tp_stage_state(ecfg.model.source, layers, embedding, head, tp, r, cfg=cfg)
     model = TPStageModel(cfg, layers, group, embedding=embedding, head=head, device="meta")
-    model.load_state_dict({k: v.to(ecfg.torch_dtype) for k, v in state.items()}, assign=True)
-    model = model.to(device=ecfg.device).eval()
+    model.load_state_dict({k: v.to(ecfg.model.torch_dtype) for k, v in state.items()}, assign=True)
+    model = model.to(device=ecfg.parallel.device).eval()
     set_weight_layout(model, ecfg)
     return model
 
@@ -73,15 +75,16 @@ def build_driver_head(ecfg: RunConfig) -> StageModel:
 
 
 def build_pdm(ecfg: RunConfig) -> PDM:
-    stage_layers = tuple(ecfg.topology.stage_layers)
-    if ecfg.pdm == "random":
-        pdm = random_pdm(ecfg.cfg, stage_layers, ecfg.pdm_layers, seed=ecfg.seed + 1, anchors=ecfg.anchors)
+    stage_layers = tuple(ecfg.parallel.topology.stage_layers)
+    if ecfg.drafting.pdm == "random":
+        pdm = random_pdm(ecfg.model.cfg, stage_layers, ecfg.drafting.pdm_layers, seed=ecfg.runtime.seed + 1,
+                         anchors=ecfg.drafting.anchors)
     else:
-        pdm = load_pdm(ecfg.pdm, ecfg.cfg, stage_layers)
-    pdm = pdm.to(device=ecfg.device, dtype=ecfg.torch_dtype)
+        pdm = load_pdm(ecfg.drafting.pdm, ecfg.model.cfg, stage_layers)
+    pdm = pdm.to(device=ecfg.parallel.device, dtype=ecfg.model.torch_dtype)
     if ecfg.pdm_int8:
         pdm.use_int8_matmuls()
-    elif ecfg.pdm_torch_dtype != ecfg.torch_dtype:
+    elif ecfg.pdm_torch_dtype != ecfg.model.torch_dtype:
         pdm.set_compute_dtype(ecfg.pdm_torch_dtype)
     # the PDM's anchor projections are read as weights (kernels/anchor_gather.py): never packed
     layout = ecfg.resolved_weight_layout

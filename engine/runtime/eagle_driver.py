@@ -205,9 +205,9 @@ class EagleDriver:
 def build_eagle_driver(ecfg: RunConfig, head: EagleHead | None = None) -> EagleDriver:
     """The eagle runtime of a RunConfig: the whole target and its head (trained, or untrained:
     `eagle_head="random"`, seeded by the run's seed) on this rank."""
-    target = build_stage_model(ecfg, range(ecfg.cfg.num_layers), embedding=True, head=True)
+    target = build_stage_model(ecfg, range(ecfg.model.cfg.num_layers), embedding=True, head=True)
     if head is None:
-        head = random_eagle(ecfg.cfg, seed=ecfg.seed + 1) if ecfg.eagle_head == "random" else \
-            load_eagle(ecfg.eagle_head, ecfg.cfg)
-    head = head.to(device=ecfg.device, dtype=ecfg.torch_dtype).eval()
-    return EagleDriver(target, head, ecfg.eagle_k, ecfg.capacity, ecfg.prefill_chunk)
+        head = random_eagle(ecfg.model.cfg, seed=ecfg.runtime.seed + 1) if ecfg.drafting.eagle_head == "random" else \
+            load_eagle(ecfg.drafting.eagle_head, ecfg.model.cfg)
+    head = head.to(device=ecfg.parallel.device, dtype=ecfg.model.torch_dtype).eval()
+    return EagleDriver(target, head, ecfg.drafting.eagle_k, ecfg.runtime.capacity, ecfg.runtime.prefill_chunk)

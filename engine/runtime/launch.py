@@ -71,28 +71,29 @@ def _bind_to_parent() -> None:
 def _transport(ecfg: RunConfig, rank: int, world: int, one_host: bool, nodes: list[int] | None) -> Transport:
     """The run's P2P transport (collective): `auto` takes shared memory for CPU ranks that this
     process launched on its own host, else the process group's backend."""
-    choice = ecfg.transport
+    choice = ecfg.parallel.transport
     if choice == "auto":  # one_host, backend and device are the same on every rank
         choice = "gloo"
-        if world > 1 and one_host and ecfg.backend == "gloo" and ecfg.device.startswith("cpu"):
+        if world > 1 and one_host and ecfg.parallel.backend == "gloo" and ecfg.parallel.device.startswith("cpu"):
             # every rank must pick the same: each checks /dev/shm's free space, so they agree on it
             ok = torch.tensor([int(shm_usable(world) is None)])
             torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
             choice = "shm" if int(ok) else "gloo"
-    transport = ShmTransport(rank, world) if choice == "shm" else DistTransport(rank, world, ecfg.device)
-    return with_link_delay(transport, ecfg.link_delay_us, nodes)
+    transport = ShmTransport(rank, world) if choice == "shm" else DistTransport(rank, world, ecfg.parallel.device)
+    return with_link_delay(transport, ecfg.parallel.link_delay_us, nodes)
 
 
 def _join(ecfg: RunConfig, rank: int, world: int, init_method: str) -> tuple[RunConfig, Transport, TPGroup]:
     """(this rank's config: plain `cuda` made this rank's GPU, its transport, its stage's TP group)."""
-    device = str(rank_device(ecfg.device, rank, world))  # before the threads: sets the current GPU
-    ecfg = ecfg if device == ecfg.device else ecfg.replace(device=device)
+    device = str(rank_device(ecfg.parallel.device, rank, world))  # before the threads: sets the current GPU
+    ecfg = ecfg if device == ecfg.parallel.device else ecfg.replace(device=device)
     torch.set_num_threads(ecfg.threads_per_rank())
     # requests bound their own waits (Transport timeouts); a stage idles between them
-    join_group(rank, world, ecfg.backend, ecfg.device, init_method, max(60.0, ecfg.timeout_s), idle_waits=True)
-    nodes = rank_nodes(rank, world) if ecfg.link_delay_us else None  # collective, as the two below
+    join_group(rank, world, ecfg.parallel.backend, ecfg.parallel.device, init_method, max(60.0, ecfg.runtime.timeout_s),
+               idle_waits=True)
+    nodes = rank_nodes(rank, world) if ecfg.parallel.link_delay_us else None  # collective, as the two below
     transport = _transport(ecfg, rank, world, not under_torchrun(), nodes)
-    return ecfg, transport, dist_tp_groups(rank_topology(ecfg), rank, ecfg.timeout_s, ecfg.link_delay_us, nodes)
+    return ecfg, transport, dist_tp_groups(rank_topology(ecfg), rank, ecfg.runtime.timeout_s, ecfg.parallel.link_delay_us, nodes)
 
 
 def _serve(ecfg: RunConfig, rank: int, transport: Transport, group: TPGroup) -> None:
@@ -117,15 +118,15 @@ def _stage_rank(rank: int, world: int, ecfg: RunConfig, init_method: str) -> Non
 
 def check_head(ecfg: RunConfig) -> None:
     """A PDM or EAGLE head made for another model (or another stage split) is a user error: say so up front."""
-    if ecfg.mode is Mode.SPD and ecfg.pdm != "random":
+    if ecfg.mode is Mode.SPD and ecfg.drafting.pdm != "random":
         from spd_engine.engine.model.pdm import check_pdm_matches, read_pdm_config
 
-        pcfg, _ = read_pdm_config(ecfg.pdm)
-        check_pdm_matches(pcfg, ecfg.cfg, tuple(ecfg.topology.stage_layers))
-    if ecfg.mode is Mode.EAGLE and ecfg.eagle_head != "random":
+        pcfg, _ = read_pdm_config(ecfg.drafting.pdm)
+        check_pdm_matches(pcfg, ecfg.model.cfg, tuple(ecfg.parallel.topology.stage_layers))
+    if ecfg.mode is Mode.EAGLE and ecfg.drafting.eagle_head != "random":
         from spd_engine.engine.model.eagle_head import check_eagle_matches, read_eagle_config
 
-        check_eagle_matches(read_eagle_config(ecfg.eagle_head)[0], ecfg.cfg)
+        check_eagle_matches(read_eagle_config(ecfg.drafting.eagle_head)[0], ecfg.model.cfg)
 
 
 def kill_ranks(procs: list) -> None:
@@ -161,7 +162,7 @@ def launch(ecfg: RunConfig, on_ranks: Callable[[dict[int, multiprocessing.Proces
         me = torchrun_rank()
         if me.world_size != world:
             raise ValueError(f"torchrun started {me.world_size} processes; mode {ecfg.mode} with "
-                             f"n={ecfg.topology.n} needs world size {world}")
+                             f"n={ecfg.parallel.topology.n} needs world size {world}")
         try:
             ecfg, transport, group = _join(ecfg, me.rank, world, "env://")
         except JoinError as err:  # every rank of every node says why in one line and leaves
@@ -176,7 +177,7 @@ def launch(ecfg: RunConfig, on_ranks: Callable[[dict[int, multiprocessing.Proces
         yield from _drive(ecfg, transport, group, None)
         return
     check_head(ecfg)  # fail fast, before any rank is spawned
-    check_gpus(ecfg.device, world)  # enough GPUs for every rank
+    check_gpus(ecfg.parallel.device, world)  # enough GPUs for every rank
     init_method = local_init_method()
     with LocalRanks(_stage_rank, range(1, world), (world, ecfg, init_method)) as ranks:
         if on_ranks is not None:
@@ -218,7 +219,7 @@ def _drive(ecfg: RunConfig, transport: Transport, group: TPGroup, ranks: LocalRa
         # at once with an error naming us, instead of waiting for its timeout.
         leave_group()
         if ranks is not None:
-            _join_ranks(ranks, ecfg.timeout_s if ok else 5.0)
+            _join_ranks(ranks, ecfg.runtime.timeout_s if ok else 5.0)
     if ok and ranks is not None and ranks.failed():
         raise RunFailed(ranks.failure_report())
 

@@ -27,7 +27,7 @@ class ReferenceExecutor:
         self.threads: list[threading.Thread] = []
         self.driver = None
         topo = rank_topology(ecfg)
-        tp_hubs = [LocalTPHub(topo.stage_ranks(s), ecfg.timeout_s) for s in range(topo.n)]  # one per stage
+        tp_hubs = [LocalTPHub(topo.stage_ranks(s), ecfg.runtime.timeout_s) for s in range(topo.n)]  # one per stage
         # building a TP shard needs no collective, so the ranks are built one after another here
         for rank in range(world):
             transport = self.hub.transport(rank)

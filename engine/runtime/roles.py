@@ -22,8 +22,8 @@ from spd_engine.engine.runtime.stage_worker import StageWorker, wire_format
 def rank_topology(ecfg: RunConfig) -> Topology:
     """SPD uses the configured placement; pp, tp and ar always run stage 0 (TP rank 0) on rank 0."""
     if ecfg.mode is Mode.SPD:
-        return ecfg.topology
-    return dataclasses.replace(ecfg.topology, colocate=True)
+        return ecfg.parallel.topology
+    return dataclasses.replace(ecfg.parallel.topology, colocate=True)
 
 
 def build_rank(ecfg: RunConfig, rank: int, transport: Transport, pdm=None, tp_group: TPGroup | None = None
@@ -36,8 +36,8 @@ def build_rank(ecfg: RunConfig, rank: int, transport: Transport, pdm=None, tp_gr
     topo = rank_topology(ecfg)
     spd = ecfg.mode is Mode.SPD
     plan = ecfg.plan() if spd else None
-    wire = wire_format(topo, plan, ecfg.cfg.hidden_size, ecfg.verifies_on_last)
-    transport.set_frames(link_frames(topo, wire, ecfg.torch_dtype.itemsize, ecfg.branches))
+    wire = wire_format(topo, plan, ecfg.model.cfg.hidden_size, ecfg.verifies_on_last)
+    transport.set_frames(link_frames(topo, wire, ecfg.model.torch_dtype.itemsize, ecfg.drafting.branches))
     place = topo.place_of_rank(rank)
     worker, driver_transport = None, transport
     if place is not None:

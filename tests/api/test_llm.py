@@ -22,7 +22,7 @@ def llm():
 
 
 def test_generate_equals_greedy_decoding(llm):
-    prompts = random_prompts(llm.config.cfg, [3, 9], seed=5)
+    prompts = random_prompts(llm.config.model.cfg, [3, 9], seed=5)
     outs = llm.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
     assert [type(o) for o in outs] == [RequestOutput, RequestOutput]
     for prompt, out in zip(prompts, outs):
@@ -34,7 +34,7 @@ def test_generate_equals_greedy_decoding(llm):
 
 
 def test_prompt_forms_and_per_prompt_parameters(llm):
-    ids = random_prompts(llm.config.cfg, [4], seed=6)[0]
+    ids = random_prompts(llm.config.model.cfg, [4], seed=6)[0]
     one = llm.generate(ids, SamplingParams(max_tokens=5))
     assert len(one) == 1 and one[0].outputs[0].token_ids == reference(llm.config, ids, 5)
     outs = llm.generate([{"prompt_token_ids": ids}, {"prompt": "hi"}, "hi"],
@@ -45,7 +45,7 @@ def test_prompt_forms_and_per_prompt_parameters(llm):
 
 
 def test_a_stop_string_ends_the_reply_before_it(llm):
-    ids = random_prompts(llm.config.cfg, [6], seed=7)[0]
+    ids = random_prompts(llm.config.model.cfg, [6], seed=7)[0]
     ref = reference(llm.config, ids, NEW)
     text_of = lambda toks: "".join(f"{t} " for t in toks)  # noqa: E731 - ids as text, without a tokenizer
     # a token at k >= 3 whose text first occurs in the reply right there
@@ -98,7 +98,7 @@ def test_options_map_to_the_command_line_flags():
 
 
 def test_stream_yields_the_reply_as_it_commits_and_an_early_exit_ends_it(llm):
-    ids = random_prompts(llm.config.cfg, [5], seed=9)[0]
+    ids = random_prompts(llm.config.model.cfg, [5], seed=9)[0]
     ref = reference(llm.config, ids, NEW)
     pieces = list(llm.stream(ids, SamplingParams(max_tokens=NEW)))
     assert pieces == [f"{t} " for t in ref]  # one piece per committed token, in order

@@ -104,10 +104,11 @@ def test_device_random_weights_give_stages_the_full_models_weights_and_restore_t
     import spd_engine.engine.runtime.build as build_mod
     import spd_engine.engine.runtime.roles as roles_mod
     from spd_engine.engine.protocol.topology import Topology
-    from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
+    from spd_engine.engine.runtime.run_config import PRESETS, ModelSpec, ParallelLayout, RunConfig, Runtime
 
     cfg = PRESETS["tiny-llama"]
-    ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, 2), capacity=64)
+    ecfg = RunConfig(model=ModelSpec(source="random:tiny-llama", cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, 2)), runtime=Runtime(capacity=64))
     saved = (build_mod.build_stage_model, roles_mod.build_stage_model, roles_mod.build_pdm)
     with check_patches.device_random_weights():
         full = build_mod.build_stage_model(ecfg, range(cfg.num_layers), embedding=True, head=True)

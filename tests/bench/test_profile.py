@@ -19,7 +19,7 @@ from spd_engine.bench.profiling import (
 )
 from spd_engine.costmodel.cost_model import AlphaCurve, LinkModel, Links, Profile, plan
 from spd_engine.engine.protocol.topology import Topology
-from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
+from spd_engine.engine.runtime.run_config import PRESETS, ModelSpec, ParallelLayout, RunConfig, Runtime
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +52,8 @@ def _bench_report(c0: list[float], c1: list[float], colocate_world: int = 2, ver
 
 def _ecfg(n: int = 2) -> RunConfig:
     cfg = PRESETS["tiny-llama"]
-    return RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, n=n), capacity=128)
+    return RunConfig(model=ModelSpec(source="random:tiny-llama", cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, n=n)), runtime=Runtime(capacity=128))
 
 
 def test_driver_medians_from_trace():
@@ -86,8 +87,8 @@ def test_profile_from_bench_report():
     assert sep["stage_ms"] == {"2": [pytest.approx(3.0), pytest.approx(16 / 3)]}  # means over steps
     assert sep["pdm_ms"] == {"2": pytest.approx(3.0)} and sep["verify_ms"] == pytest.approx(4.0)
     assert sep["driver_fixed_ms"] == pytest.approx(0.5)
-    assert sep["layer_ms"] == pytest.approx((30.0 - 4.0) / ecfg.cfg.num_layers)
-    assert sep["dtype_bytes"] == 4 and sep["hidden_size"] == ecfg.cfg.hidden_size
+    assert sep["layer_ms"] == pytest.approx((30.0 - 4.0) / ecfg.model.cfg.num_layers)
+    assert sep["dtype_bytes"] == 4 and sep["hidden_size"] == ecfg.model.cfg.hidden_size
     assert sep["source"]["spd_row"] == "spd" and sep["source"]["alpha_measured"] == 0.8
     col = profile_from_bench(report, ecfg, 2)
     # co-located: the driver's send ran stage 0 inline; the part beyond stage 0's compute is driver work
@@ -121,7 +122,7 @@ def test_profile_from_bench_with_verification_on_the_last_stage():
     assert prof["verify_ms"] == pytest.approx(1.5)
     assert prof["stage_ms"] == {"2": [pytest.approx(3.0), pytest.approx(16 / 3 - 1.5)]}
     assert prof["driver_fixed_ms"] == pytest.approx(0.5 + 0.01)  # the compare is host work
-    assert prof["layer_ms"] == pytest.approx((30.0 - 1.5) / ecfg.cfg.num_layers)
+    assert prof["layer_ms"] == pytest.approx((30.0 - 1.5) / ecfg.model.cfg.num_layers)
     model = Profile.from_dict(json.loads(json.dumps(prof)))
     assert sum(model.layer_ms) + model.verify_ms == pytest.approx(30.0)  # the model's AR = measured AR
     link = LinkModel.assume("fast", 1.0, 100.0, None)
@@ -199,10 +200,10 @@ def test_bench_profile_out_needs_an_spd_run():
         cases(args, ecfg)
     traced = cases(argparse.Namespace(configs="ar,pp,spd,spd-colocate", timeline=None, chrome_trace=None,
                                       profile_out="x.json", assistant=None), ecfg)
-    assert [c.ecfg.trace for c in traced] == [False, True, True, True]  # pp too: its stage times
+    assert [c.ecfg.runtime.trace for c in traced] == [False, True, True, True]  # pp too: its stage times
     plain = cases(argparse.Namespace(configs="ar,pp,spd,spd-colocate", timeline=None, chrome_trace=None,
                                      profile_out=None, assistant=None), ecfg)
-    assert [c.ecfg.trace for c in plain] == [False, False, False, True]  # spd-colocate: its residual per tick
+    assert [c.ecfg.runtime.trace for c in plain] == [False, False, False, True]  # spd-colocate: its residual per tick
 
 
 # ---------------------------------------------------------------- spd profile on CPU

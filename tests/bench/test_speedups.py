@@ -144,7 +144,7 @@ def test_bench_puts_the_budget_on_the_eagle_row():
     tokens = {d.name: training_tokens(d)[0] for d in REPO_HEADS.glob("smollm2-135m-n*")}
     best = max(tokens, key=tokens.__getitem__)
     rows = [{"name": "ar", "mode": "ar"}, {"name": "spd-colocate", "mode": "spd"}, {"name": "eagle", "mode": "eagle"}]
-    ecfg = SimpleNamespace(pdm=str(n2), eagle_head=str(eagle))
+    ecfg = SimpleNamespace(drafting=SimpleNamespace(pdm=str(n2), eagle_head=str(eagle)))
     line = eagle_budget(rows, ecfg, "smollm2-135m")
     budget = rows[2]["head_budget"]
     assert budget["reference"] == f"{best} PDM head" and budget["reference_tokens"] == tokens[best]

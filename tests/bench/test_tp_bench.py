@@ -9,7 +9,7 @@ import pytest
 
 from spd_engine.bench.tp_shard_time import shard_layer_ms
 from spd_engine.engine.protocol.topology import Topology
-from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
+from spd_engine.engine.runtime.run_config import PRESETS, ModelSpec, ParallelLayout, RunConfig, Runtime
 from spd_engine.tools.experiments.tp_agreement import main as agreement_main
 from spd_engine.tools.experiments.tp_crossing import CrossingConfig, measure_crossing
 
@@ -26,8 +26,9 @@ def test_tp_agreement_reports_every_set(capsys):
 @pytest.mark.multiproc
 def test_tp_shard_time_and_crossing_measure_something():
     cfg = PRESETS["tiny-llama"]
-    ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, 1), threads=1,
-                     capacity=128)
+    ecfg = RunConfig(model=ModelSpec(source="random:tiny-llama", cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, 1), threads=1),
+                     runtime=Runtime(capacity=128))
     assert 0 < shard_layer_ms(ecfg, 2, steps=4, warmup=1) < 1e3
     assert 0 < shard_layer_ms(ecfg, 2, steps=4, warmup=1, lockstep=True) < 1e3  # real all-reduces, left out
     got = measure_crossing(dataclasses.replace(CrossingConfig(tp=2, hidden=64), iters=5, warmup=1))

@@ -25,7 +25,7 @@ from spd_engine.costmodel.cost_model_spd import eal_for_request, verifies_on_las
 from spd_engine.engine.protocol.messages import HEADER_LEN
 from spd_engine.engine.protocol.schedule import expected_eal
 from spd_engine.engine.protocol.topology import Topology
-from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
+from spd_engine.engine.runtime.run_config import PRESETS, ModelSpec, ParallelLayout, RunConfig, Runtime
 
 HAND = {"schema": "spd-profile/1", "name": "hand", "num_layers": 4, "layer_ms": 1.0, "pdm_ms": {"2": 0.5},
         "verify_ms": 0.2, "driver_fixed_ms": 0.1, "hidden_size": 64, "dtype_bytes": 4,
@@ -125,8 +125,9 @@ def test_compare_takes_medians_over_rounds():
 
 def _tiny_validation(configs: tuple[str, ...], link: str = "p2p") -> dict:
     cfg = PRESETS["tiny-llama"]
-    ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, n=2),
-                        threads=1, capacity=128, timeout_s=60.0)
+    ecfg = RunConfig(model=ModelSpec(source="random:tiny-llama", cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, n=2), threads=1),
+                     runtime=Runtime(capacity=128, timeout_s=60.0))
     settings = ValidationSettings(max_new_tokens=12, rounds=1, synthetic_alpha=0.75, net_iters=20, configs=configs,
                                   link=link)
     return validate(ecfg, [[5, 9, 14, 3, 22]], settings)
@@ -144,7 +145,8 @@ def tiny_validation(request):
 
 def test_validation_configs_are_checked():
     cfg = PRESETS["tiny-llama"]
-    ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, n=2), capacity=128)
+    ecfg = RunConfig(model=ModelSpec(source="random:tiny-llama", cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, n=2)), runtime=Runtime(capacity=128))
     with pytest.raises(ValueError, match="include an SPD run"):
         validate(ecfg, [[5]], ValidationSettings(configs=("ar", "pp")))
     with pytest.raises(ValueError, match="p2p, gloo or shm"):
@@ -153,14 +155,15 @@ def test_validation_configs_are_checked():
     for link, transport in (("p2p", "gloo"), ("gloo", "gloo"), ("shm", "shm")):
         s = ValidationSettings(link=link)
         assert s.transport == transport
-        assert {c.ecfg.transport for c in bench_cases(ecfg, CONFIGS, 1, s.transport)} == {transport}
+        assert {c.ecfg.parallel.transport for c in bench_cases(ecfg, CONFIGS, 1, s.transport)} == {transport}
 
 
 def test_spd_runs_verify_where_the_model_prices_them(monkeypatch, capsys):
-    """ValidationSettings.verify_at is the SPD runs' RunConfig.verify_at and the model's verify_on_last;
+    """ValidationSettings.verify_at is the SPD runs' RunConfig.parallel.verify_at and the model's verify_on_last;
     `spd plan --validate-runtime --verify-at` sets it."""
     cfg = PRESETS["tiny-llama"]
-    ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, n=2), capacity=128)
+    ecfg = RunConfig(model=ModelSpec(source="random:tiny-llama", cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, n=2)), runtime=Runtime(capacity=128))
     for verify_at, sep, coloc in (("last", True, True), ("driver", False, False), ("auto", False, True)):
         s = ValidationSettings(verify_at=verify_at)
         cases = {c.name: c.ecfg for c in bench_cases(ecfg, CONFIGS, 1, s.transport, s.verify_at)}
@@ -168,7 +171,7 @@ def test_spd_runs_verify_where_the_model_prices_them(monkeypatch, capsys):
         assert not cases["pp"].verifies_on_last and not cases["ar"].verifies_on_last  # their head is on the last stage
         # the model prices each layout as the runtime runs it
         assert (verifies_on_last(verify_at, False), verifies_on_last(verify_at, True)) == (sep, coloc)
-    assert ValidationSettings().verify_at == RunConfig.verify_at == "auto"  # the runtime's default
+    assert ValidationSettings().verify_at == ParallelLayout.verify_at == "auto"  # the runtime's default
     with pytest.raises(ValueError, match="verify_at"):
         ValidationSettings(verify_at="stage0")
     import spd_engine.bench.validate_runtime as vr
@@ -304,8 +307,8 @@ def test_runtime_config_of_the_cli():
     args = argparse.Namespace(model="random:tiny-llama", stages=3, spec=None, threads=1, seed=5, timeout=30.0)
     ecfg, tok_dir = _runtime_config(args)
     cfg = PRESETS["tiny-llama"]
-    assert tok_dir is None and ecfg.model == "random:tiny-llama" and ecfg.cfg == cfg
-    assert ecfg.topology == Topology.build(cfg.num_layers, n=3) and ecfg.mode == "spd"
-    assert ecfg.pdm == "random"  # no shipped head for a random model: an untrained one
-    assert (ecfg.threads, ecfg.seed, ecfg.timeout_s) == (1, 5, 60.0)  # receives wait at least a minute
-    assert ecfg.capacity == min(2048, cfg.max_position) == 512  # the preset's positions bound the KV cache
+    assert tok_dir is None and ecfg.model.source == "random:tiny-llama" and ecfg.model.cfg == cfg
+    assert ecfg.parallel.topology == Topology.build(cfg.num_layers, n=3) and ecfg.mode == "spd"
+    assert ecfg.drafting.pdm == "random"  # no shipped head for a random model: an untrained one
+    assert (ecfg.parallel.threads, ecfg.runtime.seed, ecfg.runtime.timeout_s) == (1, 5, 60.0)  # receives wait at least a minute
+    assert ecfg.runtime.capacity == min(2048, cfg.max_position) == 512  # the preset's positions bound the KV cache

@@ -242,7 +242,7 @@ def test_spd_on_a_megatron_lm_default_checkpoint_gives_megatron_cores_greedy_tok
     megatron-core's own greedy loop generated."""
     from spd_engine.engine.protocol.topology import Topology
     from spd_engine.engine.runtime.launch import launch
-    from spd_engine.engine.runtime.run_config import RunConfig
+    from spd_engine.engine.runtime.run_config import ModelSpec, ParallelLayout, RunConfig, Runtime
 
     assert main(["convert", "import-megatron", str(built / name), str(tmp_path / "e"), "--stages", "2"]) == 0
     cfg = shard.read_engine(tmp_path / "e")[0]
@@ -250,8 +250,9 @@ def test_spd_on_a_megatron_lm_default_checkpoint_gives_megatron_cores_greedy_tok
         assert (cfg.norm, cfg.norm_1p, cfg.qk_norm, cfg.rotary_dim, cfg.activation) == (
             "layernorm", True, True, 8, "gelu_tanh")
     want = torch.load(built / f"{name}.pt")["greedy"]  # [B, 8]
-    ecfg = RunConfig(model=str(tmp_path / "e"), cfg=cfg, topology=Topology.build(cfg.num_layers, 2), mode="spd",
-                     capacity=64, timeout_s=60.0, threads=1)
+    ecfg = RunConfig(model=ModelSpec(source=str(tmp_path / "e"), cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, 2), threads=1), mode="spd",
+                     runtime=Runtime(capacity=64, timeout_s=60.0))
     with launch(ecfg) as runtime:
         got = [runtime.generate(TOKENS[b].tolist(), want.shape[1]).tokens for b in range(TOKENS.shape[0])]
     assert got == want.tolist()

@@ -529,6 +529,6 @@ def test_verify_at_flag_is_refused_where_it_prices_nothing(tmp_path, capsys):
     action = next(a for a in parser._actions if a.dest == "verify_at")
     # the runtime's choices and default (the cost model keeps its own copy: it needs no torch)
     from spd_engine.costmodel.cost_model_spd import VERIFY_AT as MODEL_VERIFY_AT
-    from spd_engine.engine.runtime.run_config import RunConfig
+    from spd_engine.engine.runtime.run_config import ParallelLayout
 
-    assert tuple(action.choices) == MODEL_VERIFY_AT == VERIFY_AT and action.default == RunConfig.verify_at
+    assert tuple(action.choices) == MODEL_VERIFY_AT == VERIFY_AT and action.default == ParallelLayout.verify_at

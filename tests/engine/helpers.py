@@ -28,7 +28,7 @@ from spd_engine.engine.protocol.metrics import GenerationResult
 from spd_engine.engine.protocol.schedule import decode_ticks
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.build import build_stage_model
-from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
+from spd_engine.engine.runtime.run_config import PRESETS, Drafting, ModelSpec, ParallelLayout, RunConfig, Runtime
 
 ARCHS = ("llama", "qwen2", "qwen3")
 CHUNK = 16  # small prefill chunk: prompts longer than 16 tokens take several chunks
@@ -80,9 +80,10 @@ def tiny_engine_config(arch: str = "llama", n: int = 2, colocate: bool = False, 
     # the PDM in fp32 on every host (auto picks int8 or bf16 matmuls by what the CPU has): drafts, and so the
     # tick counts tests assert, stay the same on any x86-64 CPU
     # one token per entry unless a test asks: suffix runs (docs/design.md 3.13) have tests of their own
-    base = dict(capacity=CAPACITY, prefill_chunk=CHUNK, timeout_s=20.0, branches=1, pdm_dtype="float32", suffix_run=1)
-    base.update(kw)
-    return RunConfig(model=f"random:tiny-{arch}", cfg=cfg, topology=topo, mode=mode, **base)
+    base = RunConfig(model=ModelSpec(source=f"random:tiny-{arch}", cfg=cfg), parallel=ParallelLayout(topology=topo),
+                     mode=mode, drafting=Drafting(branches=1, pdm_dtype="float32", suffix_run=1),
+                     runtime=Runtime(capacity=CAPACITY, prefill_chunk=CHUNK, timeout_s=20.0))
+    return base.replace(**kw) if kw else base  # a test's settings, by their own names (RunConfig.replace)
 
 
 _FULL: dict[tuple, torch.nn.Module] = {}
@@ -90,9 +91,9 @@ _FULL: dict[tuple, torch.nn.Module] = {}
 
 def full_model(ecfg: RunConfig):
     """The whole target (embedding, every layer, head) with the weights the stages get."""
-    key = (ecfg.model, ecfg.cfg.fingerprint(), ecfg.seed, ecfg.resolved_weight_layout)
+    key = (ecfg.model.source, ecfg.model.cfg.fingerprint(), ecfg.runtime.seed, ecfg.resolved_weight_layout)
     if key not in _FULL:
-        _FULL[key] = build_stage_model(ecfg, range(ecfg.cfg.num_layers), embedding=True, head=True)
+        _FULL[key] = build_stage_model(ecfg, range(ecfg.model.cfg.num_layers), embedding=True, head=True)
     return _FULL[key]
 
 
@@ -100,9 +101,9 @@ def reference(ecfg: RunConfig, prompt: Sequence[int], max_new: int, eos: Sequenc
     """greedy_generate on the full model, same prefill chunk and the ranks' intra-op thread count
     (a BLAS call's bits depend on it, docs/testing.md): the output SPD must reproduce."""
     before = torch.get_num_threads()
-    torch.set_num_threads(ecfg.threads or before)  # threads None: ranks are threads of this process
+    torch.set_num_threads(ecfg.parallel.threads or before)  # threads None: ranks are threads of this process
     try:
-        return greedy_generate(full_model(ecfg), prompt, max_new, eos_ids=eos, chunk=ecfg.prefill_chunk)
+        return greedy_generate(full_model(ecfg), prompt, max_new, eos_ids=eos, chunk=ecfg.runtime.prefill_chunk)
     finally:
         torch.set_num_threads(before)
 

@@ -83,9 +83,9 @@ def requests(ecfg) -> list[BatchRequest]:
     of different lengths, with forced rejections; the first and third draft with the (untrained)
     PDM, so their drafts show what its rows were, the others with the oracle, so their chains
     live long."""
-    prompts = random_prompts(ecfg.cfg, (5, 2 * CHUNK + 3, 9, CHUNK + 1), seed=3)
+    prompts = random_prompts(ecfg.model.cfg, (5, 2 * CHUNK + 3, 9, CHUNK + 1), seed=3)
     lengths, wrongs = (NEW, NEW - 7, NEW, 9), ({2, 9, 15}, {4}, {1, 3, 11, 17}, {5})
-    V = ecfg.cfg.vocab_size
+    V = ecfg.model.cfg.vocab_size
     return [BatchRequest(p, new, arrival_tick=1 + 3 * i, draft_policy=Policy(
                 reference(ecfg, p, new), len(p), V, wrong=frozenset(wrong), oracle=i % 2 == 1))
             for i, (p, new, wrong) in enumerate(zip(prompts, lengths, wrongs))]

@@ -20,7 +20,7 @@ NEW = 20
 
 def requests(ecfg, critical: int | None = None, seeded: bool = False) -> list[BatchRequest]:
     """Four requests arriving at ticks 1, 2, 4, 6, the one at index `critical` latency-critical."""
-    prompts = random_prompts(ecfg.cfg, (5, CHUNK + 3, 9, 4), seed=21)
+    prompts = random_prompts(ecfg.model.cfg, (5, CHUNK + 3, 9, 4), seed=21)
     out = []
     for i, p in enumerate(prompts):
         sp = SamplingParams(temperature=1.0, top_k=4, seed=30 + i) if seeded and i % 2 else SamplingParams()

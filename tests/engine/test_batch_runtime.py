@@ -28,13 +28,13 @@ def requests(ecfg, policies: bool = True) -> list[BatchRequest]:
     """Four requests: prompts of one to three prefill chunks, arriving at different ticks, of
     different lengths (so they leave at different ticks); with `policies`, the second accepts
     every draft and the third rejects three, the others draft with the untrained PDM."""
-    prompts = random_prompts(ecfg.cfg, (5, 2 * CHUNK + 3, 9, CHUNK + 1), seed=3)
+    prompts = random_prompts(ecfg.model.cfg, (5, 2 * CHUNK + 3, 9, CHUNK + 1), seed=3)
     lengths = (NEW, NEW - 7, NEW, 9)
     out = []
     for i, (p, new) in enumerate(zip(prompts, lengths)):
         policy = None
         if policies and i in (1, 2):
-            policy = Policy(reference(ecfg, p, new), len(p), ecfg.cfg.vocab_size,
+            policy = Policy(reference(ecfg, p, new), len(p), ecfg.model.cfg.vocab_size,
                             wrong=frozenset({2, 3, 11}) if i == 2 else frozenset())
         out.append(BatchRequest(p, new, arrival_tick=1 + 4 * i, draft_policy=policy))
     return out
@@ -74,7 +74,7 @@ def test_batching_shortens_the_run_and_fills_stage_steps(one_thread):
 def seeded_requests(ecfg) -> list[BatchRequest]:
     """Three seeded requests (temperatures, top-k and seeds of their own, one past int64) arriving
     at different ticks."""
-    prompts = random_prompts(ecfg.cfg, (6, CHUNK + 4, 3), seed=8)
+    prompts = random_prompts(ecfg.model.cfg, (6, CHUNK + 4, 3), seed=8)
     return [BatchRequest(p, NEW, sampling=SamplingParams(temperature=t, top_k=k, seed=s), arrival_tick=1 + 2 * i)
             for i, (p, t, k, s) in enumerate(zip(prompts, (1.0, 0.7, 1.3), (0, 20, 0), (5, 6, 2**63 + 9)))]
 
@@ -113,7 +113,7 @@ def test_bad_batch_runs_are_refused_before_any_work(one_thread):
         with pytest.raises(ValueError, match="max_batch must be >= 1"):
             ex.generate_batch([ok], 0)
         with pytest.raises(ValueError, match="exceeds the KV cache capacity"):
-            ex.generate_batch([ok, BatchRequest([1] * 10, ecfg.capacity)], 2)
+            ex.generate_batch([ok, BatchRequest([1] * 10, ecfg.runtime.capacity)], 2)
         with pytest.raises(ValueError, match="arrival_tick must be >= 1"):
             ex.generate_batch([BatchRequest([1], 2, arrival_tick=0)], 2)
         assert ex.generate_batch([ok], 2).results[0].tokens == reference(ecfg, ok.prompt, 4)

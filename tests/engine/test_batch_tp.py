@@ -31,12 +31,12 @@ def requests(ecfg, oracle: bool = True) -> list[BatchRequest]:
     different lengths; the second accepts every draft and the third rejects three (their policies
     over the TP oracle's output; `oracle` False: the PDM's own drafts but the forced rejections),
     the others draft with the untrained PDM."""
-    prompts = random_prompts(ecfg.cfg, (5, 2 * CHUNK + 3, 9, CHUNK + 1), seed=3)
+    prompts = random_prompts(ecfg.model.cfg, (5, 2 * CHUNK + 3, 9, CHUNK + 1), seed=3)
     out = []
     for i, (p, new) in enumerate(zip(prompts, (NEW, NEW - 7, NEW, 9))):
         policy = None
         if i in (1, 2):
-            policy = Policy(tp_reference(ecfg, p, new), len(p), ecfg.cfg.vocab_size, oracle=oracle,
+            policy = Policy(tp_reference(ecfg, p, new), len(p), ecfg.model.cfg.vocab_size, oracle=oracle,
                             wrong=frozenset({2, 3, 11}) if i == 2 else frozenset())
         out.append(BatchRequest(p, new, arrival_tick=1 + 4 * i, draft_policy=policy))
     return out
@@ -101,7 +101,7 @@ def test_tp_batch_step_collectives_do_not_grow_with_its_rows(one_thread):
     assert ecfg.verifies_on_last
     with ReferenceExecutor(ecfg) as ex:
         out = ex.generate_batch(requests(ecfg), 4)
-    topo = ecfg.topology
+    topo = ecfg.parallel.topology
     for s, stats in enumerate(out.stages):
         per = 2 * len(topo.layers_of(s)) + (s == 0) + (s == topo.n - 1)
         assert stats["tp_collectives"] == per * stats["messages"] and stats["rows"] > stats["messages"], (s, stats)

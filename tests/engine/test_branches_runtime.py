@@ -10,8 +10,6 @@ equality or a divergence at a near-tie (none met on the hosts these ran on), and
 need the reference's tokens (tick counts) apply where the outputs are equal."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 from helpers import Policy, full_model, random_prompts, reference, tiny_cfg, tiny_engine_config
 from near_ties import assert_greedy_agrees, teacher_forced
@@ -29,7 +27,7 @@ CHAIN_LOGIT_BOUND = 1e-5  # W-row vs one-token steps on the tiny configs (logits
 def agrees(ecfg, prompt: list[int], got: list[int], want: list[int]) -> bool:
     """The run's tokens equal greedy decoding's, or first differ at a near-tie; True when equal."""
     k = assert_greedy_agrees(got, want, teacher_forced(full_model(ecfg), prompt, want), CHAIN_LOGIT_BOUND,
-                             f"W={ecfg.branches}")
+                             f"W={ecfg.drafting.branches}")
     if k is not None:
         print(f"near-tie at token {k}: outputs part there (allowed)")
     return k is None
@@ -104,8 +102,8 @@ def branch_config(n: int, colocate: bool, split, width: int, when: str, **kw):
         kw["cfg"] = tiny_cfg("llama", num_layers=n)
     ecfg = tiny_engine_config("llama", n, colocate, branches=width, branch_when=when, **kw)
     if split is not None:
-        topo = Topology.build(ecfg.cfg.num_layers, stage_layers=split, colocate=colocate)
-        ecfg = dataclasses.replace(ecfg, topology=topo)
+        topo = Topology.build(ecfg.model.cfg.num_layers, stage_layers=split, colocate=colocate)
+        ecfg = ecfg.replace(topology=topo)
     return ecfg
 
 
@@ -114,8 +112,8 @@ def branch_config(n: int, colocate: bool, split, width: int, when: str, **kw):
 def test_forced_candidates_are_lossless_and_save_ticks(n, colocate, split, width, one_thread):
     when = "refill" if width == 2 else "always"
     ecfg = branch_config(n, colocate, split, width, when)
-    V = ecfg.cfg.vocab_size
-    prompts = random_prompts(ecfg.cfg, (5, 23, 8), seed=3)
+    V = ecfg.model.cfg.vocab_size
+    prompts = random_prompts(ecfg.model.cfg, (5, 23, 8), seed=3)
     points = saves = 0
     with ReferenceExecutor(ecfg) as ex:
         for p in prompts:
@@ -133,7 +131,7 @@ def test_forced_candidates_are_lossless_and_save_ticks(n, colocate, split, width
 @pytest.mark.parametrize("n,colocate,split", TOPOLOGIES[1:], ids=IDS[1:])
 def test_untrained_pdm_and_suffix_drafts_are_lossless(n, colocate, split, width, when, one_thread):
     ecfg = branch_config(n, colocate, split, width, when, suffix_min_match=1)
-    prompts = random_prompts(ecfg.cfg, (1, 9, 40), seed=4)
+    prompts = random_prompts(ecfg.model.cfg, (1, 9, 40), seed=4)
     with ReferenceExecutor(ecfg) as ex:
         for p in prompts:  # one runtime, many requests: each starts after whatever the last left
             res = ex.generate(p, NEW)
@@ -145,9 +143,9 @@ def test_untrained_pdm_and_suffix_drafts_are_lossless(n, colocate, split, width,
 def test_static_steps_with_branches_are_lossless(n, one_thread):
     """--step-mode static: one-token steps on the static path, chain steps eager."""
     ecfg = branch_config(n, False, None, 2, "always", step_mode="static")
-    V = ecfg.cfg.vocab_size
+    V = ecfg.model.cfg.vocab_size
     eager = branch_config(n, False, None, 2, "always")
-    prompts = random_prompts(ecfg.cfg, (7, 19), seed=5)
+    prompts = random_prompts(ecfg.model.cfg, (7, 19), seed=5)
     with ReferenceExecutor(ecfg) as ex, ReferenceExecutor(eager) as ex_eager:
         for p in prompts:
             ref = reference(ecfg, p, NEW)
@@ -161,7 +159,7 @@ def test_static_steps_with_branches_are_lossless(n, one_thread):
 
 def test_sampling_with_branches_is_fixed_by_the_seed(one_thread):
     ecfg = branch_config(3, False, None, 2, "always", suffix_min_match=1)
-    prompt = random_prompts(ecfg.cfg, (11,), seed=6)[0]
+    prompt = random_prompts(ecfg.model.cfg, (11,), seed=6)[0]
     outs = {}
     with ReferenceExecutor(ecfg) as ex:
         for seed in (1, 2, 1):
@@ -180,12 +178,12 @@ def test_forced_candidates_on_tensor_parallel_stages(n, width, one_thread):
     from spd_engine.engine.model.greedy import greedy_generate
 
     ecfg = tp_engine_config("spd", n, 2).replace(branches=width, branch_when="always")
-    V = ecfg.cfg.vocab_size
+    V = ecfg.model.cfg.vocab_size
     oracle = serial_tp(ecfg)
     saves = 0
     with ReferenceExecutor(ecfg) as ex:
-        for p in random_prompts(ecfg.cfg, (5, 19), seed=8):
-            ref = greedy_generate(oracle, p, NEW, chunk=ecfg.prefill_chunk)
+        for p in random_prompts(ecfg.model.cfg, (5, 19), seed=8):
+            ref = greedy_generate(oracle, p, NEW, chunk=ecfg.runtime.prefill_chunk)
             forced_candidates(ex.driver, ref, len(p), width, V)
             res = ex.generate(p, NEW, (), draft_policy=Policy(ref, len(p), V, wrong=WRONG))
             k = assert_greedy_agrees(res.tokens, ref, teacher_forced(full_model(ecfg), p, ref), 1e-4, "TP W")
@@ -211,7 +209,7 @@ def test_one_pdm_pass_over_the_chains_equals_one_pass_per_chain(one_thread):
     import torch
 
     ecfg = branch_config(3, False, None, 2, "always", suffix_min_match=1)
-    prompt = random_prompts(ecfg.cfg, (13,), seed=7)[0]
+    prompt = random_prompts(ecfg.model.cfg, (13,), seed=7)[0]
     checked = []
     with ReferenceExecutor(ecfg) as ex:
         d = ex.driver

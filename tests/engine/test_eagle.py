@@ -58,7 +58,7 @@ def agrees(ecfg, prompt, got, want, what: str) -> None:
 def test_untrained_head_is_lossless(arch, k, one_thread):
     ecfg = eagle_config(arch, k)
     with ReferenceExecutor(ecfg) as ex:
-        for prompt in random_prompts(ecfg.cfg, [1, 7, 40], seed=k):  # 40: three prefill chunks
+        for prompt in random_prompts(ecfg.model.cfg, [1, 7, 40], seed=k):  # 40: three prefill chunks
             want = reference(ecfg, prompt, 48)
             res = ex.generate(prompt, 48)
             agrees(ecfg, prompt, res.tokens, want, f"{arch} k={k} prompt of {len(prompt)}")
@@ -75,11 +75,11 @@ def test_counters_and_rollback_with_forced_rejections(k, one_thread):
     cases = [frozenset(), frozenset({1}), frozenset({2, 3, 9, 10, 11, 20}), frozenset(range(1, N, 3)),
              frozenset({N - 1}), frozenset(range(1, N))]
     with ReferenceExecutor(ecfg) as ex:
-        for prompt in random_prompts(ecfg.cfg, [5, 23], seed=1):
+        for prompt in random_prompts(ecfg.model.cfg, [5, 23], seed=1):
             want = reference(ecfg, prompt, N)
             assert len(want) == N
             for wrong in cases:
-                policy = Policy(want, len(prompt), ecfg.cfg.vocab_size, wrong)
+                policy = Policy(want, len(prompt), ecfg.model.cfg.vocab_size, wrong)
                 res = ex.generate(prompt, N, draft_policy=policy)
                 assert res.tokens == want, wrong  # the oracle drafts decide every token but the rejected
                 passes, verified, accepted = expected_counts(N, k, wrong)
@@ -89,15 +89,15 @@ def test_counters_and_rollback_with_forced_rejections(k, one_thread):
 
 def test_eos_inside_a_chain_and_on_token_stop(one_thread):
     ecfg = eagle_config("llama", 4)
-    prompt = random_prompts(ecfg.cfg, [9], seed=3)[0]
+    prompt = random_prompts(ecfg.model.cfg, [9], seed=3)[0]
     want = reference(ecfg, prompt, 30)
     eos = want[6]  # an oracle chain covers tokens 5..8: the EOS is committed mid-chain
     cut = want[:want.index(eos) + 1]
     with ReferenceExecutor(ecfg) as ex:
-        res = ex.generate(prompt, 30, (eos,), draft_policy=Policy(want, len(prompt), ecfg.cfg.vocab_size))
+        res = ex.generate(prompt, 30, (eos,), draft_policy=Policy(want, len(prompt), ecfg.model.cfg.vocab_size))
         assert res.tokens == cut
         seen = []
-        res = ex.generate(prompt, 30, draft_policy=Policy(want, len(prompt), ecfg.cfg.vocab_size),
+        res = ex.generate(prompt, 30, draft_policy=Policy(want, len(prompt), ecfg.model.cfg.vocab_size),
                           on_token=lambda t: seen.append(t) if len(seen) < 11 else False)
         assert res.tokens == want[:12] == seen + [want[11]]
         assert ex.generate(prompt, 1).tokens == want[:1] and ex.generate(prompt, 2).tokens == want[:2]
@@ -107,7 +107,7 @@ def test_an_accept_everything_verifier_is_caught(one_thread):
     """The oracle comparison above can fail: a verifier that accepts every draft of the untrained
     head commits its drafts, and the output parts from greedy decoding at a clear margin."""
     ecfg = eagle_config("llama", 3)
-    prompt = random_prompts(ecfg.cfg, [7], seed=0)[0]
+    prompt = random_prompts(ecfg.model.cfg, [7], seed=0)[0]
     want = reference(ecfg, prompt, 24)
     with ReferenceExecutor(ecfg) as ex:
         ex.driver._verify = lambda logits, pos, proposed, target: (True, proposed)

@@ -54,7 +54,7 @@ def conditionals() -> dict[tuple[int, ...], torch.Tensor]:
     for length in range(NEW):
         for prefix in np.ndindex(*(V,) * length):
             ids = list(PROMPT) + list(prefix)
-            h = prefill(model, model.new_cache(1, len(ids)), ids, ecfg.prefill_chunk)
+            h = prefill(model, model.new_cache(1, len(ids)), ids, ecfg.runtime.prefill_chunk)
             out[tuple(int(t) for t in prefix)] = target_probs(model.logits(h), PARAMS)
     return out
 

@@ -20,11 +20,13 @@ SMOLLM2_BOUND = 2e-4
 
 def eagle_config(smollm2, k: int, head: str = "random"):
     from spd_engine.engine.protocol.topology import Topology
-    from spd_engine.engine.runtime.run_config import RunConfig
+    from spd_engine.engine.runtime.run_config import Drafting, ModelSpec, ParallelLayout, RunConfig, Runtime
 
     engine_dir, cfg, _, _ = smollm2
-    return RunConfig(model=str(engine_dir), cfg=cfg, topology=Topology.build(cfg.num_layers, 1), mode="eagle",
-                     eagle_k=k, eagle_head=head, capacity=160, prefill_chunk=CHUNK, timeout_s=120.0, threads=1)
+    return RunConfig(model=ModelSpec(source=str(engine_dir), cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, 1), threads=1), mode="eagle",
+                     drafting=Drafting(eagle_k=k, eagle_head=head),
+                     runtime=Runtime(capacity=160, prefill_chunk=CHUNK, timeout_s=120.0))
 
 
 def check(runtime, smollm2, refs, text: str, max_new: int, **policy_kw):

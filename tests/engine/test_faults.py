@@ -18,7 +18,7 @@ from spd_engine.engine.model.pdm import random_pdm, save_pdm
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.launch import FAULT_ENV, spd_command
 from spd_engine.engine.runtime.reference import ReferenceExecutor
-from spd_engine.engine.runtime.run_config import PRESETS
+from spd_engine.engine.runtime.run_config import PRESETS, ModelSpec, ParallelLayout, Runtime
 from spd_engine.engine.runtime.stage_worker import StageWorker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,7 +111,7 @@ def test_killed_stage_under_torchrun_style_launch(tmp_path, capfd, monkeypatch):
     so each survivor must notice the dead peer on its own."""
     monkeypatch.setenv(FAULT_ENV, f"{KILLED}:25")
     ecfg = tiny_engine_config("llama", 3, timeout_s=TIMEOUT_S, threads=1)
-    prompt = random_prompts(ecfg.cfg, [9])[0]
+    prompt = random_prompts(ecfg.model.cfg, [9])[0]
     # ranks still alive at the harness deadline (start-up + the receive timeout) are SIGKILLed by it
     out = run_ranks(ecfg, generate_once, (prompt,), tmp_path, timeout=45 + TIMEOUT_S)
     err = capfd.readouterr().err
@@ -224,10 +224,10 @@ def test_defaults_work_for_a_tiny_preset():
 
 def test_bad_requests_are_refused_before_any_work():
     ecfg = tiny_engine_config("llama", 2, capacity=32)
-    prompt = random_prompts(ecfg.cfg, [5])[0]
+    prompt = random_prompts(ecfg.model.cfg, [5])[0]
     with ReferenceExecutor(ecfg) as ex:
         for args, phrase in (((prompt, 0), "max_new_tokens"), (([], 4), "empty"), ((prompt, 28), "capacity"),
-                             (([1, 2, ecfg.cfg.vocab_size], 4), "vocabulary")):
+                             (([1, 2, ecfg.model.cfg.vocab_size], 4), "vocabulary")):
             with pytest.raises(ValueError, match=phrase):
                 ex.generate(*args)
         assert len(ex.generate(prompt, 27).tokens) == 27  # nothing was left in the pipe
@@ -247,7 +247,7 @@ def test_a_failing_stage_thread_ends_the_request_with_rank_and_peer(monkeypatch)
 
     monkeypatch.setattr(StageWorker, "_compute_batch", failing)
     ecfg = tiny_engine_config("llama", 3, timeout_s=2.0)
-    prompt = random_prompts(ecfg.cfg, [5])[0]
+    prompt = random_prompts(ecfg.model.cfg, [5])[0]
     start = time.monotonic()
     with ReferenceExecutor(ecfg) as ex:
         with pytest.raises(TransportError) as info:
@@ -256,7 +256,7 @@ def test_a_failing_stage_thread_ends_the_request_with_rank_and_peer(monkeypatch)
     assert info.value.rank == 0 and info.value.peer in (1, 2, 3)
     assert ERROR.search(str(info.value))
     assert any("stage 1 broke" in str(e) for e in ex.errors)
-    assert time.monotonic() - start < 4 * ecfg.timeout_s
+    assert time.monotonic() - start < 4 * ecfg.runtime.timeout_s
 
 
 def test_one_gpu_per_rank_is_checked_before_anything_starts():
@@ -269,8 +269,9 @@ def test_one_gpu_per_rank_is_checked_before_anything_starts():
     with pytest.raises(ValueError, match="rank 2 needs GPU 2, this node has 1"):
         gpu_for_rank(2, None, 1, 3)
     cfg = PRESETS["tiny-llama"]
-    ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, n=2),
-                        device="cuda", capacity=64)
+    ecfg = RunConfig(model=ModelSpec(source="random:tiny-llama", cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, n=2), device="cuda"),
+                     runtime=Runtime(capacity=64))
     if torch.cuda.device_count() >= ecfg.world_size:
         pytest.skip("enough GPUs here: the check passes")
     with pytest.raises(ValueError, match="one rank per GPU"):

@@ -29,7 +29,7 @@ def test_the_runtime_reads_the_heads_own_anchors(head, one_thread):
     path, pcfg = head
     ecfg = tiny_engine_config("llama", 3, pdm=str(path))
     assert ecfg.plan().anchors == pcfg.anchors == (0, 1, 5)
-    prompt = random_prompts(ecfg.cfg, [11], seed=4)[0]
+    prompt = random_prompts(ecfg.model.cfg, [11], seed=4)[0]
     with ReferenceExecutor(ecfg) as ex:
         res = ex.generate(prompt, NEW)
     assert res.tokens == reference(ecfg, prompt, NEW)
@@ -42,7 +42,7 @@ def test_a_head_serves_a_split_with_the_same_types_per_depth(head, one_thread):
     assert moved.stage_layers == (1, 3, 2) and moved.anchors == pcfg.anchors
     assert moved.plan().depth_types == pcfg.plan().depth_types
     ecfg = tiny_engine_config("llama", 3, pdm=str(path)).replace(topology=Topology.build(6, stage_layers=[1, 3, 2]))
-    prompt = random_prompts(ecfg.cfg, [11], seed=4)[0]
+    prompt = random_prompts(ecfg.model.cfg, [11], seed=4)[0]
     with ReferenceExecutor(ecfg) as ex:
         moved_run = ex.generate(prompt, NEW)
     with ReferenceExecutor(tiny_engine_config("llama", 3, pdm=str(path))) as ex:

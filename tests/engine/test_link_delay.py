@@ -1,4 +1,4 @@
-"""The emulated link latency (engine/comm/transport.py DelayedTransport, RunConfig.link_delay_us):
+"""The emulated link latency (engine/comm/transport.py DelayedTransport, RunConfig.parallel.link_delay_us):
 a message is delivered `delay` after it was sent, not after it was read (a message that waited in
 the queue pays only what is left), payloads and order are untouched, frames grow by the stamp, a
 TP gather pays (T - 1) delays; between real processes over the gloo frames and the shared-memory

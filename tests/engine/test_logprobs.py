@@ -44,7 +44,7 @@ def check(ecfg, res, prompt: list[int], greedy: bool = True, top: int = TOP) -> 
 @pytest.mark.parametrize("n,verify_at", [(2, "driver"), (2, "last"), (4, "driver"), (4, "last")])
 def test_logprobs_equal_a_plain_forward_pass_with_suffix_runs(n, verify_at, one_thread):
     ecfg = tiny_engine_config("llama", n, n == 2, verify_at=verify_at, suffix_run=4, suffix_min_match=1)
-    prompt = random_prompts(ecfg.cfg, [12], seed=1)[0] * 3  # a repeated prompt: long suffix matches
+    prompt = random_prompts(ecfg.model.cfg, [12], seed=1)[0] * 3  # a repeated prompt: long suffix matches
     with ReferenceExecutor(ecfg) as ex:
         res = ex.generate(prompt, NEW, top_logprobs=TOP)
         plain = ex.generate(prompt, NEW)
@@ -57,9 +57,9 @@ def test_logprobs_equal_a_plain_forward_pass_with_suffix_runs(n, verify_at, one_
 def test_logprobs_with_forced_rejections_and_branch_chains(n, one_thread):
     for branches in (1, 2):
         ecfg = tiny_engine_config("llama", n, branches=branches)
-        prompt = random_prompts(ecfg.cfg, [19], seed=3)[0]
+        prompt = random_prompts(ecfg.model.cfg, [19], seed=3)[0]
         want = reference(ecfg, prompt, NEW)
-        policy = Policy(want, len(prompt), ecfg.cfg.vocab_size, wrong=frozenset({1, 9, 10, NEW - 1}))
+        policy = Policy(want, len(prompt), ecfg.model.cfg.vocab_size, wrong=frozenset({1, 9, 10, NEW - 1}))
         with ReferenceExecutor(ecfg) as ex:
             res = ex.generate(prompt, NEW, (), draft_policy=policy if branches == 1 else None, top_logprobs=TOP)
         assert res.tokens == want and res.rejections > 0
@@ -71,7 +71,7 @@ def test_logprobs_with_forced_rejections_and_branch_chains(n, one_thread):
 def test_logprobs_at_temperature_above_0_and_in_a_batch(n, one_thread):
     """T > 0 (suffix runs on) and several requests in one pipeline: the raw target's, as at T = 0."""
     ecfg = tiny_engine_config("llama", n, suffix_run=4, suffix_min_match=1)
-    prompt = random_prompts(ecfg.cfg, [12], seed=1)[0] * 3
+    prompt = random_prompts(ecfg.model.cfg, [12], seed=1)[0] * 3
     sp = SamplingParams(temperature=0.8, top_k=20, seed=3)
     with ReferenceExecutor(ecfg) as ex:
         res = ex.generate(prompt, NEW, sampling=sp, top_logprobs=TOP)
@@ -79,7 +79,7 @@ def test_logprobs_at_temperature_above_0_and_in_a_batch(n, one_thread):
     assert res.tokens != reference(ecfg, prompt, NEW)  # sampled, not the argmax
     check(ecfg, res, prompt, greedy=False)
     ecfg = tiny_engine_config("llama", n)
-    prompts = random_prompts(ecfg.cfg, [12, 5], seed=2)
+    prompts = random_prompts(ecfg.model.cfg, [12, 5], seed=2)
     reqs = [BatchRequest(prompts[0], NEW, (), sp, top_logprobs=TOP), BatchRequest(prompts[1], NEW, (), top_logprobs=0)]
     with ReferenceExecutor(ecfg) as ex:
         out = ex.generate_batch(reqs, max_batch=2)
@@ -102,11 +102,12 @@ def smollm2(smollm2_dir):
 @pytest.mark.parametrize("n", [2, 4])
 def test_logprobs_equal_a_plain_forward_pass_on_smollm2(n, smollm2, one_thread):
     from spd_engine.engine.protocol.topology import Topology
-    from spd_engine.engine.runtime.run_config import RunConfig
+    from spd_engine.engine.runtime.run_config import ModelSpec, ParallelLayout, RunConfig, Runtime
 
     engine_dir, cfg, full, tok = smollm2
-    ecfg = RunConfig(model=str(engine_dir), cfg=cfg, topology=Topology.build(cfg.num_layers, n), capacity=160,
-                     prefill_chunk=16, timeout_s=120.0, threads=1)
+    ecfg = RunConfig(model=ModelSpec(source=str(engine_dir), cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, n), threads=1),
+                     runtime=Runtime(capacity=160, prefill_chunk=16, timeout_s=120.0))
     prompt = tok.chat_ids("List the days of the week, then list them again.")
     with ReferenceExecutor(ecfg) as ex:
         res = ex.generate(prompt, 24, cfg.eos_token_ids, top_logprobs=TOP)

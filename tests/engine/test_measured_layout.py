@@ -11,7 +11,7 @@ import pytest
 from spd_engine.engine.model.linear import resolve_layout
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.measured_layout import LayoutKey, LayoutStore, choose_layout, with_mixed
-from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
+from spd_engine.engine.runtime.run_config import PRESETS, ModelSpec, ParallelLayout, RunConfig, Runtime
 
 pytestmark = pytest.mark.pure
 
@@ -54,11 +54,12 @@ def test_the_store_keeps_one_record_per_key_and_names_a_malformed_one(tmp_path):
 def test_auto_takes_the_record_for_its_own_threads_on_a_cpu_only():
     assert resolve_layout("auto", "cuda:0", measured="col") == "row"
     cfg = PRESETS["tiny-llama"]
-    base = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, 1), mode="ar", threads=2,
-                     capacity=64)
+    base = RunConfig(model=ModelSpec(source="random:tiny-llama", cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, 1), threads=2), mode="ar",
+                     runtime=Runtime(capacity=64))
     rule = base.resolved_weight_layout
     measured = base.replace(measured_layouts=((1, "row"), (2, "col" if rule != "col" else "row")))
-    assert measured.resolved_weight_layout == dict(measured.measured_layouts)[2] != rule
+    assert measured.resolved_weight_layout == dict(measured.model.measured_layouts)[2] != rule
     assert measured.replace(threads=3).resolved_weight_layout == base.replace(threads=3).resolved_weight_layout
     assert measured.replace(weight_layout="packed").resolved_weight_layout == "packed"  # given by hand: kept
     with pytest.raises(ValueError, match="measured layout"):

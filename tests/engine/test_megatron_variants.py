@@ -16,7 +16,7 @@ from spd_engine.engine.model.tp_model import SerialTP
 from spd_engine.engine.model.tp_shard import merge_state, shard_state
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.build import build_stage_model, build_tp_stage_model
-from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.runtime.run_config import ModelSpec, ParallelLayout, RunConfig, Runtime
 
 VARIANTS = {
     "layernorm_gelu": dict(norm="layernorm", activation="gelu"),
@@ -154,7 +154,8 @@ def test_tp2_split_equals_the_unsharded_model(variant):
     if cfg.norm == "layernorm":  # LayerNorm biases are replicated
         assert torch.equal(ranks[1]["decoder.final_layernorm.bias"], state["decoder.final_layernorm.bias"])
     assert all(torch.equal(a, state[k]) for k, a in merge_state(ranks, cfg).items())
-    ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, 1), capacity=32)
+    ecfg = RunConfig(model=ModelSpec(source="random:tiny-llama", cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, 1)), runtime=Runtime(capacity=32))
     L = cfg.num_layers
     full = build_stage_model(ecfg, range(L), True, True)
     serial = SerialTP.build(lambda g: build_tp_stage_model(ecfg, range(L), True, True, g), 2)

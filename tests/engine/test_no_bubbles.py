@@ -1,6 +1,6 @@
 """No hidden bubbles and no collectives in the distributed decode loop.
 
-Every stage is padded to a fixed step time (RunConfig.stage_ms) on a tiny model, so compute is
+Every stage is padded to a fixed step time (RunConfig.runtime.stage_ms) on a tiny model, so compute is
 negligible and the ideal tick is the slowest stage. With an oracle draft policy every tick commits
 one token after the fill, so the time between commits is the tick time. Every rank runs in its own
 process with all torch.distributed collectives patched to raise.
@@ -79,9 +79,9 @@ def bound_ms(run: dict, n: int) -> tuple[float, float, float]:
 def test_tick_time_is_the_slowest_stage_and_no_collective_runs(n, tmp_path):
     ecfg = tiny_engine_config("llama", n, cfg=tiny_cfg("llama", num_layers=8), stage_ms=(STAGE_MS,) * n,
                               threads=1, trace=True)
-    prompt = random_prompts(ecfg.cfg, [12], seed=n)[0]
+    prompt = random_prompts(ecfg.model.cfg, [12], seed=n)[0]
     ref = reference(ecfg, prompt, NEW)
-    out = run_ranks(ecfg, timed_generate, (prompt, ref, ecfg.cfg.vocab_size, REPEATS), tmp_path, timeout=150)
+    out = run_ranks(ecfg, timed_generate, (prompt, ref, ecfg.model.cfg.vocab_size, REPEATS), tmp_path, timeout=150)
     assert out.collectives == {} and out.errors == {}, (out.collectives, out.errors)
     assert out.exitcodes == [0] * ecfg.world_size
     report = []

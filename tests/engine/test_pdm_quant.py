@@ -29,7 +29,7 @@ def test_rounding_is_bounded_by_each_rows_largest_weight():
 
 def test_int8_head_round_trip_and_lossless_decoding(tmp_path, one_thread):
     ecfg = tiny_engine_config("llama", 2)
-    pdm = random_pdm(ecfg.cfg, tuple(ecfg.topology.stage_layers), num_layers=1, seed=3)
+    pdm = random_pdm(ecfg.model.cfg, tuple(ecfg.parallel.topology.stage_layers), num_layers=1, seed=3)
     save_pdm(pdm, tmp_path / "fp32")
     save_pdm(pdm, tmp_path / "int8", dtype=torch.int8)
     from spd_engine.tools.cli import main
@@ -37,11 +37,11 @@ def test_int8_head_round_trip_and_lossless_decoding(tmp_path, one_thread):
     assert main(["convert", "head", str(tmp_path / "fp32"), str(tmp_path / "conv"), "--dtype", "int8"]) == 0
     a, b = (load_file(str(tmp_path / d / "pdm.safetensors")) for d in ("int8", "conv"))
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
-    stages = tuple(ecfg.topology.stage_layers)
-    full, small = load_pdm(tmp_path / "fp32", ecfg.cfg, stages), load_pdm(tmp_path / "int8", ecfg.cfg, stages)
+    stages = tuple(ecfg.parallel.topology.stage_layers)
+    full, small = load_pdm(tmp_path / "fp32", ecfg.model.cfg, stages), load_pdm(tmp_path / "int8", ecfg.model.cfg, stages)
     for k, v in full.state_dict().items():
         assert torch.allclose(small.state_dict()[k], v, atol=v.abs().max().item() / 100 + 1e-6), k
-    prompt = random_prompts(ecfg.cfg, (7,), seed=2)[0]
+    prompt = random_prompts(ecfg.model.cfg, (7,), seed=2)[0]
     with ReferenceExecutor(ecfg.replace(pdm=str(tmp_path / "int8"))) as ex:
         assert ex.generate(prompt, 24).tokens == reference(ecfg, prompt, 24)
 
@@ -51,18 +51,18 @@ def test_convert_head_refuses_what_is_not_a_head(tmp_path):
 
     assert main(["convert", "head", str(tmp_path / "none"), str(tmp_path / "out"), "--dtype", "int8"]) == 2
     ecfg = tiny_engine_config("llama", 2)
-    save_pdm(random_pdm(ecfg.cfg, tuple(ecfg.topology.stage_layers)), tmp_path / "h", dtype=torch.int8)
+    save_pdm(random_pdm(ecfg.model.cfg, tuple(ecfg.parallel.topology.stage_layers)), tmp_path / "h", dtype=torch.int8)
     state = load_file(str(tmp_path / "h" / "pdm.safetensors"))
     save_file({k: v for k, v in state.items() if not k.endswith(SCALE_SUFFIX)}, str(tmp_path / "h" / "pdm.safetensors"))
     with pytest.raises(ValueError, match="per-row scales"):
-        load_pdm(tmp_path / "h", ecfg.cfg, tuple(ecfg.topology.stage_layers))
+        load_pdm(tmp_path / "h", ecfg.model.cfg, tuple(ecfg.parallel.topology.stage_layers))
 
 
 def test_an_eagle_head_converts_and_loads_too(tmp_path):
     from spd_engine.engine.model.eagle_head import load_eagle, random_eagle, save_eagle
     from spd_engine.engine.model.pdm_quant import convert_head
 
-    cfg = tiny_engine_config("llama", 2).cfg
+    cfg = tiny_engine_config("llama", 2).model.cfg
     head = random_eagle(cfg, seed=1)
     save_eagle(head, tmp_path / "fp32")
     convert_head(tmp_path / "fp32", tmp_path / "int8", torch.int8)

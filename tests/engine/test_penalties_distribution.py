@@ -50,7 +50,7 @@ def processed_conditionals(setup: Setup) -> Conditionals:
         for prefix in np.ndindex(*(V,) * length):
             prefix = tuple(int(t) for t in prefix)
             ids = list(setup.prompt) + list(prefix)
-            h = prefill(model, model.new_cache(1, len(ids)), ids, ecfg.prefill_chunk)  # [H]
+            h = prefill(model, model.new_cache(1, len(ids)), ids, ecfg.runtime.prefill_chunk)  # [H]
             hist = TokenHistory(setup.params, setup.prompt, ())
             hist.extend(prefix)
             out[prefix] = target_probs(hist.process(model.logits(h), len(ids)), setup.params)

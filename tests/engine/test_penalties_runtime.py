@@ -32,10 +32,10 @@ def processed_generate(ecfg, prompt: Sequence[int], max_new: int, sp: SamplingPa
     target_probs (T > 0)."""
     model = model if model is not None else full_model(ecfg)
     before = torch.get_num_threads()
-    torch.set_num_threads(ecfg.threads or before)  # as helpers.reference: the ranks' BLAS bits
+    torch.set_num_threads(ecfg.parallel.threads or before)  # as helpers.reference: the ranks' BLAS bits
     try:
         cache = model.new_cache(1, len(prompt) + max_new)
-        h = prefill(model, cache, prompt, ecfg.prefill_chunk)  # [H]
+        h = prefill(model, cache, prompt, ecfg.runtime.prefill_chunk)  # [H]
         hist = TokenHistory(sp, prompt, eos)
         out: list[int] = []
         for pos in range(len(prompt), len(prompt) + max_new):
@@ -55,7 +55,7 @@ def processed_generate(ecfg, prompt: Sequence[int], max_new: int, sp: SamplingPa
 @pytest.mark.parametrize("n,verify_at", [(2, "driver"), (2, "last"), (3, "driver")])
 def test_penalties_equal_plain_processed_decoding(n, verify_at, one_thread):
     ecfg = tiny_engine_config("llama", n, n == 2, verify_at=verify_at)
-    prompt = random_prompts(ecfg.cfg, [14], seed=5)[0]
+    prompt = random_prompts(ecfg.model.cfg, [14], seed=5)[0]
     want = processed_generate(ecfg, prompt, NEW, PENALTIES)
     assert want != reference(ecfg, prompt, NEW)  # the penalties change the output
     with ReferenceExecutor(ecfg) as ex:
@@ -68,7 +68,7 @@ def test_penalties_equal_plain_processed_decoding(n, verify_at, one_thread):
 
 def test_min_tokens_hold_eos_back(one_thread):
     ecfg = tiny_engine_config("llama", 2)
-    prompt = random_prompts(ecfg.cfg, [9], seed=2)[0]
+    prompt = random_prompts(ecfg.model.cfg, [9], seed=2)[0]
     plain = reference(ecfg, prompt, NEW)
     eos = [plain[3]]  # ends the unprocessed request at its fourth token
     sp = SamplingParams(min_tokens=12)
@@ -83,7 +83,7 @@ def test_min_tokens_hold_eos_back(one_thread):
 def test_penalties_with_suffix_runs(n, one_thread):
     """A run's rows verified one by one, each with the run's tokens before it as output."""
     ecfg = tiny_engine_config("llama", n, n == 2, verify_at="last", suffix_run=4, suffix_min_match=1)
-    prompt = random_prompts(ecfg.cfg, [12], seed=1)[0] * 3  # repeated: long suffix matches
+    prompt = random_prompts(ecfg.model.cfg, [12], seed=1)[0] * 3  # repeated: long suffix matches
     sp = SamplingParams(repetition_penalty=1.15, frequency_penalty=0.05)  # mild: runs still match
     want = processed_generate(ecfg, prompt, NEW, sp)
     assert want != reference(ecfg, prompt, NEW)
@@ -96,9 +96,9 @@ def test_penalties_with_suffix_runs(n, one_thread):
 @pytest.mark.parametrize("branches", [1, 2])
 def test_penalties_with_rejections_and_branch_chains(branches, one_thread):
     ecfg = tiny_engine_config("llama", 3, branches=branches)
-    prompt = random_prompts(ecfg.cfg, [19], seed=3)[0]
+    prompt = random_prompts(ecfg.model.cfg, [19], seed=3)[0]
     want = processed_generate(ecfg, prompt, NEW, PENALTIES)
-    policy = Policy(want, len(prompt), ecfg.cfg.vocab_size, wrong=frozenset({1, 9, 10, NEW - 1}))
+    policy = Policy(want, len(prompt), ecfg.model.cfg.vocab_size, wrong=frozenset({1, 9, 10, NEW - 1}))
     with ReferenceExecutor(ecfg) as ex:
         res = ex.generate(prompt, NEW, draft_policy=policy if branches == 1 else None, sampling=PENALTIES)
     assert res.tokens == want and res.rejections > 0
@@ -110,7 +110,7 @@ def test_penalties_in_a_batch(kw, one_thread):
     """Several requests in one pipeline (BatchDriver), processed and plain side by side; with the
     last stage replying argmaxes (unused for processed requests) and suffix runs."""
     ecfg = tiny_engine_config("llama", 2, bool(kw), **kw)
-    prompts = random_prompts(ecfg.cfg, [14, 7, 11], seed=5)
+    prompts = random_prompts(ecfg.model.cfg, [14, 7, 11], seed=5)
     prompts[1] = prompts[1] * 3  # repeated: suffix matches
     params = [PENALTIES, SamplingParams(), SamplingParams(min_tokens=5, presence_penalty=-0.5)]
     eos = [reference(ecfg, prompts[2], 3)[-1]]
@@ -129,7 +129,7 @@ def test_sampled_penalties_top_k_1_and_the_first_draw(one_thread):
     """T > 0: top-k 1 leaves the processed argmax, so the output is the greedy processed one; an
     unfiltered request's first token is the plain sampler's keyed draw from the processed p."""
     ecfg = tiny_engine_config("llama", 2)
-    prompt = random_prompts(ecfg.cfg, [10], seed=4)[0]
+    prompt = random_prompts(ecfg.model.cfg, [10], seed=4)[0]
     top1 = dataclasses.replace(PENALTIES, temperature=0.9, top_k=1, seed=11)
     want = processed_generate(ecfg, prompt, NEW, dataclasses.replace(PENALTIES))
     sampled = [dataclasses.replace(PENALTIES, temperature=1.0, seed=s, min_tokens=4) for s in range(4)]
@@ -162,12 +162,14 @@ def test_penalties_on_smollm2(n, smollm2, one_thread):
     """With the head the repository ships for n (drafts accepted at n = 4), min_tokens past an early
     end of the unprocessed reply."""
     from spd_engine.engine.protocol.topology import Topology
-    from spd_engine.engine.runtime.run_config import RunConfig
+    from spd_engine.engine.runtime.run_config import Drafting, ModelSpec, ParallelLayout, RunConfig, Runtime
     from spd_engine.tools.model_args import default_head
 
     engine_dir, cfg, full, tok = smollm2
-    ecfg = RunConfig(model=str(engine_dir), cfg=cfg, topology=Topology.build(cfg.num_layers, n), capacity=160,
-                     prefill_chunk=16, timeout_s=120.0, threads=1, pdm=default_head("smollm2-135m", n))
+    ecfg = RunConfig(model=ModelSpec(source=str(engine_dir), cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, n), threads=1),
+                     drafting=Drafting(pdm=default_head("smollm2-135m", n)),
+                     runtime=Runtime(capacity=160, prefill_chunk=16, timeout_s=120.0))
     prompt = tok.chat_ids("What is 2+2? Reply with the number only.")  # 8 tokens, EOS last
     eos = cfg.eos_token_ids
     sp = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.2, min_tokens=12)

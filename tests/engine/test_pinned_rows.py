@@ -60,7 +60,7 @@ def _copies_into(rows: list[torch.Tensor], monkeypatch) -> list[int]:
 
 def _worker(stage: int, step_mode: str):
     ecfg = tiny_engine_config("llama", 2, colocate=False, verify_at="last", anchors=(0, 3, 5), step_mode=step_mode)
-    topo, plan = ecfg.topology, ecfg.plan()
+    topo, plan = ecfg.parallel.topology, ecfg.plan()
     model = build_stage_model(ecfg, topo.layers_of(stage), embedding=stage == 0, head=stage == topo.n - 1)
     t = Recording(topo.stage_rank(stage), ecfg.world_size)
     return ecfg, plan, model, t, StageWorker(stage, topo, plan, model, t, ecfg.rank_options(stage))
@@ -80,8 +80,8 @@ def test_decode_rows_leave_from_the_pinned_buffers_with_the_plain_bytes(stage, s
     assert {id(p) for p in pinned_rows + worker._report1} <= t.pinned
     copies = _copies_into(pinned_rows, monkeypatch)
     g = torch.Generator().manual_seed(5)
-    H = ecfg.cfg.hidden_size
-    ref_cache = model.new_cache(1, ecfg.capacity)
+    H = ecfg.model.cfg.hidden_size
+    ref_cache = model.new_cache(1, ecfg.runtime.capacity)
     for pos in range(3):  # a few ticks: the same pinned rows carry each tick's values
         h = torch.randn(1, H, generator=g)
         token = pos + 7
@@ -93,7 +93,7 @@ def test_decode_rows_leave_from_the_pinned_buffers_with_the_plain_bytes(stage, s
         x = model.embed(torch.tensor([[token]])) if stage == 0 else h[None]
         with torch.no_grad():
             out, caps = model.forward_layers(x, ref_cache, pos, capture=frozenset(layers))
-        report = [m for m in t.sent if m[0] == ecfg.topology.driver_rank]
+        report = [m for m in t.sent if m[0] == ecfg.parallel.topology.driver_rank]
         assert len(report) == 1
         _, hdr, payloads, stream = report[0]
         want = torch.cat([caps[layer][0] for layer in layers] + ([out[0]] if stage == 1 else []))
@@ -105,8 +105,8 @@ def test_decode_rows_leave_from_the_pinned_buffers_with_the_plain_bytes(stage, s
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         assert all(p is r for p, r in zip(payloads, worker._report1)) and len(payloads) == len(worker._report1)
         if stage == 0:
-            (dst, _, down, down_stream), = [m for m in t.sent if m[0] != ecfg.topology.driver_rank]
-            assert dst == ecfg.topology.stage_rank(1) and down[0] is worker.out1
+            (dst, _, down, down_stream), = [m for m in t.sent if m[0] != ecfg.parallel.topology.driver_rank]
+            assert dst == ecfg.parallel.topology.stage_rank(1) and down[0] is worker.out1
             assert down_stream == stream  # the anchor is the output: the same bytes
         else:  # a verifying last stage answers BATCH rows' argmaxes in their table, never a TOKEN header
             assert hdr.reply == -1
@@ -115,8 +115,8 @@ def test_decode_rows_leave_from_the_pinned_buffers_with_the_plain_bytes(stage, s
 
 def test_forward_layers_into_writes_the_same_values_into_the_given_buffers():
     ecfg = tiny_engine_config("llama", 1)
-    model = build_stage_model(ecfg, range(ecfg.cfg.num_layers), embedding=True, head=True)
-    H, last = ecfg.cfg.hidden_size, ecfg.cfg.num_layers - 1
+    model = build_stage_model(ecfg, range(ecfg.model.cfg.num_layers), embedding=True, head=True)
+    H, last = ecfg.model.cfg.hidden_size, ecfg.model.cfg.num_layers - 1
     x = model.embed(torch.tensor([[3]]))
     with torch.no_grad():
         want, want_caps = model.forward_layers(x, model.new_cache(1, 8), 0, capture=frozenset({1}))

@@ -16,7 +16,7 @@ from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.launch import launch
 from spd_engine.engine.runtime.reference import ReferenceExecutor
-from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.runtime.run_config import ModelSpec, ParallelLayout, RunConfig, Runtime
 
 pytestmark = pytest.mark.slow
 
@@ -57,9 +57,10 @@ def refs(qwen):
 
 def engine_config(qwen, n: int, colocate: bool = False, tp: int = 1) -> RunConfig:
     engine_dir, cfg = qwen[0], qwen[1]
-    return RunConfig(model=str(engine_dir), cfg=cfg, topology=Topology.build(cfg.num_layers, n, colocate=colocate,
-                                                                             tp=tp),
-                     capacity=256, prefill_chunk=CHUNK, timeout_s=300.0, threads=1)
+    return RunConfig(model=ModelSpec(source=str(engine_dir), cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, n, colocate=colocate,
+                                                                             tp=tp), threads=1),
+               runtime=Runtime(capacity=256, prefill_chunk=CHUNK, timeout_s=300.0))
 
 
 def test_config_and_logits_equal_transformers_gguf_loader(qwen, refs, one_thread):

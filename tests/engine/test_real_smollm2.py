@@ -16,7 +16,7 @@ from spd_engine.engine.model.greedy import greedy_generate
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.launch import launch
 from spd_engine.engine.runtime.reference import ReferenceExecutor
-from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.runtime.run_config import Drafting, ModelSpec, ParallelLayout, RunConfig, Runtime
 
 CHUNK = 16  # chat prompts are ~40 tokens: several prefill chunks
 PROMPTS = ["Write a short poem about the sea.",
@@ -51,8 +51,10 @@ def refs(smollm2):
 def engine_config(smollm2, n: int, colocate: bool = False, branches: int = 1) -> RunConfig:
     """W = 1 unless asked: the tick formulas these tests check are W = 1's."""
     engine_dir, cfg, _, _ = smollm2
-    return RunConfig(model=str(engine_dir), cfg=cfg, topology=Topology.build(cfg.num_layers, n, colocate=colocate),
-                     capacity=160, prefill_chunk=CHUNK, timeout_s=120.0, threads=1, branches=branches)
+    return RunConfig(model=ModelSpec(source=str(engine_dir), cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, n, colocate=colocate), threads=1),
+                     drafting=Drafting(branches=branches),
+                     runtime=Runtime(capacity=160, prefill_chunk=CHUNK, timeout_s=120.0))
 
 
 def run(runtime, smollm2, refs, n: int, text: str, max_new: int, **policy_kw) -> None:

@@ -4,8 +4,6 @@ weight layout the builders can make row-invariant; the probe finds the floor a k
 refuses one that no floor fixes."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from helpers import tiny_engine_config
@@ -62,7 +60,7 @@ def _stage_rows(model, caches, which: list[int]) -> torch.Tensor:
 @torch.no_grad()
 def test_a_stage_row_and_its_logits_are_the_same_alone_and_in_a_batch(layout, one_thread):
     ecfg = tiny_engine_config("llama", weight_layout=layout)
-    model = build_stage_model(ecfg, range(ecfg.cfg.num_layers), embedding=True, head=True)
+    model = build_stage_model(ecfg, range(ecfg.model.cfg.num_layers), embedding=True, head=True)
     _needs_invariance(model.row_invariance, 3)
     outs = []
     for which in ([0], [0, 1], [0, 1, 2], [2, 0]):
@@ -83,10 +81,10 @@ def test_a_stage_row_and_its_logits_are_the_same_alone_and_in_a_batch(layout, on
 @pytest.mark.parametrize("layout", LAYOUTS)
 @torch.no_grad()
 def test_a_request_s_pdm_rows_are_the_same_alone_and_in_a_batch(layout, pdm_dtype, one_thread):
-    ecfg = dataclasses.replace(tiny_engine_config("llama", weight_layout=layout), pdm_dtype=pdm_dtype)
+    ecfg = tiny_engine_config("llama", weight_layout=layout, pdm_dtype=pdm_dtype)
     pdm = build_pdm(ecfg)
     _needs_invariance(pdm.row_invariance, 4)
-    H = ecfg.cfg.hidden_size
+    H = ecfg.model.cfg.hidden_size
     gen = torch.Generator().manual_seed(3)
     rows = [torch.randn(c, H, generator=gen) for c in (1, 2, 3)]  # a request's rows of a tick: 1 to 3
     starts = [4, 6, 3]
@@ -118,7 +116,7 @@ def test_a_request_s_pdm_rows_are_the_same_alone_and_in_a_batch(layout, pdm_dtyp
 def test_anchor_rows_are_the_same_for_any_row_count(one_thread):
     ecfg = tiny_engine_config("llama", weight_layout="col")
     pdm = build_pdm(ecfg)
-    ring = torch.randn(8, len(pdm.pcfg.anchors), ecfg.cfg.hidden_size)
+    ring = torch.randn(8, len(pdm.pcfg.anchors), ecfg.model.cfg.hidden_size)
     slots, types = torch.tensor([3, 1, 6]), torch.tensor([pdm.plan.num_types - 1, 0, 0])
     three = pdm.rows_from_ring(ring, slots, types)
     assert all(torch.equal(pdm.rows_from_ring(ring, slots[i:i + 1], types[i:i + 1])[0], three[i]) for i in range(3))
@@ -127,11 +125,11 @@ def test_anchor_rows_are_the_same_for_any_row_count(one_thread):
 @pytest.mark.skipif(not packed_kernel_available(), reason="oneDNN's packed layout")
 def test_mixed_layout_is_reported_not_batch_invariant(one_thread):
     ecfg = tiny_engine_config("llama", weight_layout="mixed")
-    model = build_stage_model(ecfg, range(ecfg.cfg.num_layers), embedding=True, head=True)
+    model = build_stage_model(ecfg, range(ecfg.model.cfg.num_layers), embedding=True, head=True)
     # mixed steps one row through a column-major copy and several through the packed weight: where those two
     # kernels round a row differently (every host measured), the probe must say the layout is not invariant
     fc1 = model.get_submodule("decoder.layers.0.mlp.linear_fc1")
-    x = torch.randn(2, ecfg.cfg.hidden_size)
+    x = torch.randn(2, ecfg.model.cfg.hidden_size)
     if torch.equal(fc1(x[:1]), fc1(x)[:1]):
         pytest.skip("on this CPU mixed's one-row and several-row kernels round alike")
     assert not model.row_invariance.invariant and "decoder.layers.0.mlp.linear_fc1" in model.row_invariance.variant
@@ -143,7 +141,7 @@ def test_a_multi_token_entry_is_the_same_alone_and_beside_another_request(layout
     """A suffix run's entry (several rows of one request, causal among themselves) in a step with
     another request's row: its rows' bits are the lone step's."""
     ecfg = tiny_engine_config("llama", weight_layout=layout)
-    model = build_stage_model(ecfg, range(ecfg.cfg.num_layers), embedding=True, head=True)
+    model = build_stage_model(ecfg, range(ecfg.model.cfg.num_layers), embedding=True, head=True)
     run, other = [13, 21, 8], [17]
 
     def fresh():

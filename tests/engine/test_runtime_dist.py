@@ -16,9 +16,9 @@ NEW = 32
 
 def make_cases(ecfg) -> list[tuple[list[int], int, list[int], dict]]:
     """(prompt, max_new, eos, policy kwargs): untrained PDM, oracle, forced rejections, EOS, short."""
-    prompts = random_prompts(ecfg.cfg, (1, 2 * CHUNK + 5, 9), seed=4)
+    prompts = random_prompts(ecfg.model.cfg, (1, 2 * CHUNK + 5, 9), seed=4)
     ref = reference(ecfg, prompts[2], NEW)
-    eos = next(t for k, t in enumerate(ref) if k > ecfg.topology.n + 1 and t not in ref[:k])
+    eos = next(t for k, t in enumerate(ref) if k > ecfg.parallel.topology.n + 1 and t not in ref[:k])
     return [
         (prompts[1], NEW, [], dict(oracle=False)),
         (prompts[1], NEW, [], {}),
@@ -33,10 +33,10 @@ def run_cases(runtime, ecfg, cases) -> list[dict]:
     out = []
     for prompt, max_new, eos, kw in cases:
         want = reference(ecfg, prompt, max_new, eos)
-        policy = Policy(want, len(prompt), ecfg.cfg.vocab_size, **kw) if ecfg.mode == "spd" else None
+        policy = Policy(want, len(prompt), ecfg.model.cfg.vocab_size, **kw) if ecfg.mode == "spd" else None
         res = runtime.generate(prompt, max_new, eos, draft_policy=policy)
         if policy is not None:
-            check_run(res, want, policy, ecfg.topology.n)
+            check_run(res, want, policy, ecfg.parallel.topology.n)
         else:
             assert res.tokens == want and res.ticks == len(want) - 1
         out.append(summary(res))
@@ -66,7 +66,7 @@ def test_branch_chains_across_processes_match_the_reference_executor(arch, n, co
     give the reference executor's tokens, ticks and branch counters (the same computation, bit for
     bit), and greedy decoding's tokens up to a near-tie."""
     ecfg = tiny_engine_config(arch, n, colocate, threads=1, branches=width, branch_when=when, suffix_min_match=1)
-    prompts = random_prompts(ecfg.cfg, (1, 2 * CHUNK + 5, 9), seed=4)
+    prompts = random_prompts(ecfg.model.cfg, (1, 2 * CHUNK + 5, 9), seed=4)
 
     def run(runtime) -> list[dict]:
         out = []

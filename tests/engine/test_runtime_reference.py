@@ -40,7 +40,7 @@ def matrix(default: set | None = None) -> list:
 def prompts_and_refs(arch: str) -> tuple[list[list[int]], list[list[int]]]:
     """The same prompts and greedy outputs serve every topology of a family."""
     ecfg = tiny_engine_config(arch, 1)
-    prompts = random_prompts(ecfg.cfg, LENGTHS, seed=1)
+    prompts = random_prompts(ecfg.model.cfg, LENGTHS, seed=1)
     refs = [reference(ecfg, p, NEW) for p in prompts]
     assert all(len(r) == NEW for r in refs)
     return prompts, refs
@@ -53,7 +53,7 @@ def setup(arch: str, n: int, colocate: bool):
 @pytest.mark.parametrize("arch,n,colocate", matrix())
 def test_lossless_with_oracle_and_forced_rejections(arch, n, colocate, one_thread):
     ecfg, prompts, refs = setup(arch, n, colocate)
-    V = ecfg.cfg.vocab_size
+    V = ecfg.model.cfg.vocab_size
     with ReferenceExecutor(ecfg) as ex:  # one runtime, many requests: each starts after a flush or not
         for p, ref in zip(prompts, refs):
             policy = Policy(ref, len(p), V)
@@ -71,7 +71,7 @@ def test_lossless_with_oracle_and_forced_rejections(arch, n, colocate, one_threa
 @pytest.mark.parametrize("arch,n,colocate", matrix(UNTRAINED_DEFAULT))
 def test_lossless_with_the_untrained_pdm(arch, n, colocate, one_thread):
     ecfg, prompts, refs = setup(arch, n, colocate)
-    V = ecfg.cfg.vocab_size
+    V = ecfg.model.cfg.vocab_size
     with ReferenceExecutor(ecfg) as ex:
         policies = []
         for p, ref in zip(prompts, refs):
@@ -97,7 +97,7 @@ def varied_prompt(ecfg, lo: int) -> tuple[list[int], list[int], int]:
     """A prompt whose greedy output has two first-occurrence tokens after index lo (random models
     often repeat one token forever); returns (prompt, output, index of the first of them)."""
     for seed in range(50):
-        prompt = random_prompts(ecfg.cfg, [9], seed=seed)[0]
+        prompt = random_prompts(ecfg.model.cfg, [9], seed=seed)[0]
         ref = reference(ecfg, prompt, NEW)
         fresh = [k for k in range(lo, NEW - 1) if ref[k] not in ref[:k]]
         if len(fresh) >= 2:
@@ -109,7 +109,7 @@ def varied_prompt(ecfg, lo: int) -> tuple[list[int], list[int], int]:
                          ids=["llama-n2", "qwen2-n4", "qwen3-n4-colocated"])
 def test_eos_inside_the_pipeline_stops_output_there(arch, n, colocate, one_thread):
     ecfg = tiny_engine_config(arch, n, colocate)
-    V = ecfg.cfg.vocab_size
+    V = ecfg.model.cfg.vocab_size
     prompt, ref, k = varied_prompt(ecfg, n + 2)  # drafts after index k are in flight when k is verified
     later = eos_index(ref, k + 1)
     with ReferenceExecutor(ecfg) as ex:
@@ -129,8 +129,8 @@ def test_eos_inside_the_pipeline_stops_output_there(arch, n, colocate, one_threa
                          ids=["n2", "n3-colocated", "n4", "n4-colocated"])
 def test_one_token_prompt_and_fewer_new_tokens_than_stages(n, colocate, one_thread):
     ecfg = tiny_engine_config("qwen3", n, colocate)
-    V = ecfg.cfg.vocab_size
-    prompt = random_prompts(ecfg.cfg, [1], seed=5)[0]
+    V = ecfg.model.cfg.vocab_size
+    prompt = random_prompts(ecfg.model.cfg, [1], seed=5)[0]
     ref = reference(ecfg, prompt, n + 2)
     with ReferenceExecutor(ecfg) as ex:
         for max_new in range(1, n + 3):
@@ -145,11 +145,11 @@ def test_one_token_prompt_and_fewer_new_tokens_than_stages(n, colocate, one_thre
 
 def test_one_stage_spd_is_lossless_with_one_tick_per_token(one_thread):
     ecfg = tiny_engine_config("llama", 1)
-    prompt = random_prompts(ecfg.cfg, [CHUNK + 3], seed=2)[0]
+    prompt = random_prompts(ecfg.model.cfg, [CHUNK + 3], seed=2)[0]
     ref = reference(ecfg, prompt, 24)
     with ReferenceExecutor(ecfg) as ex:
-        for policy in (Policy(ref, len(prompt), ecfg.cfg.vocab_size, oracle=False),
-                       Policy(ref, len(prompt), ecfg.cfg.vocab_size, wrong=frozenset({1, 5, 6}))):
+        for policy in (Policy(ref, len(prompt), ecfg.model.cfg.vocab_size, oracle=False),
+                       Policy(ref, len(prompt), ecfg.model.cfg.vocab_size, wrong=frozenset({1, 5, 6}))):
             res = ex.generate(prompt, 24, (), draft_policy=policy)
             assert res.tokens == ref and res.ticks == 23 == expected_ticks(policy, 24, 1)
             assert res.accepted == 23 - len(policy.rejected(24))
@@ -157,9 +157,9 @@ def test_one_stage_spd_is_lossless_with_one_tick_per_token(one_thread):
 
 def test_one_stage_spd_counts_its_rejections(one_thread):
     ecfg = tiny_engine_config("llama", 1)
-    prompt = random_prompts(ecfg.cfg, [7], seed=2)[0]
+    prompt = random_prompts(ecfg.model.cfg, [7], seed=2)[0]
     ref = reference(ecfg, prompt, 12)
-    policy = Policy(ref, len(prompt), ecfg.cfg.vocab_size, wrong=frozenset({1, 5, 6}))
+    policy = Policy(ref, len(prompt), ecfg.model.cfg.vocab_size, wrong=frozenset({1, 5, 6}))
     with ReferenceExecutor(ecfg) as ex:
         res = ex.generate(prompt, 12, (), draft_policy=policy)
     assert res.rejections == 3  # rejections followed by another committed token (metrics.py)
@@ -172,7 +172,7 @@ BASELINES = {"llama": (("ar", 1), ("pp", 2), ("pp", 3), ("pp", 4)), "qwen2": (("
 @pytest.mark.parametrize("arch", ARCHS)
 def test_ar_and_pp_baselines_equal_the_reference(arch, one_thread):
     ecfg0 = tiny_engine_config(arch, 1, mode="ar")
-    prompts = random_prompts(ecfg0.cfg, (1, CHUNK + 1, 2 * CHUNK + 3), seed=3)
+    prompts = random_prompts(ecfg0.model.cfg, (1, CHUNK + 1, 2 * CHUNK + 3), seed=3)
     refs = [reference(ecfg0, p, 32) for p in prompts]
     eos_prompt, eos_ref, eos_k = varied_prompt(ecfg0, 3)
     for mode, n in BASELINES[arch]:
@@ -201,7 +201,7 @@ def test_static_steps_are_lossless(arch, n, colocate, one_thread, monkeypatch):
     monkeypatch.setattr(VerifyStep, "run", lambda self, h: verified.append(1) or verify(self, h))
     _, prompts, refs = setup(arch, n, colocate)
     ecfg = tiny_engine_config(arch, n, colocate, step_mode="static")
-    V = ecfg.cfg.vocab_size
+    V = ecfg.model.cfg.vocab_size
     with ReferenceExecutor(tiny_engine_config(arch, n, mode="pp", step_mode="static")) as ex:
         static_refs = [ex.generate(p, NEW).tokens for p in prompts[:3]]
     model = full_model(ecfg)
@@ -282,7 +282,7 @@ def test_a_request_alone_is_a_batch_of_one_on_the_static_steps(step_mode, one_th
             for step in driver.pdm_steps.values():
                 counting(step, pdm_steps)
         p, ref = prompts[3], refs[3]
-        policy = Policy(ref, len(p), ecfg.cfg.vocab_size, wrong=FORCED[0])
+        policy = Policy(ref, len(p), ecfg.model.cfg.vocab_size, wrong=FORCED[0])
         res = ex.generate(p, NEW, (), draft_policy=policy)
         check_run(res, ref, policy, 3)
     assert Kind.TOKEN not in kinds and Kind.PREFILL in kinds and Kind.END in kinds

@@ -116,7 +116,7 @@ def conditionals(setup: Setup) -> Conditionals:
     for length in range(NEW):
         for prefix in np.ndindex(*(V,) * length):
             ids = list(setup.prompt) + list(prefix)
-            h = prefill(model, model.new_cache(1, len(ids)), ids, ecfg.prefill_chunk)  # [H]
+            h = prefill(model, model.new_cache(1, len(ids)), ids, ecfg.runtime.prefill_chunk)  # [H]
             out[tuple(int(t) for t in prefix)] = target_probs(model.logits(h), setup.params)
     return out
 

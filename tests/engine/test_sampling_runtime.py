@@ -56,7 +56,7 @@ def sample_generate(model, prompt: Sequence[int], max_new: int, params: Sampling
 
 def test_same_seed_same_tokens_and_seeds_differ(one_thread):
     ecfg = tiny_engine_config("llama", 2)
-    prompts = random_prompts(ecfg.cfg, (3, 21), seed=2)
+    prompts = random_prompts(ecfg.model.cfg, (3, 21), seed=2)
     cases = [(i, s) for i in range(len(prompts)) for s in SEEDS]
     with ReferenceExecutor(ecfg) as ex:
         first = {c: summary(ex.generate(prompts[c[0]], NEW, (), sampling=seeded(c[1]))) for c in cases}
@@ -74,7 +74,7 @@ def test_same_seed_same_tokens_and_seeds_differ(one_thread):
 @pytest.mark.multiproc
 def test_reference_executor_and_distributed_run_agree():
     ecfg = tiny_engine_config("qwen2", 3, threads=1)
-    prompts = random_prompts(ecfg.cfg, (1, 19), seed=3)
+    prompts = random_prompts(ecfg.model.cfg, (1, 19), seed=3)
     with ReferenceExecutor(ecfg) as ex:
         eos = [ex.generate(prompts[1], NEW, (), sampling=seeded(7)).tokens[5]]  # ends a request early
         cases = [(p, s, e) for p in prompts for s in (7, 2**64 - 1) for e in ((), eos)]
@@ -92,7 +92,7 @@ def test_sampled_eos_stops_at_the_first_committed_eos(n, one_thread):
     """With an EOS list a request is the same run cut at the first committed EOS (included),
     with no unverified draft after it; the tick count follows the schedule formula."""
     ecfg = tiny_engine_config("llama", n)
-    prompt = random_prompts(ecfg.cfg, [7], seed=4)[0]
+    prompt = random_prompts(ecfg.model.cfg, [7], seed=4)[0]
     stopped = 0
     with ReferenceExecutor(ecfg) as ex:
         for seed in range(4):
@@ -100,7 +100,7 @@ def test_sampled_eos_stops_at_the_first_committed_eos(n, one_thread):
             assert full.ticks == decode_ticks(NEW, n, full.rejections)
             fresh = [k for k in range(NEW) if full.tokens[k] not in full.tokens[:k]]
             for k in (fresh[0], fresh[len(fresh) // 2], fresh[-1]):  # the prefill token, a middle one, a late one
-                eos = [full.tokens[k], ecfg.cfg.vocab_size - 1] if full.tokens[k] != ecfg.cfg.vocab_size - 1 \
+                eos = [full.tokens[k], ecfg.model.cfg.vocab_size - 1] if full.tokens[k] != ecfg.model.cfg.vocab_size - 1 \
                     else [full.tokens[k]]
                 want = next(i for i, t in enumerate(full.tokens) if t in eos)  # another EOS may come first
                 res = ex.generate(prompt, NEW, eos, sampling=seeded(seed))
@@ -116,12 +116,12 @@ def test_sampled_eos_stops_at_the_first_committed_eos(n, one_thread):
 def test_baselines_sample_like_plain_autoregressive_sampling(mode, n, step_mode, one_thread):
     # static: the head stage's step computes the argmax; sampling must still draw from its logits
     ecfg = tiny_engine_config("qwen3", n, mode=mode, step_mode=step_mode)
-    prompts = random_prompts(ecfg.cfg, (5, 18), seed=6)
+    prompts = random_prompts(ecfg.model.cfg, (5, 18), seed=6)
     model = full_model(ecfg)
     with ReferenceExecutor(ecfg) as ex:
         for p in prompts:
             for s in SEEDS:
-                want = sample_generate(model, p, NEW, seeded(s), chunk=ecfg.prefill_chunk)
+                want = sample_generate(model, p, NEW, seeded(s), chunk=ecfg.runtime.prefill_chunk)
                 res = ex.generate(p, NEW, (), sampling=seeded(s))
                 assert res.tokens == want
             eos = [want[3]]
@@ -132,10 +132,10 @@ def test_spd_first_token_is_the_keyed_target_draw(one_thread):
     """The prefill token is a plain keyed draw from p, like the baselines' first token."""
     ecfg = tiny_engine_config("qwen3", 2)
     model = full_model(ecfg)
-    prompt = random_prompts(ecfg.cfg, [9], seed=8)[0]
+    prompt = random_prompts(ecfg.model.cfg, [9], seed=8)[0]
     with ReferenceExecutor(ecfg) as ex:
         for s in range(8):
-            want = sample_generate(model, prompt, 1, seeded(s), chunk=ecfg.prefill_chunk)
+            want = sample_generate(model, prompt, 1, seeded(s), chunk=ecfg.runtime.prefill_chunk)
             assert ex.generate(prompt, 1, (), sampling=seeded(s)).tokens == want
 
 
@@ -144,7 +144,7 @@ def test_top_k_one_is_greedy_whatever_the_seed(n, one_thread):
     """With top-k 1 both p and q are one-hot: every draft is accepted or corrected to the argmax,
     so the output is greedy decoding exactly."""
     ecfg = tiny_engine_config("qwen2", n)
-    prompt = random_prompts(ecfg.cfg, [11], seed=9)[0]
+    prompt = random_prompts(ecfg.model.cfg, [11], seed=9)[0]
     want = reference(ecfg, prompt, NEW)
     with ReferenceExecutor(ecfg) as ex:
         for s in (0, 123):
@@ -203,7 +203,7 @@ def test_generate_samples_with_the_given_seed(capsys, one_thread):
         runs.setdefault(seed, []).append(printed_tokens(out)[0])
     assert runs["3"][0] == runs["3"][1] != runs["4"][0]
     ecfg = tiny_engine_config("llama", 1, mode="ar", cfg=PRESETS["tiny-llama"])  # what the CLI builds
-    prompt = request_inputs.encode_prompts(["hello there"], None, False, ecfg.cfg.vocab_size)[0]
+    prompt = request_inputs.encode_prompts(["hello there"], None, False, ecfg.model.cfg.vocab_size)[0]
     assert runs["3"][0] == sample_generate(full_model(ecfg), prompt, 12, SamplingParams(0.9, 30, 1.0, 3))
 
 
@@ -248,7 +248,7 @@ def test_eval_runner_draws_what_the_runtime_draws(data_dir, one_thread):
     add up to the driver's own counters (checked inside runtime_acceptance)."""
     ecfg = tiny_engine_config("llama", 3)
     settings = ev.EvalSettings(NEW, 1.0, "reference", None, top_k=20, top_p=0.95, seed=40)
-    prompts = random_prompts(ecfg.cfg, (4, 9), seed=10)
+    prompts = random_prompts(ecfg.model.cfg, (4, 9), seed=10)
     with ev.open_runner(ecfg, settings) as runner:
         outs = [runner.run(p, NEW, (), request=k) for k, p in enumerate(prompts)]
         direct = [runner.driver.generate(p, NEW, (), sampling=SamplingParams(1.0, 20, 0.95, 40 + k)).tokens

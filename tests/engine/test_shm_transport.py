@@ -225,14 +225,16 @@ def test_a_long_tick_stream_keeps_every_message_and_count_intact():
 def test_run_config_refuses_shm_off_cpu():
     from spd_engine.engine.model.model_config import tiny_config
     from spd_engine.engine.protocol.topology import Topology
-    from spd_engine.engine.runtime.run_config import RunConfig
+    from spd_engine.engine.runtime.run_config import ModelSpec, ParallelLayout, RunConfig
 
     cfg = tiny_config()
     topo = Topology.build(cfg.num_layers, n=2)
     with pytest.raises(ValueError, match="transport shm .* --device cpu and the gloo backend"):
-        RunConfig(model="random:tiny-llama", cfg=cfg, topology=topo, transport="shm", backend="nccl")
+        RunConfig(model=ModelSpec(source="random:tiny-llama", cfg=cfg),
+                  parallel=ParallelLayout(topology=topo, transport="shm", backend="nccl"))
     with pytest.raises(ValueError, match="transport must be one of"):
-        RunConfig(model="random:tiny-llama", cfg=cfg, topology=topo, transport="tcp")
+        RunConfig(model=ModelSpec(source="random:tiny-llama", cfg=cfg),
+                  parallel=ParallelLayout(topology=topo, transport="tcp"))
 
 
 @pytest.mark.parametrize("transport,colocate", [("shm", False), ("shm", True), ("gloo", True)])
@@ -242,7 +244,7 @@ def test_runtime_over_each_transport_equals_greedy(transport, colocate):
     from spd_engine.engine.runtime.launch import launch
 
     ecfg = tiny_engine_config("llama", 3, colocate, threads=1, transport=transport)
-    prompts = random_prompts(ecfg.cfg, (1, 2 * CHUNK + 5, 9), seed=2)
+    prompts = random_prompts(ecfg.model.cfg, (1, 2 * CHUNK + 5, 9), seed=2)
     with launch(ecfg) as runtime:
         got = [runtime.generate(p, 24).tokens for p in prompts]
     assert got == [reference(ecfg, p, 24) for p in prompts]

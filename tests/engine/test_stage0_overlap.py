@@ -19,9 +19,9 @@ def runs(runtime, ecfg, prompts, wrong):
     out = []
     for p in prompts:
         want = reference(ecfg, p, NEW)
-        policy = Policy(want, len(p), ecfg.cfg.vocab_size, wrong=wrong)
+        policy = Policy(want, len(p), ecfg.model.cfg.vocab_size, wrong=wrong)
         res = runtime.generate(p, NEW, (), draft_policy=policy)
-        check_run(res, want, policy, ecfg.topology.n)
+        check_run(res, want, policy, ecfg.parallel.topology.n)
         out.append(summary(res))
         out.append(summary(runtime.generate(p, NEW, ())))  # the untrained PDM's own drafts
     return out
@@ -31,7 +31,7 @@ def runs(runtime, ecfg, prompts, wrong):
 def test_overlapped_stage0_is_the_inline_driver(arch, n, one_thread):
     inline = tiny_engine_config(arch, n, colocate=True)
     overlap = inline.replace(overlap_stage0=True)
-    prompts = random_prompts(inline.cfg, (1, 30), seed=3)
+    prompts = random_prompts(inline.model.cfg, (1, 30), seed=3)
     wrong = frozenset({1, 7, 8, NEW - 1})
     with ReferenceExecutor(inline) as ex:
         want = runs(ex, inline, prompts, wrong)
@@ -45,7 +45,7 @@ def test_overlapped_stage0_is_the_inline_driver(arch, n, one_thread):
 @pytest.mark.multiproc
 def test_overlapped_stage0_over_processes():
     ecfg = tiny_engine_config("llama", 3, colocate=True, threads=1, overlap_stage0=True)
-    prompts = random_prompts(ecfg.cfg, (5, 17), seed=6)
+    prompts = random_prompts(ecfg.model.cfg, (5, 17), seed=6)
     with ReferenceExecutor(ecfg.replace(overlap_stage0=False)) as ex:
         want = runs(ex, ecfg, prompts, frozenset({2, 3, 30}))
     with launch(ecfg) as runtime:

@@ -56,7 +56,7 @@ def test_chooser_rule():
                                                         ("llama", 3, False, "static")])
 def test_suffix_drafts_are_lossless_and_draft(arch, n, colocate, step_mode, one_thread):
     ecfg = tiny_engine_config(arch, n, colocate, step_mode=step_mode, suffix_drafts=True, suffix_min_match=1)
-    prompts = random_prompts(ecfg.cfg, (5, 23, 40), seed=3)
+    prompts = random_prompts(ecfg.model.cfg, (5, 23, 40), seed=3)
     drafted = verified = 0
     with ReferenceExecutor(ecfg) as ex:
         for p in prompts:
@@ -77,9 +77,9 @@ def test_fast_replay_equals_the_runtime_with_suffix_drafts(n, margin, one_thread
     ecfg = tiny_engine_config("llama", n, suffix_drafts=True, suffix_min_match=2, suffix_pdm_margin=margin)
     target = full_model(ecfg)
     with ReferenceExecutor(ecfg) as ex:
-        for p in random_prompts(ecfg.cfg, (7, 30), seed=5):
+        for p in random_prompts(ecfg.model.cfg, (7, 30), seed=5):
             res = ex.generate(p, NEW, ())
-            fast = fast_generate(target, ex.driver.pdm, p, NEW, (), chunk=ecfg.prefill_chunk, chooser=ecfg.chooser())
+            fast = fast_generate(target, ex.driver.pdm, p, NEW, (), chunk=ecfg.runtime.prefill_chunk, chooser=ecfg.chooser())
             assert fast.tokens == res.tokens
             a = fast.acceptance
             assert (a.ticks, a.verified, a.accepted, a.rejections) == (res.ticks, res.verified, res.accepted,
@@ -101,7 +101,7 @@ def test_cross_request_history_never_proposes_a_separator_and_is_bounded():
 def test_fast_replay_equals_the_runtime_with_cross_request_drafts(one_thread):
     ecfg = tiny_engine_config("llama", 3, suffix_drafts=True, suffix_min_match=2, suffix_cross_request=True)
     target = full_model(ecfg)
-    prompts = random_prompts(ecfg.cfg, (9, 12, 9), seed=7)
+    prompts = random_prompts(ecfg.model.cfg, (9, 12, 9), seed=7)
     prompts[2] = list(prompts[0])  # a repeated request: its whole answer is in the history
     cross = ecfg.chooser().new_history()
     alphas = []
@@ -109,7 +109,7 @@ def test_fast_replay_equals_the_runtime_with_cross_request_drafts(one_thread):
         for p in prompts:
             res = ex.generate(p, NEW, ())
             assert res.tokens == reference(ecfg, p, NEW)
-            fast = fast_generate(target, ex.driver.pdm, p, NEW, (), chunk=ecfg.prefill_chunk, chooser=ecfg.chooser(),
+            fast = fast_generate(target, ex.driver.pdm, p, NEW, (), chunk=ecfg.runtime.prefill_chunk, chooser=ecfg.chooser(),
                                  cross=cross)
             cross.add(p, fast.tokens)
             a = fast.acceptance

@@ -15,7 +15,7 @@ from spd_engine.engine.model.tp_shard import shard_tensor
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.build import build_tp_stage_model
 from spd_engine.engine.runtime.reference import ReferenceExecutor
-from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.runtime.run_config import ModelSpec, ParallelLayout, RunConfig, Runtime
 
 
 @pytest.mark.parametrize("ckpt_tp", [1, 2])
@@ -26,8 +26,9 @@ def test_a_checkpoint_of_any_tp_split_runs_at_any_runtime_split(tmp_path, ckpt_t
     prompt = [7, 3, 11, 5, 9, 2, 40, 41]
 
     def run_config(tp: int) -> RunConfig:
-        return RunConfig(model=str(tmp_path / "ckpt"), cfg=cfg, topology=Topology.build(cfg.num_layers, 1, colocate=True, tp=tp),
-                         mode="tp" if tp > 1 else "ar", capacity=64, prefill_chunk=16, threads=1)
+        return RunConfig(model=ModelSpec(source=str(tmp_path / "ckpt"), cfg=cfg),
+                         parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, 1, colocate=True, tp=tp), threads=1),
+                         mode="tp" if tp > 1 else "ar", runtime=Runtime(capacity=64, prefill_chunk=16))
 
     hub = LocalTPHub(range(2), 10.0)
     for r in range(2):  # each TP rank holds exactly its pieces, whatever split the files have

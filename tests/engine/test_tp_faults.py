@@ -50,7 +50,7 @@ def test_killed_tp_rank_under_torchrun_style_launch(tmp_path, capfd, monkeypatch
     """Every rank its own process and nobody killed from outside: each survivor exits with its own error."""
     monkeypatch.setenv(FAULT_ENV, f"{KILLED}:25")
     ecfg = tp_engine_config("spd", 2, 2, timeout_s=TIMEOUT_S, threads=1)
-    out = run_ranks(ecfg, generate_once, (random_prompts(ecfg.cfg, [9])[0],), tmp_path, timeout=45 + TIMEOUT_S,
+    out = run_ranks(ecfg, generate_once, (random_prompts(ecfg.model.cfg, [9])[0],), tmp_path, timeout=45 + TIMEOUT_S,
                     allow=("all_gather",))  # the TP all-reduce; any other collective still raises
     err = capfd.readouterr().err
     assert out.exitcodes[KILLED] == -signal.SIGKILL, (out.exitcodes, err[-3000:])

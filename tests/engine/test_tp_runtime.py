@@ -21,9 +21,9 @@ NEW = 24
 def cases(ecfg) -> list[tuple[list[int], int, list[int], dict]]:
     """(prompt, max_new, eos, draft policy kwargs): untrained PDM, oracle with forced rejections,
     EOS, a prompt of several prefill chunks, a one-token prompt."""
-    prompts = random_prompts(ecfg.cfg, (1, 2 * CHUNK + 5, 9), seed=4)
+    prompts = random_prompts(ecfg.model.cfg, (1, 2 * CHUNK + 5, 9), seed=4)
     ref = tp_reference(ecfg, prompts[2], NEW)
-    eos = next(t for k, t in enumerate(ref) if k > ecfg.topology.n + 1 and t not in ref[:k])
+    eos = next(t for k, t in enumerate(ref) if k > ecfg.parallel.topology.n + 1 and t not in ref[:k])
     return [(prompts[1], NEW, [], dict(oracle=False)),
             (prompts[2], NEW, [], dict(wrong=frozenset({1, 9, 10, NEW - 1}))),
             (prompts[2], NEW, [eos], {}),
@@ -34,10 +34,10 @@ def run_cases(runtime, ecfg, todo) -> list[dict]:
     out = []
     for prompt, max_new, eos, kw in todo:
         want = tp_reference(ecfg, prompt, max_new, eos)
-        policy = Policy(want, len(prompt), ecfg.cfg.vocab_size, **kw) if ecfg.mode == "spd" else None
+        policy = Policy(want, len(prompt), ecfg.model.cfg.vocab_size, **kw) if ecfg.mode == "spd" else None
         res = runtime.generate(prompt, max_new, eos, draft_policy=policy)
         if policy is not None:
-            check_run(res, want, policy, ecfg.topology.n)
+            check_run(res, want, policy, ecfg.parallel.topology.n)
         else:
             assert res.tokens == want and res.ticks == len(want) - 1
         out.append(summary(res))
@@ -62,7 +62,7 @@ def test_each_tp_rank_holds_about_one_tth_of_its_stage(one_thread):
         with ReferenceExecutor(ecfg) as ex:
             res = ex.generate([5, 6, 7], 2)
         got = res.to_json()["stage_param_bytes"]
-        topo = ecfg.topology
+        topo = ecfg.parallel.topology
         whole = [resident_bytes(build_stage_model(ecfg, topo.layers_of(s), s == 0, s == topo.n - 1))
                  for s in range(topo.n)]
         assert all(abs(g / w - 1 / tp) < 0.01 for g, w in zip(got, whole)), (tp, got, whole)
@@ -75,7 +75,7 @@ def test_tp_stages_count_their_collectives_per_decode_message(one_thread):
     with ReferenceExecutor(ecfg) as ex:
         res = ex.generate([5, 6, 7], 6)
     per = res.breakdown_ms_per_tick()
-    topo = ecfg.topology
+    topo = ecfg.parallel.topology
     want = [2 * len(topo.layers_of(s)) + (s == 0) + (s == topo.n - 1) for s in range(topo.n)]
     assert [per[f"stage{s}_tp_collectives"] for s in range(topo.n)] == want
     assert all(0 < per[f"stage{s}_tp_collective_ms"] <= per[f"stage{s}_compute_ms"] for s in range(topo.n))
@@ -88,7 +88,7 @@ def test_tp_against_the_unsharded_model_differs_only_at_near_ties(one_thread):
     for tp in (2, 3):
         ecfg = tp_engine_config("tp", 1, tp, threads=1)
         parted = []
-        for prompt in random_prompts(ecfg.cfg, (5, 17, 40), seed=9):
+        for prompt in random_prompts(ecfg.model.cfg, (5, 17, 40), seed=9):
             got, want = tp_reference(ecfg, prompt, NEW), reference(ecfg, prompt, NEW)
             k = assert_greedy_agrees(got, want, teacher_forced(full_model(ecfg), prompt, want), BOUND, f"tp={tp}")
             parted += [k] if k is not None else []
@@ -129,7 +129,7 @@ def test_eval_with_tp_checks_the_runtime_against_the_same_split(one_thread):
     with pytest.raises(ValueError, match="fast executor replays the unsharded model"):
         with open_runner(ecfg, EvalSettings(executor="fast")):
             pass
-    prompt = random_prompts(ecfg.cfg, (12,), seed=3)[0]
+    prompt = random_prompts(ecfg.model.cfg, (12,), seed=3)[0]
     with open_runner(ecfg, EvalSettings(max_new_tokens=16, executor="reference")) as runner:
         outcome = runner.run(prompt, 16, ())
     assert outcome.lossless is True and outcome.tokens == tp_reference(ecfg, prompt, 16)

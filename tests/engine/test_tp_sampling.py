@@ -48,7 +48,7 @@ def exact_joint(ecfg, params: SamplingParams) -> np.ndarray:
         tokens = np.unravel_index(cell, (V,) * NEW)
         for i, t in enumerate(tokens):
             ids = list(PROMPT) + [int(x) for x in tokens[:i]]
-            h = prefill(model, model.new_cache(1, len(ids)), ids, ecfg.prefill_chunk)
+            h = prefill(model, model.new_cache(1, len(ids)), ids, ecfg.runtime.prefill_chunk)
             joint[cell] *= float(target_probs(model.logits(h), params)[t])
     return joint / joint.sum()
 

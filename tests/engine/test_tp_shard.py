@@ -17,12 +17,13 @@ from spd_engine.engine.model.tp_shard import check_tp, merge_tensor, reshard_pie
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.build import build_stage_model, build_tp_stage_model
-from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
+from spd_engine.engine.runtime.run_config import PRESETS, ModelSpec, ParallelLayout, RunConfig, Runtime
 
 
 def run_config(preset: str, **cfg_overrides) -> RunConfig:
     cfg = dataclasses.replace(PRESETS[preset], **cfg_overrides)
-    return RunConfig(model=f"random:{preset}", cfg=cfg, topology=Topology.build(cfg.num_layers, 1), capacity=64)
+    return RunConfig(model=ModelSpec(source=f"random:{preset}", cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, 1)), runtime=Runtime(capacity=64))
 
 
 def test_check_tp_names_what_it_does_not_divide():
@@ -93,7 +94,7 @@ def test_topology_maps_stage_and_tp_rank_to_ranks_and_back():
                                                  ("tiny-qwen3", 2, {}), ("smollm2-135m", 3, {"num_layers": 2})])
 def test_serial_shards_equal_the_unsharded_model_within_float_tolerance(preset, tp, overrides):
     ecfg = run_config(preset, **overrides)
-    L = ecfg.cfg.num_layers
+    L = ecfg.model.cfg.num_layers
     full = build_stage_model(ecfg, range(L), True, True)
     serial = SerialTP.build(lambda g: build_tp_stage_model(ecfg, range(L), True, True, g), tp)
     ids = torch.tensor([[1, 5, 7, 9, 11, 3, 8]])
@@ -131,7 +132,7 @@ def _threaded(shards_fn, tp: int):
 
 def test_threaded_tp_group_gives_the_serial_oracle_bit_for_bit(one_thread):
     ecfg = run_config("tiny-llama", tie_embeddings=False)
-    L, prompt, new = ecfg.cfg.num_layers, [3, 1, 4, 1, 5, 9, 2, 6], 12
+    L, prompt, new = ecfg.model.cfg.num_layers, [3, 1, 4, 1, 5, 9, 2, 6], 12
     want = greedy_generate(SerialTP.build(lambda g: build_tp_stage_model(ecfg, range(L), True, True, g), 2),
                            prompt, new)
 

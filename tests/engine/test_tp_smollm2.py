@@ -16,7 +16,7 @@ from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.build import build_stage_model
 from spd_engine.engine.runtime.launch import launch
 from spd_engine.engine.runtime.reference import ReferenceExecutor
-from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.runtime.run_config import ModelSpec, ParallelLayout, RunConfig, Runtime
 
 pytestmark = pytest.mark.slow
 NEW = 24
@@ -33,8 +33,9 @@ def smollm2(smollm2_dir):
 
 def run_config(smollm2, mode: str, n: int, colocate: bool) -> RunConfig:
     engine_dir, cfg, _ = smollm2
-    return RunConfig(model=engine_dir, cfg=cfg, topology=Topology.build(cfg.num_layers, n, colocate=colocate, tp=3),
-                     mode=mode, capacity=256, prefill_chunk=16, threads=1)
+    return RunConfig(model=ModelSpec(source=engine_dir, cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, n, colocate=colocate, tp=3), threads=1),
+                     mode=mode, runtime=Runtime(capacity=256, prefill_chunk=16))
 
 
 @pytest.mark.parametrize("mode,n,colocate", [("tp", 1, True), ("spd", 2, False)])
@@ -45,7 +46,7 @@ def test_smollm2_tp3_equals_greedy_with_the_same_split(smollm2, mode, n, colocat
     with ReferenceExecutor(ecfg) as ex:
         res = ex.generate(prompt, NEW, smollm2[1].eos_token_ids)
     assert res.tokens == want
-    whole = resident_bytes(build_stage_model(ecfg, ecfg.topology.layers_of(0), True, mode == "tp"))  # stage 0, unsharded
+    whole = resident_bytes(build_stage_model(ecfg, ecfg.parallel.topology.layers_of(0), True, mode == "tp"))  # stage 0, unsharded
     assert abs(res.to_json()["stage_param_bytes"][0] / whole - 1 / 3) < 0.01
     full = build_stage_model(ecfg, range(30), True, True)
     torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""T=0 verification on the last stage (RunConfig.verify_at, docs/design.md 3.5): the last stage
+"""T=0 verification on the last stage (RunConfig.parallel.verify_at, docs/design.md 3.5): the last stage
 holds the head and sends the target's argmax with its exit; the driver then only compares ids.
 Lossless either way, the driver really stops computing the head (a suffix run's rows included),
 T > 0 and branch chains still verify on the driver, and the setting is validated."""
@@ -39,7 +39,7 @@ def test_suffix_runs_verified_where_verification_runs(verify_at, colocate, one_t
     """A suffix run's rows: the verifying last stage replies every row's argmax, so the driver runs
     no head pass for them; verified on the driver, it runs one per run."""
     ecfg = tiny_engine_config("llama", 2, colocate, verify_at=verify_at, suffix_run=4, suffix_min_match=1)
-    prompt = random_prompts(ecfg.cfg, [12], seed=1)[0] * 3  # a repeated prompt: long suffix matches
+    prompt = random_prompts(ecfg.model.cfg, [12], seed=1)[0] * 3  # a repeated prompt: long suffix matches
     want = reference(ecfg, prompt, NEW)
     with ReferenceExecutor(ecfg) as ex:
         calls = head_calls(ex.driver)
@@ -58,12 +58,12 @@ def test_suffix_runs_verified_where_verification_runs(verify_at, colocate, one_t
                                                   (4, False, "static")])
 def test_lossless_wherever_verification_runs(verify_at, n, colocate, step_mode, one_thread):
     ecfg = tiny_engine_config("llama", n, colocate, verify_at=verify_at, step_mode=step_mode)
-    prompts = random_prompts(ecfg.cfg, [5, 19], seed=3)
+    prompts = random_prompts(ecfg.model.cfg, [5, 19], seed=3)
     with ReferenceExecutor(ecfg) as ex:
         calls = head_calls(ex.driver)
         for k, p in enumerate(prompts):
             want = reference(ecfg, p, NEW)
-            policy = Policy(want, len(p), ecfg.cfg.vocab_size, wrong=WRONG if k else frozenset())
+            policy = Policy(want, len(p), ecfg.model.cfg.vocab_size, wrong=WRONG if k else frozenset())
             res = ex.generate(p, NEW, (), draft_policy=policy)
             check_run(res, want, policy, n)
             last = res.stages[-1]
@@ -81,7 +81,7 @@ def test_lossless_wherever_verification_runs(verify_at, n, colocate, step_mode, 
 def test_sampling_is_the_same_wherever_t0_verification_would_run(one_thread):
     """At T > 0 the last stage does not verify (it replies -1) and the driver verifies against its
     q as before: with the same seed the tokens are identical to a run verifying on the driver."""
-    prompt = random_prompts(tiny_engine_config().cfg, [11], seed=4)[0]
+    prompt = random_prompts(tiny_engine_config().model.cfg, [11], seed=4)[0]
     out = {}
     for verify_at in ("last", "driver"):
         ecfg = tiny_engine_config("llama", 3, True, verify_at=verify_at)
@@ -96,7 +96,7 @@ def test_branch_chains_verify_on_the_driver_and_stay_lossless(one_thread):
     """A chains message (W rows) carries no argmax (-1): the driver verifies the branch point itself;
     one-row exits around it still come verified from the last stage."""
     ecfg = tiny_engine_config("llama", 3, False, branches=2, branch_when="always", verify_at="last")
-    prompt = random_prompts(ecfg.cfg, [9], seed=5)[0]
+    prompt = random_prompts(ecfg.model.cfg, [9], seed=5)[0]
     want = reference(ecfg, prompt, NEW)
     with ReferenceExecutor(ecfg) as ex:
         res = ex.generate(prompt, NEW, ())

@@ -3,8 +3,6 @@ applied by the builders to what a run computes with, part of what names a cached
 outputs that agree with the row layout up to float rounding (another BLAS kernel)."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from helpers import tiny_cfg, tiny_engine_config
@@ -63,13 +61,13 @@ def test_builders_apply_the_run_layout():
     assert is_col_major(stage.decoder.layers["1"].mlp.linear_fc2.weight)
     pdm = build_pdm(ecfg)  # fp32 in the tests' config
     assert is_col_major(pdm.head.weight) and is_col_major(pdm.stack.decoder.layers["0"].mlp.linear_fc1.weight)
-    row = build_stage_model(dataclasses.replace(ecfg, weight_layout="row"), range(2), embedding=True, head=True)
+    row = build_stage_model(ecfg.replace(weight_layout="row"), range(2), embedding=True, head=True)
     assert row.decoder.layers["1"].mlp.linear_fc2.weight.is_contiguous()
 
 
 def test_reference_cache_names_the_layout(tmp_path):
     ecfg = tiny_engine_config("llama")
-    keys = {lay: ReferenceCache(tmp_path, dataclasses.replace(ecfg, weight_layout=lay)).key([1, 2], 8, [0], 4)
+    keys = {lay: ReferenceCache(tmp_path, ecfg.replace(weight_layout=lay)).key([1, 2], 8, [0], 4)
             for lay in ("row", "col", "packed", "mixed", "auto")}
     assert len({keys["row"], keys["col"], keys["packed"], keys["mixed"]}) == 4
     assert keys["auto"] == keys[ecfg.resolved_weight_layout]
@@ -80,12 +78,12 @@ def test_col_layout_decodes_what_row_does_up_to_rounding(arch):
     """Another kernel, so not bit for bit: logits within fp32 rounding, greedy tokens equal up to the
     first near-tie (tests/near_ties.py)."""
     ecfg: RunConfig = tiny_engine_config(arch, weight_layout="col")
-    col = build_stage_model(ecfg, range(ecfg.cfg.num_layers), embedding=True, head=True)
-    row = build_stage_model(dataclasses.replace(ecfg, weight_layout="row"), range(ecfg.cfg.num_layers),
+    col = build_stage_model(ecfg, range(ecfg.model.cfg.num_layers), embedding=True, head=True)
+    row = build_stage_model(ecfg.replace(weight_layout="row"), range(ecfg.model.cfg.num_layers),
                             embedding=True, head=True)
     prompt = list(range(3, 20))
     with torch.no_grad():
-        h = torch.randn(1, 5, ecfg.cfg.hidden_size)
+        h = torch.randn(1, 5, ecfg.model.cfg.hidden_size)
         a, _ = col.forward_layers(h, col.new_cache(1, 8), 0)
         b, _ = row.forward_layers(h, row.new_cache(1, 8), 0)
     assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()

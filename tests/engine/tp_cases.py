@@ -26,7 +26,7 @@ def tp_cfg(tp: int, **overrides):
 def tp_engine_config(mode: str, n: int, tp: int, colocate: bool = False, **kw) -> RunConfig:
     cfg = kw.pop("cfg", None) or tp_cfg(tp)
     ecfg = tiny_engine_config("llama", n, colocate=colocate, mode=mode, cfg=cfg, **kw)
-    return ecfg.replace(topology=dataclasses.replace(ecfg.topology, tp=tp))
+    return ecfg.replace(topology=dataclasses.replace(ecfg.parallel.topology, tp=tp))
 
 
 _ORACLES: dict[tuple, SerialTP] = {}
@@ -34,20 +34,20 @@ _ORACLES: dict[tuple, SerialTP] = {}
 
 def serial_tp(ecfg: RunConfig) -> SerialTP:
     """The whole model as the run's TP split, with the head the run's mode uses."""
-    key = (ecfg.model, ecfg.cfg.fingerprint(), ecfg.seed, ecfg.topology.tp, ecfg.mode == "spd")
+    key = (ecfg.model.source, ecfg.model.cfg.fingerprint(), ecfg.runtime.seed, ecfg.parallel.topology.tp, ecfg.mode == "spd")
     if key not in _ORACLES:
-        L = ecfg.cfg.num_layers
+        L = ecfg.model.cfg.num_layers
         head = build_driver_head(ecfg) if ecfg.mode == "spd" else None
         _ORACLES[key] = SerialTP.build(lambda g: build_tp_stage_model(ecfg, range(L), True, True, g),
-                                       ecfg.topology.tp, head)
+                                       ecfg.parallel.topology.tp, head)
     return _ORACLES[key]
 
 
 def tp_reference(ecfg: RunConfig, prompt: Sequence[int], max_new: int, eos: Sequence[int] = ()) -> list[int]:
     """Greedy decoding with the run's TP split (same prefill chunk and intra-op threads as its ranks)."""
     before = torch.get_num_threads()
-    torch.set_num_threads(ecfg.threads or before)
+    torch.set_num_threads(ecfg.parallel.threads or before)
     try:
-        return greedy_generate(serial_tp(ecfg), prompt, max_new, eos_ids=eos, chunk=ecfg.prefill_chunk)
+        return greedy_generate(serial_tp(ecfg), prompt, max_new, eos_ids=eos, chunk=ecfg.runtime.prefill_chunk)
     finally:
         torch.set_num_threads(before)

@@ -49,7 +49,7 @@ def test_a_pdm_on_int8_matmuls_drafts_and_the_output_stays_greedy(arch, one_thre
     assert isinstance(pdm.head, Int8Linear) and pdm.compute_dtype == torch.bfloat16
     assert not any(isinstance(m, nn.Linear) for m in pdm.stack.modules())
     assert all(isinstance(p, Int8Linear) for p in pdm.proj)  # the anchor projections too
-    prompt = random_prompts(ecfg.cfg, [9], seed=2)[0]
+    prompt = random_prompts(ecfg.model.cfg, [9], seed=2)[0]
     with ReferenceExecutor(ecfg) as ex:
         res = ex.generate(prompt, 20)
     assert res.tokens == reference(ecfg, prompt, 20)
@@ -63,7 +63,7 @@ def test_int8_anchor_projections_give_each_row_its_types_projection(one_thread):
     ecfg = tiny_engine_config("llama", 4, True, pdm_dtype="float32")
     fp32 = build_pdm(ecfg)
     int8 = build_pdm(ecfg.replace(pdm_dtype="int8"))
-    m, H = fp32.plan.num_types, ecfg.cfg.hidden_size
+    m, H = fp32.plan.num_types, ecfg.model.cfg.hidden_size
     ring = torch.randn(9, m, H)  # [S, m, H]
     slots = torch.tensor([4, 0, 7, 2, 2, 5])
     types = torch.tensor([m - 1, 0, 2, 1, m - 1, 0])

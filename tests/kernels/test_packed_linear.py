@@ -4,8 +4,6 @@ through another kernel, so outputs agree with the other layouts up to float roun
 lossless against its own greedy reference in that layout."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from helpers import tiny_cfg, tiny_engine_config
@@ -85,14 +83,14 @@ def test_packed_layout_is_a_cpu_layout_chosen_once():
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: Q, K, V biases go with the packed weight
 def test_packed_layout_decodes_what_col_does_up_to_rounding(arch):
     ecfg = tiny_engine_config(arch, weight_layout="packed")
-    layers = range(ecfg.cfg.num_layers)
+    layers = range(ecfg.model.cfg.num_layers)
     packed = build_stage_model(ecfg, layers, embedding=True, head=True)
-    col = build_stage_model(dataclasses.replace(ecfg, weight_layout="col"), layers, embedding=True, head=True)
+    col = build_stage_model(ecfg.replace(weight_layout="col"), layers, embedding=True, head=True)
     assert isinstance(packed.decoder.layers["0"].mlp.linear_fc1, PackedLinear)
     pdm = build_pdm(ecfg)  # the PDM's weights are read as tensors: never packed
     assert not any(isinstance(m, PackedLinear) for m in pdm.modules())
     with torch.no_grad():
-        h = torch.randn(1, 5, ecfg.cfg.hidden_size)
+        h = torch.randn(1, 5, ecfg.model.cfg.hidden_size)
         a, _ = packed.forward_layers(h, packed.new_cache(1, 8), 0)
         b, _ = col.forward_layers(h, col.new_cache(1, 8), 0)
     assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()

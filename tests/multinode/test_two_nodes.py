@@ -215,11 +215,12 @@ def test_serve_across_two_nodes_answers_greedy_then_a_killed_node_fails_the_stre
     from helpers import reference
 
     from spd_engine.engine.protocol.topology import Topology
-    from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
+    from spd_engine.engine.runtime.run_config import PRESETS, ModelSpec, ParallelLayout, RunConfig, Runtime
 
     cfg = PRESETS["tiny-llama"]
-    want = reference(RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, 4),
-                               capacity=512, threads=1), PROMPT, 16, eos=cfg.eos_token_ids)
+    want = reference(RunConfig(model=ModelSpec(source="random:tiny-llama", cfg=cfg),
+                               parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, 4), threads=1),
+                               runtime=Runtime(capacity=512)), PROMPT, 16, eos=cfg.eos_token_ids)
     procs, err0, url = _server(nodes, tmp_path)
     answer = _client(nodes, 1, url, 16, False, tmp_path)
     out, err = answer.communicate(timeout=120)

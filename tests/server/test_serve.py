@@ -21,7 +21,7 @@ from helpers import reference
 
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.launch import FAULT_ENV, spd_command
-from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
+from spd_engine.engine.runtime.run_config import PRESETS, ModelSpec, ParallelLayout, RunConfig, Runtime
 from spd_engine.server.exporter import without_model_name
 from spd_engine.server.process import ServerProcess, group_members
 
@@ -71,7 +71,9 @@ def smol():
 def tiny_reference(prompt: list[int], max_new: int) -> list[int]:
     """Greedy decoding of the server's model (`random:tiny-llama`, same prefill chunk) on one process."""
     cfg = PRESETS["tiny-llama"]
-    ecfg = RunConfig(model=TINY, cfg=cfg, topology=Topology.build(cfg.num_layers, 2), capacity=512, prefill_chunk=16)
+    ecfg = RunConfig(model=ModelSpec(source=TINY, cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, 2)),
+                     runtime=Runtime(capacity=512, prefill_chunk=16))
     return reference(ecfg, prompt, max_new, eos=cfg.eos_token_ids)
 
 
@@ -82,8 +84,9 @@ def tiny_tp_model(tp: int):
     from spd_engine.engine.runtime.build import build_driver_head, build_tp_stage_model
 
     cfg = PRESETS["tiny-llama"]
-    ecfg = RunConfig(model=TINY, cfg=cfg, topology=Topology.build(cfg.num_layers, 2, tp=tp), capacity=512,
-                     prefill_chunk=16)
+    ecfg = RunConfig(model=ModelSpec(source=TINY, cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, 2, tp=tp)),
+                     runtime=Runtime(capacity=512, prefill_chunk=16))
     return SerialTP.build(lambda g: build_tp_stage_model(ecfg, range(cfg.num_layers), True, True, g), tp,
                           build_driver_head(ecfg))
 

@@ -279,10 +279,12 @@ def tiny_log_probs(prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """log p [len(tokens), V] of a plain forward pass of the server's model over prompt + tokens."""
     from spd_engine.engine.protocol.topology import Topology
     from spd_engine.engine.runtime.build import build_stage_model
-    from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
+    from spd_engine.engine.runtime.run_config import PRESETS, ModelSpec, ParallelLayout, RunConfig, Runtime
 
     cfg = PRESETS["tiny-llama"]
-    ecfg = RunConfig(model=TINY, cfg=cfg, topology=Topology.build(cfg.num_layers, 2), capacity=512, prefill_chunk=16)
+    ecfg = RunConfig(model=ModelSpec(source=TINY, cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, 2)),
+                     runtime=Runtime(capacity=512, prefill_chunk=16))
     model = build_stage_model(ecfg, range(cfg.num_layers), embedding=True, head=True)
     ids = torch.tensor([prompt + tokens])
     with torch.no_grad():

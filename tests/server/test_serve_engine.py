@@ -25,7 +25,7 @@ NEW = 40
 @pytest.fixture(scope="module")
 def setup():
     ecfg = tiny_engine_config("llama", 3)
-    prompts = random_prompts(ecfg.cfg, [5, 9, 21])
+    prompts = random_prompts(ecfg.model.cfg, [5, 9, 21])
     refs = [reference(ecfg, p, NEW) for p in prompts]
     engine = EngineLoop(lambda: ReferenceExecutor(ecfg), queue_limit=4, eos_ids=())
     engine.start(timeout=60)
@@ -135,7 +135,7 @@ def test_max_batch_runs_requests_together_and_each_stays_lossless(setup):
         async def main():
             loop = asyncio.get_running_loop()
             jobs = [Job(request(p), None, loop) for p in prompts + prompts[:1]]
-            too_long = Job(ServeRequest(list(prompts[0]), ecfg.capacity, SamplingParams(), (),
+            too_long = Job(ServeRequest(list(prompts[0]), ecfg.runtime.capacity, SamplingParams(), (),
                                         ParsedRequest(chat=False, model="m", prompt=prompts[0])), None, loop)
             for job in jobs[:2] + [too_long] + jobs[2:]:
                 engine.submit(job)

@@ -12,15 +12,16 @@ from test_penalties_runtime import processed_generate
 
 from spd_engine.engine.protocol.sampling import SamplingParams
 from spd_engine.engine.protocol.topology import Topology
-from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
+from spd_engine.engine.runtime.run_config import PRESETS, ModelSpec, ParallelLayout, RunConfig, Runtime
 from spd_engine.server.process import ServerProcess
 
 pytestmark = pytest.mark.multiproc
 TINY = "random:tiny-llama"
 TINY_ARGS = ["--model", TINY, "--stages", "2", "--threads", "1", "--capacity", "512", "--prefill-chunk", "16"]
 CFG = PRESETS["tiny-llama"]
-ECFG = RunConfig(model=TINY, cfg=CFG, topology=Topology.build(CFG.num_layers, 2), capacity=512, prefill_chunk=16,
-                 threads=1)
+ECFG = RunConfig(model=ModelSpec(source=TINY, cfg=CFG),
+                 parallel=ParallelLayout(topology=Topology.build(CFG.num_layers, 2), threads=1),
+                 runtime=Runtime(capacity=512, prefill_chunk=16))
 PROMPT = [8, 9, 10, 11, 9, 8]
 PENALTIES = dict(presence_penalty=0.4, frequency_penalty=0.3)
 VLLM_EXTRAS = dict(repetition_penalty=1.5, min_tokens=6)

@@ -145,7 +145,7 @@ def test_a_peer_that_differs_is_reported_not_failed(tmp_path, monkeypatch):
     from spd_engine.bench import speed
     from spd_engine.bench.hf_peer import HFPeer
     from spd_engine.engine.protocol.metrics import GenerationResult
-    from spd_engine.engine.runtime.run_config import RunConfig
+    from spd_engine.engine.runtime.run_config import ModelSpec, ParallelLayout, RunConfig, Runtime
 
     class Fake:
         def __init__(self, shift: int) -> None:
@@ -160,7 +160,8 @@ def test_a_peer_that_differs_is_reported_not_failed(tmp_path, monkeypatch):
     from spd_engine.engine.protocol.topology import Topology
 
     cfg = tiny_config("llama", num_layers=2)
-    ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(2, n=1), mode="ar", capacity=64)
+    ecfg = RunConfig(model=ModelSpec(source="random:tiny-llama", cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(2, n=1)), mode="ar", runtime=Runtime(capacity=64))
     cases = [speed.BenchCase("ar", ecfg), speed.BenchCase("hf", ecfg, HFPeer(tmp_path, torch.float32, 1))]
     monkeypatch.setattr(speed, "launch", lambda e: contextlib.nullcontext(Fake(0)))
     monkeypatch.setattr(HFPeer, "open", lambda self: contextlib.nullcontext(Fake(1)))

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.runtime.run_config import run_fields
 from spd_engine.tools import cli
 from spd_engine.tools.cli import SUBCOMMANDS, main
 from spd_engine.tools.cli_conventions import resolve_dtype
@@ -58,15 +58,16 @@ def test_help_shows_every_default(name):
 
 def test_run_defaults_come_from_run_config():
     p = PARSERS["generate"]
-    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig) if f.default is not dataclasses.MISSING}
-    flag_of = {"timeout_s": "timeout"}
-    for field in ("pdm_layers", "prefill_chunk", "timeout_s", "threads", "device", "seed", "step_mode", "mode"):
+    defaults = {name: f.default for name, f in run_fields().items() if f.default is not dataclasses.MISSING}
+    flag_of = {"runtime.timeout_s": "timeout"}
+    for field in ("drafting.pdm_layers", "runtime.prefill_chunk", "runtime.timeout_s", "parallel.threads",
+                  "parallel.device", "runtime.seed", "runtime.step_mode", "mode"):
         want = defaults[field]
         want = getattr(want, "value", want)
-        assert p.get_default(flag_of.get(field, field)) == want, field
+        assert p.get_default(flag_of.get(field, field.split(".")[-1])) == want, field
     # --dtype auto picks by device; on RunConfig's default device it is RunConfig's default dtype
     assert p.get_default("dtype") == "auto"
-    assert resolve_dtype("auto", defaults["device"]) == defaults["dtype"]
+    assert resolve_dtype("auto", defaults["parallel.device"]) == defaults["model.dtype"]
     folder = cli.__file__.rsplit("/", 1)[0]
     source = "".join(open(f"{folder}/{m}.py").read() for m in ("cli_conventions", "engine_args", "model_args"))
     assert "default=60.0" not in source and "default=128" not in source  # no second copy of a RunConfig default

@@ -34,7 +34,7 @@ def test_max_batch_2_gives_each_prompt_its_tokens_and_ticks_alone(capsys, one_th
     from spd_engine.engine.runtime.build import build_stage_model
 
     ecfg = tiny_engine_config("llama", weight_layout="col")
-    report = build_stage_model(ecfg, range(ecfg.cfg.num_layers), embedding=True, head=True).row_invariance
+    report = build_stage_model(ecfg, range(ecfg.model.cfg.num_layers), embedding=True, head=True).row_invariance
     if not (report.invariant and report.max_rows >= 2):  # what the claim rests on: the probe on this CPU
         pytest.skip(f"this CPU's kernels are not row-invariant at the col layout: {report}")
     argv = ["generate", "--model", "random:tiny-llama", "--capacity", "64", "--prefill-chunk", "16", "--threads", "1",

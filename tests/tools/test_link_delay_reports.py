@@ -8,7 +8,7 @@ import pytest
 
 from spd_engine.bench.plot import format_report
 from spd_engine.engine.protocol.topology import Topology
-from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
+from spd_engine.engine.runtime.run_config import PRESETS, ModelSpec, ParallelLayout, RunConfig, Runtime
 from spd_engine.tools import netbench
 
 pytestmark = pytest.mark.pure
@@ -40,8 +40,10 @@ def test_netbench_carries_the_delay_and_refuses_a_negative_one():
 def test_run_config_refuses_a_delay_outside_its_range():
     cfg = PRESETS["tiny-llama"]
     topo = Topology.build(cfg.num_layers, 2)
-    ok = RunConfig(model="random:tiny-llama", cfg=cfg, topology=topo, capacity=256, link_delay_us=50.0)
-    assert ok.link_delay_us == 50.0
+    ok = RunConfig(model=ModelSpec(source="random:tiny-llama", cfg=cfg),
+                   parallel=ParallelLayout(topology=topo, link_delay_us=50.0), runtime=Runtime(capacity=256))
+    assert ok.parallel.link_delay_us == 50.0
     for bad in (-1.0, float("nan"), 1e6):
         with pytest.raises(ValueError, match="--link-delay-us"):
-            RunConfig(model="random:tiny-llama", cfg=cfg, topology=topo, capacity=256, link_delay_us=bad)
+            RunConfig(model=ModelSpec(source="random:tiny-llama", cfg=cfg),
+                      parallel=ParallelLayout(topology=topo, link_delay_us=bad), runtime=Runtime(capacity=256))

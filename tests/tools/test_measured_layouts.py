@@ -27,11 +27,11 @@ def test_engine_config_takes_the_recorded_layout_for_its_threads():
     other = "row" if rule != "row" else "col"
     times = {(lay, w): (1.0 if lay == other else 2.0) for lay in ("row", "col") for w in (1, 4)}
     ecfg = config(base)
-    layout_store().record(layout_key(ecfg.model, ecfg.device, 1), times)
+    layout_store().record(layout_key(ecfg.model.source, ecfg.parallel.device, 1), times)
     assert config(base).resolved_weight_layout == other
     assert config(base + ["--weight-layout", rule]).resolved_weight_layout == rule  # given by hand
     two = config(base[:-1] + ["2"])
-    assert dict(two.measured_layouts).get(2) is None and two.resolved_weight_layout == two.replace(
+    assert dict(two.model.measured_layouts).get(2) is None and two.resolved_weight_layout == two.replace(
         measured_layouts=()).resolved_weight_layout  # no record for two threads: the fixed rule
 
 

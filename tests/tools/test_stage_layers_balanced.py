@@ -25,25 +25,25 @@ def config(argv: list[str]):
 def test_engine_config_takes_the_recorded_split(tmp_path, capsys):
     base = ["--model", "random:tiny-llama", "--stages", "2", "--colocate", "--prompt", "x"]
     even = config(base + ["--stage-layers", "balanced"])
-    assert even.topology.stage_layers == (3, 3) and "no split measured" in capsys.readouterr().err
+    assert even.parallel.topology.stage_layers == (3, 3) and "no split measured" in capsys.readouterr().err
     advice = {"stage_layers": [3, 3], "busiest_ms": 2.0, "balanced_layers": [2, 4], "balanced_busiest_ms": 1.5}
     split_store().record(split_key(even), advice, head="random")
     got = config(base + ["--stage-layers", "balanced"])
-    assert got.topology.stage_layers == (2, 4) and got.topology.colocate
+    assert got.parallel.topology.stage_layers == (2, 4) and got.parallel.topology.colocate
     assert "stage layers [2, 4], the split balancing" in capsys.readouterr().err
     apart = config(["--model", "random:tiny-llama", "--stages", "2", "--prompt", "x", "--stage-layers", "balanced"])
-    assert apart.topology.stage_layers == (3, 3)  # the driver on a rank of its own: another record
+    assert apart.parallel.topology.stage_layers == (3, 3)  # the driver on a rank of its own: another record
     # flags that change what a tick computes have records of their own
     for other in (["--pdm-dtype", "float32"], ["--head-screen", "off"], ["--suffix-run", "1"], ["--suffix-drafts", "off"]):
-        assert config(base + ["--stage-layers", "balanced", *other]).topology.stage_layers == (3, 3), other
+        assert config(base + ["--stage-layers", "balanced", *other]).parallel.topology.stage_layers == (3, 3), other
         assert split_key(config(base + other)) != split_key(even), other
     # a head whose anchors fall in other stages at [1, 5] cannot serve it
     cfg = PRESETS["tiny-llama"]
     head = save_pdm(random_pdm(cfg, (3, 3)), tmp_path / "head")
     split_store().record(split_key(even), {**advice, "balanced_layers": [1, 5]}, head=str(head))
     kept = config(base + ["--stage-layers", "balanced", "--spec", str(head)])
-    assert kept.topology.stage_layers == (3, 3) and "does not suit this run's head" in capsys.readouterr().err
-    assert config(base + ["--stage-layers", "balanced", "--spec", "random"]).topology.stage_layers == (1, 5)
+    assert kept.parallel.topology.stage_layers == (3, 3) and "does not suit this run's head" in capsys.readouterr().err
+    assert config(base + ["--stage-layers", "balanced", "--spec", "random"]).parallel.topology.stage_layers == (1, 5)
 
 
 @pytest.mark.multiproc

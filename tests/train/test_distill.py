@@ -35,7 +35,7 @@ def target():
 
 
 def tcfg(out: Path, **kw) -> TrainConfig:
-    base = dict(out=str(out), stage_layers=tuple(ECFG.topology.stage_layers), seq_len=S, batch=4, steps=6,
+    base = dict(out=str(out), stage_layers=tuple(ECFG.parallel.topology.stage_layers), seq_len=S, batch=4, steps=6,
                 lr=2e-3, warmup=2, save_every=3, autocast="float32")
     base.update(kw)
     return TrainConfig(**base)
@@ -49,7 +49,7 @@ def stream(batch: int = 4, distinct: int | None = None, seed: int = 0) -> Iterat
         if distinct is not None and len(cache) == distinct:
             yield from cache
             continue
-        b = torch.randint(0, ECFG.cfg.vocab_size, (batch, S), generator=g)
+        b = torch.randint(0, ECFG.model.cfg.vocab_size, (batch, S), generator=g)
         cache.append(b)
         yield b
 
@@ -105,7 +105,7 @@ def test_snapshots_are_heads(tmp_path: Path) -> None:
     assert snaps == ["step-000002", "step-000004"]
     _, meta = read_pdm_config(tmp_path / "snapshots" / "step-000002")
     assert meta["train"]["step"] == 2 and meta["train"]["tokens"] == 2 * 4 * S
-    final = load_pdm(tmp_path / "pdm", ECFG.cfg, tuple(ECFG.topology.stage_layers))
+    final = load_pdm(tmp_path / "pdm", ECFG.model.cfg, tuple(ECFG.parallel.topology.stage_layers))
     for (k, a), b in zip(final.state_dict().items(), tr.pdm.state_dict().values()):
         assert torch.allclose(a.float(), b.float(), atol=1e-3, rtol=1e-3), k  # fp16 export
 
@@ -135,7 +135,7 @@ def test_init_head_of_another_split_warm_starts(tmp_path: Path) -> None:
     first = Trainer(target(), tcfg(tmp_path / "a", steps=30, save_every=30, full_fill_frac=1.0, export_dtype="float32"),
                     stream(distinct=2), log=lambda m: None)
     first.run()
-    n4 = tuple(Topology.build(ECFG.cfg.num_layers, 4).stage_layers)
+    n4 = tuple(Topology.build(ECFG.model.cfg.num_layers, 4).stage_layers)
     moved = Trainer(target(), tcfg(tmp_path / "b", stage_layers=n4, steps=1, full_fill_frac=1.0,
                                    init_head=str(tmp_path / "a" / "pdm")), stream(distinct=2), log=lambda m: None)
     assert moved.pdm.pcfg.stage_layers == n4
@@ -245,7 +245,7 @@ class ModTokenizer:
     def __init__(self) -> None:
         from test_corpus import ByteTokenizer
 
-        self.inner = ByteTokenizer(vocab_size=ECFG.cfg.vocab_size)
+        self.inner = ByteTokenizer(vocab_size=ECFG.model.cfg.vocab_size)
         self.vocab_size, self.eos_ids = self.inner.vocab_size, self.inner.eos_ids
         self.special_ids, self.fingerprint = self.inner.special_ids, "mod-96"
 

@@ -43,7 +43,7 @@ def stream(batch: int = 4, distinct: int | None = None, seed: int = 0) -> Iterat
         if distinct is not None and len(cache) == distinct:
             yield from cache
             continue
-        cache.append(torch.randint(0, ECFG.cfg.vocab_size, (batch, S), generator=g))
+        cache.append(torch.randint(0, ECFG.model.cfg.vocab_size, (batch, S), generator=g))
         yield cache[-1]
 
 
@@ -63,8 +63,8 @@ def test_training_logits_equal_the_runtime_chain(one_thread):
     """Oracle drafts (the greedy output) through the runtime: the head's logits at chain step j
     for position x equal the training unroll's block j at position x - 2."""
     model, k = target(), 3
-    head = random_eagle(ECFG.cfg, seed=5)
-    prompt = random_prompts(ECFG.cfg, [9], seed=2)[0]
+    head = random_eagle(ECFG.model.cfg, seed=5)
+    prompt = random_prompts(ECFG.model.cfg, [9], seed=2)[0]
     want = reference(ECFG, prompt, 20)
     drv = EagleDriver(model, head, k, 64, 16)
     seen: dict[int, tuple[int, torch.Tensor]] = {}
@@ -76,7 +76,7 @@ def test_training_logits_equal_the_runtime_chain(one_thread):
         return draft(h, pos)
 
     drv._draft = spy
-    res = drv.generate(prompt, 20, draft_policy=Policy(want, len(prompt), ECFG.cfg.vocab_size))
+    res = drv.generate(prompt, 20, draft_policy=Policy(want, len(prompt), ECFG.model.cfg.vocab_size))
     assert res.tokens == want and res.accepted == res.verified
     tokens = torch.tensor([prompt + want])
     with torch.no_grad():
@@ -120,7 +120,7 @@ def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
     want, got = straight.head.state_dict(), resumed.head.state_dict()
     assert all(torch.equal(want[k], got[k]) for k in want)
     assert [h["loss"] for h in straight.history] == [h["loss"] for h in resumed.history]
-    back = load_eagle(tmp_path / "b" / "eagle", ECFG.cfg)
+    back = load_eagle(tmp_path / "b" / "eagle", ECFG.model.cfg)
     assert torch.allclose(back.head.weight.float(), resumed.head.head.weight, atol=1e-3)  # fp16 export
 
 
@@ -129,15 +129,15 @@ def test_a_trained_head_drafts_better_and_stays_lossless(tmp_path: Path, one_thr
     decode to greedy's tokens with a longer acceptance length than the untrained head's."""
     model = target()
     torch.manual_seed(0)
-    seqs = greedy_generate_batch(model, random_prompts(ECFG.cfg, [6] * 64, seed=11), S - 6)
-    data = [torch.tensor(p + s)[:S] for p, s in zip(random_prompts(ECFG.cfg, [6] * 64, seed=11), seqs)]
+    seqs = greedy_generate_batch(model, random_prompts(ECFG.model.cfg, [6] * 64, seed=11), S - 6)
+    data = [torch.tensor(p + s)[:S] for p, s in zip(random_prompts(ECFG.model.cfg, [6] * 64, seed=11), seqs)]
     batches = (torch.stack([data[(8 * i + j) % 64] for j in range(8)]) for i in range(10 ** 6))
     tr = EagleTrainer(model, tcfg(tmp_path, steps=120, save_every=120, batch=8, lr=3e-3), batches, log=lambda m: None)
     trained = tr.run()
     lengths = {}
-    for name, head in (("untrained", random_eagle(ECFG.cfg, seed=1)), ("trained", trained)):
+    for name, head in (("untrained", random_eagle(ECFG.model.cfg, seed=1)), ("trained", trained)):
         drv, decoded, passes = EagleDriver(model, head, 3, 128, 16), 0, 0
-        for prompt in random_prompts(ECFG.cfg, [6] * 6, seed=99):  # not among the training prompts
+        for prompt in random_prompts(ECFG.model.cfg, [6] * 6, seed=99):  # not among the training prompts
             res = drv.generate(prompt, 32)
             assert res.tokens == reference(ECFG, prompt, 32), name
             decoded, passes = decoded + len(res.tokens) - 1, passes + res.target_passes

@@ -10,7 +10,7 @@ import pytest
 import spd_engine.train.evaluate as ev
 from spd_engine.engine.model.pdm import random_pdm
 from spd_engine.engine.protocol.topology import Topology
-from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
+from spd_engine.engine.runtime.run_config import PRESETS, ModelSpec, ParallelLayout, RunConfig, Runtime
 from spd_engine.tools.cli import main
 from spd_engine.train.fast_eval import Acceptance
 
@@ -111,17 +111,19 @@ def test_table_has_a_row_per_dataset_and_overall():
 
 def tiny_ecfg(n: int, **kw) -> RunConfig:
     cfg = PRESETS["tiny-qwen2"]
-    return RunConfig(model="random:tiny-qwen2", cfg=cfg, topology=Topology.build(cfg.num_layers, n),
-                        capacity=256, prefill_chunk=16, timeout_s=30.0, **kw)
+    base = RunConfig(model=ModelSpec(source="random:tiny-qwen2", cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, n)),
+                     runtime=Runtime(capacity=256, prefill_chunk=16, timeout_s=30.0))
+    return base.replace(**kw)
 
 
 def run_eval(ecfg: RunConfig, data_dir: Path, executor: str, max_new: int = 24, cache: Path | None = None
              ) -> ev.EvalReport:
     settings = ev.EvalSettings(max_new, 0.0, executor)
-    prompts = [(p, ev.encode_prompt(p.text, None, ecfg.cfg.vocab_size))
+    prompts = [(p, ev.encode_prompt(p.text, None, ecfg.model.cfg.vocab_size))
                for name in ev.DATASETS for p in ev.load_dataset(data_dir, name)]
     with ev.open_runner(ecfg, settings, cache) as runner:
-        report = ev.evaluate(runner, prompts, ecfg.topology.n, settings, ecfg.cfg.eos_token_ids)
+        report = ev.evaluate(runner, prompts, ecfg.parallel.topology.n, settings, ecfg.model.cfg.eos_token_ids)
         report.cache_hits = runner.cache.hits if cache is not None else None
         return report
 
@@ -139,15 +141,15 @@ def test_fast_and_reference_executors_give_identical_records(data_dir, n, one_th
 def test_outside_vocab_counts_reference_tokens_the_draft_vocabulary_lacks(data_dir, one_thread):
     ecfg = tiny_ecfg(2)
     rep = run_eval(ecfg, data_dir, "fast", 12)
-    vocab = tuple(range(0, ecfg.cfg.vocab_size, 2))  # even ids only
+    vocab = tuple(range(0, ecfg.model.cfg.vocab_size, 2))  # even ids only
     settings = ev.EvalSettings(12, 0.0, "fast")
-    prompts = [(p, ev.encode_prompt(p.text, None, ecfg.cfg.vocab_size))
+    prompts = [(p, ev.encode_prompt(p.text, None, ecfg.model.cfg.vocab_size))
                for name in ev.DATASETS for p in ev.load_dataset(data_dir, name)]
     with ev.open_runner(ecfg, settings) as runner:
-        runner.pdm = random_pdm(ecfg.cfg, tuple(ecfg.topology.stage_layers), draft_vocab=vocab)
-        odd = ev.evaluate(runner, prompts, 2, settings, ecfg.cfg.eos_token_ids)
+        runner.pdm = random_pdm(ecfg.model.cfg, tuple(ecfg.parallel.topology.stage_layers), draft_vocab=vocab)
+        odd = ev.evaluate(runner, prompts, 2, settings, ecfg.model.cfg.eos_token_ids)
     full = ev.full_target(ecfg)
-    refs = [ev.greedy_generate(full, ids, 12, eos_ids=ecfg.cfg.eos_token_ids, chunk=ecfg.prefill_chunk)
+    refs = [ev.greedy_generate(full, ids, 12, eos_ids=ecfg.model.cfg.eos_token_ids, chunk=ecfg.runtime.prefill_chunk)
             for _, ids in prompts]
     want = [sum(t % 2 for t in y[1:]) for y in refs]  # verified tokens with odd ids
     assert [r.outside_vocab for r in odd.records] == want and sum(want) > 0

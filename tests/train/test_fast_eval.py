@@ -20,7 +20,7 @@ from spd_engine.engine.protocol.schedule import decode_ticks, simulate
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.build import build_pdm
 from spd_engine.engine.runtime.reference import ReferenceExecutor
-from spd_engine.engine.runtime.run_config import RunConfig
+from spd_engine.engine.runtime.run_config import Drafting, ModelSpec, ParallelLayout, RunConfig, Runtime
 from spd_engine.train.fast_eval import Acceptance, fast_generate, replay
 
 # ---- replay: pure ----
@@ -95,9 +95,9 @@ def test_replay_equals_the_schedule_simulation_on_random_verdicts(n):
 def oracle_mixed_pdm(ecfg: RunConfig, target, noise: float, seed: int = 7) -> PDM:
     """Initialised from the target (identity projections, its last layer, norm and head), plus
     `noise` times a random head: agrees with the target often but not always, fill-dependently."""
-    pdm = random_pdm(ecfg.cfg, tuple(ecfg.topology.stage_layers), ecfg.pdm_layers, seed=seed)
+    pdm = random_pdm(ecfg.model.cfg, tuple(ecfg.parallel.topology.stage_layers), ecfg.drafting.pdm_layers, seed=seed)
     rnd = {k: v.clone() for k, v in pdm.named_parameters()}
-    last = target.decoder.layers[str(ecfg.cfg.num_layers - 1)]
+    last = target.decoder.layers[str(ecfg.model.cfg.num_layers - 1)]
     pdm.init_from_target(last, target.decoder.final_layernorm.weight, target.output_weight())
     with torch.no_grad():
         for k, p in pdm.named_parameters():
@@ -173,12 +173,12 @@ NEW = 32
 def test_fast_path_equals_reference_executor(arch, n, colocate, K, one_thread):
     ecfg = tiny_engine_config(arch, n, colocate, pdm_layers=K)
     target = full_model(ecfg)
-    prompts = random_prompts(ecfg.cfg, [7, 30], seed=n)
+    prompts = random_prompts(ecfg.model.cfg, [7, 30], seed=n)
     heads = {"untrained": build_pdm(ecfg), "oracle-mixed": oracle_mixed_pdm(ecfg, target, 0.1)}
     ref = reference(ecfg, prompts[0], NEW)  # greedy output: independent of the head
     seen: list[Acceptance] = []
     tally: Counter = Counter()
-    chunk = ecfg.prefill_chunk
+    chunk = ecfg.runtime.prefill_chunk
     for name, pdm in heads.items():
         with ReferenceExecutor(ecfg, pdm=pdm) as ex:
             for prompt in prompts:
@@ -217,8 +217,9 @@ def test_fast_path_equals_reference_on_smollm2(n):
     # no suffix runs: the draft observer below drafts through a policy, and a run never travels
     # under one (engine/runtime/drafter.py), so the runtime would draft without runs and the fast
     # path with them; runs have their own exact replay (tests/train/test_run_replay.py)
-    ecfg = RunConfig(model=spec, cfg=cfg, topology=Topology.build(cfg.num_layers, n), capacity=512,
-                     timeout_s=120.0, suffix_run=1)
+    ecfg = RunConfig(model=ModelSpec(source=spec, cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, n)), drafting=Drafting(suffix_run=1),
+                     runtime=Runtime(capacity=512, timeout_s=120.0))
     tok = Tokenizer.from_dir(tok_dir)
     target = build_stage_model(ecfg, range(cfg.num_layers), embedding=True, head=True)
     pdm = oracle_mixed_pdm(ecfg, target, 0.0)  # the distillation starting point: agrees sometimes
@@ -227,10 +228,10 @@ def test_fast_path_equals_reference_on_smollm2(n):
     with ReferenceExecutor(ecfg, pdm=pdm) as ex:
         for text in CHAT:
             ids = tok.chat_ids(text)
-            acc = compare(ex.driver, target, pdm, ids, 40, ecfg.prefill_chunk, tally, tok.eos_ids)
-            ref = fast_generate(target, pdm, ids, 40, tok.eos_ids, chunk=ecfg.prefill_chunk).tokens
+            acc = compare(ex.driver, target, pdm, ids, 40, ecfg.runtime.prefill_chunk, tally, tok.eos_ids)
+            ref = fast_generate(target, pdm, ids, 40, tok.eos_ids, chunk=ecfg.runtime.prefill_chunk).tokens
             # policy-mixed: the PDM's own drafts are consulted at every fill, behind accepted ones
-            mixed = compare(ex.driver, target, pdm, ids, 40, ecfg.prefill_chunk, tally, tok.eos_ids,
+            mixed = compare(ex.driver, target, pdm, ids, 40, ecfg.runtime.prefill_chunk, tally, tok.eos_ids,
                             policy=oracle_policy(ref, len(ids)))
             print(f"n={n}: {acc}\n  policy-mixed: {mixed}")
             seen += [acc, mixed]

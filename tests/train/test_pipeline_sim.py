@@ -12,7 +12,7 @@ from spd_engine.engine.model.greedy import greedy_generate
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.build import build_pdm, build_stage_model
 from spd_engine.engine.runtime.reference import ReferenceExecutor
-from spd_engine.engine.runtime.run_config import PRESETS, RunConfig
+from spd_engine.engine.runtime.run_config import PRESETS, Drafting, ModelSpec, ParallelLayout, RunConfig, Runtime
 from spd_engine.train.pipeline_sim import block_depths, simulated_hidden, simulation_mask, target_anchors
 
 TOL = 1e-5  # fp32: different shapes and reduction orders, measured max |diff| ~6e-7
@@ -20,9 +20,10 @@ TOL = 1e-5  # fp32: different shapes and reduction orders, measured max |diff| ~
 
 def _setup(rejections: bool):
     cfg = PRESETS["tiny-llama"]
-    ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, stage_layers="2,2,1,1"),
-                        capacity=128, timeout_s=10, prefill_chunk=8, pdm_layers=2,
-                        pdm_dtype="float32")  # exact comparisons: the PDM in fp32 on every CPU
+    ecfg = RunConfig(model=ModelSpec(source="random:tiny-llama", cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, stage_layers="2,2,1,1")),
+                     drafting=Drafting(pdm_layers=2, pdm_dtype="float32"),  # exact comparisons: the PDM in fp32 on every CPU
+                     runtime=Runtime(capacity=128, timeout_s=10, prefill_chunk=8))
     plan = ecfg.plan()
     assert plan.depth_types == (0, 1, 1, 2, 2)  # two pairs of depths share a type
     full = build_stage_model(ecfg, range(cfg.num_layers), True, True)
@@ -92,9 +93,10 @@ def test_per_type_layout_is_not_exact_for_k2():
     """With K=2 and depths sharing a type (2,2,1,1), the per-type layout misses the driver's
     drafts while the per-depth block layout matches them: the construction is what makes it exact."""
     cfg = PRESETS["tiny-llama"]
-    ecfg = RunConfig(model="random:tiny-llama", cfg=cfg, topology=Topology.build(cfg.num_layers, stage_layers="2,2,1,1"),
-                        capacity=128, timeout_s=10, prefill_chunk=8, pdm_layers=2,
-                        pdm_dtype="float32")  # exact comparisons: the PDM in fp32 on every CPU
+    ecfg = RunConfig(model=ModelSpec(source="random:tiny-llama", cfg=cfg),
+                     parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, stage_layers="2,2,1,1")),
+                     drafting=Drafting(pdm_layers=2, pdm_dtype="float32"),  # exact comparisons: the PDM in fp32 on every CPU
+                     runtime=Runtime(capacity=128, timeout_s=10, prefill_chunk=8))
     seen, sim, seq, _, _ = _setup(False)
     pdm = build_pdm(ecfg)
     full = build_stage_model(ecfg, range(cfg.num_layers), True, True)

@@ -30,8 +30,8 @@ def counters(res) -> tuple:
 def test_runtime_equals_replay_and_greedy(arch, n, colocate, K, one_thread):
     ecfg = tiny_engine_config(arch, n, colocate, pdm_layers=K, suffix_run=4, suffix_min_match=1)
     target, pdm = full_model(ecfg), build_pdm(ecfg)
-    loop = random_prompts(ecfg.cfg, [12], seed=1)[0]
-    prompts = [loop * 3, random_prompts(ecfg.cfg, [20], seed=2)[0]]  # a repeated prompt: long matches
+    loop = random_prompts(ecfg.model.cfg, [12], seed=1)[0]
+    prompts = [loop * 3, random_prompts(ecfg.model.cfg, [20], seed=2)[0]]  # a repeated prompt: long matches
     runs_verified = rejected_in_runs = 0
     with ReferenceExecutor(ecfg, pdm=pdm) as ex:
         for prompt in prompts:
@@ -41,7 +41,7 @@ def test_runtime_equals_replay_and_greedy(arch, n, colocate, K, one_thread):
                 ref = reference(ecfg, prompt, NEW, eos)
                 res = ex.generate(prompt, NEW, eos)
                 assert res.tokens == ref
-                fast = fast_generate(target, pdm, prompt, NEW, eos, chunk=ecfg.prefill_chunk,
+                fast = fast_generate(target, pdm, prompt, NEW, eos, chunk=ecfg.runtime.prefill_chunk,
                                      chooser=ex.driver.drafter.chooser)
                 assert fast.tokens == ref
                 assert counters(fast.acceptance) == counters(res)
@@ -55,7 +55,7 @@ def test_runtime_equals_replay_and_greedy(arch, n, colocate, K, one_thread):
 
 def test_runs_cut_ticks(one_thread):
     ecfg = tiny_engine_config("llama", 2, True, suffix_run=4, suffix_min_match=1)
-    prompt = random_prompts(ecfg.cfg, [12], seed=1)[0] * 3
+    prompt = random_prompts(ecfg.model.cfg, [12], seed=1)[0] * 3
     with ReferenceExecutor(ecfg) as ex:
         runs = ex.generate(prompt, NEW)
     with ReferenceExecutor(ecfg.replace(suffix_run=1)) as ex:
@@ -87,8 +87,8 @@ def test_processes_equal_the_reference_executor(colocate, transport):
     tokens and counters of every request equal the threads' at T=0 and seeded T>0."""
     ecfg = tiny_engine_config("qwen2", 2, colocate, suffix_run=4, suffix_min_match=1, threads=1,
                               transport=transport)
-    loop = random_prompts(ecfg.cfg, [10], seed=4)[0]
-    prompts = [loop * 3, random_prompts(ecfg.cfg, [17], seed=5)[0]]
+    loop = random_prompts(ecfg.model.cfg, [10], seed=4)[0]
+    prompts = [loop * 3, random_prompts(ecfg.model.cfg, [17], seed=5)[0]]
     cases = [(p, s) for p in prompts for s in (None, SamplingParams(temperature=1.0, top_k=3, seed=11))]
     with ReferenceExecutor(ecfg) as ex:
         want = [summary(ex.generate(p, NEW, (), sampling=s or SamplingParams())) for p, s in cases]
@@ -103,7 +103,7 @@ def test_processes_equal_the_reference_executor(colocate, transport):
 def test_static_steps_carry_runs_eagerly(colocate, one_thread):
     """The static (graph-path) one-token steps share the KV cache with the eager steps that carry runs."""
     ecfg = tiny_engine_config("llama", 2, colocate, suffix_run=4, suffix_min_match=1, step_mode="static")
-    prompt = random_prompts(ecfg.cfg, [12], seed=1)[0] * 3
+    prompt = random_prompts(ecfg.model.cfg, [12], seed=1)[0] * 3
     with ReferenceExecutor(ecfg) as ex:
         res = ex.generate(prompt, NEW)
     assert res.tokens == reference(ecfg, prompt, NEW)
@@ -117,8 +117,8 @@ def test_packed_weights_carry_runs_losslessly(colocate, one_thread):
     token's do: ranks as processes commit the greedy output of the same layout, runs included."""
     ecfg = tiny_engine_config("qwen2", 2, colocate, suffix_run=4, suffix_min_match=1, threads=1,
                               weight_layout="packed")
-    loop = random_prompts(ecfg.cfg, [10], seed=6)[0]
-    prompts = [loop * 3, random_prompts(ecfg.cfg, [17], seed=7)[0]]
+    loop = random_prompts(ecfg.model.cfg, [10], seed=6)[0]
+    prompts = [loop * 3, random_prompts(ecfg.model.cfg, [17], seed=7)[0]]
     with launch(ecfg) as runtime:
         got = [runtime.generate(p, NEW, ()) for p in prompts]
     assert [r.tokens for r in got] == [reference(ecfg, p, NEW) for p in prompts]

@@ -58,13 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     tok = Tokenizer.from_dir(tok_dir) if tok_dir is not None else None
     texts = load_prompts(gen)
     texts = [texts[i % len(texts)] for i in range(args.requests)]
-    prompts = encode_prompts(texts, tok, gen.chat, ecfg.cfg.vocab_size)
-    eos = () if gen.ignore_eos else (tok.eos_ids if tok is not None else ecfg.cfg.eos_token_ids)
+    prompts = encode_prompts(texts, tok, gen.chat, ecfg.model.cfg.vocab_size)
+    eos = () if gen.ignore_eos else (tok.eos_ids if tok is not None else ecfg.model.cfg.eos_token_ids)
     reqs = [BatchRequest(ids, gen.max_new_tokens, eos) for ids in prompts]
     with launch(ecfg) as runtime:
         runs = measure_batches(runtime, reqs, args.batch_list, args.repeats,
                                lambda m: print(m, file=sys.stderr, flush=True))
-    print(f"model {ecfg.model}, head {ecfg.pdm}, n={ecfg.topology.n}, colocate={ecfg.topology.colocate}, "
+    topo = ecfg.parallel.topology
+    print(f"model {ecfg.model.source}, head {ecfg.drafting.pdm}, n={topo.n}, colocate={topo.colocate}, "
           f"{args.requests} requests x {gen.max_new_tokens} tokens, {args.repeats} repeats")
     print("\n".join(format_summary(summary(runs))))
     return 0

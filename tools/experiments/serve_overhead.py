@@ -96,11 +96,11 @@ def start_server(serve_argv: list[str]):
     if tok_dir is None:
         raise ValueError("the overhead benchmark streams chat text: use a model with a tokenizer")
     tok = Tokenizer.from_dir(tok_dir)
-    info = ModelInfo(name=args.model, tok=tok, tok_dir=tok_dir, vocab_size=ecfg.cfg.vocab_size,
-                     capacity=ecfg.capacity, eos_ids=tuple(tok.eos_ids))
+    info = ModelInfo(name=args.model, tok=tok, tok_dir=tok_dir, vocab_size=ecfg.model.cfg.vocab_size,
+                     capacity=ecfg.runtime.capacity, eos_ids=tuple(tok.eos_ids))
     engine = EngineLoop(lambda: launch(ecfg), args.max_queue, info.eos_ids,
                         rank_processes=multiprocessing.active_children)
-    engine.metrics = ServeMetrics(ecfg.topology.n, engine.waiting, lambda: int(engine.current is not None))
+    engine.metrics = ServeMetrics(ecfg.parallel.topology.n, engine.waiting, lambda: int(engine.current is not None))
     engine.start(timeout=args.startup_timeout)
     sock = bind("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(build_app(engine, info, engine.metrics, args.request_timeout),

@@ -26,7 +26,7 @@ from spd_engine.engine.model.greedy import greedy_generate, prefill
 from spd_engine.engine.model.tp_model import SerialTP
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.build import build_stage_model, build_tp_stage_model
-from spd_engine.engine.runtime.run_config import RunConfig, random_preset
+from spd_engine.engine.runtime.run_config import ModelSpec, ParallelLayout, RunConfig, Runtime, random_preset
 from spd_engine.tools.cli import HelpFormatter
 
 SETS = ("mt_bench", "humaneval", "gsm8k")
@@ -38,9 +38,9 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 @torch.no_grad()
 def compare(ecfg: RunConfig, prompts: list[list[int]], max_new: int, eos) -> list[dict]:
-    L = ecfg.cfg.num_layers
+    L = ecfg.model.cfg.num_layers
     full = build_stage_model(ecfg, range(L), True, True)
-    split = SerialTP.build(lambda g: build_tp_stage_model(ecfg, range(L), True, True, g), ecfg.topology.tp)
+    split = SerialTP.build(lambda g: build_tp_stage_model(ecfg, range(L), True, True, g), ecfg.parallel.topology.tp)
     out = []
     for ids in prompts:
         want = greedy_generate(full, ids, max_new, eos)
@@ -91,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec, tok = resolve(args.model)
         cfg = random_preset(spec) or read_index(spec).cfg
-        ecfg = RunConfig(model=spec, cfg=cfg, topology=Topology.build(cfg.num_layers, 1, colocate=True, tp=args.tp),
-                         mode="tp", capacity=min(2048, cfg.max_position), dtype=args.dtype)
+        ecfg = RunConfig(model=ModelSpec(source=spec, cfg=cfg, dtype=args.dtype),
+                         parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, 1, colocate=True, tp=args.tp)),
+                         mode="tp", runtime=Runtime(capacity=min(2048, cfg.max_position)))
     except ValueError as err:
         print(f"tp_agreement: {err}", file=sys.stderr)
         return 2
@@ -111,6 +112,6 @@ def main(argv: list[str] | None = None) -> int:
               "".join(f"; at token {r['parts_at']}: logit gap {r['gap']:.2e} (top-2 margin {r['top2_margin']:.2e})"
                       for r in part))
     print(f"overall: {parted} of {total} outputs part, tp={args.tp}, {args.max_new_tokens} new tokens, "
-          f"{ecfg.dtype}")
+          f"{ecfg.model.dtype}")
     return 0
 
