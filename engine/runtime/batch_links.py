@@ -48,6 +48,10 @@ class BatchLinks:
         self.anchors = [slice(a[0], a[-1] + 1) if a else None for a in stage_anchors]
         self.slots: Sequence[SlotRequest | None] = []
         self.consumed = [0] * len(self.ranks)  # reports read from each stage this run
+        # a BATCH report's receive buffers by (stage, payload, shape), made once and pinned with the
+        # transport (its fast path for a tick's message); a report's rows are copied out (take_row)
+        # or turned into ints before the next report lands in them
+        self._rows: dict[tuple[int, str, tuple[int, ...]], torch.Tensor] = {}
 
     def begin(self, slots: Sequence[SlotRequest | None]) -> None:
         """A new run over `slots` (the run's list: request slot -> its request, or None)."""
@@ -62,7 +66,7 @@ class BatchLinks:
         rank = self.ranks[s]
         hdr = self.t.recv_header(rank, self.timeout, tick)
         self.consumed[s] += 1
-        payloads = {p.name: self.t.recv_into(rank, self._buffer(p), self.timeout, tick)
+        payloads = {p.name: self.t.recv_into(rank, self._buffer(s, p, hdr.kind == Kind.BATCH), self.timeout, tick)
                     for p in self.wire.to_driver(s, hdr)}
         if hdr.kind == Kind.PREFILL:  # its epoch field carries the request's serial
             live = self.slots[hdr.slot]
@@ -75,7 +79,15 @@ class BatchLinks:
             if live is not None and live.current(row[_SERIAL], row[_EPOCH]):
                 live.take_row(s, row, r, payloads, self.anchors[s])
 
-    def _buffer(self, p: Payload) -> torch.Tensor:
+    def _buffer(self, s: int, p: Payload, keep: bool) -> torch.Tensor:
+        """A receive buffer for payload p of stage s's report (keep: a BATCH report's, reused)."""
+        if keep:
+            key = (s, p.name, p.shape)
+            buf = self._rows.get(key)
+            if buf is None:
+                buf = self._rows[key] = self._buffer(s, p, False)
+                self.t.pin(buf)
+            return buf
         if p.kind == "act":
             return torch.empty(p.shape, device=self.device, dtype=self.dtype)
         return torch.empty(p.shape, dtype=torch.int64 if p.kind == "int64" else torch.float64)

@@ -24,6 +24,10 @@ class StageInput:
         """capacity: positions a request may reach."""
         self.stage, self.model, self.t, self.prev, self.timeout = stage, model, transport, prev, timeout
         self.buf, self.capacity = buffers, capacity
+        # a BATCH message's receive buffers by row count: made once, pinned with the transport (its
+        # fast path for a tick's message); a step is done with them before the next message lands
+        self._tables: dict[int, torch.Tensor] = {}  # R -> [R, META_LEN]
+        self._rows: dict[int, torch.Tensor] = {}  # R -> [R, H]
 
     def check(self, hdr: Header) -> None:
         """RuntimeError if a TOKEN or PREFILL message reaches past the KV cache or the buffers."""
@@ -49,9 +53,18 @@ class StageInput:
         """A BATCH message's table meta [R, META_LEN] (host int64) and its rows: stage 0's token ids
         [1, R] (the table's), a later stage's hidden states h [1, R, H]."""
         R, H = hdr.rows, self.model.cfg.hidden_size
-        meta = self.t.recv_into(self.prev, torch.empty(R, META_LEN, dtype=torch.int64), self.timeout, tick)
+        meta = self.t.recv_into(self.prev, self._kept(self._tables, R, META_LEN, torch.int64, torch.device("cpu")),
+                                self.timeout, tick)
         if self.stage == 0:
             return meta, meta[None, :, _TOKEN].to(self.buf.device)  # [1, R]
-        h = self.t.recv_into(self.prev, torch.empty(R, H, device=self.buf.device, dtype=self.buf.dtype),
-                             self.timeout, tick)
+        h = self.t.recv_into(self.prev, self._kept(self._rows, R, H, self.buf.dtype, self.buf.device), self.timeout, tick)
         return meta, h[None]  # [1, R, H]
+
+    def _kept(self, kept: dict[int, torch.Tensor], R: int, width: int, dtype: torch.dtype, device: torch.device
+              ) -> torch.Tensor:
+        """The pinned [R, width] receive buffer of R rows, made on first use."""
+        buf = kept.get(R)
+        if buf is None:
+            buf = kept[R] = torch.empty(R, width, dtype=dtype, device=device)
+            self.t.pin(buf)
+        return buf
