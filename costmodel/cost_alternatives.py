@@ -37,7 +37,7 @@ def pp_token_ms(profile: Profile, stage_ms: list[float], link_of, head_ms: float
     stage time includes it): one token through all stages, then its successor: n hops per token
     (n-1 activations + the token back to stage 0)."""
     n = len(stage_ms)
-    sizes = message_bytes(profile.hidden, profile.dtype_bytes, profile.anchors)
+    sizes = message_bytes(profile.hidden, profile.dtype_bytes, profile.anchors, table=False)
     hops = sum(link_of(p, p + 1).hop_ms(sizes["activation"]) for p in range(n - 1))
     hops += link_of(n - 1, 0).hop_ms(sizes["token"])
     return sum(stage_ms) + head_ms + hops
@@ -58,6 +58,6 @@ def tp_token_ms(profile: Profile, g: int, link: LinkModel, notes: list[str]) -> 
     Returns (ms per token, ms of it in all-reduces and that hop)."""
     shard = tp_shard_layer_ms(profile, g, notes)
     comm = (2 * profile.num_layers + 1) * tp_reduce_ms(profile, g, link, notes) + link.allreduce_ms(g, 8, notes)
-    comm += link.hop_ms(message_bytes(profile.hidden, profile.dtype_bytes, profile.anchors)["token"])
+    comm += link.hop_ms(message_bytes(profile.hidden, profile.dtype_bytes, profile.anchors, table=False)["token"])
     note(notes, "ASSUMPTION: TP head = verify_ms / g (vocab-parallel) + one 8-byte all-reduce for the argmax")
     return sum(shard) + profile.stage_fixed_ms + profile.verify_ms / g + comm, comm

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 # inline flag (engine/comm/transport.py FRAME_HEAD); a number here so the cost model needs no torch,
 # tested against the engine
 HEADER_BYTES = 88  # the frame head: 10 int64 header fields and the inline flag (engine/comm/transport.py FRAME_HEAD)
+TABLE_ROW_BYTES = 80  # a BATCH message's table row: META_LEN int64 fields (engine/protocol/messages.py), tested
 
 
 # Tensors per decode-tick message: the runtime's transport sends each as one frame (header and
@@ -19,14 +20,15 @@ HEADER_BYTES = 88  # the frame head: 10 int64 header fields and the inline flag 
 MESSAGE_PARTS = {"token": 1, "activation": 1, "anchors": 1, "exit": 1}
 
 
-def message_bytes(hidden: int, dtype_bytes: int, anchors: int) -> dict[str, int]:
-    """Wire sizes of SPD's per-tick messages (engine/protocol/messages.py WireFormat): the token to stage
-    0 (a header alone), an activation between stages, a stage's anchors to the driver, and the
-    last stage's anchors + exit state. A message is its header and its payloads, modelled as
-    one hop of their total size."""
-    row = hidden * dtype_bytes
-    return {"token": HEADER_BYTES, "activation": HEADER_BYTES + row,  # HEADER_BYTES: the frame's head
-            "anchors": HEADER_BYTES + anchors * row, "exit": HEADER_BYTES + (1 + anchors) * row}
+def message_bytes(hidden: int, dtype_bytes: int, anchors: int, table: bool = True) -> dict[str, int]:
+    """Wire sizes of the per-tick messages (engine/protocol/messages.py WireFormat): the token to stage
+    0, an activation between stages, a stage's anchors to the driver, and the last stage's anchors +
+    exit state. SPD's (table): a request alone's one-row BATCH messages, each led by its table row;
+    else pp's / tp's TOKEN messages (the token a header alone). A message is its header and its
+    payloads, modelled as one hop of their total size."""
+    row, table = hidden * dtype_bytes, TABLE_ROW_BYTES if table else 0
+    return {"token": HEADER_BYTES + table, "activation": HEADER_BYTES + table + row,  # HEADER_BYTES: the frame's head
+            "anchors": HEADER_BYTES + table + anchors * row, "exit": HEADER_BYTES + table + (1 + anchors) * row}
 
 
 def _by_n(value, what: str) -> dict[int, float] | float:

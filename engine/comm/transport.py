@@ -232,7 +232,7 @@ class DistTransport(Transport):
         ints = rx.frames[rx.cur][:FRAME_HEAD].view(torch.int64).tolist()  # host sync: the header decides
         hdr = Header.from_ints(ints[:HEADER_LEN])
         rx.inline, rx.offset = bool(ints[HEADER_LEN]), FRAME_HEAD
-        if rx.inline and hdr.kind in (Kind.TOKEN, Kind.PREFILL):
+        if rx.inline and hdr.kind in (Kind.TOKEN, Kind.PREFILL, Kind.BATCH):
             self._post(src, rx)  # mid-request: the next frame lands while this one is used
         return hdr
 

@@ -232,15 +232,16 @@ def link_frames(topo, wire: WireFormat, act_itemsize: int, width: int = 1) -> di
         if src != dst:  # the co-located driver and stage 0 talk in-process
             frames[(src, dst)] = max(frames.get((src, dst), 0), payload_bytes(payloads, act_itemsize))
 
-    token = Header(Kind.TOKEN, rows=width)
+    # pp / ar decode a TOKEN a tick; SPD a BATCH message, a request alone's entry one row (W: chains)
+    tick = Header(Kind.TOKEN, rows=width) if wire.head_on_last else Header(Kind.BATCH, rows=width)
     for t in range(topo.tp):  # TP rank t talks to TP rank t of the next stage (docs/design.md 3.9)
-        add(topo.driver_rank, topo.stage_rank(0, t), wire.from_driver(token))
+        add(topo.driver_rank, topo.stage_rank(0, t), wire.from_driver(tick))
     for s in range(topo.n):
         if s + 1 < topo.n:
             for t in range(topo.tp):
-                add(topo.stage_rank(s, t), topo.stage_rank(s + 1, t), wire.downstream(token))
+                add(topo.stage_rank(s, t), topo.stage_rank(s + 1, t), wire.downstream(tick))
         if wire.reports_to_driver(s):
-            add(topo.stage_rank(s), topo.driver_rank, wire.to_driver(s, token))
+            add(topo.stage_rank(s), topo.driver_rank, wire.to_driver(s, tick))
     return frames
 
 

@@ -20,7 +20,7 @@ from spd_engine.bench.validate_runtime import (
     tp_diagnostic,
     validate,
 )
-from spd_engine.costmodel.cost_inputs import HEADER_BYTES, LinkModel, Profile
+from spd_engine.costmodel.cost_inputs import HEADER_BYTES, TABLE_ROW_BYTES, LinkModel, Profile
 from spd_engine.costmodel.cost_model_spd import eal_for_request, verifies_on_last
 from spd_engine.engine.protocol.messages import HEADER_LEN
 from spd_engine.engine.protocol.schedule import expected_eal
@@ -250,8 +250,9 @@ def test_real_run_inputs_are_usable(tiny_validation):
         assert len(prof.pp_stage_ms[2]) == 2 and min(prof.pp_stage_ms[2]) > 0
     net = res["rounds"][0]["netbench"]
     assert net["schema"] == "spd-netbench/1" and {(r["src"], r["dst"]) for r in net["p2p"]} >= {(0, 1), (0, 2), (1, 2)}
-    # a header alone, and a header + one activation row (float32)
-    assert {r["bytes"] for r in net["p2p"]} >= {HEADER_LEN * 8, PRESETS["tiny-llama"].hidden_size * 4 + HEADER_BYTES}
+    # a header alone, and SPD's activation message: a header, its table row and one activation row (float32)
+    assert {r["bytes"] for r in net["p2p"]} >= {HEADER_LEN * 8,
+                                                 PRESETS["tiny-llama"].hidden_size * 4 + HEADER_BYTES + TABLE_ROW_BYTES}
     text = format_validation(res)
     assert "SYNTHETIC acceptance alpha=0.75" in text and "host load: before:" in text
     assert all(r["config"] in text for r in res["rows"]) and "configs within 15%" in text

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from spd_engine.costmodel.cost_inputs import HEADER_BYTES, MESSAGE_PARTS, AlphaCurve, LinkModel, Profile
+from spd_engine.costmodel.cost_inputs import HEADER_BYTES, MESSAGE_PARTS, TABLE_ROW_BYTES, AlphaCurve, LinkModel, Profile
 from spd_engine.costmodel.cost_model_spd import SpdCase, eal_for_request, predict_spd, simulate_spd, spd_cycles
 from spd_engine.costmodel.cost_partitions import balanced_partition, rebalanced_split
 from spd_engine.engine.protocol.schedule import decode_ticks, expected_eal
@@ -324,11 +324,12 @@ def test_pp_uses_measured_stage_times_where_the_profile_has_them():
 def test_message_sizes_are_the_engines_wire_format():
     from spd_engine.costmodel.cost_inputs import message_bytes
     from spd_engine.engine.comm.transport import FRAME_HEAD
-    from spd_engine.engine.protocol.messages import Header, Kind, WireFormat, link_frames, payload_bytes
+    from spd_engine.engine.protocol.messages import META_LEN, Header, Kind, WireFormat, link_frames, payload_bytes
     from spd_engine.engine.protocol.topology import Topology
 
     assert HEADER_BYTES == FRAME_HEAD  # the head of every frame on the wire
-    wire, tok = WireFormat(hidden=64, stage_anchors=(3, 3, 3)), Header(Kind.TOKEN, 5, token=9)
+    assert TABLE_ROW_BYTES == 8 * META_LEN  # a BATCH table row
+    wire, tok = WireFormat(hidden=64, stage_anchors=(3, 3, 3)), Header(Kind.BATCH, rows=1)  # a request alone's
     topo = Topology((1, 1, 1), colocate=False)  # driver rank 0, stage p on rank p + 1
     caps = link_frames(topo, wire, 2)
     sizes = message_bytes(64, 2, 3)
