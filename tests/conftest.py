@@ -100,7 +100,7 @@ def smollm2_gguf():
 @pytest.fixture
 def one_thread(request):
     """Tiny models are all Python overhead: one intra-op thread per process avoids oversubscribing
-    the few shared cores (the reference executor runs every rank as a thread). It also fixes the
+    the few shared cores (TP ranks of the reference executor run as threads). It also fixes the
     thread count, which the bits of a BLAS call depend on (docs/testing.md); `--torch-threads N`
     pins N instead, to run the in-process comparisons over another partition of the work."""
     before = torch.get_num_threads()

@@ -66,10 +66,10 @@ def lossless_case(case: LosslessCase, plan: CheckPlan) -> dict:
     ecfg = case_config(case, plan, "spd")
     prompts = prompts_for(plan, ecfg.model.cfg.vocab_size)
     with graph_modes() as modes:
-        with ReferenceExecutor(case_config(case, plan, "pp")) as ex:
+        with ReferenceExecutor(case_config(case, plan, "pp"), lockstep=False) as ex:
             refs = [ex.generate(p, plan.new_tokens).tokens for p in prompts]
         own, forced, ticks, accepted = [], [], 0, 0
-        with ReferenceExecutor(ecfg) as ex:
+        with ReferenceExecutor(ecfg, lockstep=False) as ex:
             for p, ref in zip(prompts, refs):
                 r = ex.generate(p, plan.new_tokens)
                 own.append(r.tokens)
@@ -102,14 +102,14 @@ def sampling_checks(plan: CheckPlan) -> dict:
     prompts = prompts_for(plan, ecfg.model.cfg.vocab_size)
     sp = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
     out: dict = {"case": dataclasses.asdict(case)}
-    with ReferenceExecutor(ecfg) as ex:
+    with ReferenceExecutor(ecfg, lockstep=False) as ex:
         first = [ex.generate(p, plan.new_tokens, sampling=sp).tokens for p in prompts]
         second = [ex.generate(p, plan.new_tokens, sampling=sp).tokens for p in prompts]
     out["sampling_twice"] = {"status": "pass" if first == second else "fail", "temperature": 1.0, "top_p": 0.9,
                              "seed": 7, "tokens": sum(map(len, first))}
-    with ReferenceExecutor(case_config(case, plan, "pp")) as ex:
+    with ReferenceExecutor(case_config(case, plan, "pp"), lockstep=False) as ex:
         refs = [ex.generate(p, plan.new_tokens).tokens for p in prompts]
-    with ReferenceExecutor(case_config(case, plan, "spd", branches=2)) as ex:
+    with ReferenceExecutor(case_config(case, plan, "spd", branches=2), lockstep=False) as ex:
         got, saves = [], 0
         for p, ref in zip(prompts, refs):
             r = ex.generate(p, plan.new_tokens, draft_policy=ForcedDrafts(ref, len(p), ecfg.model.cfg.vocab_size))

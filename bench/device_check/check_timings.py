@@ -39,7 +39,7 @@ def syncs_per_tick(plan: CheckPlan) -> dict:
     ecfg = case_config(case, plan, "spd", colocate=True)
     prompt = prompts_for(plan, ecfg.model.cfg.vocab_size)[0]
     counts = {}
-    with device_random_weights(), ReferenceExecutor(ecfg) as ex:
+    with device_random_weights(), ReferenceExecutor(ecfg, lockstep=False) as ex:
         ex.generate(prompt, 8)  # warm-up: graphs, allocator
         for new in (8, 8 + plan.tick_tokens):
             with warnings.catch_warnings(record=True) as caught:
@@ -111,7 +111,7 @@ def colocated_tick(shape: str, n: int, plan: CheckPlan, raw: dict) -> dict:
     gen = torch.Generator().manual_seed(99)
     prompt = torch.randint(3, ecfg.model.cfg.vocab_size, (max(4, plan.context - plan.tick_tokens - 16),),
                            generator=gen).tolist()
-    with device_random_weights(), ReferenceExecutor(ecfg) as ex:
+    with device_random_weights(), ReferenceExecutor(ecfg, lockstep=False) as ex:
         ref = ex.generate(prompt, plan.tick_tokens).tokens  # warm-up; SPD's output is greedy's
         # every draft right: the pipeline stays full, so every tick runs every stage (a rejection's
         # refill ticks would run fewer and flatter the overhead)

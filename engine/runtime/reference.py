@@ -1,15 +1,18 @@
 """Reference executor: the runtime in one process, for every mode.
 
 The driver and the stage workers are the very same objects as in a distributed run
-(engine/runtime/roles.py); the stage ranks run as threads over the in-process transport. SPD results
-(tokens, tick count, alpha) are timing-independent by construction (docs/design.md 3.3/3.4), so this
-executor produces exactly what the distributed run produces; tests, training checks and
+(engine/runtime/roles.py); the stage ranks run as threads over the in-process transport, or, with
+`lockstep=True`, all in the caller's thread, each stage stepping as a message reaches it
+(engine/comm/lockstep.py: a third less time a request for a tiny model; not with TP stages). SPD
+results (tokens, tick count, alpha) are timing-independent by construction (docs/design.md 3.3/3.4),
+so this executor produces exactly what the distributed run produces; tests, training checks and
 evaluation use it when wall-clock does not matter.
 """
 from __future__ import annotations
 
 import threading
 
+from spd_engine.engine.comm.lockstep import LockstepHub
 from spd_engine.engine.comm.tp_group import LocalTPHub
 from spd_engine.engine.comm.transport import LocalHub
 from spd_engine.engine.runtime.roles import build_rank, rank_topology
@@ -20,13 +23,20 @@ from spd_engine.engine.runtime.stage_worker import StageWorker
 class ReferenceExecutor:
     """Use as a context manager; `generate` has the Driver's signature."""
 
-    def __init__(self, ecfg: RunConfig, pdm=None) -> None:
+    def __init__(self, ecfg: RunConfig, pdm=None, lockstep: bool | None = None) -> None:
         world = ecfg.world_size
-        self.hub = LocalHub(world)
+        topo = rank_topology(ecfg)
+        if lockstep is None:
+            lockstep = topo.tp == 1 and not ecfg.parallel.overlap_stage0
+        if lockstep and topo.tp > 1:
+            raise ValueError(f"lockstep=True needs one rank per stage (tp=1, got tp={topo.tp}): "
+                             "TP ranks meet in collectives, so they run as threads")
+        if lockstep and ecfg.parallel.overlap_stage0:
+            raise ValueError("lockstep=True runs every rank in one thread: overlap_stage0 must be off")
         self.errors: list[BaseException] = []
+        self.hub = LockstepHub(world, lambda _rank, err: self.errors.append(err)) if lockstep else LocalHub(world)
         self.threads: list[threading.Thread] = []
         self.driver = None
-        topo = rank_topology(ecfg)
         tp_hubs = [LocalTPHub(topo.stage_ranks(s), ecfg.runtime.timeout_s) for s in range(topo.n)]  # one per stage
         # building a TP shard needs no collective, so the ranks are built one after another here
         for rank in range(world):
@@ -36,7 +46,9 @@ class ReferenceExecutor:
             driver, worker = build_rank(ecfg, rank, transport, pdm=pdm, tp_group=group)
             if driver is not None:
                 self.driver = driver
-            if worker is not None:
+            if worker is not None and lockstep:
+                self.hub.attach(rank, worker.step)
+            elif worker is not None:
                 th = threading.Thread(target=self._serve, args=(worker, transport, group), daemon=True,
                                       name=f"rank{rank}")
                 th.start()

@@ -1,7 +1,7 @@
 """What each rank runs, for every mode: the driver side on rank 0, stage workers elsewhere.
 
 Used alike by the distributed launcher (one rank per process) and the reference executor
-(ranks as threads over the in-process transport), so both run the same objects.
+(ranks in one process over the in-process transport), so both run the same objects.
 """
 from __future__ import annotations
 

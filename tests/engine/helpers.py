@@ -179,7 +179,7 @@ def solo_results(runtime, reqs) -> list[GenerationResult]:
 
 
 def assert_processes_equal_threads(ecfg: RunConfig, reqs, max_batch: int = 2) -> None:
-    """A batch run with ranks as processes equals the reference executor's (ranks as threads), request
+    """A batch run with ranks as processes equals the reference executor's (ranks in one process), request
     for request, and a single request after it equals the batch's first."""
     from spd_engine.engine.runtime.launch import launch  # spawns processes: only the tests that do
     from spd_engine.engine.runtime.reference import ReferenceExecutor

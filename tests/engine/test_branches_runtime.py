@@ -1,5 +1,5 @@
 """Branch width W in the runtime (docs/design.md 3.11), on the reference executor (the driver and
-stage workers of a distributed run, ranks as threads): greedy outputs equal greedy decoding for
+stage workers of a distributed run, in one process): greedy outputs equal greedy decoding for
 W in {2, 4} over n = 1..4, co-located, an uneven split and the static step mode; branch points
 whose target token is a later candidate are saved, and the tick count is the tick protocol's
 for the same verdicts; at T>0 a seed fixes the output.

@@ -249,7 +249,7 @@ def test_a_failing_stage_thread_ends_the_request_with_rank_and_peer(monkeypatch)
     ecfg = tiny_engine_config("llama", 3, timeout_s=2.0)
     prompt = random_prompts(ecfg.model.cfg, [5])[0]
     start = time.monotonic()
-    with ReferenceExecutor(ecfg) as ex:
+    with ReferenceExecutor(ecfg, lockstep=False) as ex:  # stage ranks as threads
         with pytest.raises(TransportError) as info:
             ex.generate(prompt, 64)
     # the driver names itself and a dead peer (a failed send has no tick: it reports tick=-1)

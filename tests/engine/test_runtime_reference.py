@@ -1,4 +1,4 @@
-"""The runtime on the reference executor (every rank a thread, same driver and stage objects as a
+"""The runtime on the reference executor (every rank in one process, same driver and stage objects as a
 distributed run): lossless against the greedy decoder, tick counts from the schedule formula, EOS,
 short requests, and the ar / pp baselines."""
 from __future__ import annotations

@@ -4,7 +4,8 @@ autoregressive sampling from the target (docs/design.md 3.6), whatever the draft
 A target with a 6-token vocabulary makes the joint distribution of the first three generated
 tokens (6^3 = 216 cells) exactly computable: 1 + 6 + 36 forwards of the full model, each turned
 into p by `target_probs` with the run's sampling parameters. SPD samples come from the reference
-executor (the driver and stage workers of a distributed run, ranks as threads), one request per
+executor (the driver and stage workers of a distributed run, in lockstep in one thread: the
+threaded ranks give the same runs, tests/engine/test_lockstep.py), one request per
 seed on one executor: requests are independent given their seed, because every draw is keyed by
 (seed, position, purpose). They are compared with the exact distribution by total variation and a
 chi-square goodness-of-fit test at level TEST_LEVEL (tests/stats.py).

@@ -1,5 +1,5 @@
 """The engine thread of `spd serve` on the real runtime in one process (ReferenceExecutor: the
-driver and stage workers of a distributed run, ranks as threads): FIFO requests stay lossless,
+driver and stage workers of a distributed run, in one process): FIFO requests stay lossless,
 a stop string or a cancel ends the request at that token, and the next request is unaffected; with
 --max-batch a critical request takes a free slot first and stays lossless beside batch ones."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Suffix runs end to end (docs/design.md 3.13): the runtime (reference executor) commits the greedy
 output, and the exact replay (train/run_replay.py) predicts its counters, per fill and per draft
 source, tick for tick; runs cut ticks against one token per entry; ranks as processes agree with
-ranks as threads at T=0 and T>0."""
+the in-process reference at T=0 and T>0."""
 from __future__ import annotations
 
 import pytest
