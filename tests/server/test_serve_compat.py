@@ -27,7 +27,7 @@ TINY = "random:tiny-llama"
 TINY_ARGS = ["--model", TINY, "--stages", "2", "--threads", "1", "--capacity", "512", "--prefill-chunk", "16",
              "--suffix-run", "1", "--stage-ms", "20", "--max-batch", "1"]
 SMOL = "smollm2-135m"
-SMOL_ARGS = ["--model", SMOL, "--stages", "2", "--threads", "1", "--capacity", "512"]
+SMOL_ARGS = ["--model", SMOL, "--stages", "2", "--colocate", "--threads", "1", "--capacity", "512"]  # one rank process
 
 
 def client(server: ServerProcess) -> openai.OpenAI:

@@ -20,7 +20,7 @@ langchain_openai = pytest.importorskip("langchain_openai")  # the test extra ins
 from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
 
 SMOL = "smollm2-135m"
-SMOL_ARGS = ["--model", SMOL, "--stages", "2", "--threads", "1", "--capacity", "512"]
+SMOL_ARGS = ["--model", SMOL, "--stages", "2", "--colocate", "--threads", "1", "--capacity", "512"]  # one rank process
 MESSAGES = [("system", "Be brief."), ("user", "Name three fruits.")]
 
 
