@@ -21,7 +21,9 @@ from spd_engine.engine.runtime.stage_worker import StageWorker
 
 
 class ReferenceExecutor:
-    """Use as a context manager; `generate` has the Driver's signature."""
+    """Use as a context manager; `generate` has the Driver's signature. lockstep: None picks it
+    wherever it can run (one rank per stage, no overlapped stage 0); False keeps the threads (the
+    device checks time them; fault tests kill one)."""
 
     def __init__(self, ecfg: RunConfig, pdm=None, lockstep: bool | None = None) -> None:
         world = ecfg.world_size
