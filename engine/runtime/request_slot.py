@@ -31,7 +31,9 @@ class SlotParts:
 
     def __init__(self, d, slot: int) -> None:
         W, H = d.branches.width, d.head.cfg.hidden_size
-        self.exits = torch.empty(d.buf.num_slots * W, H, device=d.device, dtype=d.dtype)
+        # zeros, not empty: made once a slot; a read of a row never written (a bug, as the sampling
+        # checks' broken drivers make) then gives the same wrong answer in every run
+        self.exits = torch.zeros(d.buf.num_slots * W, H, device=d.device, dtype=d.dtype)
         if slot == 0:
             self.buf, self.pdm_cache, self.lane = d.buf, d.pdm_cache, d.lane
             self.verify_rows, self.verify_replies = d.verify_rows, d.verify_replies
