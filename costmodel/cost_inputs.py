@@ -8,10 +8,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-# The head of every frame on the wire: the six int64 header fields (engine/protocol/messages.py) and the
+# The head of every frame on the wire: the int64 header fields (engine/protocol/messages.py) and the
 # inline flag (engine/comm/transport.py FRAME_HEAD); a number here so the cost model needs no torch,
 # tested against the engine
-HEADER_BYTES = 88  # the frame head: 10 int64 header fields and the inline flag (engine/comm/transport.py FRAME_HEAD)
+HEADER_BYTES = 72  # the frame head: 8 int64 header fields and the inline flag (engine/comm/transport.py FRAME_HEAD)
 TABLE_ROW_BYTES = 80  # a BATCH message's table row: META_LEN int64 fields (engine/protocol/messages.py), tested
 
 

@@ -12,17 +12,10 @@ are not exact there). Fields:
 - position: TOKEN: the token's position; PREFILL: the chunk's first position
 - epoch: the driver's flush count when it sent the token; stale messages are recognised by it
 - token: TOKEN from the driver to stage 0: the token id entering the pipeline
-- length: PREFILL: tokens in the chunk; STATS: float64 values that follow; TOKEN: 2 or more, a run
-  of tokens at position, position + 1, ... whose ids follow the driver's header as int64 (0 or 1:
-  one token; SPD's suffix runs travel as BATCH rows)
+- length: PREFILL: tokens in the chunk; STATS: float64 values that follow
 - reply: a head stage's (pp/ar) token for the position after the message's last one (-1: none;
   SPD's decode rows carry a verifying last stage's argmaxes in their BATCH table)
-- rows: TOKEN: token rows the message carries; 1, or W when it carries the chains of a branch
-  point (docs/design.md 3.11), which then follow the driver's header as int64 ids
-- branch: the branch point's position, on chain messages and on the message naming the survivor
-  (-1: none)
-- survivor: on the first message after a branch point resolved: the row whose chain survived;
-  each stage keeps that chain's KV entries and drops the others' (-1: none)
+- rows: BATCH: the rows of its table (a TOKEN message is one token: the pp / ar baselines' decode)
 - slot: with several requests in the pipeline (docs/design.md 3.12), a PREFILL chunk's request
   slot, whose KV cache it fills (its `epoch` is then the request's serial); 0 otherwise
 
@@ -31,9 +24,9 @@ flight: its W chains' tokens; a suffix run: a row per token, consecutive positio
 payload is an int64 [rows, META_LEN] table, one row per token (META_FIELDS): the request slot whose
 KV cache the token uses, the request's serial (which request holds that slot), its epoch in that
 request, its position, its id (stage 0 embeds it), the last stage's T=0 argmax behind it (-1: not
-computed), and as the header's fields of a TOKEN message do for one request (docs/design.md 3.11):
-the branch point's position (-1: none), the row's chain and the branch point's width W (on a
-survivor row: the resolved one's), and the surviving chain (-1: none).
+computed), and for branch points (docs/design.md 3.11): the branch point's position (-1: none), the
+row's chain and the branch point's width W (on a survivor row: the resolved one's), and the surviving
+chain (-1: none), whose KV entries each stage keeps.
 """
 from __future__ import annotations
 
@@ -45,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-HEADER_FIELDS = ("kind", "position", "epoch", "token", "length", "reply", "rows", "branch", "survivor", "slot")
+HEADER_FIELDS = ("kind", "position", "epoch", "token", "length", "reply", "rows", "slot")
 HEADER_LEN = len(HEADER_FIELDS)
 META_FIELDS = ("slot", "serial", "epoch", "position", "token", "reply", "branch", "chain", "width", "survivor")
 META_LEN = len(META_FIELDS)
@@ -53,13 +46,13 @@ CONFIG_LEN = 4  # int64 values of a CONFIG payload (sampling_payload)
 
 
 class Kind(IntEnum):
-    TOKEN = 1  # one token at `position` (stage 0 reads the id from `token`), `rows` chains' tokens or a run
+    TOKEN = 1  # one token at `position` (stage 0 reads the id from `token`): the pp / ar decode
     PREFILL = 2  # a chunk of `length` tokens starting at `position`
     END = 3  # end of request: stages reply with their stats and idle
     SHUTDOWN = 4  # stop the worker loop
     STATS = 5  # a stage's per-request timing: `length` float64 values follow
     CONFIG = 6  # per-request sampling parameters for a head stage: int64 [CONFIG_LEN] follows
-    BATCH = 7  # one token of each of `rows` requests: int64 [rows, META_LEN] follows, then as TOKEN
+    BATCH = 7  # `rows` token rows (entries of one or more requests): int64 [rows, META_LEN] follows, then the rows
 
 
 class Header(NamedTuple):
@@ -74,15 +67,13 @@ class Header(NamedTuple):
     length: int = 0
     reply: int = 0
     rows: int = 1
-    branch: int = -1
-    survivor: int = -1
     slot: int = 0
 
     @property
     def num_tokens(self) -> int:
         """Tokens whose hidden states the message carries (0 for control messages)."""
         if self.kind == Kind.TOKEN:
-            return self.length if self.length > 1 else self.rows
+            return 1
         if self.kind == Kind.BATCH:
             return self.rows
         return self.length if self.kind == Kind.PREFILL else 0
@@ -166,8 +157,6 @@ class WireFormat:
             return (Payload("ids", (hdr.length,), "int64"),)
         if hdr.kind == Kind.CONFIG:
             return (Payload("sampling", (CONFIG_LEN,), "int64"),)
-        if hdr.kind == Kind.TOKEN and hdr.num_tokens > 1:
-            return (Payload("ids", (hdr.num_tokens,), "int64"),)  # the chains' tokens, row order, or a run's
         if hdr.kind == Kind.BATCH:
             return (_meta(hdr),)  # the ids are in the table
         return ()  # TOKEN: the id is in the header
@@ -233,7 +222,7 @@ def link_frames(topo, wire: WireFormat, act_itemsize: int, width: int = 1) -> di
             frames[(src, dst)] = max(frames.get((src, dst), 0), payload_bytes(payloads, act_itemsize))
 
     # pp / ar decode a TOKEN a tick; SPD a BATCH message, a request alone's entry one row (W: chains)
-    tick = Header(Kind.TOKEN, rows=width) if wire.head_on_last else Header(Kind.BATCH, rows=width)
+    tick = Header(Kind.TOKEN) if wire.head_on_last else Header(Kind.BATCH, rows=width)
     for t in range(topo.tp):  # TP rank t talks to TP rank t of the next stage (docs/design.md 3.9)
         add(topo.driver_rank, topo.stage_rank(0, t), wire.from_driver(tick))
     for s in range(topo.n):

@@ -127,7 +127,7 @@ def test_forward_layers_into_writes_the_same_values_into_the_given_buffers():
 
 
 def test_header_with_reply_and_from_ints_build_the_named_tuple():
-    hdr = Header(Kind.TOKEN, position=4, epoch=2, token=9, rows=1, branch=-1, survivor=-1)
+    hdr = Header(Kind.TOKEN, position=4, epoch=2, token=9, rows=1, slot=3)
     got = hdr.with_reply(17)
     assert got == hdr._replace(reply=17) and type(got) is Header and got.reply == 17
     back = Header.from_ints(list(got.to_ints()))
