@@ -23,12 +23,11 @@ from spd_engine.engine.protocol.messages import Header
 class LockstepHub(LocalHub):
     """LocalHub whose stage ranks step inline on the sender's thread (`attach` registers one)."""
 
-    def __init__(self, world_size: int, on_error: Callable[[int, BaseException], None]) -> None:
+    def __init__(self, world_size: int, errors: list[BaseException]) -> None:
         super().__init__(world_size)
         self.steps: dict[int, Callable[[], bool]] = {}  # rank -> its worker's step
         self.stepping: set[int] = set()
-        self.on_error = on_error  # (rank, error) of a failed step, before it propagates to the sender
-        self.failed: list[BaseException] = []  # each error once, from the rank whose step raised it
+        self.errors = errors  # each failed step's error once (the executor's list), before the sender sees it
 
     def transport(self, rank: int) -> "LockstepTransport":
         return LockstepTransport(self, rank)
@@ -48,10 +47,9 @@ class LockstepHub(LocalHub):
             with torch.no_grad():  # as StageWorker.serve
                 step()
         except BaseException as err:  # the failing rank is recorded as dead, then the sender sees the error
-            if not any(err is e for e in self.failed):  # not an error passing up from a later stage's step
-                self.failed.append(err)
+            if not any(err is e for e in self.errors):  # not an error passing up from a later stage's step
+                self.errors.append(err)
                 self.dead.add(dst)
-                self.on_error(dst, err)
             raise
         finally:
             self.stepping.discard(dst)

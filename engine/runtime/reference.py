@@ -1,9 +1,10 @@
 """Reference executor: the runtime in one process, for every mode.
 
 The driver and the stage workers are the very same objects as in a distributed run
-(engine/runtime/roles.py); the stage ranks run as threads over the in-process transport, or, with
-`lockstep=True`, all in the caller's thread, each stage stepping as a message reaches it
-(engine/comm/lockstep.py: a third less time a request for a tiny model; not with TP stages). SPD
+(engine/runtime/roles.py), over the in-process transport. By default the ranks run in lockstep, all in
+the caller's thread, each stage stepping as a message reaches it (engine/comm/lockstep.py: a third
+less time a request for a tiny model); TP stages, an overlapped stage 0 and `lockstep=False` run the
+stage ranks as threads. SPD
 results (tokens, tick count, alpha) are timing-independent by construction (docs/design.md 3.3/3.4),
 so this executor produces exactly what the distributed run produces; tests, training checks and
 evaluation use it when wall-clock does not matter.
@@ -36,7 +37,7 @@ class ReferenceExecutor:
         if lockstep and ecfg.parallel.overlap_stage0:
             raise ValueError("lockstep=True runs every rank in one thread: overlap_stage0 must be off")
         self.errors: list[BaseException] = []
-        self.hub = LockstepHub(world, lambda _rank, err: self.errors.append(err)) if lockstep else LocalHub(world)
+        self.hub = LockstepHub(world, self.errors) if lockstep else LocalHub(world)
         self.threads: list[threading.Thread] = []
         self.driver = None
         tp_hubs = [LocalTPHub(topo.stage_ranks(s), ecfg.runtime.timeout_s) for s in range(topo.n)]  # one per stage
