@@ -146,8 +146,7 @@ def launch_local(target: RankFn, payload: Any, nproc: int, backend: str, timeout
     if backend == "nccl":
         check_gpus("cuda", nproc)
     args = (nproc, local_init_method(), backend, timeout_s, target, payload, nice)
-    # forkserver: torch is imported once, every rank forked from it
-    with LocalRanks(_local_rank, range(nproc), args, "forkserver", ("torch", "torch.distributed")) as ranks:
+    with LocalRanks(_local_rank, range(nproc), args) as ranks:  # forked from one server that imported torch
         ranks.join(deadline_s)
         if ranks.failed():
             raise RunFailed(ranks.failure_report())

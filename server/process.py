@@ -92,12 +92,13 @@ class ServerProcess:
         return self.wait(timeout)
 
     def spawned(self) -> list[int]:
-        """Pids of the processes the server spawned: its stage ranks (and its tokenizer process,
-        where the model has a tokenizer)."""
+        """Pids of the server's own worker processes: its stage ranks (`spd-rank-R`) and its tokenizer
+        process (`spd-tokenizer`, where the model has a tokenizer); not the forkserver the ranks are
+        forked from, nor multiprocessing's resource tracker."""
         pids = []
         for pid in group_members(self.proc.pid):
             try:
-                if pid != self.proc.pid and "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text():
+                if pid != self.proc.pid and Path(f"/proc/{pid}/comm").read_text().startswith("spd-"):
                     pids.append(pid)
             except OSError:  # ended while we looked
                 continue

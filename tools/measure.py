@@ -28,6 +28,7 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
     "serve-load": ("serve_load", "concurrent clients against a real `spd serve`: latency, 429s, disconnects"),
     "serve-neighbour": ("serve_neighbour", "a real `spd serve` stream alone and beside a competing neighbour: gaps, "
                                            "run-queue time, stalls"),
+    "launch-time": ("launch_time", "local ranks' bring-up: forked from a forkserver against spawned"),
     "serve-overhead": ("serve_overhead", "a request streamed through the server against the same request run directly"),
 }
 

@@ -266,9 +266,14 @@ def fail_rank(rank: int, err: BaseException, err_dir: str | None = None) -> NoRe
     os._exit(1)
 
 
-def run_rank(entry: Callable[..., Any], rank: int, args: tuple, out_dir: str) -> NoReturn:
+def run_rank(entry: Callable[..., Any], rank: int, args: tuple, out_dir: str, env: dict[str, str],
+             _stdio: None = None) -> NoReturn:
     """A child process's whole life: `entry(rank, *args)`; a result other than None is written
-    as JSON for the launcher, an error is reported (fail_rank)."""
+    as JSON for the launcher, an error is reported (fail_rank). `env`: the launcher's environment
+    when it started the ranks (a forkserver child has the server's, from when the server started);
+    `_stdio`: what a `LauncherStdio` unpickles to, its work done as the rank's process started."""
+    os.environ.clear()
+    os.environ.update(env)
     try:
         result = entry(rank, *args)
         if result is not None:
@@ -303,19 +308,43 @@ def _main_not_rerun() -> Iterator[None]:
         main.__dict__.update(saved)
 
 
+FORKSERVER_PRELOAD = ("torch", "torch.distributed")  # what every rank imports first: most of a start's cost
+
+
+class LauncherStdio:
+    """The launcher's stdout and stderr as they are when a rank starts, handed to that rank (a
+    forkserver child would otherwise write where the server's went when the server started)."""
+
+    def __reduce__(self):
+        # pickled while the rank's process starts: DupFd passes the descriptors along with it
+        return _attach_stdio, (mp.reduction.DupFd(1), mp.reduction.DupFd(2))
+
+
+def _attach_stdio(out, err) -> None:
+    for passed, fd in ((out, 1), (err, 2)):
+        got = passed.detach()
+        os.dup2(got, fd)
+        os.close(got)
+
+
 class LocalRanks:
     """Ranks as child processes on this host, each running `run_rank(entry, rank, args)`.
 
-    `start_method`: spawn (a fresh interpreter) or forkserver (children forked from one server
-    that imported `preload` once: faster starts for many short runs)."""
+    `start_method`: forkserver (the default, as Python 3.14's: one server process per launching
+    process imports `preload` once, and every rank is a fork of it, so a launch costs no interpreter
+    start and no torch import per rank after the first) or spawn (a fresh interpreter per rank).
+    The server imports nothing else and never touches a GPU, so a fork of it is as clean as a spawn.
+    Each rank gets the launcher's environment as it is at the launch, as a spawned one would."""
 
     def __init__(self, entry: Callable[..., Any], ranks: Iterable[int], args: Sequence = (),
-                 start_method: str = "spawn", preload: Sequence[str] = ()) -> None:
+                 start_method: str = "forkserver", preload: Sequence[str] = FORKSERVER_PRELOAD) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="spd-ranks-")
         ctx = mp.get_context(start_method)
-        if preload:
+        if start_method == "forkserver":  # only before the process's server starts; later calls change nothing
             ctx.set_forkserver_preload(list(preload))
-        self.procs = {r: ctx.Process(target=run_rank, args=(entry, r, tuple(args), self._tmp.name), daemon=True)
+        env = dict(os.environ)
+        self.procs = {r: ctx.Process(target=run_rank, args=(entry, r, tuple(args), self._tmp.name, env, LauncherStdio()),
+                                     daemon=True)
                       for r in ranks}
         self.hung: list[int] = []
 

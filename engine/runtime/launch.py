@@ -4,7 +4,8 @@ NCCL on GPU), on the process-group layer of engine/comm/dist.py.
 `launch(ecfg)` is a context manager yielding the driver-side runtime on rank 0.
 - Started by `torchrun` (RANK/WORLD_SIZE set; single node or multi-node rendezvous): every
   process enters; ranks other than 0 serve their stage and exit when the driver shuts down.
-- Started plainly: rank 0 is this process and the other ranks are spawned children. There is no
+- Started plainly: rank 0 is this process and the other ranks are children forked from
+  one forkserver (engine/comm/dist.py LocalRanks). There is no
   elastic agent killing survivors, so a dead rank is detected by the others themselves: a
   receive inside a request fails on a closed connection or times out, and the rank exits
   with an error naming (rank, peer, tick).
@@ -28,6 +29,7 @@ import torch
 import torch.distributed
 
 from spd_engine.engine.comm.dist import (
+    FORKSERVER_PRELOAD,
     LocalRanks,
     RunFailed,
     check_gpus,
@@ -50,22 +52,28 @@ from spd_engine.engine.runtime.run_config import Mode, RunConfig
 # Test hook: "RANK:MESSAGES" makes that rank SIGKILL itself after handling MESSAGES messages,
 # the same as `kill -9` from outside, to check that no surviving rank hangs.
 FAULT_ENV = "SPD_FAULT_KILL_RANK"
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
+PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15  # linux/prctl.h
+# the forkserver imports this module too (it reads no environment at import), so a rank starts with its
+# whole runtime imported; the server is started by this process's first launch
+RANK_PRELOAD = (*FORKSERVER_PRELOAD, __name__)
 
 
-def _bind_to_parent() -> None:
-    """A spawned rank's signals: SIGINT and SIGTERM are ignored (Ctrl-C and a process-group SIGTERM
-    reach every process of the group; the driver alone decides how the run ends and closes the
-    ranks), and the kernel SIGKILLs this rank when the thread that spawned it ends, so no rank
-    outlives its launcher however that ends (SIGKILL, os._exit, a crash)."""
+def _bind_to_parent(rank: int) -> None:
+    """A launched rank's signals and name: SIGINT and SIGTERM are ignored (Ctrl-C and a process-group
+    SIGTERM reach every process of the group; the driver alone decides how the run ends and closes
+    the ranks), and the kernel SIGKILLs this rank when its parent ends: the forkserver the ranks are
+    forked from (engine/comm/dist.py LocalRanks), which itself leaves when its launcher process ends,
+    so no rank outlives its launcher however that ends (SIGKILL, os._exit, a crash). The rank is
+    named `spd-rank-R` (ps, top, /proc/PID/comm), as the server's tokenizer process is named."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    parent = os.getppid()
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_NAME, f"spd-rank-{rank}".encode(), 0, 0, 0)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the launcher ended before the death signal was armed
-            os._exit(1)
+    launcher = multiprocessing.parent_process()  # the process that started us, not the forkserver
+    if launcher is not None and not launcher.is_alive():  # it ended before the death signal was armed
+        os._exit(1)
 
 
 def _transport(ecfg: RunConfig, rank: int, world: int, one_host: bool, nodes: list[int] | None) -> Transport:
@@ -109,8 +117,8 @@ def _serve(ecfg: RunConfig, rank: int, transport: Transport, group: TPGroup) -> 
 
 
 def _stage_rank(rank: int, world: int, ecfg: RunConfig, init_method: str) -> None:
-    """A spawned rank's life (engine/comm/dist.py run_rank reports its error and exits)."""
-    _bind_to_parent()
+    """A launched rank's life (engine/comm/dist.py run_rank reports its error and exits)."""
+    _bind_to_parent(rank)
     ecfg, transport, group = _join(ecfg, rank, world, init_method)
     _serve(ecfg, rank, transport, group)
     leave_group()
@@ -153,10 +161,13 @@ def _join_ranks(ranks: LocalRanks, timeout_s: float) -> None:
 
 
 @contextlib.contextmanager
-def launch(ecfg: RunConfig, on_ranks: Callable[[dict[int, multiprocessing.Process]], None] | None = None
-           ) -> Iterator[object]:
-    """on_ranks: called with {rank: process} once spawned ranks have started (not under torchrun),
-    so a server can watch and, when it fails, kill them."""
+def launch(ecfg: RunConfig, on_ranks: Callable[[dict[int, multiprocessing.Process]], None] | None = None,
+           start_method: str = "forkserver") -> Iterator[object]:
+    """on_ranks: called with {rank: process} once local ranks have started (not under torchrun),
+    so a server can watch and, when it fails, kill them. start_method: how local ranks start
+    (engine/comm/dist.py LocalRanks; `spd measure launch-time` compares the two)."""
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(f"start_method: forkserver or spawn, got {start_method!r}")
     world = ecfg.world_size
     if under_torchrun():
         me = torchrun_rank()
@@ -179,7 +190,7 @@ def launch(ecfg: RunConfig, on_ranks: Callable[[dict[int, multiprocessing.Proces
     check_head(ecfg)  # fail fast, before any rank is spawned
     check_gpus(ecfg.parallel.device, world)  # enough GPUs for every rank
     init_method = local_init_method()
-    with LocalRanks(_stage_rank, range(1, world), (world, ecfg, init_method)) as ranks:
+    with LocalRanks(_stage_rank, range(1, world), (world, ecfg, init_method), start_method, RANK_PRELOAD) as ranks:
         if on_ranks is not None:
             on_ranks(dict(ranks.procs))
         # an interpreter exit with the ranks up (Ctrl-C during start-up): multiprocessing's own exit

@@ -28,6 +28,7 @@ from spd_engine.engine.protocol.metrics import GenerationResult
 from spd_engine.engine.protocol.schedule import decode_ticks
 from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.build import build_stage_model
+from spd_engine.engine.runtime.launch import RANK_PRELOAD
 from spd_engine.engine.runtime.run_config import PRESETS, Drafting, ModelSpec, ParallelLayout, RunConfig, Runtime
 
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -44,9 +45,11 @@ def _one_intra_op_thread() -> None:
 
 @pytest.fixture(scope="module")
 def seed_pool():
-    """SEED_WORKERS spawned processes a module's sampling tests share, one intra-op thread each:
-    spawning them costs about 2 s, and a test draws several times."""
-    with mp.get_context("spawn").Pool(SEED_WORKERS, initializer=_one_intra_op_thread) as pool:
+    """SEED_WORKERS processes a module's sampling tests share, one intra-op thread each, forked
+    from the forkserver the launcher's ranks come from (engine/comm/dist.py LocalRanks)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(RANK_PRELOAD))  # the launcher's server, if this starts it
+    with ctx.Pool(SEED_WORKERS, initializer=_one_intra_op_thread) as pool:
         yield pool
 
 

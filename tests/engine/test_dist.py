@@ -3,6 +3,7 @@ launcher's summary, a hung rank, and a dead rank ending a bounded wait on its pe
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
@@ -33,6 +34,12 @@ def _mixed(rank: int) -> None:
         raise KeyError("a bug")
 
 
+def _environment_and_stdio(rank: int, name: str) -> dict:
+    print(f"rank {rank} on stdout", flush=True)
+    print(f"rank {rank} on stderr", file=sys.stderr, flush=True)
+    return {"value": os.environ.get(name), "torch_preloaded": "torch" in sys.modules}
+
+
 def _sleeper(rank: int) -> None:
     time.sleep(60)
 
@@ -55,6 +62,24 @@ def _together(rank: int, init_method: str) -> dict:
     ctx.barrier()
     finish_group(ctx)
     return {"rank": ctx.rank, "world": ctx.world_size, "device": str(ctx.device)} if rank == 0 else None
+
+
+def test_ranks_get_the_launchers_environment_and_streams_as_they_are_at_each_launch(monkeypatch, capfd):
+    """Ranks are forked from one forkserver per launching process, started by the first launch: a
+    later launch's ranks still see the environment and stdout/stderr the launcher has then."""
+    name = "SPD_TEST_LAUNCH_VALUE"
+    for value in ("first", "second"):  # the server exists from the first launch on
+        monkeypatch.setenv(name, value)
+        with LocalRanks(_environment_and_stdio, range(1), (name,)) as ranks:
+            ranks.join(60.0)
+            assert not ranks.failed(), ranks.failure_report()
+            assert ranks.result(0) == {"value": value, "torch_preloaded": True}
+        out, err = capfd.readouterr()
+        assert "rank 0 on stdout" in out and "rank 0 on stderr" in err
+    monkeypatch.delenv(name)
+    with LocalRanks(_environment_and_stdio, range(1), (name,)) as ranks:
+        ranks.join(60.0)
+        assert ranks.result(0)["value"] is None  # unset since: gone in the rank too
 
 
 def test_rank_zero_result_comes_back():

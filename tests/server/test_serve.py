@@ -23,7 +23,7 @@ from spd_engine.engine.protocol.topology import Topology
 from spd_engine.engine.runtime.launch import FAULT_ENV, spd_command
 from spd_engine.engine.runtime.run_config import PRESETS, ModelSpec, ParallelLayout, RunConfig, Runtime
 from spd_engine.server.exporter import without_model_name
-from spd_engine.server.process import ServerProcess, group_members
+from spd_engine.server.process import ServerProcess
 
 pytestmark = pytest.mark.multiproc
 REPO = Path(__file__).resolve().parents[2]
@@ -492,8 +492,7 @@ def test_a_rank_dying_while_idle_ends_the_server():
     server = ServerProcess(["--model", TINY, "--stages", "2", "--threads", "1", "--capacity", "256"])
     try:
         assert client(server).completions.create(model=TINY, prompt=[5, 6], max_tokens=4).choices[0].text
-        ranks = [pid for pid in group_members(server.proc.pid) if pid != server.proc.pid
-                 and "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        ranks = server.spawned()
         assert len(ranks) == 2, ranks  # the stage ranks (2 stages, the driver is the server itself)
         os.kill(ranks[0], signal.SIGKILL)
         t0 = time.monotonic()
