@@ -15,14 +15,17 @@ import torch
 from helpers import full_model, seed_pool  # noqa: F401
 from stats import TEST_LEVEL, chi_square_pvalue, tv_distance
 from test_sampling_distribution import (
+    ALONE,
     NEW,
     POOR_TOPK,
     RUN_TOPK,
+    SEED_BATCH,
     SMALL,
     Conditionals,
     Draws,
     Setup,
     V,
+    draw,
     draw_parallel,
     exact_joint,
     judge,
@@ -64,7 +67,10 @@ def check(pool, setup: Setup) -> Draws:
                                       presence_penalty=0.0)
     plain = exact_joint(processed_conditionals(dataclasses.replace(setup, params=unpenalised)))
     assert tv_distance(plain, joint) > 0.2  # the penalties move the distribution far
-    draws = draw_parallel(pool, setup, range(SMALL))
+    batch = SEED_BATCH if setup.draft == "pdm" else 1  # a draft policy acts on a lone request
+    draws = draw_parallel(pool, setup, range(SMALL), batch=batch)
+    if batch > 1:
+        assert draws.outputs[:ALONE] == draw(setup, range(ALONE)).outputs  # each request draws what it draws alone
     verdict = judge(draws, joint)
     report(f"{setup.name} correct", draws, verdict)
     assert verdict.passes, verdict

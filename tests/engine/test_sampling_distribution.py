@@ -7,7 +7,9 @@ into p by `target_probs` with the run's sampling parameters. SPD samples come fr
 executor (the driver and stage workers of a distributed run, in lockstep in one thread: the
 threaded ranks give the same runs, tests/engine/test_lockstep.py), one request per
 seed on one executor: requests are independent given their seed, because every draw is keyed by
-(seed, position, purpose). They are compared with the exact distribution by total variation and a
+(seed, position, purpose). The correct runs drafted by the PDM alone go through a batch of SEED_BATCH
+slots: the steps are batch-invariant, so every request draws its lone tokens (checked on a prefix).
+They are compared with the exact distribution by total variation and a
 chi-square goodness-of-fit test at level TEST_LEVEL (tests/stats.py).
 
 Draft distributions are plugged in through the driver's draft policy, which at T>0 returns the
@@ -38,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,7 +52,9 @@ from stats import TEST_LEVEL, chi_square_pvalue, rejection_rate, tv_distance, wo
 from spd_engine.engine.model.greedy import prefill
 from spd_engine.engine.protocol.drafting import SUFFIX, SUFFIX_RUN
 from spd_engine.engine.protocol.messages import META_FIELDS, Kind
+from spd_engine.engine.protocol.metrics import GenerationResult
 from spd_engine.engine.protocol.sampling import SamplingParams, keyed_generator, sample, target_probs, uniform
+from spd_engine.engine.runtime.batch_driver import BatchRequest
 from spd_engine.engine.runtime.reference import ReferenceExecutor
 from spd_engine.engine.runtime.run_config import RunConfig
 
@@ -294,8 +298,26 @@ class Draws:
                                                                 "run_verified")))
 
 
-def draw(setup: Setup, seeds: Sequence[int], broken: str | None = None) -> Draws:
-    """One SPD request per seed on one reference executor; counts of the first NEW tokens."""
+def _results(ex: ReferenceExecutor, setup: Setup, seeds: Sequence[int], policy: DraftPolicy | None,
+             batch: int) -> Iterator[GenerationResult]:
+    """Each seed's result: one request at a time, or all of them through one batch of `batch` slots."""
+    params = [dataclasses.replace(setup.params, seed=seed) for seed in seeds]
+    if batch > 1:
+        yield from ex.generate_batch([BatchRequest(list(setup.prompt), NEW, sampling=p) for p in params], batch).results
+        return
+    for p in params:
+        if policy is not None:
+            policy.reset()
+        yield ex.generate(list(setup.prompt), NEW, (), draft_policy=policy, sampling=p)
+
+
+def draw(setup: Setup, seeds: Sequence[int], broken: str | None = None, batch: int = 1) -> Draws:
+    """One SPD request per seed on one reference executor; counts of the first NEW tokens. `batch` > 1:
+    the requests share stage steps, `batch` at a time (a slot taking the next request as one ends);
+    with the PDM's own drafts only (a draft policy and a broken verifier act on the driver's own
+    request parts, which a batch gives its first slot alone). Steps are batch-invariant, so each
+    request draws what it draws alone (the tests check it on a prefix of the seeds)."""
+    assert batch == 1 or (setup.draft == "pdm" and broken is None)
     torch.set_num_threads(1)
     cond = conditionals(setup) if setup.draft == "good" else {}
     counts = np.zeros(CELLS, dtype=np.int64)
@@ -305,11 +327,7 @@ def draw(setup: Setup, seeds: Sequence[int], broken: str | None = None) -> Draws
         policy = None if setup.draft == "pdm" else DraftPolicy(setup.draft, cond, ContextSpy(ex.driver, len(setup.prompt)))
         if broken is not None:
             BROKEN[broken](ex.driver)
-        for seed in seeds:
-            if policy is not None:
-                policy.reset()
-            params = dataclasses.replace(setup.params, seed=seed)
-            res = ex.generate(list(setup.prompt), NEW, (), draft_policy=policy, sampling=params)
+        for res in _results(ex, setup, seeds, policy, batch):
             assert len(res.tokens) == NEW
             counts[np.ravel_multi_index(res.tokens, (V,) * NEW)] += 1
             outputs.append(tuple(res.tokens))
@@ -322,9 +340,9 @@ def draw(setup: Setup, seeds: Sequence[int], broken: str | None = None) -> Draws
                  points, saves, runs)
 
 
-def draw_parallel(pool, setup: Setup, seeds: Sequence[int], broken: str | None = None) -> Draws:
+def draw_parallel(pool, setup: Setup, seeds: Sequence[int], broken: str | None = None, batch: int = 1) -> Draws:
     """`draw` over the pool's processes, each with its own executor and a contiguous share of seeds."""
-    return Draws.merge(in_shares(pool, functools.partial(draw, setup, broken=broken), seeds))
+    return Draws.merge(in_shares(pool, functools.partial(draw, setup, broken=broken, batch=batch), seeds))
 
 
 # ---- the statistics ----
@@ -370,6 +388,10 @@ SMALL_SHIFT = 0.06  # the small run detects this total-variation shift with prob
 STALE_PREFIX = 500
 BLATANT_PREFIX = 200
 BRANCH_SMALL = 3000  # 27 cells: at 2,500 requests the power against SMALL_SHIFT would be 0.69
+# the PDM's own drafts (no draft policy) are drawn SEED_BATCH requests at a time, about half the time of one
+# by one; the first ALONE seeds are drawn alone too, and must give the same tokens
+SEED_BATCH = 8
+ALONE = 100
 
 
 def test_exact_distribution_is_a_distribution_and_filters_apply():
@@ -413,7 +435,8 @@ def test_suffix_drafts_sample_the_target_distribution_small(seed_pool, one_threa
     one): 2,500 requests pass; verifying a suffix draft as if it were drawn from a uniform q (a
     multi-source bug) fails on the first 500 seeds."""
     joint = exact_joint(conditionals(SUFFIX_TOPK))
-    good = draw_parallel(seed_pool, SUFFIX_TOPK, range(SMALL))
+    good = draw_parallel(seed_pool, SUFFIX_TOPK, range(SMALL), batch=SEED_BATCH)
+    assert good.outputs[:ALONE] == draw(SUFFIX_TOPK, range(ALONE)).outputs  # each request draws what it draws alone
     verdict = judge(good, joint)
     report(f"{SUFFIX_TOPK.name} correct", good, verdict)
     assert verdict.passes, verdict
@@ -430,7 +453,8 @@ def test_suffix_runs_sample_the_target_distribution_small(seed_pool, one_thread)
     verified on its own exit row. 2,500 requests pass; committing a run's tokens unverified fails on
     the first 500 seeds."""
     joint = exact_joint(conditionals(RUN_TOPK))
-    good = draw_parallel(seed_pool, RUN_TOPK, range(SMALL))
+    good = draw_parallel(seed_pool, RUN_TOPK, range(SMALL), batch=SEED_BATCH)
+    assert good.outputs[:ALONE] == draw(RUN_TOPK, range(ALONE)).outputs  # each request draws what it draws alone
     verdict = judge(good, joint)
     report(f"{RUN_TOPK.name} correct", good, verdict)
     assert verdict.passes, verdict
@@ -448,7 +472,8 @@ def test_branch_candidates_sample_the_target_distribution_small(seed_pool, one_t
     lower than the other small runs': 0.84, asserted >= 0.8); a verifier that tests every
     candidate against p instead of the residual fails on the first 500 seeds (observed p ~ 1e-8)."""
     joint = exact_joint(conditionals(BRANCH_TOPK))
-    good = draw_parallel(seed_pool, BRANCH_TOPK, range(BRANCH_SMALL))
+    good = draw_parallel(seed_pool, BRANCH_TOPK, range(BRANCH_SMALL), batch=SEED_BATCH)
+    assert good.outputs[:ALONE] == draw(BRANCH_TOPK, range(ALONE)).outputs  # each request draws what it draws alone
     verdict = judge(good, joint)
     report(f"{BRANCH_TOPK.name} correct", good, verdict)
     assert verdict.passes, verdict
