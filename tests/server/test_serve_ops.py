@@ -284,8 +284,9 @@ def test_generate_ctrl_c_exits_130_with_one_line_and_nothing_left():
 
 @pytest.mark.slow
 def test_nothing_outlives_a_server_killed_with_sigkill():
-    """No handler runs on SIGKILL: the ranks die because they asked the kernel to kill them when the
-    server's engine thread ends (PR_SET_PDEATHSIG); the resource tracker follows once they are gone."""
+    """No handler runs on SIGKILL: the forkserver the ranks are forked from leaves when the server is
+    gone, and the ranks die because they asked the kernel to kill them when it ends (PR_SET_PDEATHSIG);
+    the tokenizer process asked the same of the server, and the resource tracker follows."""
     server = ServerProcess(TINY_ARGS)
     try:
         assert post(server, {"prompt": [5, 6], "max_tokens": 4}).status_code == 200
