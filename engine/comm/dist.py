@@ -308,7 +308,8 @@ def _main_not_rerun() -> Iterator[None]:
         main.__dict__.update(saved)
 
 
-FORKSERVER_PRELOAD = ("torch", "torch.distributed")  # what every rank imports first: most of a start's cost
+# what every rank imports first (most of a start's cost), and the forkserver's own set-up
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "spd_engine.engine.comm.forkserver_setup")
 
 
 class LauncherStdio:

@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -59,21 +60,31 @@ RANK_PRELOAD = (*FORKSERVER_PRELOAD, __name__)
 
 
 def _bind_to_parent(rank: int) -> None:
-    """A launched rank's signals and name: SIGINT and SIGTERM are ignored (Ctrl-C and a process-group
-    SIGTERM reach every process of the group; the driver alone decides how the run ends and closes
-    the ranks), and the kernel SIGKILLs this rank when its parent ends: the forkserver the ranks are
-    forked from (engine/comm/dist.py LocalRanks), which itself leaves when its launcher process ends,
-    so no rank outlives its launcher however that ends (SIGKILL, os._exit, a crash). The rank is
-    named `spd-rank-R` (ps, top, /proc/PID/comm), as the server's tokenizer process is named."""
+    """A launched rank's signals, name and end: SIGINT and SIGTERM are ignored (Ctrl-C and a process-
+    group SIGTERM reach every process of the group; the driver alone decides how the run ends and
+    closes the ranks), and the rank exits when its launcher process ends, however that ends (SIGKILL,
+    os._exit, a crash): a thread waits on the launcher's sentinel (a pipe the launcher holds open), and
+    a spawned rank also asks the kernel to SIGKILL it when its launching thread ends. A rank forked
+    from the forkserver (engine/comm/dist.py LocalRanks) does not tie itself to the forkserver, which a
+    group SIGTERM ends while the launcher drains. The rank is named `spd-rank-R` (ps, top,
+    /proc/PID/comm), as the server's tokenizer process is named."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    launcher = multiprocessing.parent_process()  # the process that started us (not the forkserver)
+    assert launcher is not None, "a launched rank has a launcher"
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_NAME, f"spd-rank-{rank}".encode(), 0, 0, 0)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    launcher = multiprocessing.parent_process()  # the process that started us, not the forkserver
-    if launcher is not None and not launcher.is_alive():  # it ended before the death signal was armed
+        if os.getppid() == launcher.pid:  # spawned: the launcher is our parent
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if not launcher.is_alive():  # it ended before the watch began
         os._exit(1)
+    threading.Thread(target=_exit_with, args=(launcher,), name="spd-launcher-watch", daemon=True).start()
+
+
+def _exit_with(launcher) -> None:
+    launcher.join()  # returns once the launcher's end of the sentinel pipe is closed: it is gone
+    os._exit(1)
 
 
 def _transport(ecfg: RunConfig, rank: int, world: int, one_host: bool, nodes: list[int] | None) -> Transport:

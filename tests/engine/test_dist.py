@@ -3,6 +3,7 @@ launcher's summary, a hung rank, and a dead rank ending a bounded wait on its pe
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -38,6 +39,10 @@ def _environment_and_stdio(rank: int, name: str) -> dict:
     print(f"rank {rank} on stdout", flush=True)
     print(f"rank {rank} on stderr", file=sys.stderr, flush=True)
     return {"value": os.environ.get(name), "torch_preloaded": "torch" in sys.modules}
+
+
+def _nap(rank: int) -> None:
+    time.sleep(1.0)
 
 
 def _sleeper(rank: int) -> None:
@@ -80,6 +85,23 @@ def test_ranks_get_the_launchers_environment_and_streams_as_they_are_at_each_lau
     with LocalRanks(_environment_and_stdio, range(1), (name,)) as ranks:
         ranks.join(60.0)
         assert ranks.result(0)["value"] is None  # unset since: gone in the rank too
+
+
+def test_the_forkserver_outlives_a_group_sigterm_so_rank_statuses_stay_known():
+    """A group SIGTERM (a draining launcher's) reaches the forkserver too: it ignores it, or every
+    forked rank would read as dead (multiprocessing gets their statuses from it). Imported anywhere
+    else, its set-up module changes nothing."""
+    from multiprocessing import forkserver
+
+    import spd_engine.engine.comm.forkserver_setup  # noqa: F401
+
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    with LocalRanks(_nap, range(1)) as ranks:
+        server = forkserver._forkserver._forkserver_pid
+        os.kill(server, signal.SIGTERM)
+        ranks.join(30.0)
+        assert ranks.exitcodes() == {0: 0}
+    os.kill(server, 0)  # still running
 
 
 def test_rank_zero_result_comes_back():
