@@ -7,7 +7,10 @@ file fails), `model` (set here on every test that needs the fetched real model),
 from __future__ import annotations
 
 import multiprocessing.process
+import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +39,17 @@ SHARED_GROUP = frozenset(f"tests/{f}.py" for f in (
     "engine/test_sampling_distribution", "engine/test_tp_sampling", "engine/test_eagle_sampling",
     "server/test_serve", "server/test_serve_ops", "server/test_stall", "engine/test_no_bubbles", "engine/test_faults",
     "engine/test_tp_faults"))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _root_off_sys_path() -> None:
+    """The repository root off sys.path (docs/design.md 4: its folders would shadow installed packages,
+    `kernels` among them). pytest puts it there when the clone's folder name is no Python identifier
+    (`spd-engine`): the root's `__init__.py` then marks no package, so the root itself is taken as the
+    base directory of the modules under it. Done before every test (a cheap filter)."""
+    sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != ROOT]
 
 
 def pytest_itemcollected(item):
@@ -74,6 +88,7 @@ def _clean_state(monkeypatch, tmp_path_factory):
     # Same random state for every test, and none of the user's shell settings; `spd bench` records its
     # measured splits and layouts in files of the test run's own, not the user's cache.
     torch.manual_seed(0)
+    _root_off_sys_path()
     for name in USER_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SPD_MEASURED_SPLITS", str(tmp_path_factory.mktemp("splits") / "measured_splits.json"))
