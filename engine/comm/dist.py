@@ -324,8 +324,9 @@ class LauncherStdio:
 def _attach_stdio(out, err) -> None:
     for passed, fd in ((out, 1), (err, 2)):
         got = passed.detach()
-        os.dup2(got, fd)
-        os.close(got)
+        if got != fd:  # a spawned rank inherits the descriptor under its own number: nothing to move
+            os.dup2(got, fd)
+            os.close(got)
 
 
 class LocalRanks:

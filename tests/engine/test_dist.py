@@ -38,7 +38,7 @@ def _mixed(rank: int) -> None:
 def _environment_and_stdio(rank: int, name: str) -> dict:
     print(f"rank {rank} on stdout", flush=True)
     print(f"rank {rank} on stderr", file=sys.stderr, flush=True)
-    return {"value": os.environ.get(name), "torch_preloaded": "torch" in sys.modules}
+    return {"value": os.environ.get(name)}
 
 
 def _nap(rank: int) -> None:
@@ -69,20 +69,22 @@ def _together(rank: int, init_method: str) -> dict:
     return {"rank": ctx.rank, "world": ctx.world_size, "device": str(ctx.device)} if rank == 0 else None
 
 
-def test_ranks_get_the_launchers_environment_and_streams_as_they_are_at_each_launch(monkeypatch, capfd):
-    """Ranks are forked from one forkserver per launching process, started by the first launch: a
-    later launch's ranks still see the environment and stdout/stderr the launcher has then."""
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_ranks_get_the_launchers_environment_and_streams_as_they_are_at_each_launch(method, monkeypatch, capfd):
+    """Forked ranks come from one forkserver per launching process, started by the first launch: a
+    later launch's ranks still see the environment and stdout/stderr the launcher has then (and
+    spawned ones, which inherit both, keep them)."""
     name = "SPD_TEST_LAUNCH_VALUE"
     for value in ("first", "second"):  # the server exists from the first launch on
         monkeypatch.setenv(name, value)
-        with LocalRanks(_environment_and_stdio, range(1), (name,)) as ranks:
+        with LocalRanks(_environment_and_stdio, range(1), (name,), method) as ranks:
             ranks.join(60.0)
             assert not ranks.failed(), ranks.failure_report()
-            assert ranks.result(0) == {"value": value, "torch_preloaded": True}
+            assert ranks.result(0) == {"value": value}
         out, err = capfd.readouterr()
         assert "rank 0 on stdout" in out and "rank 0 on stderr" in err
     monkeypatch.delenv(name)
-    with LocalRanks(_environment_and_stdio, range(1), (name,)) as ranks:
+    with LocalRanks(_environment_and_stdio, range(1), (name,), method) as ranks:
         ranks.join(60.0)
         assert ranks.result(0)["value"] is None  # unset since: gone in the rank too
 
