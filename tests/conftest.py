@@ -46,9 +46,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _root_off_sys_path() -> None:
     """The repository root off sys.path (docs/design.md 4: its folders would shadow installed packages,
-    `kernels` among them). pytest puts it there when the clone's folder name is no Python identifier
-    (`spd-engine`): the root's `__init__.py` then marks no package, so the root itself is taken as the
-    base directory of the modules under it. Done before every test (a cheap filter)."""
+    `kernels` among them). pytest puts it there as it sets up the root's package node before the first
+    test, importing the root's `__init__.py`: with the folder above first on sys.path, or, when the
+    clone's folder name is no Python identifier (`spd-engine`), the root itself. Done before every test
+    (a cheap filter); collection, which imports the test modules, runs before that set-up."""
     sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != ROOT]
 
 

@@ -30,8 +30,7 @@ def one(model: str, stages: int, colocate: bool, method: str) -> dict:
     from spd_engine.engine.runtime.run_config import ModelSpec, ParallelLayout, RunConfig, Runtime, random_preset
 
     cfg = random_preset(model)
-    if cfg is None:
-        raise ValueError(f"--model {model}: a random:<preset> model")
+    assert cfg is not None, "main() refuses other models"
     ecfg = RunConfig(model=ModelSpec(source=model, cfg=cfg),
                      parallel=ParallelLayout(topology=Topology.build(cfg.num_layers, stages, colocate=colocate), threads=1),
                      runtime=Runtime(capacity=64, prefill_chunk=16))
