@@ -21,6 +21,7 @@ from spd_engine.tools.cli import HelpFormatter
 
 METHODS = ("spawn", "forkserver")
 PROMPT, NEW = [1, 2, 3], 8
+TIMEOUT_S = 600  # a run that hangs ends the measurement (subprocess.TimeoutExpired) instead of waiting
 
 
 def one(model: str, stages: int, colocate: bool, method: str) -> dict:
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeats):
         for method in METHODS:
             out = subprocess.run([*spd_command(), "measure", "launch-time", "--model", args.model, "--stages",
-                                  str(args.stages), *extra, "--one", method], capture_output=True, text=True)
+                                  str(args.stages), *extra, "--one", method], capture_output=True, text=True,
+                                 timeout=TIMEOUT_S)
             if out.returncode != 0:
                 print(f"launch_time: the {method} run failed:\n{out.stderr[-2000:]}", file=sys.stderr)
                 return 1
