@@ -20,16 +20,16 @@ NEXT = [13, 17, 19]
 
 
 def test_probe_finds_the_floor_a_kernel_needs_and_its_ceiling():
-    w = torch.randn(24, 16)
-
+    # the made-up kernels below round by row count only where they say so: the host's own matmul may
+    # not be row-invariant at this shape (MKL on an AVX2-only AMD host: rows 4 .. 7 agree), so none is used
     def one_row_apart(x: torch.Tensor) -> torch.Tensor:  # another kernel for one row (a matrix-vector pass)
-        return x @ w.t() + (1e-3 if x.shape[0] == 1 else 0.0)
+        return 3.0 * x + (1e-3 if x.shape[0] == 1 else 0.0)
 
     def blocks_of_9(x: torch.Tensor) -> torch.Tensor:  # and another from 10 rows on
         return one_row_apart(x) + (1e-3 if x.shape[0] >= 10 else 0.0)
 
     def by_rows(x: torch.Tensor) -> torch.Tensor:  # every row count rounds otherwise
-        return x @ w.t() + 1e-3 * x.shape[0]
+        return 3.0 * x + 1e-3 * x.shape[0]
 
     assert probe_rows(lambda x: 3.0 * x, 16, torch.float32, "cpu") == (1, PROBE_ROWS)  # no sum over a row
     assert probe_rows(one_row_apart, 16, torch.float32, "cpu") == (2, PROBE_ROWS)
