@@ -183,7 +183,12 @@ class DecoderLayer(nn.Module):
 class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig, device=None, dtype=None) -> None:
         super().__init__()
-        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
+        # nn.Embedding's own init of a meta tensor goes through torch._refs, whose first call imports
+        # torch._dynamo (about 2.5 s); a model built on meta is loaded by assignment, so it gets none
+        weight = (torch.empty(cfg.vocab_size, cfg.hidden_size, device="meta", dtype=dtype)
+                  if device is not None and torch.device(device).type == "meta" else None)
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype,
+                                            _weight=weight)
 
 
 class Decoder(nn.Module):

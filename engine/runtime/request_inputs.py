@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from spd_engine.engine.protocol.sampling import SamplingParams
+if TYPE_CHECKING:
+    from spd_engine.engine.protocol.sampling import SamplingParams
 
 
 def sampling_params(overrides: dict, tok_dir: Path | None) -> SamplingParams:
     """generation_config.json in tok_dir (if any) read as HF does, then the explicit flags on top."""
+    # imported here: the server's tokenizer process encodes prompts with this module and never needs torch
+    from spd_engine.engine.protocol.sampling import SamplingParams
+
     path = Path(tok_dir) / "generation_config.json" if tok_dir is not None else None
     if path is None or not path.is_file():
         return SamplingParams(**{k: v for k, v in overrides.items() if v is not None})

@@ -25,6 +25,9 @@ path 3.3e-5..4.6e-5. docs/testing.md lists the commands that check this on other
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from helpers import ARCHS, tiny_cfg  # noqa: F401
@@ -326,3 +329,14 @@ def test_smollm2_batched_greedy_equals_single_greedy_up_to_near_ties(smollm2, on
     batch = greedy_generate_batch(ours, prompts, 64, eos_ids=cfg.eos_token_ids)
     for p, got, want in zip(prompts, batch, single):
         assert_greedy_agrees(got, want, teacher_forced(ours, p, want), SMOLLM2_BOUND, f"prompt of {len(p)}")
+
+
+def test_a_model_built_on_meta_costs_no_dynamo_import():
+    """Checkpoint loading builds its StageModel on the meta device (every rank, every load); an
+    initialised meta embedding would import torch._dynamo there (seconds per process)."""
+    code = ("import sys; from spd_engine.engine.model.model import StageModel; "
+            "from spd_engine.engine.model.model_config import tiny_config; "
+            "m = StageModel.full(tiny_config('llama'), device='meta'); "
+            "print(m.embedding.word_embeddings.weight.device, 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["meta", "False"], out.stdout + out.stderr

@@ -2,6 +2,9 @@
 --tokenizer (token-id prompts still run); with `--tokenizer PATH` text is encoded and decoded."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import httpx
 import pytest
 from ckpt_helpers import tiny_state
@@ -25,6 +28,15 @@ def test_the_encoder_refuses_text_and_chats_and_passes_token_ids():
         assert err.value.status == 400 and "--tokenizer PATH" in str(err.value.message)
     encoder.check_size(ParsedRequest(chat=False, model=None, prompt=[5, 6], messages=()))
     PromptEncoder(None, None, 64).check_size(ParsedRequest(chat=False, model=None, prompt="hi", messages=()))
+
+
+def test_the_tokenizer_process_encodes_without_importing_torch():
+    """What the server's tokenizer worker imports (its entry and the encoding it runs) stays torch-free:
+    the worker is a spawned interpreter, started with every server, where torch would cost seconds."""
+    code = ("import sys; import spd_engine.server.tokenizing, spd_engine.server.text; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 @pytest.fixture(scope="module")
