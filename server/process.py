@@ -46,6 +46,7 @@ class ServerProcess:
     def __init__(self, args: list[str], env: dict | None = None, ready_timeout: float = 300.0,
                  max_open_files: int | None = None) -> None:
         """`max_open_files`: the server's RLIMIT_NOFILE, soft and hard (as `ulimit -n N` sets it)."""
+        self.args = list(args)
         cmd = [*spd_command(), "serve", *args, "--host", "127.0.0.1", "--port", "0"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, **(env or {})}, start_new_session=True,

@@ -27,18 +27,19 @@ def pytest_addoption(parser):
 
 
 # fixtures that fetch or start the real model (the `model` tier)
-MODEL_FIXTURES = frozenset({"smollm2_dir", "smollm2_gguf", "smol", "qwen"})
+MODEL_FIXTURES = frozenset({"smollm2_dir", "smollm2_gguf", "smol", "smol_server", "qwen"})
 
 
 # Under `make test` (pytest-xdist, `--dist loadgroup`) every file is a group: a worker takes a
 # whole file, so a module's fixtures start once and its tests run in order. These files form one
 # group, run one after another on one worker and never beside each other: the statistical checks
 # keep both cores of a small host busy for a minute, and the server and timing checks measure
-# stream gaps, ticks and stall deadlines that such a neighbour stretches by seconds.
+# stream gaps, ticks and stall deadlines that such a neighbour stretches by seconds. On one worker,
+# the server files that send requests to SmolLM2 also share one server (`smol_server`).
 SHARED_GROUP = frozenset(f"tests/{f}.py" for f in (
     "engine/test_sampling_distribution", "engine/test_tp_sampling", "engine/test_eagle_sampling",
-    "server/test_serve", "server/test_serve_ops", "server/test_stall", "engine/test_no_bubbles", "engine/test_faults",
-    "engine/test_tp_faults"))
+    "server/test_serve", "server/test_serve_compat", "server/test_serve_langchain", "server/test_serve_ops",
+    "server/test_stall", "engine/test_no_bubbles", "engine/test_faults", "engine/test_tp_faults"))
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,6 +104,19 @@ def smollm2_dir():
     from spd_engine.checkpoint_tools.fetch import fetch_model
 
     return fetch_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smol_server(smollm2_dir):
+    """One `spd serve` of SmolLM2 (n = 2 co-located: one rank process) for every server test that only
+    sends it requests (tests/server: test_serve, test_serve_compat, test_serve_langchain, one xdist
+    group): started once per test process instead of once per file, ended at the session's end."""
+    from spd_engine.server.process import ServerProcess
+
+    server = ServerProcess(["--model", "smollm2-135m", "--stages", "2", "--colocate", "--threads", "1",
+                            "--capacity", "512"])
+    yield server
+    assert server.close() == 0, server.stderr()[-3000:]
 
 
 @pytest.fixture(scope="session")

@@ -17,8 +17,28 @@ from test_install import ROOT, _source_files
 ROOT_ON_PATH = re.compile(r"python3?\s+-m\s+(spd_engine|pytest)\b|[\"']-m[\"'],\s*[\"'](spd_engine|pytest)\b")
 
 
-def test_the_suite_runs_without_the_repository_root_on_sys_path():
-    assert ROOT not in {Path(p or os.getcwd()).resolve() for p in sys.path}
+def _root_on(path: list[str]) -> bool:
+    return ROOT in {Path(p or os.getcwd()).resolve() for p in path}
+
+
+def _sys_path() -> list[str]:
+    return list(sys.path)
+
+
+def test_the_suite_and_the_ranks_it_forks_run_without_the_repository_root_on_sys_path():
+    """tests/conftest.py takes the root off before every test (pytest puts it there); a rank forked from
+    this process's forkserver gets the sys.path the forkserver started with, which must not hold it
+    either (the forkserver starts at a test's first launch, after the conftest filter)."""
+    import multiprocessing
+
+    from spd_engine.engine.runtime.launch import RANK_PRELOAD
+
+    assert not _root_on(sys.path)
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(RANK_PRELOAD))  # the launcher's server, if this starts it
+    with ctx.Pool(1) as pool:
+        forked = pool.apply(_sys_path)
+    assert not _root_on(forked), forked
 
 
 def test_kernels_imports_the_installed_package_not_the_folder():

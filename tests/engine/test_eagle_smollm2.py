@@ -3,7 +3,8 @@ chat prompts with the untrained head (nearly every draft rejected) and with orac
 forced rejections (long accepted chains, rollback), in process and through `launch` (one gloo
 rank); with the shipped trained head when the package has one. Verification runs k + 1 tokens per
 target pass, another shape than greedy's steps: equal tokens or a first difference at a near-tie
-(docs/testing.md claim 2; the bound is SmolLM2's 2e-4). More prompts and k values are slow.
+(docs/testing.md claim 2; the bound is SmolLM2's 2e-4). More prompts and k values, and the
+in-process untrained and oracle chains, are slow.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def check(runtime, smollm2, refs, text: str, max_new: int, **policy_kw):
     return res
 
 
+@pytest.mark.slow  # oracle chains and forced rejections: tests/engine/test_eagle.py on the tiny models
 def test_untrained_and_oracle_chains_are_lossless_on_smollm2(smollm2, refs, one_thread):
     with ReferenceExecutor(eagle_config(smollm2, 4)) as ex:
         check(ex, smollm2, refs, PROMPTS[0], 16)

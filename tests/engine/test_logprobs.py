@@ -99,7 +99,7 @@ def smollm2(smollm2_dir):
     return load_smollm2()
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_logprobs_equal_a_plain_forward_pass_on_smollm2(n, smollm2, one_thread):
     from spd_engine.engine.protocol.topology import Topology
     from spd_engine.engine.runtime.run_config import ModelSpec, ParallelLayout, RunConfig, Runtime

@@ -157,7 +157,7 @@ def smollm2(smollm2_dir):
     return load_smollm2()
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.slow), 4])  # n = 4: drafts accepted
 def test_penalties_on_smollm2(n, smollm2, one_thread):
     """With the head the repository ships for n (drafts accepted at n = 4), min_tokens past an early
     end of the unprocessed reply."""

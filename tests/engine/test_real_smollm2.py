@@ -1,8 +1,8 @@
 """SPD on the real SmolLM2-135M-Instruct (converted from its GGUF into the engine layout): the
 output equals the greedy decoder's on chat prompts with the untrained head and with forced
-rejections, on the reference executor at n = 2, 4 (3 with the slow tests) and on one distributed
-n = 4 run. The wider matrix (more prompts, 64 tokens, co-located driver, oracle drafts) is marked
-slow."""
+rejections, on the reference executor at n = 2 (3 and 4 with the slow tests) and on one distributed
+n = 4 run. The wider matrix (more prompts, 64 tokens, co-located driver, oracle drafts) and the
+shipped head at W = 2 are marked slow."""
 from __future__ import annotations
 
 import functools
@@ -66,8 +66,9 @@ def run(runtime, smollm2, refs, n: int, text: str, max_new: int, **policy_kw) ->
 
 
 # The untrained head rejects nearly every draft (about n ticks per token): 32 tokens at n=2, 16 above.
-# n = 3 lies between the other two and runs with the slow tests.
-@pytest.mark.parametrize("n,untrained_tokens", [(2, NEW), pytest.param(3, 16, marks=pytest.mark.slow), (4, 16)],
+# n = 3 and 4 run with the slow tests (n = 4's forced rejections also run distributed below).
+@pytest.mark.parametrize("n,untrained_tokens", [(2, NEW), pytest.param(3, 16, marks=pytest.mark.slow),
+                                                pytest.param(4, 16, marks=pytest.mark.slow)],
                          ids=["n2", "n3", "n4"])
 def test_reference_executor_is_lossless_on_smollm2(n, untrained_tokens, smollm2, refs, one_thread):
     eos = smollm2[1].eos_token_ids
@@ -126,6 +127,7 @@ def test_shipped_head_is_lossless_and_accepts_drafts(smollm2, refs, one_thread):
     assert verified > 0 and accepted / verified > 0.1, (accepted, verified)
 
 
+@pytest.mark.slow  # W = 2 on the tiny models in the default run (test_branches_runtime.py)
 def test_shipped_head_with_branches_is_lossless_and_ticks_as_the_exact_replay(smollm2, refs, one_thread):
     """W = 2 at refill with the shipped head and suffix drafts: greedy output token for
     token, and the exact T=0 replay with branch width (the fast executor of spd eval) predicts the

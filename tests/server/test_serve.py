@@ -38,7 +38,6 @@ TINY_ARGS = ["--model", TINY, "--stages", "2", "--threads", "1", "--capacity", "
 SLOW_STEPS = ["--stage-ms", "20"]
 # the real model: two stages, co-located (the server drives stage 0; one rank process), the fewest
 # processes for a small host; greedy text does not depend on the layout (docs/testing.md, claim 1)
-SMOL_ARGS = ["--model", "smollm2-135m", "--stages", "2", "--colocate", "--threads", "1", "--capacity", "512"]
 
 
 def client(server: ServerProcess, timeout: float = 120.0) -> openai.OpenAI:
@@ -63,11 +62,10 @@ def tiny():
     assert server.close() == 0, server.stderr()[-3000:]
 
 
-@pytest.fixture(scope="module")
-def smol():
-    server = ServerProcess(SMOL_ARGS)
-    yield server
-    assert server.close() == 0, server.stderr()[-3000:]
+@pytest.fixture
+def smol(smol_server):
+    """The session's SmolLM2 server (tests/conftest.py), shared with the other server files."""
+    return smol_server
 
 
 def tiny_reference(prompt: list[int], max_new: int) -> list[int]:
@@ -294,8 +292,9 @@ def test_a_non_streaming_client_that_gives_up_cancels_its_request_at_its_next_to
 
 # ---- the real model ----
 
-def spd_generate(*args: str) -> str:
-    proc = subprocess.run([*spd_command(), "generate", *SMOL_ARGS, *args],
+def spd_generate(server: ServerProcess, *args: str) -> str:
+    """`spd generate` with the server's model and layout flags."""
+    proc = subprocess.run([*spd_command(), "generate", *server.args, *args],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.removesuffix("\n")
@@ -306,7 +305,7 @@ def test_chat_greedy_equals_spd_generate_streamed_or_not(smol):
     question = "Why is the sky blue?"
     messages = [{"role": "user", "content": question}]
     full = c.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=20)
-    expected = spd_generate("--prompt", question, "--chat", "--max-new-tokens", "20")
+    expected = spd_generate(smol, "--prompt", question, "--chat", "--max-new-tokens", "20")
     assert full.choices[0].message.content == expected and full.choices[0].message.role == "assistant"
     assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 20
     chunks = list(c.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=20, stream=True))

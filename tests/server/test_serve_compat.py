@@ -27,7 +27,6 @@ TINY = "random:tiny-llama"
 TINY_ARGS = ["--model", TINY, "--stages", "2", "--threads", "1", "--capacity", "512", "--prefill-chunk", "16",
              "--suffix-run", "1", "--stage-ms", "20", "--max-batch", "1"]
 SMOL = "smollm2-135m"
-SMOL_ARGS = ["--model", SMOL, "--stages", "2", "--colocate", "--threads", "1", "--capacity", "512"]  # one rank process
 
 
 def client(server: ServerProcess) -> openai.OpenAI:
@@ -53,11 +52,10 @@ def tiny():
     assert server.close() == 0, server.stderr()[-3000:]
 
 
-@pytest.fixture(scope="module")
-def smol():
-    server = ServerProcess(SMOL_ARGS)
-    yield server
-    assert server.close() == 0, server.stderr()[-3000:]
+@pytest.fixture
+def smol(smol_server):
+    """The session's SmolLM2 server (tests/conftest.py), shared with the other server files."""
+    return smol_server
 
 
 # ---- endpoints ----

@@ -20,7 +20,6 @@ langchain_openai = pytest.importorskip("langchain_openai")  # the test extra ins
 from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
 
 SMOL = "smollm2-135m"
-SMOL_ARGS = ["--model", SMOL, "--stages", "2", "--colocate", "--threads", "1", "--capacity", "512"]  # one rank process
 MESSAGES = [("system", "Be brief."), ("user", "Name three fruits.")]
 
 
@@ -39,11 +38,10 @@ def loopback_only(monkeypatch):
     monkeypatch.setenv("LANGCHAIN_TRACING_V2", "false")
 
 
-@pytest.fixture(scope="module")
-def smol():
-    server = ServerProcess(SMOL_ARGS)
-    yield server
-    assert server.close() == 0, server.stderr()[-3000:]
+@pytest.fixture
+def smol(smol_server):
+    """The session's SmolLM2 server (tests/conftest.py), shared with the other server files."""
+    return smol_server
 
 
 @pytest.fixture(scope="module")
