@@ -83,8 +83,12 @@ def tiny_engine_config(arch: str = "llama", n: int = 2, colocate: bool = False, 
     # the PDM in fp32 on every host (auto picks int8 or bf16 matmuls by what the CPU has): drafts, and so the
     # tick counts tests assert, stay the same on any x86-64 CPU
     # one token per entry unless a test asks: suffix runs (docs/design.md 3.13) have tests of their own
-    base = RunConfig(model=ModelSpec(source=f"random:tiny-{arch}", cfg=cfg), parallel=ParallelLayout(topology=topo),
-                     mode=mode, drafting=Drafting(branches=1, pdm_dtype="float32", suffix_run=1),
+    # row-major weights unless a test asks: at these 64-wide shapes oneDNN's packed layout (auto's CPU
+    # choice) costs about 5x a matmul and a quarter of a test's time; the layouts' own runs are in
+    # test_weight_layout.py (each layout lossless through the runtime) and test_row_invariance.py
+    base = RunConfig(model=ModelSpec(source=f"random:tiny-{arch}", cfg=cfg, weight_layout="row"),
+                     parallel=ParallelLayout(topology=topo), mode=mode,
+                     drafting=Drafting(branches=1, pdm_dtype="float32", suffix_run=1),
                      runtime=Runtime(capacity=CAPACITY, prefill_chunk=CHUNK, timeout_s=20.0))
     return base.replace(**kw) if kw else base  # a test's settings, by their own names (RunConfig.replace)
 

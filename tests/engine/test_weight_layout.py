@@ -1,17 +1,20 @@
 """The linear weights' memory layout (engine/model/linear.py): the same values in another layout,
 applied by the builders to what a run computes with, part of what names a cached reference, and
-outputs that agree with the row layout up to float rounding (another BLAS kernel)."""
+outputs that agree with the row layout up to float rounding (another BLAS kernel), and the runtime
+lossless in each layout (the other tests' tiny runs use row-major weights: tests/engine/helpers.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_cfg, tiny_engine_config
+from helpers import Policy, check_run, random_prompts, reference, tiny_cfg, tiny_engine_config
 from near_ties import assert_greedy_agrees, teacher_forced
 
 from spd_engine.engine.model.greedy import greedy_generate
 from spd_engine.engine.model.linear import is_col_major, resolve_layout, set_weight_layout_
 from spd_engine.engine.model.model import StageModel, init_random_
+from spd_engine.engine.runtime.batch_driver import BatchRequest
 from spd_engine.engine.runtime.build import build_pdm, build_stage_model
+from spd_engine.engine.runtime.reference import ReferenceExecutor
 from spd_engine.engine.runtime.run_config import RunConfig
 from spd_engine.kernels.packed_linear import packed_kernel_available
 from spd_engine.train.reference_cache import ReferenceCache
@@ -66,7 +69,7 @@ def test_builders_apply_the_run_layout():
 
 
 def test_reference_cache_names_the_layout(tmp_path):
-    ecfg = tiny_engine_config("llama")
+    ecfg = tiny_engine_config("llama", weight_layout="auto")
     keys = {lay: ReferenceCache(tmp_path, ecfg.replace(weight_layout=lay)).key([1, 2], 8, [0], 4)
             for lay in ("row", "col", "packed", "mixed", "auto")}
     assert len({keys["row"], keys["col"], keys["packed"], keys["mixed"]}) == 4
@@ -90,3 +93,26 @@ def test_col_layout_decodes_what_row_does_up_to_rounding(arch):
     want = greedy_generate(row, prompt, 24)
     got = greedy_generate(col, prompt, 24)
     assert_greedy_agrees(got, want, teacher_forced(row, prompt, want), 1e-4, f"{arch} col vs row")
+
+
+@pytest.mark.parametrize("layout", ["col"] + (["packed", "mixed"] if packed_kernel_available() else []))
+def test_spd_is_lossless_in_every_weight_layout(layout, one_thread):
+    """The runtime over each other layout (packed is auto's choice on a CPU with oneDNN), n = 2 and
+    n = 4 co-located: oracle drafts with and without forced rejections and the untrained PDM's own,
+    token for token against greedy decoding in that layout, ticks by the formula; two requests at
+    once draw their lone tokens where the probe finds the layout's steps row-invariant (mixed never)."""
+    new = 32
+    for n, colocate in ((2, False), (4, True)):
+        ecfg = tiny_engine_config("llama", n, colocate, weight_layout=layout)
+        prompts = random_prompts(ecfg.model.cfg, (5, 23), seed=1)
+        refs = [reference(ecfg, p, new) for p in prompts]
+        with ReferenceExecutor(ecfg) as ex:
+            for p, ref, wrong in zip(prompts, refs, (frozenset(), frozenset({1, 2, 20, new - 1}))):
+                policy = Policy(ref, len(p), ecfg.model.cfg.vocab_size, wrong=wrong)
+                check_run(ex.generate(p, new, (), draft_policy=policy), ref, policy, n)
+            assert ex.generate(prompts[0], 16).tokens == refs[0][:16]
+            report = build_stage_model(ecfg, range(ecfg.model.cfg.num_layers), embedding=True,
+                                       head=True).row_invariance
+            if report.invariant and report.max_rows >= 2:
+                out = ex.generate_batch([BatchRequest(p, new, ()) for p in prompts], 2)
+                assert [r.tokens for r in out.results] == refs, (layout, n)
