@@ -110,7 +110,9 @@ def smollm2_dir():
 def smol_server(smollm2_dir):
     """One `spd serve` of SmolLM2 (n = 2 co-located: one rank process) for every server test that only
     sends it requests (tests/server: test_serve, test_serve_compat, test_serve_langchain, one xdist
-    group): started once per test process instead of once per file, ended at the session's end."""
+    group): started once per test process instead of once per file, ended at the session's end. Two
+    stages co-located (the server drives stage 0; one rank process): the fewest processes for a small
+    host; greedy text does not depend on the layout (docs/testing.md, claim 1)."""
     from spd_engine.server.process import ServerProcess
 
     server = ServerProcess(["--model", "smollm2-135m", "--stages", "2", "--colocate", "--threads", "1",

@@ -65,8 +65,8 @@ def _bind_to_parent(rank: int) -> None:
     closes the ranks), and the rank exits when its launcher process ends, however that ends (SIGKILL,
     os._exit, a crash): a thread waits on the launcher's sentinel (a pipe the launcher holds open), and
     a spawned rank also asks the kernel to SIGKILL it when its launching thread ends. A rank forked
-    from the forkserver (engine/comm/dist.py LocalRanks) does not tie itself to the forkserver, which a
-    group SIGTERM ends while the launcher drains. The rank is named `spd-rank-R` (ps, top,
+    from the forkserver (engine/comm/dist.py LocalRanks) ties its end to its launcher, not to the
+    forkserver (its parent process). The rank is named `spd-rank-R` (ps, top,
     /proc/PID/comm), as the server's tokenizer process is named."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

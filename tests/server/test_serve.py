@@ -28,7 +28,7 @@ from spd_engine.server.process import ServerProcess
 pytestmark = pytest.mark.multiproc
 REPO = Path(__file__).resolve().parents[2]
 TINY = "random:tiny-llama"
-# one token per entry (--suffix-run 1); the real-model server below serves with runs; one request in
+# one token per entry (--suffix-run 1); the real-model server (`smol`) serves with runs; one request in
 # the pipeline at a time (--max-batch 1), as the queueing and fault checks count on (test_serve_engine.py
 # and test_serve_penalties.py serve several at once)
 TINY_ARGS = ["--model", TINY, "--stages", "2", "--threads", "1", "--capacity", "512", "--prefill-chunk", "16",
@@ -36,8 +36,6 @@ TINY_ARGS = ["--model", TINY, "--stages", "2", "--threads", "1", "--capacity", "
 # the queueing, cancellation and deadline tests need a 480-token request still running seconds later on any
 # host: every stage step lasts at least 20 ms, so 480 tokens take at least 480 ticks (9.6 s), by construction
 SLOW_STEPS = ["--stage-ms", "20"]
-# the real model: two stages, co-located (the server drives stage 0; one rank process), the fewest
-# processes for a small host; greedy text does not depend on the layout (docs/testing.md, claim 1)
 
 
 def client(server: ServerProcess, timeout: float = 120.0) -> openai.OpenAI:
